@@ -1,0 +1,61 @@
+"""The artifact format: the contract between the shim (writer) and the analyzer (reader).
+
+Everything the shim records lives under ``RUN_DIR/sftaudit/``::
+
+    RUN_DIR/sftaudit/
+      tokenizer/              the run's tokenizer (save_pretrained), written once by rank 0
+      rank-<r>/               one folder per rank; each file is newline-delimited JSON,
+        manifest.jsonl          append-only and flushed after every record
+        steps.jsonl
+        ...
+
+Each record is one JSON object on one line. A process killed at any moment leaves
+at most one incomplete last line, which readers skip; every complete line is a
+valid record. Every record carries ``seg``: the segment number, incremented each
+time a recorder (re)starts on the same rank folder (a resumed run). The format is
+documented field by field in ``docs/artifacts.md``; it is versioned by
+``SCHEMA_VERSION`` in every manifest record.
+
+This module is imported by both halves, so it must stay free of torch and DuckDB.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+ARTIFACT_DIR = "sftaudit"
+TOKENIZER_DIR = "tokenizer"
+DATABASE_FILE = "audit.duckdb"
+
+# One file per record kind; the ingest schema for each lives in sftaudit/ingest.py.
+RECORD_KINDS = (
+    "manifest",     # one per segment: run, model parameters, tokenizer, dataset fields, config
+    "steps",        # one per optimizer step: loss, lr, per-tensor gradient norms
+    "batches",      # one per micro-batch: shape, sample ids, lengths, padding, label counts
+    "samples",      # full rows (input_ids, labels, attention_mask) on the profile's schedule
+    "grad_hists",   # per-tensor histograms of log10|grad| on schedule and at suspicious steps
+    "probes",       # next-token distributions on the fixed probe prompts
+    "generations",  # sampled generations on the probe prompts
+    "evals",        # eval-set generations with their references
+    "metrics",      # scalar metrics from the trainer's logs (eval_loss, grad_norm, ...)
+    "checkpoints",  # saved checkpoints: path, files, training state; then their hashes
+    "events",       # shim lifecycle and errors: start, close, shim_error, probe_disabled
+)
+
+# Histogram bin edges for log10|grad|: fixed so histograms compare across steps and tensors.
+GRAD_HIST_EDGES = [float(e) / 2 for e in range(-24, 5)]  # 1e-12 .. 1e2, half-decade bins
+
+
+def artifact_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ARTIFACT_DIR
+
+
+def rank_dir(run_dir: str | Path, rank: int) -> Path:
+    return artifact_root(run_dir) / f"rank-{rank}"
+
+
+def record_path(run_dir: str | Path, rank: int, kind: str) -> Path:
+    if kind not in RECORD_KINDS:
+        raise ValueError(f"unknown record kind {kind!r}")
+    return rank_dir(run_dir, rank) / f"{kind}.jsonl"

@@ -1,0 +1,115 @@
+"""What a check is and what it returns. Checks query DuckDB and return findings; they never render."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import duckdb
+import polars as pl
+
+from ..ingest import first_row
+
+SEVERITIES = ("info", "warn", "fail")
+SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+DOC_SECTIONS = ("What it detects", "Why it matters", "Statistic", "Threshold", "Evidence")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a human must act on: which step, which tensor/samples, what to change.
+
+    `checkpoint` is the checkpoint window the step falls in (set by attribution), or the
+    checkpoint a checkpoint-level finding is about (set by the check itself).
+    """
+
+    code: str
+    severity: str
+    message: str
+    step: int | None = None
+    checkpoint: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITY_RANK:
+            raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Finding":
+        return cls(**{k: d.get(k) for k in ("code", "severity", "message", "step", "checkpoint")},
+                   evidence=d.get("evidence") or {})
+
+
+@dataclass
+class AuditContext:
+    """What a check may read: the run's DuckDB tables, its manifest, its folder (for checkpoints)."""
+
+    con: duckdb.DuckDBPyConnection
+    run_dir: Path
+    manifest: dict[str, Any]
+
+    def frame(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
+        return self.con.sql(sql, params=params or None).pl()
+
+    def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
+        row = first_row(self.con, sql, params)
+        return row[0] if row else None
+
+    def row(self, sql: str, params: list[Any] | None = None) -> tuple | None:
+        return first_row(self.con, sql, params)
+
+    def has_rows(self, table: str) -> bool:
+        return bool(self.scalar(f'SELECT count(*) FROM "{table}"'))
+
+
+class Check:
+    """Base class: subclasses set `code`, `name`, `defaults` and implement `run`.
+
+    The class docstring documents the check in the fixed sections of DOC_SECTIONS
+    (the report and the README quote it). `defaults` are the seed's thresholds; a
+    config overrides them per check code.
+    """
+
+    code: ClassVar[str]
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **overrides: Any):
+        unknown = set(overrides) - set(self.defaults)
+        if unknown:
+            raise ValueError(f"{self.code}: unknown options {sorted(unknown)}; known: {sorted(self.defaults)}")
+        self.params = {**self.defaults, **overrides}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        raise NotImplementedError
+
+    def finding(self, severity: str, message: str, step: int | None = None, **evidence: Any) -> Finding:
+        return Finding(self.code, severity, message, step=None if step is None else int(step),
+                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))))
+
+
+def _finite(value: Any) -> Any:
+    """Evidence must be strict JSON: NaN and infinities become the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

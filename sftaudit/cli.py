@@ -1,0 +1,137 @@
+"""Command line: `sftaudit ingest|audit|report|demo`.
+
+Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
+(missing/corrupt input, bad arguments), with a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import InputError
+
+EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
+DEFAULT_REPORTS = Path("reports")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors exit 2 too, in one line
+        self.exit(EXIT_CANNOT_JUDGE, f"sftaudit: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sftaudit", description="Audit a supervised fine-tuning run from its sftaudit artifacts.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
+    s.add_argument("run_dir", type=Path)
+
+    s = sub.add_parser("audit", help="ingest, run the checks, write verdict.json and report.html")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
+    s.add_argument("--strict", action="store_true", help="warn findings fail too")
+    s.add_argument("--no-report", action="store_true", help="write verdict.json only")
+
+    s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+
+    s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
+    s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
+    s.add_argument("--steps", type=int, default=60)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except InputError as exc:
+        print(f"sftaudit: error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
+    except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
+        if os.environ.get("SFTAUDIT_DEBUG"):
+            raise
+        print(f"sftaudit: error: {type(exc).__name__}: {exc} (set SFTAUDIT_DEBUG=1 for details)", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from .ingest import ingest
+
+    added = ingest(args.run_dir)
+    print(" ".join(f"{k}={v}" for k, v in added.items() if v) or "nothing new")
+    return EXIT_PASS
+
+
+def _out_dir(args: argparse.Namespace, run: str) -> Path:
+    from .report import safe_name
+
+    return args.out or DEFAULT_REPORTS / safe_name(run)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import audit
+    from .config import AuditConfig
+
+    config = AuditConfig.load(args.config)
+    verdict = audit(args.run_dir, config)
+    out = _out_dir(args, verdict["run"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verdict.json").write_text(json.dumps(verdict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    report = None
+    if not args.no_report:
+        from .report import write_report
+
+        report = write_report(args.run_dir, out)
+    _print_summary(verdict, out / "verdict.json", report)
+    return _exit_code(verdict["verdict"], args.strict or config.strict)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .audit import stored_verdict
+    from .report import write_report
+
+    verdict = stored_verdict(args.run_dir)
+    print(write_report(args.run_dir, _out_dir(args, verdict["run"])))
+    return EXIT_PASS
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .fixtures.demo import run_demo
+
+    return run_demo(args.workdir, DEFAULT_REPORTS, steps=args.steps)
+
+
+def _exit_code(verdict: str, strict: bool) -> int:
+    if verdict == "fail" or (strict and verdict == "warn"):
+        return EXIT_FAIL
+    return EXIT_PASS
+
+
+def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
+    print(f"{verdict['run']}: {verdict['verdict'].upper()}", end="")
+    if verdict["first_anomalous_step"] is not None:
+        print(f"; first anomalous step {verdict['first_anomalous_step']}", end="")
+    if verdict["rollback_checkpoint"]:
+        print(f"; roll back to {verdict['rollback_checkpoint']}", end="")
+    print()
+    for f in verdict["findings"]:
+        where = f"step {f['step']}" if f["step"] is not None else "run"
+        print(f"  {f['code']} {f['severity']:<4} {where}: {f['message']}")
+    for e in verdict["check_errors"]:
+        print(f"  {e['code']} could not run: {e['error']}")
+    print(f"verdict: {verdict_path}")
+    if report:
+        print(f"report:  {report}")
+
+
+_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "demo": _demo}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Hugging Face `Trainer` / TRL `SFTTrainer` integration: one callback, no other change to user code.
+
+The Trainer hands callbacks no batch, so the callback sees each micro-batch through
+a forward pre-hook on the model (registered ``with_kwargs=True``: it sees every
+``model(**inputs)`` call; eval-mode calls are skipped) and each micro-batch's loss
+through a forward hook. Gradients are read in ``on_pre_optimizer_step``, after the
+Trainer clipped them: the per-tensor norms stored are post-clip
+(``grad_norm_source = "post_clip"``), while the Trainer's pre-clip total reaches
+``on_log`` as ``grad_norm`` and is stored as the metric ``grad_norm`` (log every
+step, ``logging_steps=1``, to have it for every step). A collator may add
+``sample_ids`` to the batch: the pre-hook records and removes them before the
+model sees them (set ``remove_unused_columns=False`` so the ids reach the collator).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from transformers import TrainerCallback
+
+from .shim.recorder import Recorder
+
+
+class SFTAuditCallback(TrainerCallback):
+    """``trainer.add_callback(SFTAuditCallback(run_dir))``; run_dir defaults to ``args.output_dir``.
+
+    Keyword options are passed to `sftaudit.shim.Recorder` (profile, probe_prompts, eval_set,
+    dataset, schedule overrides).
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, **recorder_options: Any):
+        self.run_dir = run_dir
+        self.options = recorder_options
+        self.recorder: Recorder | None = None
+        self._state = None
+        self._lr: float | None = None
+        self._handles: list[Any] = []
+
+    # -- lifecycle
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, tokenizer=None, **kwargs):
+        if self.recorder is not None or model is None:
+            return
+        options = dict(self.options)
+        options.setdefault("tokenizer", processing_class if processing_class is not None else tokenizer)
+        options.setdefault("config", {"training_args": args.to_dict()})
+        self._state = state
+        self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="post_clip", **options)
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.recorder is not None:
+            self.recorder.close()
+
+    # -- per step
+
+    def _current_step(self) -> int:
+        return self._state.global_step + 1  # global_step counts finished optimizer steps
+
+    def _before_forward(self, module, args, kwargs):
+        sample_ids = kwargs.pop("sample_ids", None)
+        if self.recorder is None or not module.training:
+            return args, kwargs
+        batch = dict(kwargs)
+        if "input_ids" not in batch and args:
+            batch["input_ids"] = args[0]
+        if "input_ids" in batch:
+            if sample_ids is not None:
+                batch["sample_ids"] = sample_ids
+            self.recorder.on_batch(self._current_step(), batch)
+        return args, kwargs
+
+    def _after_forward(self, module, args, kwargs, output):
+        if self.recorder is None or not module.training:
+            return None
+        loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+        if loss is not None:
+            self.recorder.record_loss(self._current_step(), loss)
+        return None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if self.recorder is not None:
+            self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+            self.recorder.record_gradients(self._current_step())
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Still before zero_grad: gradients exist for histograms at a suspicious step.
+        if self.recorder is not None:
+            self.recorder.on_step_end(self._current_step(), lr=self._lr)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.recorder is not None and logs:
+            self.recorder.log_metrics(state.global_step, logs)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.recorder is not None and metrics:
+            self.recorder.log_metrics(state.global_step, metrics)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.recorder is None:
+            return
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if path.exists():
+            self.recorder.on_checkpoint(state.global_step, path, training_state=_trainer_state_outline(path, state))
+
+
+def _trainer_state_outline(path: Path, state: Any) -> dict[str, Any]:
+    """What a Trainer checkpoint folder holds for an exact resume (LOOP-09 inspects the files)."""
+    names = set(os.listdir(path))
+    return {
+        "step": state.global_step,
+        "epoch": state.epoch,
+        "optimizer": "optimizer.pt" in names,
+        "scheduler": "scheduler.pt" in names,
+        "rng_states": sorted(n for n in names if n.startswith("rng_state")),
+        "trainer_state": "trainer_state.json" in names,
+        "training_args": "training_args.bin" in names,
+    }
+
+
+__all__: Sequence[str] = ["SFTAuditCallback"]

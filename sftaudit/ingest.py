@@ -1,0 +1,196 @@
+"""Artifacts -> DuckDB. Incremental: each file's ingested byte offset is remembered, so a
+second ingest of a growing run reads only what was appended since.
+
+The database lives at ``RUN_DIR/sftaudit/audit.duckdb``. Its tables mirror the record
+kinds of `sftaudit.artifacts` (one row per record, plus a ``rank`` column), except:
+``steps.grad_norms`` is unnested into the long table ``grad_norms(step, idx, tensor,
+norm)``, and the manifest's parameter list becomes ``params``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import duckdb
+
+from .artifacts import DATABASE_FILE, RECORD_KINDS, SCHEMA_VERSION, artifact_root
+from .errors import InputError
+
+# Column types of each record kind as written by the shim (the JSON field names).
+RECORD_COLUMNS: dict[str, dict[str, str]] = {
+    "steps": {"seg": "INTEGER", "step": "BIGINT", "time": "DOUBLE", "dt": "DOUBLE", "loss": "DOUBLE",
+              "lr": "DOUBLE", "grad_norm": "DOUBLE", "grad_norms": "DOUBLE[]",
+              "nonfinite_grads": "MAP(VARCHAR, BIGINT)", "micro_batches": "INTEGER", "tokens": "BIGINT"},
+    "batches": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "rows": "INTEGER", "seq_len": "INTEGER",
+                "sample_ids": "VARCHAR[]", "lengths": "INTEGER[]", "label_tokens": "INTEGER[]",
+                "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER"},
+    "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
+                "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
+    "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",
+                   "zeros": "BIGINT", "nonfinite": "BIGINT", "counts": "BIGINT[]"},
+    "probes": {"seg": "INTEGER", "step": "BIGINT", "prompt": "INTEGER", "entropy": "DOUBLE",
+               "top_ids": "INTEGER[]", "top_probs": "DOUBLE[]"},
+    "generations": {"seg": "INTEGER", "step": "BIGINT", "prompt": "INTEGER", "sample": "INTEGER", "text": "VARCHAR",
+                    "new_tokens": "INTEGER", "stopped": "BOOLEAN"},
+    "evals": {"seg": "INTEGER", "step": "BIGINT", "item": "INTEGER", "id": "VARCHAR", "prediction": "VARCHAR",
+              "reference": "VARCHAR", "new_tokens": "INTEGER", "stopped": "BOOLEAN"},
+    "metrics": {"seg": "INTEGER", "step": "BIGINT", "name": "VARCHAR", "value": "DOUBLE"},
+    "checkpoints": {"seg": "INTEGER", "event": "VARCHAR", "step": "BIGINT", "path": "VARCHAR", "files": "JSON",
+                    "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "time": "DOUBLE", "sha256": "JSON"},
+    "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
+               "error": "VARCHAR", "traceback": "VARCHAR"},
+}
+
+_SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT);
+CREATE TABLE IF NOT EXISTS manifest (rank INTEGER, seg INTEGER, run_id VARCHAR, schema_version INTEGER,
+    profile VARCHAR, world_size INTEGER, started DOUBLE, grad_norm_source VARCHAR, manifest JSON);
+CREATE TABLE IF NOT EXISTS params (rank INTEGER, seg INTEGER, idx INTEGER, name VARCHAR, shape INTEGER[],
+    dtype VARCHAR, numel BIGINT, requires_grad BOOLEAN, tied_to VARCHAR);
+CREATE TABLE IF NOT EXISTS grad_norms (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE);
+"""
+
+
+def first_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple | None:
+    """The first row of a query, or None (results are always drained: DuckDB refuses half-read ones)."""
+    rows = con.execute(sql, params or []).fetchall()
+    return rows[0] if rows else None
+
+
+def database_path(run_dir: str | Path) -> Path:
+    return artifact_root(run_dir) / DATABASE_FILE
+
+
+def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    path = database_path(run_dir)
+    if read_only and not path.exists():
+        raise InputError(f"{run_dir}: not ingested yet (run `sftaudit ingest {run_dir}`)")
+    return duckdb.connect(str(path), read_only=read_only)
+
+
+def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
+    root = artifact_root(run_dir)
+    if not Path(run_dir).is_dir():
+        raise InputError(f"{run_dir}: no such run directory")
+    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*") if (m := re.fullmatch(r"rank-(\d+)", p.name)))
+    if not ranks:
+        raise InputError(f"{run_dir}: no sftaudit artifacts (expected {root}/rank-<r>/)")
+    return ranks
+
+
+def ingest(run_dir: str | Path) -> dict[str, int]:
+    """Load new records into the run's DuckDB file; returns the number of new records per kind."""
+    ranks = rank_folders(run_dir)
+    con = connect(run_dir)
+    try:
+        con.begin()  # all or nothing: offsets only move with the rows they stand for
+        con.execute(_SCHEMA_SQL)
+        for kind, columns in RECORD_COLUMNS.items():
+            stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
+            cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
+            con.execute(f'CREATE TABLE IF NOT EXISTS "{kind}" (rank INTEGER, {cols})')
+        added = {kind: 0 for kind in RECORD_KINDS}
+        for rank, folder in ranks:
+            for kind in RECORD_KINDS:
+                added[kind] += _ingest_file(con, rank, kind, folder / f"{kind}.jsonl")
+        if not first_row(con, "SELECT count(*) FROM manifest")[0]:
+            raise InputError(f"{run_dir}: artifacts have no manifest record")
+        con.commit()
+        return added
+    finally:
+        con.close()
+
+
+def _ingest_file(con: duckdb.DuckDBPyConnection, rank: int, kind: str, path: Path) -> int:
+    if not path.exists():
+        return 0
+    key = str(path.relative_to(path.parent.parent))
+    row = first_row(con, 'SELECT "offset" FROM ingest_state WHERE file = ?', [key])
+    offset = row[0] if row else 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    end = chunk.rfind(b"\n") + 1  # a torn last line (process killed mid-write) waits for its newline
+    if end == 0:
+        return 0
+    chunk = chunk[:end]
+    lines = chunk.count(b"\n") - chunk.count(b"\n\n")
+    if kind == "manifest":
+        records = _ingest_manifests(con, rank, chunk)
+    else:
+        records = _ingest_records(con, rank, kind, chunk)
+    con.execute(
+        "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?, ?)",
+        [key, offset + end, records, max(lines - records, 0)],
+    )
+    return records
+
+
+def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, chunk: bytes) -> int:
+    columns = RECORD_COLUMNS[kind]
+    fd, tmp = tempfile.mkstemp(suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(chunk)
+        spec = "{" + ", ".join(f"'{k}': '{v}'" for k, v in columns.items()) + "}"
+        source = f"read_json('{tmp}', format='newline_delimited', columns={spec}, ignore_errors=true)"
+        # A corrupt line parses to all-NULL columns: drop those rather than invent records.
+        con.execute(f"CREATE OR REPLACE TEMP TABLE new_records AS SELECT * FROM {source} WHERE seg IS NOT NULL")
+        n = first_row(con, "SELECT count(*) FROM new_records")[0]
+        stored = [k for k in columns if not (kind == "steps" and k == "grad_norms")]
+        names = ", ".join(f'"{k}"' for k in stored)
+        con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT {rank}, {names} FROM new_records')
+        if kind == "steps":
+            con.execute(
+                """
+                INSERT INTO grad_norms
+                SELECT ?, s.seg, s.step, s.idx, p.name, s.norm
+                FROM (SELECT seg, step, unnest(grad_norms) AS norm,
+                             generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records) s
+                JOIN params p ON p.rank = ? AND p.seg = s.seg AND p.idx = s.idx
+                WHERE s.norm IS NOT NULL
+                """,
+                [rank, rank],
+            )
+        con.execute("DROP TABLE new_records")
+        return n
+    finally:
+        os.unlink(tmp)
+
+
+def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, chunk: bytes) -> int:
+    n = 0
+    for line in chunk.decode("utf-8", errors="replace").splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if m.get("schema_version", 0) > SCHEMA_VERSION:
+            raise InputError(
+                f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to {SCHEMA_VERSION}"
+            )
+        seg = m.get("seg", 0)
+        con.execute(
+            "INSERT INTO manifest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
+             m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
+        )
+        rows = [(rank, seg, i, p["name"], p["shape"], p["dtype"], p["numel"], p["requires_grad"], None)
+                for i, p in enumerate(m.get("params", []))]
+        rows += [(rank, seg, None, alias, None, None, None, None, target) for alias, target in m.get("tied", {}).items()]
+        if rows:
+            con.executemany("INSERT INTO params VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        n += 1
+    return n
+
+
+def load_manifest(con: duckdb.DuckDBPyConnection, rank: int = 0) -> dict:
+    """The latest manifest of a rank (the current segment's view of the run)."""
+    row = first_row(con, "SELECT manifest FROM manifest WHERE rank = ? ORDER BY seg DESC LIMIT 1", [rank])
+    if row is None:
+        raise InputError(f"no manifest for rank {rank}")
+    return json.loads(row[0])

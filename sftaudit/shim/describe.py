@@ -1,0 +1,118 @@
+"""Static descriptions for the manifest: model parameters, tokenizer, dataset fields.
+
+Computed once when a recorder starts (and the tokenizer fingerprint again at each
+checkpoint), never per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+
+def describe_params(model: torch.nn.Module) -> tuple[list[dict], dict[str, str]]:
+    """Unique parameters in `named_parameters()` order, and tied aliases -> canonical name."""
+    canonical: dict[int, str] = {}
+    params, tied = [], {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            tied[name] = canonical[id(p)]
+            continue
+        canonical[id(p)] = name
+        params.append({
+            "name": name,
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "numel": p.numel(),
+            "requires_grad": p.requires_grad,
+        })
+    return params, tied
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of everything that changes token ids: vocabulary, merges, normalizer, specials, template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:16]
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    specials = {}
+    for role in ("bos", "eos", "pad", "unk"):
+        token = getattr(tokenizer, f"{role}_token", None)
+        specials[role] = {"token": token, "id": getattr(tokenizer, f"{role}_token_id", None)}
+    return specials
+
+
+def describe_tokenizer(tokenizer: Any) -> dict[str, Any]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {
+        "class": type(tokenizer).__name__,
+        "fingerprint": tokenizer_fingerprint(tokenizer),
+        "length": len(tokenizer),
+        "special_tokens": _special_tokens(tokenizer),
+        "added_tokens": [
+            {"id": int(i), "content": t.content, "special": bool(t.special)} for i, t in sorted(added.items())
+        ],
+        "padding_side": getattr(tokenizer, "padding_side", None),
+        "truncation_side": getattr(tokenizer, "truncation_side", None),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+
+
+def describe_dataset(dataset: Any, limit: int = 1000) -> dict[str, Any]:
+    """Field names the rows use, top level and inside chat messages (for the template check)."""
+    fields: set[str] = set()
+    message_fields: set[str] = set()
+    n = len(dataset) if hasattr(dataset, "__len__") else None
+    for i, row in enumerate(dataset):
+        if i >= limit:
+            break
+        fields.update(row.keys())
+        for value in row.values():
+            if isinstance(value, list):
+                message_fields.update(k for m in value if isinstance(m, dict) for k in m)
+    return {"rows": n, "fields": sorted(fields), "message_fields": sorted(message_fields)}
+
+
+def jsonable(obj: Any) -> Any:
+    """A JSON-safe copy of a config-like object (unknown leaves become their repr)."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    return repr(obj)
+
+
+def describe_state(obj: Any, depth: int = 0) -> Any:
+    """Structure of a saved training state: scalars kept, tensors and blobs summarised.
+
+    LOOP-09 checks that a checkpoint can resume exactly (step, optimizer, scheduler,
+    RNG states, data position, collator config) from this outline, not from the values.
+    """
+    if isinstance(obj, dict):
+        if depth >= 4:
+            return {"type": "dict", "keys": len(obj)}
+        return {str(k): describe_state(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj if not isinstance(obj, str) or len(obj) <= 200 else obj[:200]
+    if isinstance(obj, torch.Tensor):
+        return {"type": "tensor", "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, (list, tuple)):
+        if depth >= 4 or len(obj) > 16:
+            return {"type": type(obj).__name__, "len": len(obj)}
+        return [describe_state(v, depth + 1) for v in obj]
+    return {"type": type(obj).__name__}

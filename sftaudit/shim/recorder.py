@@ -1,0 +1,577 @@
+"""The training-side recorder: what every step did, written as crash-safe artifacts.
+
+Call order in a plain PyTorch loop (one optimizer step = `step`)::
+
+    rec.on_batch(step, batch)       # before forward, once per micro-batch
+    loss.backward()
+    rec.on_backward(step, loss)     # after backward, before clipping and optimizer.step()
+    optimizer.step()
+    rec.on_step_end(step, lr=...)   # after optimizer.step(), before zero_grad()
+    rec.on_checkpoint(step, path, training_state=...)  # after the loop saved one
+
+Cost model: everything a step needs on the host (loss, per-tensor gradient norms,
+batch statistics, evidence rows) is packed into one float32 vector and copied in
+one transfer at `on_step_end`, so a recorded step adds one host sync. Probes
+(next-token distributions, generations, eval) run on the profile's schedule.
+
+The recorder never crashes or stalls training: each component runs under a guard
+that records the exception as a `shim_error` event and switches that component
+off; checkpoint files are hashed in a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from .describe import describe_dataset, describe_params, describe_state, describe_tokenizer, jsonable, tokenizer_fingerprint
+from .profiles import DEFAULT_PROFILE, resolve_schedule
+from .writer import JsonlWriter, read_jsonl
+
+IGNORE_INDEX = -100
+# A step whose global gradient norm exceeds this multiple of its running mean gets histograms
+# recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
+SPIKE_FACTOR = 10.0
+
+
+class Recorder:
+    """Record one rank of an SFT run into ``RUN_DIR/sftaudit/rank-<r>/``.
+
+    Args:
+        run_dir: the run's folder; checkpoints should be saved inside it.
+        model: the model being trained (a `torch.nn.Module`; HF models get richer manifests).
+        tokenizer: the HF tokenizer; its chat template renders the probe prompts.
+        profile: "dev", "preprod" or "prod" (see `profiles.py`); schedule fields override it.
+        probe_prompts: user messages whose next-token distributions and generations are tracked.
+        eval_set: items ``{"messages": [...], "reference": str}`` (optional "id") generated at eval steps.
+        dataset: the training rows (list of dicts or HF dataset): their field names go to the manifest.
+        grad_norm_source: what `on_backward` sees: "pre_clip" (the documented call order) or "post_clip".
+        config: any run configuration to keep in the manifest.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        profile: str = DEFAULT_PROFILE,
+        probe_prompts: Sequence[str] = (),
+        eval_set: Sequence[Mapping[str, Any]] = (),
+        dataset: Iterable[Mapping[str, Any]] | None = None,
+        run_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        grad_norm_source: str = "pre_clip",
+        config: Mapping[str, Any] | None = None,
+        **schedule: int,
+    ):
+        self.run_dir = Path(run_dir)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.schedule = resolve_schedule(profile, schedule)
+        self.profile = profile
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.grad_norm_source = grad_norm_source
+        self.probe_prompts = list(probe_prompts)
+        self.eval_set = [dict(item) for item in eval_set]
+        self.disabled: set[str] = set()
+        self._writer = JsonlWriter(rank_dir(self.run_dir, self.rank))
+        self.segment = len(read_jsonl(self._writer.folder / "manifest.jsonl"))
+        self._params = [p for _, p in model.named_parameters()]
+        self._param_info, tied = describe_params(model)
+        self._hashers: list[threading.Thread] = []
+        self._probing = False
+        self._closed = False
+        self._reset_step()
+        self._grad_norm_ema: float | None = None
+
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": run_id or self.run_dir.resolve().name,
+            "seg": self.segment,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "profile": profile,
+            "schedule": self.schedule.__dict__,
+            "started": time.time(),
+            "versions": {"sftaudit": __version__, "torch": torch.__version__, **_library_versions()},
+            "instance_id": uuid.uuid4().hex,
+            "model": _describe_model(model),
+            "params": self._param_info,
+            "tied": tied,
+            "grad_norm_source": grad_norm_source,
+            "tokenizer": None,
+            "dataset": None,
+            "probe_prompts": self.probe_prompts,
+            "eval_set": [
+                {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
+                for i, it in enumerate(self.eval_set)
+            ],
+            "config": jsonable(dict(config or {})),
+        }
+        with self._guard("manifest"):
+            if tokenizer is not None:
+                manifest["tokenizer"] = describe_tokenizer(tokenizer)
+                self._save_tokenizer()
+            if dataset is not None:
+                manifest["dataset"] = describe_dataset(dataset)
+        self._write("manifest", manifest)
+        self._write("events", {"kind": "start", "time": time.time()})
+        self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
+        self._eval_inputs = self._encode_prompts([it["messages"] for it in self.eval_set])
+
+    # ------------------------------------------------------------------ public hooks
+
+    def on_batch(self, step: int, batch: Mapping[str, Any]) -> None:
+        """Before forward: shape, sample ids, lengths, padding and label statistics of one micro-batch."""
+        if self._probing or "batches" in self.disabled:
+            return
+        with self._guard("batches"):
+            self._begin_step(step)
+            input_ids = batch["input_ids"]
+            attention_mask = batch.get("attention_mask")
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            labels = batch.get("labels")
+            trained = labels != IGNORE_INDEX if labels is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+            padding = attention_mask == 0
+            micro = len(self._micro)
+            rows, length = input_ids.shape
+            sample_ids = batch.get("sample_ids")
+            keep_rows = self._rows_to_keep(step, rows)
+            parts = {
+                "lengths": attention_mask.sum(1),
+                "label_tokens": trained.sum(1),
+                "padding_trained": (trained & padding).sum(1),
+                "left_padded": padding[:, 0],
+            }
+            # Rows are kept whole as evidence on schedule, and always when no ids were given:
+            # a content hash of the row then serves as its sample id.
+            if keep_rows or sample_ids is None:
+                parts["input_ids"] = input_ids
+            if keep_rows:
+                parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
+                parts["attention_mask"] = attention_mask[:keep_rows]
+            if sample_ids is not None:
+                sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
+            self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids,
+                                "keep_rows": keep_rows, "parts": parts})
+
+    def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
+        """After backward: the step's loss and per-tensor gradient L2 norms (one vectorised pass).
+
+        With gradient accumulation call it after each backward: losses are averaged and the
+        gradients read at the last call are the step's."""
+        self.record_loss(step, loss)
+        self.record_gradients(step)
+
+    def record_loss(self, step: int, loss: torch.Tensor | float) -> None:
+        """One micro-batch's loss (kept on device until the step's single transfer)."""
+        if self._probing or "gradients" in self.disabled:
+            return
+        with self._guard("gradients"):
+            self._begin_step(step)
+            self._losses.append(loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss)))
+
+    def record_gradients(self, step: int) -> None:
+        """Per-tensor gradient norms as the gradients stand now (and histograms on schedule)."""
+        if self._probing or "gradients" in self.disabled:
+            return
+        with self._guard("gradients"):
+            self._begin_step(step)
+            self._capture_grads(step)
+
+    def on_step_end(self, step: int, lr: float | None = None) -> None:
+        """After optimizer.step(): one host transfer, then the step's records and scheduled probes."""
+        if self._probing:
+            return
+        if "steps" not in self.disabled:
+            with self._guard("steps"):
+                self._begin_step(step)
+                self._finish_step(step, lr)
+        self._reset_step()
+        self._run_probes(step)
+
+    def on_checkpoint(self, step: int, path: str | Path, training_state: Mapping[str, Any] | None = None) -> None:
+        """After the loop saved a checkpoint: where, which files, the training state's outline."""
+        if "checkpoints" in self.disabled:
+            return
+        with self._guard("checkpoints"):
+            path = Path(path)
+            files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
+            record = {
+                "event": "saved",
+                "step": step,
+                "path": self._relative(path),
+                "files": [{"name": self._relative(f), "bytes": f.stat().st_size} for f in files],
+                "training_state": describe_state(dict(training_state)) if training_state is not None else None,
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None,
+                "time": time.time(),
+            }
+            self._write("checkpoints", record)
+            self._writer.sync()
+            worker = threading.Thread(target=self._hash_files, args=(step, record["path"], files), daemon=True)
+            worker.start()
+            self._hashers.append(worker)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Scalar metrics from the loop or trainer logs (eval_loss, the trainer's grad_norm, ...)."""
+        if "metrics" in self.disabled:
+            return
+        with self._guard("metrics"):
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._write("metrics", {"step": step, "name": name, "value": float(value)})
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._hashers:
+            worker.join(timeout=60)
+        self._write("events", {"kind": "close", "time": time.time()})
+        self._writer.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ per step
+
+    def _reset_step(self) -> None:
+        self._step: int | None = None
+        self._micro: list[dict] = []
+        self._losses: list[torch.Tensor] = []
+        self._norms: torch.Tensor | None = None
+        self._norm_index: list[int] = []
+        self._hist: torch.Tensor | None = None
+        self._hist_index: list[int] = []
+        self._step_started = time.perf_counter()
+
+    def _begin_step(self, step: int) -> None:
+        if self._step is None:
+            self._step = step
+        elif step != self._step:  # the previous step never reached on_step_end: drop, don't mix
+            self._reset_step()
+            self._step = step
+
+    def _rows_to_keep(self, step: int, rows: int) -> int:
+        every = self.schedule.samples_every
+        if every and step % every == 0 and "samples" not in self.disabled:
+            return min(rows, self.schedule.samples_per_batch)
+        return 0
+
+    def _capture_grads(self, step: int) -> None:
+        index = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if not index:
+            return
+        grads = [self._params[i].grad for i in index]
+        self._norms = torch.stack(torch._foreach_norm(grads)).float()
+        self._norm_index = index
+        every = self.schedule.grad_hist_every
+        if every and step % every == 0 and "grad_hists" not in self.disabled:
+            self._hist, self._hist_index = _histograms(grads), index
+
+    def _finish_step(self, step: int, lr: float | None) -> None:
+        parts: list[tuple[str, Any, torch.Tensor]] = []  # (owner, key, tensor) in pack order
+        if self._losses:
+            parts.append(("step", "loss", torch.stack(self._losses).mean()))
+        if self._norms is not None:
+            parts.append(("step", "norms", self._norms))
+        if self._hist is not None:
+            parts.append(("step", "hist", self._hist))
+        for m in self._micro:
+            parts.extend((m["micro"], key, t) for key, t in m["parts"].items())
+        host = _to_host([t for _, _, t in parts])
+        values = {(owner, key): v for (owner, key, _), v in zip(parts, host)}
+
+        norms: list[float | None] = [None] * len(self._params)
+        nonfinite, global_norm = {}, None
+        if ("step", "norms") in values:
+            host_norms = values["step", "norms"].astype(np.float64)
+            for i, v in zip(self._norm_index, host_norms.tolist()):
+                norms[i] = v
+            global_norm = float(np.sqrt(np.square(host_norms).sum()))
+            bad = np.flatnonzero(~np.isfinite(host_norms))
+            if bad.size:
+                nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
+        loss = float(values["step", "loss"]) if ("step", "loss") in values else None
+        tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
+        self._write("steps", {
+            "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
+            "loss": loss, "lr": lr, "grad_norm": global_norm, "grad_norms": norms,
+            "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens,
+        })
+        for m in self._micro:
+            self._write_batch(step, m, values)
+        if ("step", "hist") in values:
+            self._write_hists(step, self._hist_index, values["step", "hist"], "scheduled")
+        elif nonfinite or self._is_spike(global_norm):
+            self._write_triggered_hists(step, "nonfinite" if nonfinite else "spike")
+        if global_norm is not None and np.isfinite(global_norm):
+            self._grad_norm_ema = global_norm if self._grad_norm_ema is None else 0.9 * self._grad_norm_ema + 0.1 * global_norm
+
+    def _write_batch(self, step: int, m: dict, values: dict) -> None:
+        micro = m["micro"]
+        rows, length = m["shape"]
+        ids = m["sample_ids"]
+        input_ids = values.get((micro, "input_ids"))
+        if ids is None:
+            ids = ["h:" + hashlib.blake2b(row.astype("int64").tobytes(), digest_size=8).hexdigest()
+                   for row in input_ids.reshape(rows, length)]
+        self._write("batches", {
+            "step": step, "micro": micro, "rows": rows, "seq_len": length, "sample_ids": ids,
+            "lengths": values[micro, "lengths"].astype("int64").tolist(),
+            "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
+            "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
+            "left_padded_rows": int(values[micro, "left_padded"].sum()),
+        })
+        keep = m["keep_rows"]
+        if keep:
+            full_ids = input_ids.reshape(rows, length).astype("int64")
+            labels = values[micro, "labels"].reshape(keep, length).astype("int64")
+            mask = values[micro, "attention_mask"].reshape(keep, length).astype("int64")
+            for r in range(keep):
+                self._write("samples", {
+                    "step": step, "micro": micro, "row": r, "sample_id": ids[r],
+                    "input_ids": full_ids[r].tolist(), "labels": labels[r].tolist(),
+                    "attention_mask": mask[r].tolist(),
+                })
+
+    def _is_spike(self, global_norm: float | None) -> bool:
+        ema = self._grad_norm_ema
+        return global_norm is not None and ema is not None and ema > 0 and global_norm > SPIKE_FACTOR * ema
+
+    def _count_nonfinite(self, bad: list[int]) -> dict[str, int]:
+        counts = {}
+        for i in bad:  # rare path: only tensors whose norm is already non-finite
+            grad = self._params[i].grad
+            if grad is not None:
+                counts[self._param_info[i]["name"]] = int((~torch.isfinite(grad)).sum())
+        return counts
+
+    def _write_triggered_hists(self, step: int, reason: str) -> None:
+        if "grad_hists" in self.disabled:
+            return
+        index = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if index:
+            hist = _histograms([self._params[i].grad for i in index]).cpu().numpy()
+            self._write_hists(step, index, hist, reason)
+
+    def _write_hists(self, step: int, index: list[int], hist: Any, reason: str) -> None:
+        hist = hist.reshape(len(index), -1).astype("int64")
+        for i, counts in zip(index, hist):
+            self._write("grad_hists", {
+                "step": step, "tensor": self._param_info[i]["name"], "reason": reason,
+                "zeros": int(counts[0]), "nonfinite": int(counts[1]), "counts": counts[2:].tolist(),
+            })
+
+    # ------------------------------------------------------------------ probes
+
+    def _run_probes(self, step: int) -> None:
+        s = self.schedule
+        due = {
+            "probes": s.probe_every and step % s.probe_every == 0 and self._probe_inputs,
+            "generations": s.generate_every and s.generations_per_prompt and step % s.generate_every == 0 and self._probe_inputs,
+            "evals": s.eval_every and step % s.eval_every == 0 and self._eval_inputs,
+        }
+        due = [name for name, on in due.items() if on and name not in self.disabled]
+        if not due or self.rank != 0:
+            return
+        with self._probe_mode():
+            for name in due:
+                with self._guard(name):
+                    getattr(self, f"_probe_{name}")(step)
+
+    @contextmanager
+    def _probe_mode(self):
+        """Eval mode, no grad, and the training RNG untouched: probing must not change the run."""
+        was_training = self.model.training
+        devices = [d.index for d in {p.device for p in self._params[:1]} if d.type == "cuda"]
+        self._probing = True
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                self.model.eval()
+                yield
+        finally:
+            self.model.train(was_training)
+            self._probing = False
+
+    def _probe_probes(self, step: int) -> None:
+        device = self._device()
+        last = [self.model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].float() for ids in self._probe_inputs]
+        logp = torch.log_softmax(torch.stack(last), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        top = logp.exp().topk(min(self.schedule.probe_top_k, logp.shape[-1]), dim=-1)
+        probs, ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
+        for i in range(len(self._probe_inputs)):
+            self._write("probes", {"step": step, "prompt": i, "entropy": entropy[i],
+                                   "top_ids": ids[i], "top_probs": probs[i]})
+
+    def _probe_generations(self, step: int) -> None:
+        n = self.schedule.generations_per_prompt
+        for i, ids in enumerate(self._probe_inputs):
+            torch.manual_seed(i)  # the same sampling noise at every step: differences are the model's
+            texts, lengths, stopped = self._generate(ids, n, sample=True)
+            for j in range(n):
+                self._write("generations", {"step": step, "prompt": i, "sample": j, "text": texts[j],
+                                            "new_tokens": lengths[j], "stopped": stopped[j]})
+
+    def _probe_evals(self, step: int) -> None:
+        for i, ids in enumerate(self._eval_inputs):
+            texts, lengths, stopped = self._generate(ids, 1, sample=False)
+            item = self.eval_set[i]
+            self._write("evals", {"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[0],
+                                  "reference": item["reference"], "new_tokens": lengths[0], "stopped": stopped[0]})
+
+    def _generate(self, ids: list[int], n: int, sample: bool) -> tuple[list[str], list[int], list[bool]]:
+        tok = self.tokenizer
+        prompt = torch.tensor([ids] * n, device=self._device())
+        out = self.model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=sample,
+            max_new_tokens=self.schedule.max_new_tokens, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            eos_token_id=tok.eos_token_id, **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
+        )[:, len(ids):].cpu()
+        eos = tok.eos_token_id
+        stopped = (out == eos).any(1).tolist() if eos is not None else [False] * n
+        lengths = [int((row == eos).nonzero()[0, 0]) + 1 if s else row.numel() for row, s in zip(out, stopped)]
+        texts = tok.batch_decode([row[:k] for row, k in zip(out, lengths)], skip_special_tokens=True)
+        return texts, lengths, stopped
+
+    def _encode_prompts(self, conversations: list[list[dict]]) -> list[list[int]]:
+        if not conversations:
+            return []
+        if self.tokenizer is None:
+            self._write("events", {"kind": "probe_disabled", "probe": "prompts", "error": "no tokenizer given"})
+            return []
+        with self._guard("prompts"):
+            return [list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+                    for c in conversations]
+        return []
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _guard(self, component: str):
+        """Run one component; on any exception record it, switch the component off, carry on.
+
+        Callers skip components already in `self.disabled` before entering."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the shim must never take training down
+            self.disabled.add(component)
+            record = {"kind": "shim_error", "probe": component, "step": self._step, "time": time.time(),
+                      "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+            try:
+                self._write("events", record)
+                self._write("events", {"kind": "probe_disabled", "probe": component, "step": self._step})
+            except Exception:  # noqa: BLE001
+                pass
+            warnings.warn(f"sftaudit: {component} recording failed and was switched off: {exc}", stacklevel=3)
+
+    def _write(self, kind: str, record: dict) -> None:
+        if "writer" in self.disabled:
+            return
+        try:
+            self._writer.write(kind, {"seg": self.segment, **record})
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop training either
+            self.disabled.add("writer")
+            warnings.warn(f"sftaudit: writing artifacts failed; recording stopped: {exc}", stacklevel=3)
+
+    def _hash_files(self, step: int, path: str, files: list[Path]) -> None:
+        try:
+            hashes = {}
+            for f in files:
+                h = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+                hashes[self._relative(f)] = h.hexdigest()
+            self._write("checkpoints", {"event": "hashed", "step": step, "path": path, "sha256": hashes})
+        except Exception as exc:  # noqa: BLE001
+            self._write("events", {"kind": "shim_error", "probe": "checkpoint_hash", "step": step,
+                                   "error": f"{type(exc).__name__}: {exc}", "time": time.time()})
+
+    def _save_tokenizer(self) -> None:
+        target = artifact_root(self.run_dir) / TOKENIZER_DIR
+        if self.rank == 0 and not target.exists() and hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(str(target))
+
+    def _relative(self, path: Path) -> str:
+        try:
+            return str(path.resolve().relative_to(self.run_dir.resolve()))
+        except ValueError:
+            return str(path.resolve())
+
+    def _device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
+    """One device-to-host copy for all of a step's values (float32 holds token ids < 2**24 exactly)."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]).cpu().numpy()
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[offset:offset + n].reshape(t.shape))
+        offset += n
+    return out
+
+
+def _histograms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor: [zeros, non-finite, counts of log10|g| in GRAD_HIST_EDGES bins]."""
+    lo, hi, bins = GRAD_HIST_EDGES[0], GRAD_HIST_EDGES[-1], len(GRAD_HIST_EDGES) - 1
+    rows = []
+    for g in grads:
+        g = g.detach().float().reshape(-1)
+        finite = torch.isfinite(g)
+        mag = torch.log10(g[finite].abs().clamp_min(1e-30))
+        rows.append(torch.cat([
+            (g == 0).sum().reshape(1).float(), (~finite).sum().reshape(1).float(),
+            torch.histc(mag.clamp(lo, hi - 1e-6), bins=bins, min=lo, max=hi),
+        ]))
+    return torch.stack(rows)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return rank, world_size
+
+
+def _describe_model(model: torch.nn.Module) -> dict:
+    config = getattr(model, "config", None)
+    return {
+        "class": type(model).__name__,
+        "config": jsonable(config.to_dict()) if hasattr(config, "to_dict") else None,
+        "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
+                    if "dropout" in k and isinstance(v, (int, float))},
+    }
+
+
+def _library_versions() -> dict[str, str]:
+    """Versions of the training libraries already imported (importing them here would cost seconds)."""
+    return {name: sys.modules[name].__version__ for name in ("transformers", "trl", "accelerate") if name in sys.modules}

@@ -1,0 +1,49 @@
+"""A run killed with SIGKILL mid-training loses at most the step in flight; the rest audits."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from sftaudit.artifacts import rank_dir
+from sftaudit.audit import audit
+from sftaudit.ingest import connect
+
+TRAIN = """
+import sys
+from sftaudit.fixtures.train import train_plain
+train_plain(sys.argv[1], steps=10_000, checkpoint_every=7, tokenizer_cache=sys.argv[2], grad_hist_every=3)
+"""
+
+
+def test_sigkill_mid_run_leaves_an_auditable_run(tmp_path, tokenizer_cache):
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN, str(run), str(tokenizer_cache)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    steps = rank_dir(run, 0) / "steps.jsonl"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            if steps.exists() and steps.read_bytes().count(b"\n") >= 16:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("training never reached 16 steps")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    verdict = audit(run)
+    assert verdict["verdict"] != "fail", verdict["findings"]
+    con = connect(run, read_only=True)
+    recorded = [s for (s,) in con.execute("SELECT step FROM steps ORDER BY step").fetchall()]
+    assert recorded == list(range(1, len(recorded) + 1)) and len(recorded) >= 16
+    # Everything recorded before the kill is there: batches for every recorded step, checkpoints saved.
+    batch_steps = {s for (s,) in con.execute("SELECT DISTINCT step FROM batches").fetchall()}
+    assert set(recorded) <= batch_steps
+    assert len(batch_steps - set(recorded)) <= 1  # at most the step in flight
+    saved = [s for (s,) in con.execute("SELECT step FROM checkpoints WHERE event='saved' ORDER BY step").fetchall()]
+    assert saved[:2] == [7, 14]
+    assert [c["name"] for c in verdict["checkpoints"]][:2] == ["checkpoint-7", "checkpoint-14"]

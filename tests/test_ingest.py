@@ -1,0 +1,38 @@
+"""Incremental ingest, torn and corrupt lines."""
+
+import shutil
+
+from sftaudit.artifacts import rank_dir
+from sftaudit.ingest import connect, ingest
+
+
+def copy_run(src, dst):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("audit.duckdb*", "checkpoint-*"))
+    return dst
+
+
+def test_second_ingest_adds_only_new_records(clean_run, tmp_path):
+    run = copy_run(clean_run, tmp_path / "run")
+    steps = rank_dir(run, 0) / "steps.jsonl"
+    lines = steps.read_bytes().splitlines(keepends=True)
+    steps.write_bytes(b"".join(lines[:10]) + lines[10][:25])  # ten steps and a torn eleventh
+    added = ingest(run)
+    assert added["steps"] == 10
+    steps.write_bytes(b"".join(lines))  # the run went on: the torn line completed, more appended
+    added = ingest(run)
+    assert added["steps"] == 20 and added["batches"] == 0
+    assert ingest(run)["steps"] == 0
+    con = connect(run, read_only=True)
+    assert con.execute("SELECT count(*), count(DISTINCT step) FROM steps").fetchall() == [(30, 30)]
+    assert con.execute("SELECT count(DISTINCT step) FROM grad_norms").fetchall() == [(30,)]
+
+
+def test_corrupt_line_is_skipped_and_counted(clean_run, tmp_path):
+    run = copy_run(clean_run, tmp_path / "run")
+    steps = rank_dir(run, 0) / "steps.jsonl"
+    lines = steps.read_bytes().splitlines(keepends=True)
+    lines[5] = b'{"seg": 0, "step": 6, "loss": \x00garbage\n'
+    steps.write_bytes(b"".join(lines))
+    assert ingest(run)["steps"] == 29
+    con = connect(run, read_only=True)
+    assert con.execute("SELECT bad_lines FROM ingest_state WHERE file LIKE '%steps.jsonl'").fetchall() == [(1,)]
