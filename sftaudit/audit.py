@@ -56,9 +56,20 @@ def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, A
                 for f in verdict["findings"]]
         if rows:
             con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
+        _store_series(con, ctx.series)
         return verdict
     finally:
         con.close()
+
+
+def _store_series(con, series: list[dict[str, Any]]) -> None:
+    con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
+                   threshold DOUBLE)""")
+    for s in series:
+        con.execute(
+            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?",
+            [s["code"], s["name"], s["steps"], s["values"], s["threshold"]],
+        )
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:

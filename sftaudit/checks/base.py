@@ -48,11 +48,24 @@ class Finding:
 
 @dataclass
 class AuditContext:
-    """What a check may read: the run's DuckDB tables, its manifest, its folder (for checkpoints)."""
+    """What a check may read: the run's DuckDB tables, its manifest, its folder (for checkpoints).
+
+    A check that computes a per-step statistic (a spread, a distinct-n, a correlation) hands
+    it to `add_series` with its threshold: the audit stores it in the `series` table, so the
+    report can draw it without computing anything.
+    """
 
     con: duckdb.DuckDBPyConnection
     run_dir: Path
     manifest: dict[str, Any]
+    series: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_series(self, code: str, name: str, steps: Any, values: Any, threshold: float | None = None) -> None:
+        """A named statistic over steps (sequences or numpy/polars columns of equal length)."""
+        steps, values = list(steps), list(values)
+        if len(steps) != len(values):
+            raise ValueError(f"{code} series {name!r}: {len(steps)} steps but {len(values)} values")
+        self.series.append({"code": code, "name": name, "steps": steps, "values": values, "threshold": threshold})
 
     def frame(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
         return self.con.sql(sql, params=params or None).pl()
