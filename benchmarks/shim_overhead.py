@@ -1,0 +1,82 @@
+"""Shim overhead per profile, measured side by side in one process.
+
+For each profile, one model trains in alternating blocks: `block` steps bare, then `block`
+steps through the Recorder (their step numbers continue, so the probe schedule fires as in
+a real run). The ratio of mean step times is the overhead amortised over the schedule;
+the ratio of medians is the per-step cost without the probes.
+
+    python benchmarks/shim_overhead.py                 # bench model (>= 100 ms/step) and tiny model
+    python benchmarks/shim_overhead.py --steps 400     # longer, steadier
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset, load_eval_set
+from sftaudit.fixtures.train import PROBE_PROMPTS, batches
+from sftaudit.shim import PROFILES, Recorder
+
+
+def measure(size: str, profile: str, steps: int, block: int, batch_size: int, max_length: int) -> dict:
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    model = build_model(tok, size=size)
+    rows = load_dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = batches(rows, batch_size, seed=0)
+    prepared = [collate(tok, next(data)[2], max_length=max_length) for _ in range(16)]
+    times = {"bare": [], "shim": []}
+    with tempfile.TemporaryDirectory() as run_dir:
+        rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())
+        shim_step = 0
+        for i in range(2 * steps):
+            shimmed = (i // block) % 2 == 1
+            batch = prepared[i % len(prepared)]
+            start = time.perf_counter()
+            if shimmed:
+                shim_step += 1
+                rec.on_batch(shim_step, batch)
+            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+            loss.backward()
+            if shimmed:
+                rec.on_backward(shim_step, loss)
+            opt.step()
+            if shimmed:
+                rec.on_step_end(shim_step, lr=1e-4)
+            opt.zero_grad(set_to_none=True)
+            times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
+        rec.close()
+    bare, shim = times["bare"], times["shim"]
+    return {
+        "bare_ms": 1000 * statistics.median(bare),
+        "mean_overhead": statistics.fmean(shim) / statistics.fmean(bare) - 1,
+        "median_overhead": statistics.median(shim) / statistics.median(bare) - 1,
+        "steps": len(shim),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="steps per arm (shimmed and bare)")
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--sizes", nargs="+", default=["bench", "tiny"])
+    p.add_argument("--profiles", nargs="+", default=list(PROFILES))
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"{'model':<6} {'profile':<8} {'bare step':>10} {'amortised':>10} {'per step':>9} {'steps':>6}")
+    for size in args.sizes:
+        shape = (16, 256) if size == "bench" else (8, 128)
+        for profile in args.profiles:
+            r = measure(size, profile, args.steps, args.block, *shape)
+            print(f"{size:<6} {profile:<8} {r['bare_ms']:>8.1f}ms {r['mean_overhead']:>+9.1%} "
+                  f"{r['median_overhead']:>+8.1%} {r['steps']:>6}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
