@@ -30,7 +30,7 @@ XSS_IMG = '"><img src=x onerror="window.__xss = 2">'
 XSS_FILE = f'model{XSS_IMG}.safetensors'
 
 PLANTED = [
-    {"code": "LOOP-04", "severity": "fail", "step": NAN_STEP - 1, "checkpoint": None,
+    {"code": "LOOP-04", "severity": "fail", "step": NAN_STEP - 2, "checkpoint": None,
      "message": f"sample {XSS_SCRIPT} trains its prompt tokens: mask the prompt before the assistant turn",
      "evidence": {
          "sample_ids": ["row-7", XSS_IMG],
@@ -45,7 +45,7 @@ PLANTED = [
          ],
          "value": 0.4, "threshold": 0.001,
      }},
-    {"code": "LOOP-07", "severity": "warn", "step": 10, "checkpoint": None,
+    {"code": "LOOP-07", "severity": "warn", "step": NAN_STEP + 2, "checkpoint": None,
      "message": "distinct-1 stayed below 0.35 for 3 evals in a row: decay the learning rate",
      "evidence": {"ngrams": [{"ngram": "the the the", "count": 41}, {"ngram": XSS_SCRIPT, "count": 7}],
                   "value": 0.21, "threshold": 0.35}},
@@ -54,10 +54,10 @@ PLANTED = [
      "evidence": {"keys": {"missing": ["lm_head.weight"], "unexpected": [XSS_IMG]},
                   "dtypes": [{"tensor": "model.norm.weight", "dtype": "float32", "expected": "bfloat16"}],
                   "file": XSS_FILE}},
-    {"code": "LOOP-05", "severity": "warn", "step": 11, "checkpoint": None,
+    {"code": "LOOP-05", "severity": "warn", "step": NAN_STEP - 1, "checkpoint": None,
      "message": "model.embed_tokens.weight gradient norm is 12x the mean across tensors",
      "evidence": {"tensors": [{"tensor": "model.embed_tokens.weight", "norm": 5.1, "ratio": 12.0}],
-                  "histogram": {"tensor": "model.embed_tokens.weight", "step": 11, "edges": [-3, -2, -1, 0],
+                  "histogram": {"tensor": "model.embed_tokens.weight", "step": NAN_STEP - 1, "edges": [-3, -2, -1, 0],
                                 "counts": [5, 40, 3]},
                   "p_value": 1e-6, "effect_size": 3.2, "windows": [[1, 5], [6, 10]]}},
 ]
@@ -85,9 +85,9 @@ def plant(audited_run: Path, dest: Path) -> Path:
                         [f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"])])
         verdict["findings"].sort(key=lambda f: (f["step"] is None, f["step"] or 0, f["code"]))
         verdict["verdict"] = "fail"
-        verdict["first_anomalous_step"] = NAN_STEP - 1  # the planted LOOP-04 finding; rollback stays checkpoint-10
+        verdict["first_anomalous_step"] = min(f["step"] for f in verdict["findings"] if f["step"] is not None)
         verdict["check_errors"].append(PLANTED_CHECK_ERROR)
-        verdict["first_anomaly_chain"] = [{"code": "LOOP-05", "step": 11, "message": "gradient spike"},
+        verdict["first_anomaly_chain"] = [{"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
                                           {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT}]
         con.execute("DELETE FROM audit_verdict")
         con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
@@ -132,7 +132,7 @@ def test_checks_without_data_degrade_to_a_note(clean_report):
 def test_nan_report_names_first_step_cause_and_rollback(planted_report):
     html = planted_report.read_text(encoding="utf-8")
     top = html[html.index('id="summary"'):html.index('id="findings"')]
-    assert f"First anomalous step <b>{NAN_STEP - 1}</b>" in top  # the planted LOOP-04 finding comes first
+    assert f"First anomalous step <b>{NAN_STEP - 2}</b>" in top  # the planted LOOP-04 finding comes first
     assert "sample &lt;script&gt;window.__xss" in top  # its message is the one-sentence cause
     assert "Roll back to <b>checkpoint-10</b>" in top
     assert "LOOP-05" in html and f"gradients became non-finite at step {NAN_STEP}" in html

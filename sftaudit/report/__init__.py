@@ -125,7 +125,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
     first = verdict["first_anomalous_step"]
     return {
         "verdict": verdict,
-        "manifest": manifest,
+        "run_info": _run_info(manifest),
         "findings": findings,
         "first_causes": _first_causes(findings, first),
         "chain": verdict.get("first_anomaly_chain"),
@@ -139,6 +139,23 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         "heatmap_width": matrix["width"] if matrix else 1,
         "figures": figs,
         "summary": tables.run_summary(con),
+    }
+
+
+def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields the Run section shows (older or foreign manifests may lack any of them)."""
+    params = manifest.get("params") or []
+    tokenizer = manifest.get("tokenizer") or {}
+    return {
+        "run_id": manifest.get("run_id"),
+        "model": (manifest.get("model") or {}).get("class") or "not recorded",
+        "tensors": len(params),
+        "parameters": sum(p.get("numel") or 0 for p in params),
+        "tokenizer": {"class": tokenizer.get("class"), "length": tokenizer.get("length"),
+                      "fingerprint": tokenizer.get("fingerprint")} if tokenizer else None,
+        "profile": manifest.get("profile") or "not recorded",
+        "world_size": manifest.get("world_size"),
+        "versions": manifest.get("versions") or {},
     }
 
 
