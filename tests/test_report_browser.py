@@ -119,6 +119,15 @@ def test_clicking_a_finding_link_scrolls_to_its_evidence(failed):
 
 def test_untrusted_sample_text_stays_text(failed):
     page = failed.page
+    page.locator("#timeline").scroll_into_view_if_needed()
+    hovered = []
+    for marker in page.locator("#timeline .scatterlayer .trace path.point").all():  # hover labels are SVG text
+        box = marker.bounding_box()
+        if box is None:
+            continue
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        hovered.append(page.locator("#timeline .hoverlayer").text_content())
+    assert any("<script>window.__xss = 1</script>" in h for h in hovered)
     assert page.evaluate("window.__xss") is None
     assert page.locator("img").count() == 0
     assert "<script>window.__xss = 1</script>" in page.locator("#summary").inner_text()
