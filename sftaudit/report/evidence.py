@@ -114,7 +114,9 @@ def _table_or_value(key: str, value: Any) -> dict[str, Any]:
         return {"kind": "list", "label": key, "items": value}
     if isinstance(value, dict) and all(v is None or isinstance(v, (str, int, float, bool)) for v in value.values()):
         return {"kind": "scalars", "label": key, "items": list(value.items())}
-    return {"kind": "json", "label": key, "text": json.dumps(value, indent=1, ensure_ascii=False)}
+    compact = json.dumps(value, ensure_ascii=False)
+    return {"kind": "json", "label": key,
+            "text": compact if len(compact) <= 120 else json.dumps(value, indent=1, ensure_ascii=False)}
 
 
 def _cell(value: Any) -> Any:

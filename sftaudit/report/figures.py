@@ -68,10 +68,9 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
         _lines(fig, steps["eval_loss"], "eval loss", "#9467bd", row=2, mode="lines+markers")
     _lines(fig, steps["lr"], "learning rate", "#2ca02c", row=3)
     _lines(fig, steps["grad_norm"], "gradient norm", "#d62728", row=4)
-    for c in checkpoints:
-        fig.add_vline(x=c["step"], line=dict(color=SEVERITY_COLOURS.get(c["verdict"], "#888"), dash="dot", width=1))
+    shapes = [_vline(c["step"], SEVERITY_COLOURS.get(c["verdict"], "#888"), "dot") for c in checkpoints]
     if first_anomalous_step is not None:
-        fig.add_vline(x=first_anomalous_step, line=dict(color=SEVERITY_COLOURS["fail"], width=2))
+        shapes.append(_vline(first_anomalous_step, SEVERITY_COLOURS["fail"], "solid", width=2))
         fig.add_annotation(x=first_anomalous_step, y=1, xref="x", yref="paper", yanchor="bottom", xanchor="right",
                            text="first anomaly", showarrow=False, font=dict(color=SEVERITY_COLOURS["fail"]))
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
@@ -80,7 +79,7 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
     fig.update_yaxes(title_text="lr", exponentformat="e", row=3, col=1)
     fig.update_yaxes(title_text="grad norm", type="log", row=4, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
-    fig.update_layout(**_BASE_LAYOUT, height=560)
+    fig.update_layout(**_BASE_LAYOUT, height=560, shapes=shapes)
     return as_json(fig)
 
 
@@ -127,7 +126,9 @@ def histogram_heatmap(step: int, reason: str, frame) -> dict[str, Any]:
                       title=dict(text=f"step {step} ({text(reason)})", font=dict(size=13)))
     fig.update_layout(margin=dict(l=20, t=40))
     fig.update_yaxes(autorange="reversed", automargin=True, tickfont=dict(size=10))
-    fig.update_xaxes(title_text="|gradient| bin (lower edge)", tickangle=-45, type="category")
+    decades = [b for b, e in zip(bins[1:], GRAD_HIST_EDGES) if e == int(e) and int(e) % 2 == 0 and e > GRAD_HIST_EDGES[0]]
+    fig.update_xaxes(title_text="|gradient| bin (lower edge)", type="category", tickmode="array",
+                     tickvals=["zero", *decades, "non-finite"], tickangle=0)
     return as_json(fig)
 
 
@@ -136,20 +137,27 @@ def series_panel(code: str, series: dict[str, dict[str, Any]], finding_steps: li
     names = list(series)
     fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.12 / max(1, len(names)),
                         subplot_titles=[text(n) for n in names])
+    shapes = [_vline(step, SEVERITY_COLOURS["warn"], "dot") for step in finding_steps[:50]]
     for row, name in enumerate(names, start=1):
         s = series[name]
         _lines(fig, s["frame"], name, "#1f77b4", row=row, mode="lines+markers" if s["frame"].height < 60 else "lines",
                marker=dict(size=4))
         if s["threshold"] is not None:
-            fig.add_hline(y=s["threshold"], line=dict(color=SEVERITY_COLOURS["fail"], dash="dash", width=1),
-                          annotation_text=f"threshold {s['threshold']:.4g}", annotation_font_size=10,
-                          annotation_position="top right", row=row, col=1)
-    for step in finding_steps[:50]:
-        fig.add_vline(x=step, line=dict(color=SEVERITY_COLOURS["warn"], dash="dot", width=1))
+            axis = "" if row == 1 else str(row)
+            shapes.append(dict(type="line", xref=f"x{axis} domain", x0=0, x1=1, yref=f"y{axis}", y0=s["threshold"],
+                               y1=s["threshold"], line=dict(color=SEVERITY_COLOURS["fail"], dash="dash", width=1)))
+            fig.add_annotation(xref=f"x{axis} domain", x=1, yref=f"y{axis}", y=s["threshold"], showarrow=False,
+                               xanchor="right", yanchor="bottom", text=f"threshold {s['threshold']:.4g}",
+                               font=dict(size=10, color=SEVERITY_COLOURS["fail"]))
     fig.update_xaxes(title_text="step", row=len(names), col=1)
-    fig.update_layout(**_BASE_LAYOUT, height=80 + 170 * len(names), showlegend=False)
-    fig.update_layout(title=None)
+    fig.update_layout(**_BASE_LAYOUT, height=80 + 170 * len(names), showlegend=False, shapes=shapes)
     return as_json(fig)
+
+
+def _vline(step: int, colour: str, dash: str, width: float = 1) -> dict[str, Any]:
+    """A vertical line across every subplot (plotly's add_vline is slow with many lines and rows)."""
+    return dict(type="line", xref="x", x0=step, x1=step, yref="paper", y0=0, y1=1,
+                line=dict(color=colour, dash=dash, width=width))
 
 
 def _shorten(message: str, limit: int = 160) -> str:
