@@ -63,12 +63,14 @@ def _fnum(value: Any) -> Any:
 
 
 def _fbytes(n: int | None) -> str:
-    n = n or 0
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    size = float(n or 0)
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KB", "MB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GB"
 
 
 _ENV.filters["num"] = _fnum
