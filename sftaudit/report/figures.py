@@ -48,9 +48,10 @@ def _lines(fig: go.Figure, frame, name: str, colour: str, row: int | None = None
 def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints: list[dict[str, Any]],
              first_anomalous_step: int | None) -> dict[str, Any]:
     """Findings lane, loss (train and eval), learning rate and global gradient norm on one step axis."""
-    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.03,
-                        row_heights=[0.16, 0.38, 0.14, 0.32])
     stepped = [(i, f) for i, f in enumerate(findings) if f["step"] is not None]
+    lane = 1 if stepped else 0  # the findings lane is only drawn when some finding has a step
+    fig = make_subplots(rows=3 + lane, cols=1, shared_xaxes=True, vertical_spacing=0.03,
+                        row_heights=([0.16] if lane else []) + [0.38, 0.14, 0.32])
     codes = sorted({f["code"] for _, f in stepped})
     for severity in ("info", "warn", "fail"):
         hits = [(i, f) for i, f in stepped if f["severity"] == severity]
@@ -63,23 +64,24 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
                 hovertext=[f"step {f['step']}: {text(_shorten(f['message']))}" for _, f in hits],
                 hovertemplate="%{hovertext}<extra>click for evidence</extra>",
             ), row=1, col=1)
-    _lines(fig, steps["loss"], "train loss", "#1f77b4", row=2)
+    _lines(fig, steps["loss"], "train loss", "#1f77b4", row=1 + lane)
     if steps["eval_loss"].height:
-        _lines(fig, steps["eval_loss"], "eval loss", "#9467bd", row=2, mode="lines+markers")
-    _lines(fig, steps["lr"], "learning rate", "#2ca02c", row=3)
-    _lines(fig, steps["grad_norm"], "gradient norm", "#d62728", row=4)
+        _lines(fig, steps["eval_loss"], "eval loss", "#9467bd", row=1 + lane, mode="lines+markers")
+    _lines(fig, steps["lr"], "learning rate", "#2ca02c", row=2 + lane)
+    _lines(fig, steps["grad_norm"], "gradient norm", "#d62728", row=3 + lane)
     shapes = [_vline(c["step"], SEVERITY_COLOURS.get(c["verdict"], "#888"), "dot") for c in checkpoints]
     if first_anomalous_step is not None:
         shapes.append(_vline(first_anomalous_step, SEVERITY_COLOURS["fail"], "solid", width=2))
         fig.add_annotation(x=first_anomalous_step, y=1, xref="x", yref="paper", yanchor="bottom", xanchor="right",
                            text="first anomaly", showarrow=False, font=dict(color=SEVERITY_COLOURS["fail"]))
-    fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
-                     automargin=True, row=1, col=1)
-    fig.update_yaxes(title_text="loss", row=2, col=1)
-    fig.update_yaxes(title_text="lr", exponentformat="e", row=3, col=1)
-    fig.update_yaxes(title_text="grad norm", type="log", row=4, col=1)
-    fig.update_xaxes(title_text="step", row=4, col=1)
-    fig.update_layout(**_BASE_LAYOUT, height=560, shapes=shapes)
+    if lane:
+        fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
+                         automargin=True, row=1, col=1)
+    fig.update_yaxes(title_text="loss", row=1 + lane, col=1)
+    fig.update_yaxes(title_text="lr", exponentformat="e", row=2 + lane, col=1)
+    fig.update_yaxes(title_text="grad norm", type="log", row=3 + lane, col=1)
+    fig.update_xaxes(title_text="step", row=3 + lane, col=1)
+    fig.update_layout(**_BASE_LAYOUT, height=480 + 80 * lane, shapes=shapes)
     return as_json(fig)
 
 
@@ -89,7 +91,7 @@ def gradient_heatmap(matrix: dict[str, Any]) -> dict[str, Any]:
     steps = matrix["bucket_steps"].astype(np.int32)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(matrix["norm"] > 0, np.log10(matrix["norm"]), np.nan).astype(np.float32)
-    span = f"steps %{{x}}..%{{x}}+{matrix['width'] - 1}" if matrix["width"] > 1 else "step %{x}"
+    span = f"{matrix['width']} steps from %{{x}}" if matrix["width"] > 1 else "step %{x}"
     fig = go.Figure(go.Heatmap(
         z=z, x=steps, y=tensors, colorscale="Viridis", colorbar=dict(title=dict(text="log10 norm"), thickness=12),
         hovertemplate=f"%{{y}}<br>{span}<br>log10 max norm %{{z:.2f}}<extra></extra>", name="gradient norm",
