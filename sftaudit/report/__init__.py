@@ -1,29 +1,44 @@
 """The HTML audit report: one self-contained offline file rendered from the audited DuckDB file.
 
 The report only presents: it reads the stored verdict and tables, shapes them for
-display, and renders; it runs no check and computes no statistic.
+display (downsampling that keeps every spike), and renders; it runs no check and
+computes no statistic. plotly.js is inlined once; every figure travels as JSON.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from ..audit import stored_verdict
 from ..checks import registered_checks
+from ..checks.base import SEVERITY_RANK
 from ..ingest import connect, load_manifest
+from . import figures, tables
+from .evidence import blocks, check_doc
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("sftaudit", "templates"),
     autoescape=True,  # dataset text, token strings and file names are untrusted
     undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
 )
+
+# Sections that draw the statistics of one check each (the check's own section links here).
+BEHAVIOUR_PANELS = (
+    ("probe-stability", "Probe stability", "LOOP-06",
+     "Top-k probability spread, entropy and step-to-step KL drift of the next-token distribution on the fixed probe prompts."),
+    ("generation-diversity", "Generation diversity", "LOOP-07",
+     "Distinct-1/2 and n-gram repetition of sampled generations on the probe prompts."),
+    ("eval-metrics", "Eval metrics", "LOOP-08",
+     "ROUGE-L and BLEU-4 on the frozen eval set, and their rolling correlation."),
+)
+MAX_SERIES_PER_CHECK = 12
 
 
 def safe_name(name: str) -> str:
@@ -32,36 +47,191 @@ def safe_name(name: str) -> str:
     return cleaned[:100]
 
 
+def anchor(code: str) -> str:
+    return "check-" + (re.sub(r"[^A-Za-z0-9_-]+", "-", code) or "unknown")
+
+
+def checkpoint_anchor(name: str) -> str:
+    return "ckpt-" + safe_name(name)
+
+
+def _fnum(value: Any) -> Any:
+    """Numbers at four significant digits for reading; anything else unchanged."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return value
+
+
+def _fbytes(n: int | None) -> str:
+    size = float(n or 0)
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KB", "MB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GB"
+
+
+_ENV.filters["num"] = _fnum
+_ENV.filters["bytes"] = _fbytes
+_ENV.globals["checkpoint_anchor"] = checkpoint_anchor
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Render RUN_DIR's audited DuckDB file to OUT_DIR/report.html (no check is re-run)."""
     verdict = stored_verdict(run_dir)
     con = connect(run_dir, read_only=True)
     try:
-        manifest = load_manifest(con)
-        steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY seg, step").pl()
-        shim_errors = con.sql(
-            "SELECT step, probe, error FROM events WHERE kind = 'shim_error' ORDER BY time").pl().to_dicts()
+        context = _context(con, verdict)
     finally:
         con.close()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    html = _ENV.get_template("report.html.j2").render(
-        verdict=verdict,
-        manifest=manifest,
-        checks=[{"code": c.code, "name": c.name, "doc": (c.__doc__ or "").strip()} for c in registered_checks()],
-        timeline=_timeline(steps, verdict),
-        shim_errors=shim_errors,
-        plotly_js=get_plotlyjs(),
-    )
+    html = _ENV.get_template("report.html.j2").render(plotly_js=get_plotlyjs(), **context)
     path = out_dir / "report.html"
     path.write_text(html, encoding="utf-8")
     return path
 
 
-def _timeline(steps: Any, verdict: dict) -> dict:
-    fig = go.Figure()
-    for column in ("loss", "grad_norm"):
-        fig.add_trace(go.Scatter(x=steps["step"].to_list(), y=steps[column].to_list(), name=column, mode="lines"))
-    for c in verdict["checkpoints"]:
-        fig.add_vline(x=c["step"], line_dash="dot", line_color="#888")
-    fig.update_layout(height=320, margin=dict(l=40, r=10, t=10, b=30), yaxis_type="log")
-    return json.loads(fig.to_json())  # plain JSON types; the template embeds it with |tojson
+def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
+    manifest = load_manifest(con)
+    findings = [dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")))
+                for i, f in enumerate(verdict["findings"])]
+    finding_steps = sorted({f["step"] for f in findings if f["step"] is not None})
+    figs: dict[str, dict[str, Any]] = {}
+
+    steps = {
+        "loss": tables.envelope(con, "SELECT seg, step, loss AS value FROM steps WHERE rank = 0", [], finding_steps),
+        "lr": tables.envelope(con, "SELECT seg, step, lr AS value FROM steps WHERE rank = 0", [], finding_steps),
+        "grad_norm": tables.envelope(con, "SELECT seg, step, grad_norm AS value FROM steps WHERE rank = 0", [],
+                                     finding_steps),
+        "eval_loss": tables.envelope(
+            con, "SELECT seg, step, value FROM metrics WHERE rank = 0 AND name IN ('eval_loss', 'eval/loss')", [],
+            finding_steps),
+    }
+    if steps["loss"].height or findings:
+        figs["timeline"] = figures.timeline(steps, verdict["findings"], verdict["checkpoints"],
+                                            verdict["first_anomalous_step"])
+    matrix = tables.gradient_matrix(con)
+    if matrix is not None:
+        figs["grad-heatmap"] = figures.gradient_heatmap(matrix)
+    histograms = []
+    for h in tables.histogram_steps(con, finding_steps):
+        div = f"grad-hist-{h['step']}"
+        figs[div] = figures.histogram_heatmap(h["step"], h["reason"], h["frame"])
+        histograms.append({"div": div, "step": h["step"], "reason": h["reason"]})
+
+    series_divs = _series_figures(con, findings, figs)
+    checks = _checks(con, findings, verdict.get("check_errors") or [], series_divs)
+    first = verdict["first_anomalous_step"]
+    return {
+        "verdict": verdict,
+        "run_info": _run_info(manifest),
+        "findings": findings,
+        "first_causes": _first_causes(findings, first),
+        "chain": verdict.get("first_anomaly_chain"),
+        "strip": _checkpoint_strip(verdict, findings, con),
+        "checks": checks,
+        "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
+                       "check_anchor": anchor(code)} for pid, title, code, about in BEHAVIOUR_PANELS],
+        "behaviour_codes": [code for _, _, code, _ in BEHAVIOUR_PANELS],
+        "histograms": histograms,
+        "has_grad_norms": matrix is not None,
+        "heatmap_width": matrix["width"] if matrix else 1,
+        "figures": figs,
+        "summary": tables.run_summary(con),
+    }
+
+
+def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields the Run section shows (older or foreign manifests may lack any of them)."""
+    params = manifest.get("params") or []
+    tokenizer = manifest.get("tokenizer") or {}
+    return {
+        "run_id": manifest.get("run_id"),
+        "model": (manifest.get("model") or {}).get("class") or "not recorded",
+        "tensors": len(params),
+        "parameters": sum(p.get("numel") or 0 for p in params),
+        "tokenizer": {"class": tokenizer.get("class"), "length": tokenizer.get("length"),
+                      "fingerprint": tokenizer.get("fingerprint")} if tokenizer else None,
+        "profile": manifest.get("profile") or "not recorded",
+        "world_size": manifest.get("world_size"),
+        "versions": manifest.get("versions") or {},
+    }
+
+
+def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """One panel per check code that stored statistics; returns code -> figure div id."""
+    if not tables.has_table(con, "series"):
+        return {}
+    names = con.execute(
+        "SELECT code, name, any_value(threshold) FROM series GROUP BY code, name ORDER BY code, min(rowid)").fetchall()
+    by_code: dict[str, dict[str, dict[str, Any]]] = {}
+    for code, name, threshold in names:
+        panel = by_code.setdefault(code, {})
+        if len(panel) < MAX_SERIES_PER_CHECK:
+            steps = sorted({f["step"] for f in findings if f["code"] == code and f["step"] is not None})
+            frame = tables.envelope(con, "SELECT 0 AS seg, step, value FROM series WHERE code = ? AND name = ?",
+                                    [code, name], steps)
+            panel[name] = {"frame": frame, "threshold": threshold}
+    divs = {}
+    for code, panel in by_code.items():
+        steps = sorted({f["step"] for f in findings if f["code"] == code and f["step"] is not None})
+        divs[code] = "series-" + anchor(code)
+        figs[divs[code]] = figures.series_panel(code, panel, steps)
+    return divs
+
+
+def _checks(con, findings: list[dict[str, Any]], errors: list[dict[str, str]],
+            series_divs: dict[str, str]) -> list[dict[str, Any]]:
+    registered = {c.code: c for c in registered_checks()}
+    codes = sorted(set(registered) | {f["code"] for f in findings} | {e["code"] for e in errors})
+    out = []
+    for code in codes:
+        cls = registered.get(code)
+        own = [f for f in findings if f["code"] == code]
+        error = next((e["error"] for e in errors if e["code"] == code), None)
+        input_table = tables.CHECK_INPUTS.get(code)
+        no_data = input_table is not None and not tables.row_count(con, input_table)
+        if error:
+            status = "error"
+        elif own:
+            status = max((f["severity"] for f in own), key=SEVERITY_RANK.__getitem__)
+        else:
+            status = "nodata" if no_data else "pass"
+        out.append({
+            "code": code, "anchor": anchor(code), "name": cls.name if cls else "(check not installed)",
+            "doc": check_doc(cls) if cls else None, "defaults": dict(cls.defaults) if cls else {},
+            "status": status, "error": error, "findings": own,
+            "no_data": f"no data recorded for this check (the run has no {input_table} records)" if no_data else None,
+            "series_div": series_divs.get(code),
+        })
+    return out
+
+
+def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dict[str, Any]]:
+    """The most severe findings at the first anomalous step: the one-sentence cause at the top."""
+    at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"]
+    top = max((SEVERITY_RANK[f["severity"]] for f in at_first), default=0)
+    return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
+
+
+def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> list[dict[str, Any]]:
+    """Checkpoint windows along the step axis, each as wide as the steps it covers."""
+    last = tables.first_row(con, "SELECT max(step) FROM steps WHERE rank = 0")[0]
+    start = 0
+    windows = []
+    for c in sorted(verdict["checkpoints"], key=lambda c: c["step"]):
+        windows.append({"name": c["name"], "from": start + 1, "to": c["step"], "verdict": c["verdict"],
+                        "count": len(c["findings"]), "anchor": checkpoint_anchor(c["name"])})
+        start = c["step"]
+    if last is not None and last > start:
+        tail = [f for f in findings if f["checkpoint"] is None and f["step"] is not None and f["step"] > start]
+        rank = max((SEVERITY_RANK[f["severity"]] for f in tail), default=0)
+        windows.append({"name": "not saved", "from": start + 1, "to": last,
+                        "verdict": ("pass", "warn", "fail")[rank], "count": len(tail), "anchor": None})
+    total = sum(w["to"] - w["from"] + 1 for w in windows) or 1
+    for w in windows:
+        w["width"] = 100 * (w["to"] - w["from"] + 1) / total
+    return windows

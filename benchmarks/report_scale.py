@@ -1,0 +1,101 @@
+"""Report size and headless load time for a long synthetic run (the issue's budget: a
+100,000-step run's report stays under 10 MB and opens in under 3 seconds).
+
+    python benchmarks/report_scale.py [--steps 100000] [--tensors 200] [--loads 3] [--keep DIR]
+
+Writes a real-format synthetic run (`synthetic_run.write_synthetic_run`), audits it, renders
+the report, then opens it from disk in headless Chromium several times and prints: the
+report's size, the time to first paint (the verdict is readable) and the time until every
+chart is drawn. For scale, it also times a page holding only the inlined plotly.js bundle
+on the same machine: that floor is the cost of parsing plotly.js, which the report pays once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from synthetic_run import write_synthetic_run  # noqa: E402  (benchmarks/synthetic_run.py)
+
+from sftaudit.audit import audit  # noqa: E402
+from sftaudit.report import write_report  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, float]]]:
+    """Per page: (first contentful paint, all charts drawn) in seconds from navigation start, per load."""
+    from playwright.sync_api import sync_playwright
+
+    out: dict[Path, list[tuple[float, float]]] = {p: [] for p in pages}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        for _ in range(loads):
+            for path in pages:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.goto(path.as_uri())
+                page.wait_for_selector("body[data-charts-ready]", timeout=120_000)
+                ready = page.evaluate("performance.now()") / 1000
+                paint = page.evaluate(
+                    "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: NaN}).startTime") / 1000
+                out[path].append((paint, ready))
+                page.close()
+        browser.close()
+    return out
+
+
+def plotly_floor(folder: Path) -> Path:
+    from plotly.offline import get_plotlyjs
+
+    path = folder / "plotly-only.html"
+    path.write_text("<!doctype html><meta charset='utf-8'><p>plotly.js only</p><script>" + get_plotlyjs()
+                    + "</script><script>document.body.setAttribute('data-charts-ready', '1')</script>", encoding="utf-8")
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--tensors", type=int, default=200)
+    p.add_argument("--loads", type=int, default=3)
+    p.add_argument("--keep", type=Path, help="keep the run and report here instead of a temporary folder")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        run_dir = root / f"synthetic-{args.steps}"
+        t0 = time.perf_counter()
+        write_synthetic_run(run_dir, steps=args.steps, tensors=args.tensors, seed=0)
+        t1 = time.perf_counter()
+        verdict = audit(run_dir)
+        t2 = time.perf_counter()
+        report = write_report(run_dir, root / "report")
+        t3 = time.perf_counter()
+        size = report.stat().st_size
+        floor_page = plotly_floor(root)
+        times = load_times([report, floor_page], args.loads)
+        paint = statistics.median(t[0] for t in times[report])
+        ready = statistics.median(t[1] for t in times[report])
+        floor = statistics.median(t[1] for t in times[floor_page])
+
+        print(f"run: {args.steps} steps x {args.tensors} tensors, verdict {verdict['verdict']}, "
+              f"{len(verdict['findings'])} findings")
+        print(f"write synthetic run  {t1 - t0:7.1f} s")
+        print(f"ingest + audit       {t2 - t1:7.1f} s")
+        print(f"render report        {t3 - t2:7.1f} s")
+        print(f"report size          {size / 1e6:7.2f} MB  (budget 10 MB)")
+        print(f"first paint          {paint:7.2f} s  (median of {args.loads} loads)")
+        print(f"all charts drawn     {ready:7.2f} s  (budget 3 s; median of {args.loads} loads)")
+        print(f"plotly.js-only page  {floor:7.2f} s  (same machine: the floor any plotly report pays)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""What the report reads from the audited DuckDB file, shaped for display.
+
+Only reads and display shaping happen here: long series are thinned to a min/max
+envelope per step bucket (so every spike stays visible) plus every step a finding
+points at, and the gradient-norm matrix is bucketed the same way (max per bucket).
+No check statistic is computed here; checks store those in the ``series`` table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+import numpy as np
+import polars as pl
+
+from ..ingest import first_row
+
+# Below this many points a series is drawn as recorded; above, as an envelope of this many buckets.
+ENVELOPE_BUCKETS = 2000
+HEATMAP_BUCKETS = 300
+
+# The tables the shim fills for a check: when empty, the check had nothing to judge.
+CHECK_INPUTS = {
+    "LOOP-03": "batches",
+    "LOOP-04": "samples",
+    "LOOP-05": "steps",
+    "LOOP-06": "probes",
+    "LOOP-07": "generations",
+    "LOOP-08": "evals",
+    "LOOP-09": "checkpoints",
+}
+
+
+def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
+
+
+def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
+    return first_row(con, f'SELECT count(*) FROM "{table}"')[0] if has_table(con, table) else 0
+
+
+def envelope(con: duckdb.DuckDBPyConnection, source: str, params: list[Any], keep_steps: list[int],
+             buckets: int = ENVELOPE_BUCKETS) -> pl.DataFrame:
+    """(seg, step, value) of `source` for drawing: all finite points if few, else each bucket's
+    lowest and highest point, plus the points at `keep_steps`; ordered by segment and step."""
+    src = f"(SELECT seg, step, value FROM ({source}) WHERE value IS NOT NULL AND isfinite(value))"
+    n = first_row(con, f"SELECT count(*) FROM {src}", params)[0]
+    if n <= 2 * buckets:
+        return con.sql(f"SELECT * FROM {src} ORDER BY seg, step", params=params or None).pl()
+    sql = f"""
+        WITH s AS {src},
+        span AS (SELECT min(step) AS lo, max(step) - min(step) + 1 AS width FROM s),
+        b AS (SELECT s.*, (s.step - span.lo) * {int(buckets)} // span.width AS bucket FROM s, span),
+        ranked AS (SELECT *, row_number() OVER (PARTITION BY seg, bucket ORDER BY value, step) AS low,
+                             row_number() OVER (PARTITION BY seg, bucket ORDER BY value DESC, step) AS high
+                   FROM b)
+        SELECT seg, step, value FROM ranked
+        WHERE low = 1 OR high = 1 OR list_contains(?::BIGINT[], step)
+        ORDER BY seg, step
+    """
+    return con.sql(sql, params=[*params, keep_steps]).pl()
+
+
+def gradient_matrix(con: duckdb.DuckDBPyConnection, buckets: int = HEATMAP_BUCKETS) -> dict[str, Any] | None:
+    """Per tensor and step bucket: the largest finite gradient norm and whether any was non-finite."""
+    if not row_count(con, "grad_norms"):
+        return None
+    lo, hi = first_row(con, "SELECT min(step), max(step) FROM grad_norms WHERE rank = 0")
+    width = max(1, -(-(hi - lo + 1) // buckets))  # steps per bucket, rounded up
+    cells = con.sql(
+        """
+        SELECT idx, (step - ?) // ? AS bucket,
+               max(norm) FILTER (WHERE isfinite(norm)) AS norm,
+               count(*) FILTER (WHERE NOT isfinite(norm)) AS nonfinite
+        FROM grad_norms WHERE rank = 0 GROUP BY idx, bucket
+        """,
+        params=[lo, width],
+    ).pl()
+    names = con.sql(
+        "SELECT idx, any_value(tensor) AS tensor FROM grad_norms WHERE rank = 0 GROUP BY idx ORDER BY idx").pl()
+    row_of = {idx: i for i, idx in enumerate(names["idx"].to_list())}
+    n_buckets = (hi - lo) // width + 1
+    norm = np.full((len(row_of), n_buckets), np.nan, dtype=np.float64)
+    rows = np.array([row_of[i] for i in cells["idx"].to_list()], dtype=np.int64)
+    cols = cells["bucket"].to_numpy().astype(np.int64)
+    norm[rows, cols] = cells["norm"].fill_null(np.nan).to_numpy()
+    bad = cells["nonfinite"].to_numpy() > 0
+    return {
+        "tensors": names["tensor"].to_list(),
+        "bucket_steps": lo + np.arange(n_buckets) * width,
+        "width": width,
+        "norm": norm,
+        "nonfinite_cells": (rows[bad], cols[bad]),
+    }
+
+
+def histogram_steps(con: duckdb.DuckDBPyConnection, finding_steps: list[int], limit: int = 4) -> list[dict[str, Any]]:
+    """Gradient histograms taken at anomalous steps (non-finite or spike triggers, or a finding's step)."""
+    if not row_count(con, "grad_hists"):
+        return []
+    # The first histogram of each trigger (a non-finite run triggers one at every later step),
+    # and those at steps a finding points at.
+    picked = con.execute(
+        """
+        WITH hist_steps AS (SELECT DISTINCT step, reason FROM grad_hists WHERE rank = 0),
+        firsts AS (SELECT min(step) AS step FROM hist_steps WHERE reason <> 'scheduled' GROUP BY reason)
+        SELECT step, string_agg(DISTINCT reason, ', ') FROM hist_steps
+        WHERE step IN (SELECT step FROM firsts) OR list_contains(?::BIGINT[], step)
+        GROUP BY step ORDER BY step LIMIT ?
+        """,
+        [finding_steps, limit],
+    ).fetchall()
+    out = []
+    for step, reason in picked:
+        frame = con.sql(
+            """
+            SELECT h.tensor, h.zeros, h.nonfinite, h.counts FROM grad_hists h
+            LEFT JOIN params p ON p.rank = h.rank AND p.seg = h.seg AND p.name = h.tensor
+            WHERE h.rank = 0 AND h.step = ? ORDER BY h.seg DESC, p.idx
+            """,
+            params=[step],
+        ).pl().unique("tensor", keep="first", maintain_order=True)
+        out.append({"step": step, "reason": reason, "frame": frame})
+    return out
+
+
+def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Steps, segments, ranks, artifact sizes, shim errors and switched-off probes."""
+    steps = first_row(con, "SELECT count(*), min(step), max(step), count(DISTINCT seg) FROM steps WHERE rank = 0")
+    ranks = first_row(con, "SELECT count(DISTINCT rank) FROM manifest")[0]
+    span = first_row(con, "SELECT min(time), max(time) FROM events WHERE kind IN ('start', 'close')")
+    artifacts = con.execute(
+        'SELECT file, "offset", records, bad_lines FROM ingest_state ORDER BY file').fetchall()
+    events = con.sql(
+        """SELECT rank, seg, step, kind, probe, error FROM events
+           WHERE kind IN ('shim_error', 'probe_disabled') ORDER BY time NULLS LAST""").pl().to_dicts()
+    return {
+        "steps_recorded": steps[0], "first_step": steps[1], "last_step": steps[2], "segments": steps[3],
+        "ranks_recorded": ranks,
+        "wall_seconds": (span[1] - span[0]) if span and span[0] is not None and span[1] is not None else None,
+        "artifacts": [{"file": f, "bytes": b, "records": r, "bad_lines": bad} for f, b, r, bad in artifacts],
+        "artifact_bytes": sum(b or 0 for _, b, _, _ in artifacts),
+        "shim_errors": [e for e in events if e["kind"] == "shim_error"],
+        "disabled_probes": [e for e in events if e["kind"] == "probe_disabled"],
+    }
