@@ -38,6 +38,7 @@ def test_failing_probe_is_switched_off_and_training_goes_on(tmp_path, tokenizer_
             opt.zero_grad()
     kinds = [(e["kind"], e.get("probe")) for e in events(tmp_path)]
     assert kinds.count(("shim_error", "generations")) == 1  # reported once, then switched off
+    assert next(e for e in events(tmp_path) if e["kind"] == "shim_error")["step"] == 1
     assert ("probe_disabled", "generations") in kinds
     steps = (rank_dir(tmp_path, 0) / "steps.jsonl").read_text().splitlines()
     assert len(steps) == 3  # training and the other probes went on

@@ -397,7 +397,7 @@ class Recorder:
             return
         with self._probe_mode():
             for name in due:
-                with self._guard(name):
+                with self._guard(name, step):
                     getattr(self, f"_probe_{name}")(step)
 
     @contextmanager
@@ -469,7 +469,7 @@ class Recorder:
     # ------------------------------------------------------------------ plumbing
 
     @contextmanager
-    def _guard(self, component: str):
+    def _guard(self, component: str, step: int | None = None):
         """Run one component; on any exception record it, switch the component off, carry on.
 
         Callers skip components already in `self.disabled` before entering."""
@@ -477,11 +477,12 @@ class Recorder:
             yield
         except Exception as exc:  # noqa: BLE001 - the shim must never take training down
             self.disabled.add(component)
-            record = {"kind": "shim_error", "probe": component, "step": self._step, "time": time.time(),
+            step = self._step if step is None else step
+            record = {"kind": "shim_error", "probe": component, "step": step, "time": time.time(),
                       "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
             try:
                 self._write("events", record)
-                self._write("events", {"kind": "probe_disabled", "probe": component, "step": self._step})
+                self._write("events", {"kind": "probe_disabled", "probe": component, "step": step})
             except Exception:  # noqa: BLE001
                 pass
             warnings.warn(f"sftaudit: {component} recording failed and was switched off: {exc}", stacklevel=3)
