@@ -70,7 +70,7 @@ class BatchPaddingStrategy(Check):
             f"(worst: step {worst['step']}, CV {worst['cv']:.0%}, {worst['padding_share']:.0%} padding); "
             f"batch by length (group_by_length or a length-bucketing sampler)",
             step=first, batches_flagged=flagged.height, steps=sorted(set(flagged["step"].to_list()))[:50],
-            value=worst["cv"], threshold=self.params["cv_threshold"], padding_share=worst["padding_share"],
+            worst_step=worst["step"], value=worst["cv"], threshold=self.params["cv_threshold"], padding_share=worst["padding_share"],
             lengths=lengths, sample_ids=[ids[int(np.argmin(lengths))], ids[int(np.argmax(lengths))]],
         )]
 
