@@ -29,7 +29,7 @@ import numpy as np
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import InputError
+from .errors import InputError, one_line
 
 IGNORE_INDEX = -100
 MASKED, TRAINED, PADDING = 0, 1, 2
@@ -92,7 +92,7 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise InputError(f"chat template does not parse: {exc}") from None
+        raise InputError(f"chat template does not parse: {one_line(exc)}") from None
 
 
 @dataclass
@@ -359,7 +359,7 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return _load(str(path.resolve()), max(p.stat().st_mtime for p in files))
     except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
-        raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {exc}") from None
+        raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
 
 
 # --------------------------------------------------------------------------- what the checks share

@@ -22,7 +22,7 @@ import pyarrow as pa
 from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
 from .chat_template import IGNORE_INDEX, Renderer, tokenizer_specials
 from .config import AuditConfig
-from .errors import InputError
+from .errors import InputError, one_line
 from .tokenizer_info import describe_tokenizer
 
 PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
@@ -38,7 +38,7 @@ def load_rows(path: str | Path) -> list[dict]:
 
             data = load_from_disk(str(path))
         except Exception as exc:  # noqa: BLE001 - whatever the folder holds, it is bad input
-            raise InputError(f"{path}: not a datasets folder: {type(exc).__name__}: {exc}") from None
+            raise InputError(f"{path}: not a datasets folder: {type(exc).__name__}: {one_line(exc)}") from None
         if isinstance(data, DatasetDict):
             data = data["train"] if "train" in data else next(iter(data.values()))
         return data.to_list()
@@ -66,7 +66,7 @@ def load_collator(spec: str) -> Callable[..., dict]:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise InputError(f"--collator {spec}: {exc}") from None
+        raise InputError(f"--collator {spec}: {one_line(exc)}") from None
 
 
 def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, template: str | Path | None = None,
@@ -82,7 +82,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except Exception as exc:  # noqa: BLE001
-        raise InputError(f"{tokenizer_dir}: cannot load tokenizer: {type(exc).__name__}: {exc}") from None
+        raise InputError(f"{tokenizer_dir}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
     if template is not None:
         try:
             tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
@@ -148,7 +148,7 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
                 raise ValueError("the row has no 'messages' list")
             rendered[i] = renderer.render(messages)
         except Exception as exc:  # noqa: BLE001 - every render failure is a finding, not a crash
-            failures.append((ids[i], f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+            failures.append((ids[i], f"{type(exc).__name__}: {one_line(exc)}"))
         bar.update(1)
     return rendered, failures
 
@@ -202,7 +202,7 @@ def _custom_batches(collate, tokenizer, rows, ids, keep, batch_size, max_length,
             batch["attention_mask"] = np.asarray(out["attention_mask"]) if out.get("attention_mask") is not None \
                 else np.ones_like(batch["input_ids"])
         except Exception as exc:  # noqa: BLE001 - the user's collator failing is bad input
-            raise InputError(f"--collator failed on rows {ids[chunk[0]]}..: {type(exc).__name__}: {exc}") from None
+            raise InputError(f"--collator failed on rows from {ids[chunk[0]]}: {type(exc).__name__}: {one_line(exc)}") from None
         batch["sample_ids"] = [ids[i] for i in chunk]
         batches.append(batch)
     return batches
