@@ -96,7 +96,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     max_length = max_length or (tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else None)
     rows = load_rows(data)
     ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
-    bar = _progress(len(rows), progress)
+    bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
 
     rendered, failures = _render(rows, ids, Renderer(source, tokenizer_specials(tokenizer)), bar)
     keep = [i for i in range(len(rows)) if i in rendered]
@@ -154,26 +154,25 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
 
 
 def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) -> list[dict]:
-    """Completion-only: labels on the template's generation spans (assistant content + end of turn)."""
+    """Completion-only: labels on the template's generation spans (assistant content + end of turn),
+    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token)."""
     texts = [rendered[i][0] for i in keep]
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
     flat_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int64, count=int(lengths.sum()))
-    offsets = np.array([o for e in encodings for o in e.offsets], dtype=np.int64).reshape(-1, 2)
-    # Character positions made global across samples, so one searchsorted finds every token's span.
-    text_start = np.concatenate([[0], np.cumsum([len(t) for t in texts])[:-1]]).astype(np.int64)
-    row_of_token = np.repeat(np.arange(len(texts)), lengths)
-    starts = offsets[:, 0] + text_start[row_of_token]
-    ends = offsets[:, 1] + text_start[row_of_token]
-    spans = np.array([(b + text_start[k], e + text_start[k]) for k, i in enumerate(keep) for b, e in rendered[i][1]],
-                     dtype=np.int64).reshape(-1, 2)
-    if len(spans):
-        spans = spans[np.argsort(spans[:, 0])]
-        last = np.searchsorted(spans[:, 0], ends, side="left") - 1
-        assistant = (last >= 0) & (spans[np.maximum(last, 0), 1] > starts)
-    else:
-        assistant = np.zeros(len(flat_ids), dtype=bool)
     row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    # +1 where an assistant span starts, -1 after it ends; the running sum marks the span tokens.
+    edges = np.zeros(len(flat_ids) + 1, dtype=np.int64)
+    for k, i in enumerate(keep):
+        encoding = encodings[k]
+        for begin, end in rendered[i][1]:
+            first, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
+            if first is None:
+                break
+            last = lengths[k] - 1 if last is None else last
+            edges[row_start[k] + first] += 1
+            edges[row_start[k] + last + 1] -= 1
+    assistant = np.cumsum(edges[:-1]) > 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise InputError("the tokenizer has neither a pad nor an eos token to pad batches with")
@@ -205,6 +204,7 @@ def _custom_batches(collate, tokenizer, rows, ids, keep, batch_size, max_length,
             raise InputError(f"--collator failed on rows from {ids[chunk[0]]}: {type(exc).__name__}: {one_line(exc)}") from None
         batch["sample_ids"] = [ids[i] for i in chunk]
         batches.append(batch)
+        bar.update(len(chunk))
     return batches
 
 
