@@ -57,9 +57,9 @@ class LossMaskValidity(Check):
     defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        findings = self._padding_trained(ctx)
         tokenizer = run_tokenizer(ctx)
         layout = run_layout(tokenizer) if tokenizer is not None else None
+        findings = self._padding_trained(ctx, tokenizer, layout)
         if layout is None or "assistant" not in layout.headers or not ctx.has_rows("samples"):
             return findings
         template = template_source(first_manifest(ctx).get("tokenizer", {}).get("chat_template"))
@@ -116,7 +116,7 @@ class LossMaskValidity(Check):
             positions_affected=tokens, first_step=step, last_step=rows[-1][0], tokens=evidence,
         )
 
-    def _padding_trained(self, ctx: AuditContext) -> list[Finding]:
+    def _padding_trained(self, ctx: AuditContext, tokenizer: Any, layout: Any) -> list[Finding]:
         """From every batch row (not only the recorded ones): pads with labels."""
         rows = ctx.frame(
             """
@@ -129,7 +129,7 @@ class LossMaskValidity(Check):
             return []
         step, sample = rows.row(0)[:2]
         ids = list(dict.fromkeys(rows["sample_id"].to_list()))
-        evidence = self._padding_evidence(ctx, step, sample)
+        evidence = self._padding_evidence(ctx, tokenizer, layout, step, sample)
         return [self.finding(
             "fail",
             f"padding is trained in {len(ids)} sample(s) from step {step} ({int(rows['trained'].sum())} pad "
@@ -139,17 +139,16 @@ class LossMaskValidity(Check):
             last_step=int(rows["step"].max()), tokens=evidence,
         )]
 
-    def _padding_evidence(self, ctx: AuditContext, step: int, sample: str) -> list[dict]:
+    def _padding_evidence(self, ctx: AuditContext, tokenizer: Any, layout: Any, step: int, sample: str) -> list[dict]:
         row = ctx.row("SELECT input_ids, labels, attention_mask FROM samples WHERE step = ? AND sample_id = ? LIMIT 1",
                       [step, sample])
-        tokenizer = run_tokenizer(ctx)
-        if row is None or tokenizer is None:
+        if row is None or layout is None:
             return []
-        ids, labels, attention = (np.asarray(v) for v in row)
+        ids, labels, attention = (np.asarray([v]) for v in row)
+        expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
         actual = actual_labels(labels, attention)
-        expected = np.where(attention == 0, PADDING, actual)
-        pos = int(np.argmax((attention == 0) & (labels != -100)))
-        return self._side_by_side(tokenizer, ids, labels, expected, actual, pos)
+        pos = int(np.argmax((expected[0] == PADDING) & (actual[0] == TRAINED)))
+        return self._side_by_side(tokenizer, ids[0], labels[0], expected[0], actual[0], pos)
 
     def _side_by_side(self, tokenizer: Any, ids, labels, expected, actual, pos: int) -> list[dict]:
         k = self.params["context_tokens"]
