@@ -7,9 +7,10 @@ from sftaudit.ingest import connect
 
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
 DATA_RUNS = {
-    # loss mask: one answer dropped at 2, off-by-one boundary from 3, padding trained from 4
+    # loss mask: one answer dropped at 2, off-by-one boundary from 3, padding trained at 4, pads attended at 5
     "data_mask": dict(steps=5, checkpoint_every=0, **QUIET,
-                      faults={"assistant_masked_at": 2, "prompt_off_by_one_at": 3, "padding_trained_at": 4}),
+                      faults={"assistant_masked_at": 2, "prompt_off_by_one_at": 3, "padding_trained_at": 4,
+                              "pads_attended_at": 5}),
     # template and tokenizer identity: empty answer at 2, lopsided batches from 3, second template
     # from 4, tokenizer gains tokens at 5; checkpoints at 3 (before) and 6 (after)
     "data_template": dict(steps=6, checkpoint_every=3, **QUIET,

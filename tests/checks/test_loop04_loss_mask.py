@@ -43,13 +43,26 @@ def test_padding_trained_counted_on_every_batch_row(runs):
     assert (f["severity"], f["step"]) == ("fail", 4)
     con = connect(run_dir, read_only=True)
     padded = {s for (ids, lengths, width) in con.execute(
-        "SELECT sample_ids, lengths, seq_len FROM batches WHERE step >= 4").fetchall()
+        "SELECT sample_ids, lengths, seq_len FROM batches WHERE step = 4").fetchall()
         for s, n in zip(ids, lengths) if n < width}
     con.close()
     assert set(f["evidence"]["sample_ids"]) == padded
     assert any(t["expected"] == "padding" and t["actual"] == "trained" for t in f["evidence"]["tokens"])
     aggregate = [g for g in findings(verdict, "LOOP-04", "warn") if "expected_trained" in g["evidence"]]
     assert aggregate and aggregate[0]["evidence"]["actual_trained"] > aggregate[0]["evidence"]["expected_trained"]
+
+
+def test_attended_padding_is_confused_with_prompt(runs):
+    run_dir, verdict = audited(runs, "data_mask")
+    f = by_kind(verdict)["padding_confused"]
+    assert (f["severity"], f["step"]) == ("warn", 5)
+    con = connect(run_dir, read_only=True)
+    pad = build_tokenizer().pad_token_id
+    padded = {s for (s,) in con.execute("SELECT sample_id FROM samples WHERE step = 5 AND input_ids[-1] = ?",
+                                        [pad]).fetchall()}
+    con.close()
+    assert set(f["evidence"]["sample_ids"]) == padded
+    assert any(t["expected"] == "padding" and t["actual"] == "masked" for t in f["evidence"]["tokens"])
 
 
 def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
@@ -85,4 +98,4 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_trained']"
+    assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_confused', 'padding_trained']"
