@@ -235,11 +235,12 @@ class TemplateLayout:
             between = text_ua[text_ua.index(s["user"]) + len(s["user"]):a_start]
             assistant = between.split(turn_end, 1)[-1]
         texts = {"assistant": assistant.lstrip(), "turn_end": turn_end}
+        text_uau, _ = renderer.render(conv("user", "assistant", "user"))
+        between = text_uau[text_uau.index(s["assistant"]) + len(s["assistant"]):text_uau.rindex(s["user"])]
+        texts["user"] = between.split(turn_end, 1)[-1].lstrip() if turn_end in between else None
         user_prefix = prompt_only[:prompt_only.index(s["user"])]
         try:
             text_sua, _ = renderer.render(conv("system", "user", "assistant"))
-            between = text_sua[text_sua.index(s["system"]) + len(s["system"]):text_sua.index(s["user"])]
-            texts["user"] = between.split(turn_end, 1)[-1].lstrip() if turn_end in between else None
             if texts["user"] and user_prefix.endswith(texts["user"]):
                 preamble = user_prefix[:-len(texts["user"])]
                 system_prefix = text_sua[:text_sua.index(s["system"])]

@@ -99,3 +99,15 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_confused', 'padding_trained']"
+
+
+def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
+    from sftaudit.chat_template import TemplateLayout
+
+    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    layout = TemplateLayout.derive(build_tokenizer(tokenizer_cache), chatml)
+    assert layout.texts == {"assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>",
+                            "user": "<|im_start|>user\n", "system": "<|im_start|>system\n"}
