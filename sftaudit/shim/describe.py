@@ -1,7 +1,7 @@
-"""Static descriptions for the manifest: model parameters, tokenizer, dataset fields.
+"""Static descriptions for the manifest: model parameters, dataset fields, training state.
 
-Computed once when a recorder starts (and the tokenizer fingerprint again at each
-checkpoint), never per step.
+Computed once when a recorder starts, never per step. The tokenizer's description lives in
+`sftaudit.tokenizer_info` (torch-free: `preflight` describes tokenizers too).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint  # noqa: F401 - re-exported for the recorder
 
 
 def describe_params(model: torch.nn.Module) -> tuple[list[dict], dict[str, str]]:

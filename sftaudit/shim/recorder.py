@@ -38,7 +38,8 @@ import torch
 
 from .. import __version__
 from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
-from .describe import describe_dataset, describe_params, describe_state, describe_tokenizer, jsonable, tokenizer_fingerprint
+from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
+from .describe import describe_dataset, describe_params, describe_state, jsonable
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
