@@ -21,6 +21,8 @@ This module is imported by both halves, so it must stay free of torch and DuckDB
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -59,3 +61,11 @@ def record_path(run_dir: str | Path, rank: int, kind: str) -> Path:
     if kind not in RECORD_KINDS:
         raise ValueError(f"unknown record kind {kind!r}")
     return rank_dir(run_dir, rank) / f"{kind}.jsonl"
+
+
+def template_fingerprint(chat_template: str | None) -> str | None:
+    """Short hash of a chat template's text: recorded per batch, compared by LOOP-01."""
+    if not chat_template:
+        return None
+    text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

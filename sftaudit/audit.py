@@ -39,27 +39,31 @@ def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
 
 def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
     """Ingest what is new, run the checks, store findings + verdict in DuckDB; return the verdict."""
-    config = config or AuditConfig()
     run_dir = Path(run_dir)
     ingest(run_dir)
     con = connect(run_dir)
     try:
-        manifest = load_manifest(con)
-        ctx = AuditContext(con, run_dir, manifest)
-        findings, errors = run_checks(ctx, config)
-        verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors)
-        con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
-        con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
-                       checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
-        rows = [(f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
-                for f in verdict["findings"]]
-        if rows:
-            con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
-        _store_series(con, ctx.series)
-        return verdict
+        return judge(con, run_dir, config or AuditConfig())
     finally:
         con.close()
+
+
+def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
+    """Run the checks on an ingested database, store findings + verdict + series in it."""
+    manifest = load_manifest(con)
+    ctx = AuditContext(con, run_dir, manifest)
+    findings, errors = run_checks(ctx, config)
+    verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors)
+    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
+    con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+    con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
+                   checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
+    rows = [(f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
+            for f in verdict["findings"]]
+    if rows:
+        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
+    _store_series(con, ctx.series)
+    return verdict
 
 
 def _store_series(con, series: list[dict[str, Any]]) -> None:

@@ -1,4 +1,4 @@
-"""Command line: `sftaudit ingest|audit|report|demo`.
+"""Command line: `sftaudit ingest|audit|report|preflight|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -40,6 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+
+    s = sub.add_parser("preflight", help="checks LOOP-01..04 on a dataset + tokenizer + chat template, before training")
+    s.add_argument("--data", type=Path, required=True, help="JSONL of chat rows ({id, messages}) or a datasets folder")
+    s.add_argument("--tokenizer", type=Path, required=True, help="a saved tokenizer folder (save_pretrained)")
+    s.add_argument("--template", type=Path, help="chat template file to use instead of the tokenizer's")
+    s.add_argument("--collator", help="module:function called as function(tokenizer, rows) (default: completion-only)")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--max-length", type=int, help="truncate to this many tokens (default: the tokenizer's limit)")
+    s.add_argument("--out", type=Path, help="output folder (default: reports/preflight-<data>/)")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
+    s.add_argument("--strict", action="store_true", help="warn findings fail too")
+    s.add_argument("--no-report", action="store_true", help="write verdict.json only")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
     s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
@@ -102,6 +115,25 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def _preflight(args: argparse.Namespace) -> int:
+    from .config import AuditConfig
+    from .preflight import preflight
+
+    config = AuditConfig.load(args.config)
+    out = _out_dir(args, f"preflight-{args.data.stem}")
+    verdict = preflight(args.data, args.tokenizer, out, template=args.template, collator=args.collator,
+                        batch_size=args.batch_size, max_length=args.max_length, config=config,
+                        progress=not args.quiet)
+    (out / "verdict.json").write_text(json.dumps(verdict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    report = None
+    if not args.no_report:
+        from .report import write_report
+
+        report = write_report(out, out)
+    _print_summary(verdict, out / "verdict.json", report)
+    return _exit_code(verdict["verdict"], args.strict or config.strict)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .fixtures.demo import run_demo
 
@@ -131,7 +163,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "demo": _demo}
+_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight, "demo": _demo}
 
 if __name__ == "__main__":
     sys.exit(main())

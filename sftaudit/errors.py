@@ -3,3 +3,8 @@
 
 class InputError(Exception):
     """Missing, corrupt or hostile input: the audit cannot judge the run."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's text collapsed to one line (library messages often span several)."""
+    return " ".join(str(exc).split())[:limit]

@@ -27,7 +27,8 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
               "nonfinite_grads": "MAP(VARCHAR, BIGINT)", "micro_batches": "INTEGER", "tokens": "BIGINT"},
     "batches": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "rows": "INTEGER", "seq_len": "INTEGER",
                 "sample_ids": "VARCHAR[]", "lengths": "INTEGER[]", "label_tokens": "INTEGER[]",
-                "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER"},
+                "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER",
+                "tokenizer_length": "INTEGER", "template_fingerprint": "VARCHAR"},
     "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
                 "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
     "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",
@@ -42,7 +43,7 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
     "checkpoints": {"seg": "INTEGER", "event": "VARCHAR", "step": "BIGINT", "path": "VARCHAR", "files": "JSON",
                     "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "time": "DOUBLE", "sha256": "JSON"},
     "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
-               "error": "VARCHAR", "traceback": "VARCHAR"},
+               "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR"},
 }
 
 _SCHEMA_SQL = """
@@ -82,17 +83,22 @@ def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
     return ranks
 
 
+def create_tables(con: duckdb.DuckDBPyConnection) -> None:
+    """The ingest schema (also filled directly by `preflight`, which has no artifacts)."""
+    con.execute(_SCHEMA_SQL)
+    for kind, columns in RECORD_COLUMNS.items():
+        stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
+        cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
+        con.execute(f'CREATE TABLE IF NOT EXISTS "{kind}" (rank INTEGER, {cols})')
+
+
 def ingest(run_dir: str | Path) -> dict[str, int]:
     """Load new records into the run's DuckDB file; returns the number of new records per kind."""
     ranks = rank_folders(run_dir)
     con = connect(run_dir)
     try:
         con.begin()  # all or nothing: offsets only move with the rows they stand for
-        con.execute(_SCHEMA_SQL)
-        for kind, columns in RECORD_COLUMNS.items():
-            stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
-            cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
-            con.execute(f'CREATE TABLE IF NOT EXISTS "{kind}" (rank INTEGER, {cols})')
+        create_tables(con)
         added = {kind: 0 for kind in RECORD_KINDS}
         for rank, folder in ranks:
             for kind in RECORD_KINDS:

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
-from .describe import describe_dataset, describe_params, describe_state, describe_tokenizer, jsonable, tokenizer_fingerprint
+from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
+from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
+from .describe import describe_dataset, describe_params, describe_state, jsonable
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
@@ -99,6 +100,7 @@ class Recorder:
         self._closed = False
         self._reset_step()
         self._grad_norm_ema: float | None = None
+        self._template: tuple[Any, str | None] = (None, None)  # (template object, its fingerprint)
 
         manifest = {
             "schema_version": SCHEMA_VERSION,
@@ -170,7 +172,7 @@ class Recorder:
             if sample_ids is not None:
                 sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
             self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids,
-                                "keep_rows": keep_rows, "parts": parts})
+                                "keep_rows": keep_rows, "parts": parts, **self._tokenizer_state()})
 
     def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
         """After backward: the step's loss and per-tensor gradient L2 norms (one vectorised pass).
@@ -272,6 +274,17 @@ class Recorder:
             self._reset_step()
             self._step = step
 
+    def _tokenizer_state(self) -> dict[str, Any]:
+        """Cheap per-batch identity of the tokenizer (vocabulary size, chat template): a tokenizer
+        or template swapped mid-run shows at the step it happened, not only at the next checkpoint."""
+        tok = self.tokenizer
+        if tok is None:
+            return {"tokenizer_length": None, "template_fingerprint": None}
+        template = getattr(tok, "chat_template", None)
+        if template is not self._template[0]:  # hash only when the template object changes
+            self._template = (template, template_fingerprint(template))
+        return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
+
     def _rows_to_keep(self, step: int, rows: int) -> int:
         every = self.schedule.samples_every
         if every and step % every == 0 and "samples" not in self.disabled:
@@ -342,6 +355,7 @@ class Recorder:
             "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
             "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
             "left_padded_rows": int(values[micro, "left_padded"].sum()),
+            "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
         })
         keep = m["keep_rows"]
         if keep:

@@ -1,0 +1,129 @@
+"""LOOP-01 prompt-template consistency."""
+
+from __future__ import annotations
+
+from ..artifacts import template_fingerprint
+from ..chat_template import (expected_labels, first_manifest, recorded_samples, run_layout, run_tokenizer,
+                             sample_blocks, template_fields, template_source)
+from .base import AuditContext, Check, Finding
+
+# Roles whose empty turn is a fail (an empty system prompt is merely suspicious).
+_EMPTY_SEVERITY = {"user": "fail", "assistant": "fail", "system": "warn"}
+
+
+class PromptTemplateConsistency(Check):
+    """Prompt-template consistency (seed trigger point: after data load).
+
+    What it detects:
+        Fields the chat template reads that the dataset does not have (a case mismatch like
+        `Role` vs `role` names both spellings), samples that fail to render with strict
+        undefined variables (preflight), samples with an empty system, user or assistant
+        turn, and samples rendered with more than one template in one run.
+    Why it matters:
+        A template that reads a missing field renders an empty string or crashes late; empty
+        instruction pairs (seed 003) teach the model to babble on empty input; two templates
+        in one run teach two prompt formats and the model answers neither reliably.
+    Statistic:
+        Fields: jinja2's own AST of the template (`Getitem`/`Getattr` on `messages` and the
+        names bound to its items through `for`/`set`; reads under `is defined`, `in` or
+        `.get` are optional) against the dataset's recorded field names. Empty turns: a
+        role header followed directly by the end-of-turn marker in the recorded token rows
+        (markers derived from the template, see LOOP-04). Templates: each batch's recorded
+        template fingerprint against the one the run started with.
+    Threshold:
+        Any missing field, failed render, empty user/assistant turn or second template is a
+        fail; an empty system turn is a warn.
+    Evidence:
+        Both field spellings, sample ids, the first render error, the template fingerprints
+        and the step the second template first appears.
+    """
+
+    code = "LOOP-01"
+    name = "prompt-template consistency"
+    defaults = {"max_samples_listed": 50}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        start = first_manifest(ctx)
+        source = template_source((start.get("tokenizer") or {}).get("chat_template"))
+        if source is None:
+            return []
+        return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx)
+                + self._empty_turns(ctx, source) + self._templates(ctx, source))
+
+    def _fields(self, source: str, dataset: dict) -> list[Finding]:
+        fields = template_fields(source)
+        findings = []
+        for scope, read, have in (("message", fields.message_required, set(dataset.get("message_fields") or [])),
+                                  ("dataset", fields.context & {"messages"}, set(dataset.get("fields") or []))):
+            if not have:
+                continue
+            for name in sorted(read - have):
+                spelled = sorted(h for h in have if h.lower() == name.lower())
+                if spelled:
+                    message = (f"the template reads {scope} field '{name}' but the dataset spells it "
+                               f"'{spelled[0]}'; rename the dataset field to '{name}' (or fix the template)")
+                else:
+                    message = (f"the template reads {scope} field '{name}' that the dataset does not have "
+                               f"(it has {sorted(have)}); map the dataset's field to '{name}'")
+                findings.append(self.finding("fail", message, template_field=name, dataset_fields=sorted(have),
+                                             spelled_as=spelled))
+        return findings
+
+    def _render_failures(self, ctx: AuditContext) -> list[Finding]:
+        failed = ctx.frame("SELECT sample_id, error FROM events WHERE kind = 'render_failed' ORDER BY time, sample_id")
+        if failed.is_empty():
+            return []
+        ids = failed["sample_id"].to_list()
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) fail to render with the chat template (first {ids[0]}: {failed['error'][0]}); "
+            f"fix or drop them before training",
+            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids), error=failed["error"][0],
+        )]
+
+    def _empty_turns(self, ctx: AuditContext, source: str) -> list[Finding]:
+        tokenizer = run_tokenizer(ctx)
+        layout = run_layout(tokenizer) if tokenizer is not None else None
+        if layout is None or not ctx.has_rows("samples"):
+            return []
+        hits: dict[str, list[tuple[int, str]]] = {}
+        for part, ids, _, attention in sample_blocks(recorded_samples(ctx, source)):
+            _, empty = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+            for role, mask in empty.items():
+                rows = mask.any(1).nonzero()[0]
+                hits.setdefault(role, []).extend(zip(part["step"].gather(rows).to_list(),
+                                                     part["sample_id"].gather(rows).to_list()))
+        findings = []
+        for role, rows in hits.items():
+            if rows:
+                rows.sort()
+                ids = list(dict.fromkeys(s for _, s in rows))
+                findings.append(self.finding(
+                    _EMPTY_SEVERITY[role],
+                    f"{len(ids)} sample(s) have an empty {role} turn, from step {rows[0][0]} (first {ids[0]}); "
+                    f"drop or repair them before training",
+                    step=rows[0][0], role=role, sample_ids=ids[: self.params["max_samples_listed"]],
+                    samples_affected=len(ids),
+                ))
+        return findings
+
+    def _templates(self, ctx: AuditContext, source: str) -> list[Finding]:
+        expected = template_fingerprint(source)
+        other = ctx.frame(
+            """
+            SELECT step, template_fingerprint, sample_ids FROM batches
+            WHERE template_fingerprint IS NOT NULL AND template_fingerprint <> ? ORDER BY step, micro
+            """,
+            [expected],
+        )
+        if other.is_empty():
+            return []
+        step, fingerprint, ids = other.row(0)
+        return [self.finding(
+            "fail",
+            f"from step {step} samples are rendered with a second chat template ({fingerprint}, the run started "
+            f"with {expected}) in {other.height} micro-batch(es); render every sample with one template",
+            step=step, template_fingerprints=sorted({expected, *other["template_fingerprint"].to_list()}),
+            first_step=step, last_step=int(other["step"].max()), batches_affected=other.height,
+            sample_ids=list(ids)[: self.params["max_samples_listed"]],
+        )]

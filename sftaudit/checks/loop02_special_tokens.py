@@ -1,0 +1,179 @@
+"""LOOP-02 tokenizer special-token alignment."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..chat_template import first_manifest, run_tokenizer, template_fields, template_source
+from .base import AuditContext, Check, Finding
+
+# Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
+_MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w-]*>|\[/?[A-Z_]{2,}\]")
+
+
+class SpecialTokenAlignment(Check):
+    """Tokenizer special-token alignment (seed trigger point: after tokenize).
+
+    What it detects:
+        A control marker the template emits that the tokenizer splits into several pieces;
+        no eos token; pad == eos while every real eos is masked (the model never learns to
+        stop); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
+        that changes within the run (between batches, at a checkpoint, or on resume).
+    Why it matters:
+        A split marker is learned as ordinary text, so generation never emits the real one;
+        ids beyond the embedding index garbage or crash; a tokenizer swapped mid-run
+        (seed 003, pitfall 6) silently remaps every id the model has learned.
+    Statistic:
+        Markers: the tokenizer's own special/added tokens found in the template's literal
+        strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
+        specials. pad == eos: trained share of attended eos positions in the recorded rows.
+        Identity: per-batch tokenizer length, checkpoint and segment fingerprints against
+        the run's first manifest.
+    Threshold:
+        Any split marker, missing eos, untrained eos with pad == eos, too few embedding rows
+        or changed tokenizer is a fail.
+    Evidence:
+        Each split marker with its pieces and ids; special-token ids; embedding rows and
+        tokenizer length; the step / checkpoint and both fingerprints or lengths.
+    """
+
+    code = "LOOP-02"
+    name = "tokenizer special-token alignment"
+    defaults = {}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        start = first_manifest(ctx)
+        described = start.get("tokenizer") or {}
+        if not described:
+            return []
+        findings = self._identity(ctx, described) + self._embedding(ctx, start, described)
+        tokenizer = run_tokenizer(ctx)
+        if tokenizer is not None:
+            findings += self._markers(tokenizer) + self._eos(ctx, tokenizer)
+        return findings
+
+    def _markers(self, tokenizer: Any) -> list[Finding]:
+        source = template_source(getattr(tokenizer, "chat_template", None))
+        if source is None:
+            return []
+        fields = template_fields(source)
+        literal_text = "\0".join(fields.literals)
+        known = {str(t) for t in tokenizer.all_special_tokens}
+        known |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
+        candidates = {t for t in known if t and t in literal_text} | set(_MARKER.findall(literal_text))
+        for role in ("bos", "eos"):
+            token = getattr(tokenizer, f"{role}_token", None)
+            if f"{role}_token" in fields.context and token:
+                candidates.add(str(token))
+        split = []
+        for marker in sorted(candidates):
+            ids = list(tokenizer(marker, add_special_tokens=False)["input_ids"])
+            if len(ids) != 1:
+                split.append({"marker": marker, "pieces": tokenizer.convert_ids_to_tokens(ids), "ids": ids})
+        if not split:
+            return []
+        first = split[0]
+        return [self.finding(
+            "fail",
+            f"the template emits {len(split)} marker(s) the tokenizer splits, first {first['marker']!r} into "
+            f"{len(first['pieces'])} pieces {first['pieces']}; add them as special tokens (and resize the "
+            f"embeddings) or use the tokenizer's own markers",
+            split_markers=split,
+        )]
+
+    def _eos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        if eos is None:
+            return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
+                                         "set eos_token to the template's end-of-turn marker")]
+        if pad is None or pad != eos or not ctx.has_rows("samples"):
+            return []
+        attended, trained, step, sample = ctx.row(
+            """
+            SELECT count(*), count(*) FILTER (WHERE label <> -100), min(step), arg_min(sample_id, step)
+            FROM (SELECT step, sample_id, unnest(input_ids) AS id, unnest(labels) AS label,
+                         unnest(attention_mask) AS attended FROM samples)
+            WHERE id = ? AND attended = 1
+            """,
+            [eos],
+        )
+        if not attended or trained:
+            return []
+        return [self.finding(
+            "fail",
+            f"pad == eos ({tokenizer.eos_token!r}, id {eos}) and all {attended} real eos tokens are masked with the "
+            f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
+            f"attention_mask",
+            step=step, sample_ids=[sample], pad_id=pad, eos_id=eos, eos_attended=attended, eos_trained=trained,
+        )]
+
+    def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:
+        length = described.get("length")
+        config = (start.get("model") or {}).get("config") or {}
+        rows = config.get("vocab_size")
+        if rows is None:
+            rows = next((p["shape"][0] for p in start.get("params", [])
+                         if "embed" in p["name"] and len(p["shape"]) == 2), None)
+        top = ctx.scalar("SELECT max(list_max(input_ids)) FROM samples") if ctx.has_rows("samples") else None
+        need = max(length or 0, (top + 1) if top is not None else 0)
+        if rows is None or rows >= need:
+            return []
+        return [self.finding(
+            "fail",
+            f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
+            f"resize the token embeddings to at least {need}",
+            embedding_rows=rows, tokenizer_length=length, max_input_id=top,
+        )]
+
+    def _identity(self, ctx: AuditContext, described: dict) -> list[Finding]:
+        findings = []
+        length, fingerprint = described.get("length"), described.get("fingerprint")
+        changed = ctx.row(
+            """
+            SELECT step, tokenizer_length, sample_ids FROM batches
+            WHERE tokenizer_length IS NOT NULL AND tokenizer_length <> ? ORDER BY step, micro LIMIT 1
+            """,
+            [length],
+        )
+        if changed is not None:
+            step, now, ids = changed
+            findings.append(self.finding(
+                "fail",
+                f"the tokenizer changed at step {step}: {length} ids at the start, {now} from then on; pin one "
+                f"tokenizer version for the whole run and restart from a checkpoint before step {step}",
+                step=step, tokenizer_length_start=length, tokenizer_length_now=now, sample_ids=list(ids),
+            ))
+        checkpoints = ctx.frame(
+            """
+            SELECT step, path, tokenizer_fingerprint FROM checkpoints
+            WHERE event = 'saved' AND tokenizer_fingerprint IS NOT NULL AND tokenizer_fingerprint <> ?
+            ORDER BY step
+            """,
+            [fingerprint],
+        )
+        if not checkpoints.is_empty():
+            step, path, now = checkpoints.row(0)
+            findings.append(self.finding(
+                "fail",
+                f"the tokenizer saved with {path} (fingerprint {now}) is not the one the run started with "
+                f"({fingerprint}); {checkpoints.height} checkpoint(s) affected, keep one tokenizer for the run",
+                step=step, checkpoint_path=path, fingerprint_start=fingerprint, fingerprint_now=now,
+                checkpoints=checkpoints["path"].to_list(),
+            ))
+        segments = ctx.frame(
+            """
+            SELECT seg, manifest->>'$.tokenizer.fingerprint' AS fingerprint FROM manifest
+            WHERE rank = 0 AND manifest->>'$.tokenizer.fingerprint' <> ? ORDER BY seg
+            """,
+            [fingerprint],
+        )
+        if not segments.is_empty():
+            seg, now = segments.row(0)
+            findings.append(self.finding(
+                "fail",
+                f"the run resumed (segment {seg}) with a different tokenizer ({now}, started with {fingerprint}); "
+                f"resume with the tokenizer saved in the checkpoint",
+                segment=seg, fingerprint_start=fingerprint, fingerprint_now=now,
+            ))
+        return findings

@@ -1,0 +1,177 @@
+"""LOOP-04 loss-mask validity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..chat_template import (CATEGORY_NAMES, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
+                             first_manifest, recorded_samples, run_layout, run_tokenizer, sample_blocks,
+                             template_source)
+from .base import AuditContext, Check, Finding
+
+_ADVICE = {
+    "off_by_one": "the collator's prompt boundary is off by one; mask through the last token of the assistant header",
+    "prompt_trained": "set labels to -100 on every token outside the assistant turns",
+    "assistant_masked": "the model never learns these tokens; make the collator keep labels on each assistant "
+                        "turn through its end-of-turn marker",
+    "padding_confused": "build attention_mask from the sequence lengths, not from the pad id",
+}
+
+
+class LossMaskValidity(Check):
+    """Loss-mask validity (seed trigger point: after forward).
+
+    What it detects:
+        Labels that disagree with the chat template: prompt tokens trained (and the seed's
+        off-by-one, where the prompt's last token before the answer is trained), assistant
+        tokens or their end-of-turn marker masked, padding trained, padding confused with
+        prompt (pads attended, or real tokens hidden as padding).
+    Why it matters:
+        The loss curve looks fine either way: a model trained on prompts learns to echo
+        them, one that never sees its end-of-turn marker never learns to stop, and trained
+        padding teaches it to emit pads.
+    Statistic:
+        Expected trainable positions come from the run's own tokenizer and template, never a
+        hard-coded marker: rendering sentinel conversations gives the token ids that open
+        each assistant turn (the generation prompt) and end a turn (the tail of the
+        template's `{% generation %}` span); every recorded row is scanned for them in
+        token-id space (vectorised over rows), trained = from the end of an assistant
+        header through the next end-of-turn marker, padding = attention 0 or the pad runs
+        outside the turns. Token-id matching needs no source messages, so it works on any
+        recorded row; it assumes turn headers start with tokens that do not merge with the
+        previous turn's text (true of special-token headers). Each row is compared with
+        `labels != -100`; padding trained is also counted on every batch row from the
+        batch records. Aggregate: trained tokens vs the template's expected count.
+    Threshold:
+        Any mismatched position in a row is a fail (padding confused with prompt: warn);
+        the aggregate counts differing by more than 0.1% (seed) is a warn.
+    Evidence:
+        Sample ids, steps, the mismatched positions of the first sample, and a side-by-side
+        of its tokens / input_ids / labels around the first mismatch.
+    """
+
+    code = "LOOP-04"
+    name = "loss-mask validity"
+    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        tokenizer = run_tokenizer(ctx)
+        layout = run_layout(tokenizer) if tokenizer is not None else None
+        findings = self._padding_trained(ctx, tokenizer, layout)
+        if layout is None or "assistant" not in layout.headers or not ctx.has_rows("samples"):
+            return findings
+        template = template_source(first_manifest(ctx).get("tokenizer", {}).get("chat_template"))
+        frame = recorded_samples(ctx, template)
+        hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in _ADVICE}
+        first_evidence: dict[str, list[dict]] = {}
+        counts = {k: 0 for k in _ADVICE}
+        expected_total = actual_total = 0
+        for part, ids, labels, attention in sample_blocks(frame):
+            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+            actual = actual_labels(labels, attention)
+            expected_total += int((expected == TRAINED).sum())
+            actual_total += int((actual == TRAINED).sum())
+            kinds = _mismatches(expected, actual)
+            steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
+            for kind, mask in kinds.items():
+                counts[kind] += int(mask.sum())
+                for r in np.flatnonzero(mask.any(1)):
+                    pos = int(np.argmax(mask[r]))
+                    hits[kind].append((steps[r], sample_ids[r], pos))
+                    if kind not in first_evidence:
+                        first_evidence[kind] = self._side_by_side(tokenizer, ids[r], labels[r], expected[r],
+                                                                  actual[r], pos)
+        for kind, rows in hits.items():
+            if rows:
+                findings.append(self._mask_finding(kind, rows, counts[kind], first_evidence[kind]))
+        if expected_total and abs(actual_total - expected_total) / expected_total > self.params["aggregate_tolerance"]:
+            share = abs(actual_total - expected_total) / expected_total
+            findings.append(self.finding(
+                "warn",
+                f"the recorded samples train {actual_total} tokens but the template's assistant turns hold "
+                f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
+                f"see this check's other findings for the samples",
+                step=min((f.step for f in findings), default=int(frame["step"].min())), value=share, threshold=self.params["aggregate_tolerance"],
+                expected_trained=expected_total, actual_trained=actual_total,
+            ))
+        return findings
+
+    def _mask_finding(self, kind: str, rows: list[tuple[int, str, int]], tokens: int, evidence: list[dict]) -> Finding:
+        rows.sort(key=lambda r: r[0])
+        step, sample, pos = rows[0]
+        ids = list(dict.fromkeys(r[1] for r in rows))
+        what = {
+            "off_by_one": f"the prompt token just before the assistant turn is trained in {len(ids)} sample(s)",
+            "prompt_trained": f"{tokens} prompt token(s) are trained in {len(ids)} sample(s)",
+            "assistant_masked": f"{tokens} assistant token(s) (content or end-of-turn marker) are masked in "
+                                f"{len(ids)} sample(s)",
+            "padding_confused": f"padding is confused with prompt in {len(ids)} sample(s) ({tokens} position(s))",
+        }[kind]
+        return self.finding(
+            "warn" if kind == "padding_confused" else "fail",
+            f"{what} from step {step} (first {sample}, position {pos}); {_ADVICE[kind]}",
+            step=step, kind=kind, sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
+            positions_affected=tokens, first_step=step, last_step=rows[-1][0], tokens=evidence,
+        )
+
+    def _padding_trained(self, ctx: AuditContext, tokenizer: Any, layout: Any) -> list[Finding]:
+        """From every batch row (not only the recorded ones): pads with labels."""
+        rows = ctx.frame(
+            """
+            SELECT step, sample_id, trained FROM (
+              SELECT step, unnest(sample_ids) AS sample_id, unnest(padding_trained) AS trained FROM batches)
+            WHERE trained > 0 ORDER BY step
+            """
+        )
+        if rows.is_empty():
+            return []
+        step, sample = rows.row(0)[:2]
+        ids = list(dict.fromkeys(rows["sample_id"].to_list()))
+        evidence = self._padding_evidence(ctx, tokenizer, layout, step, sample)
+        return [self.finding(
+            "fail",
+            f"padding is trained in {len(ids)} sample(s) from step {step} ({int(rows['trained'].sum())} pad "
+            f"token(s), first {sample}); set labels to -100 wherever attention_mask is 0",
+            step=step, kind="padding_trained", sample_ids=ids[: self.params["max_samples_listed"]],
+            samples_affected=len(ids), positions_affected=int(rows["trained"].sum()), first_step=step,
+            last_step=int(rows["step"].max()), tokens=evidence,
+        )]
+
+    def _padding_evidence(self, ctx: AuditContext, tokenizer: Any, layout: Any, step: int, sample: str) -> list[dict]:
+        row = ctx.row("SELECT input_ids, labels, attention_mask FROM samples WHERE step = ? AND sample_id = ? LIMIT 1",
+                      [step, sample])
+        if row is None or layout is None:
+            return []
+        ids, labels, attention = (np.asarray([v]) for v in row)
+        expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+        actual = actual_labels(labels, attention)
+        pos = int(np.argmax((expected[0] == PADDING) & (actual[0] == TRAINED)))
+        return self._side_by_side(tokenizer, ids[0], labels[0], expected[0], actual[0], pos)
+
+    def _side_by_side(self, tokenizer: Any, ids, labels, expected, actual, pos: int) -> list[dict]:
+        k = self.params["context_tokens"]
+        lo, hi = max(pos - k, 0), min(pos + k + 1, int((ids >= 0).sum()))
+        window = [int(i) for i in ids[lo:hi]]
+        tokens = tokenizer.convert_ids_to_tokens(window)
+        return [{"pos": lo + j, "token": str(tokens[j]), "input_id": window[j], "label": int(labels[lo + j]),
+                 "actual": CATEGORY_NAMES[actual[lo + j]], "expected": CATEGORY_NAMES[expected[lo + j]]}
+                for j in range(len(window))]
+
+
+def _mismatches(expected: np.ndarray, actual: np.ndarray) -> dict[str, np.ndarray]:
+    """[N, T] masks per mismatch kind (padding trained is counted from the batch records)."""
+    prompt_trained = (expected == MASKED) & (actual == TRAINED)
+    answer = expected == TRAINED
+    next_to_answer = np.zeros_like(answer)
+    next_to_answer[:, :-1] |= answer[:, 1:]
+    next_to_answer[:, 1:] |= answer[:, :-1]
+    # A row whose only trained prompt tokens touch an assistant span is the off-by-one.
+    off_row = prompt_trained.any(1) & ~(prompt_trained & ~next_to_answer).any(1)
+    return {
+        "off_by_one": prompt_trained & off_row[:, None],
+        "prompt_trained": prompt_trained & ~off_row[:, None],
+        "assistant_masked": answer & (actual != TRAINED),
+        "padding_confused": ((expected == PADDING) & (actual == MASKED)) | ((expected == MASKED) & (actual == PADDING)),
+    }

@@ -1,0 +1,267 @@
+"""`sftaudit preflight`: checks LOOP-01..04 on a dataset + tokenizer + chat template, before training.
+
+Every sample is rendered (strictly, with the template's generation spans), tokenized and
+collated (by the given collator, or a standard completion-only one), and the result is
+written into the same DuckDB tables a recorded run is ingested into, with each batch as a
+"step". The same checks then run on it, so findings, verdict and exit codes are those of
+`audit`. No torch: tokenization is the tokenizer's Rust backend, masks are numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
+from .chat_template import IGNORE_INDEX, Renderer, tokenizer_specials
+from .config import AuditConfig
+from .errors import InputError, one_line
+from .tokenizer_info import describe_tokenizer
+
+PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
+PROGRESS_FROM = 2000  # rows: smaller datasets finish before a bar would help
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file or of a Hugging Face `datasets` folder (`save_to_disk`)."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            from datasets import DatasetDict, load_from_disk
+
+            data = load_from_disk(str(path))
+        except Exception as exc:  # noqa: BLE001 - whatever the folder holds, it is bad input
+            raise InputError(f"{path}: not a datasets folder: {type(exc).__name__}: {one_line(exc)}") from None
+        if isinstance(data, DatasetDict):
+            data = data["train"] if "train" in data else next(iter(data.values()))
+        return data.to_list()
+    if not path.is_file():
+        raise InputError(f"{path}: no such dataset file or folder")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise InputError(f"{path}:{number}: a row must be a JSON object")
+                rows.append(row)
+    if not rows:
+        raise InputError(f"{path}: no rows")
+    return rows
+
+
+def load_collator(spec: str) -> Callable[..., dict]:
+    """`module:function`, called as function(tokenizer, rows) -> {input_ids, attention_mask, labels}."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise InputError(f"--collator {spec}: {one_line(exc)}") from None
+
+
+def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, template: str | Path | None = None,
+              collator: str | None = None, batch_size: int = 8, max_length: int | None = None,
+              config: AuditConfig | None = None, progress: bool = True) -> dict[str, Any]:
+    """Render, tokenize, collate and check every sample; returns the verdict (stored under `out`)."""
+    from transformers import AutoTokenizer
+
+    from .audit import judge
+    from .checks import registered_checks
+    from .ingest import connect, create_tables
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(f"{tokenizer_dir}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+    if template is not None:
+        try:
+            tokenizer.chat_template = Path(template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"--template {template}: {exc.strerror}") from None
+    source = tokenizer.chat_template
+    if not isinstance(source, str) or not source:
+        raise InputError(f"{tokenizer_dir}: the tokenizer has no chat template (pass --template FILE)")
+    if batch_size < 1:
+        raise InputError("--batch-size must be at least 1")
+    max_length = max_length or (tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else None)
+    rows = load_rows(data)
+    ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
+    bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
+
+    rendered, failures = _render(rows, ids, Renderer(source, tokenizer_specials(tokenizer)), bar)
+    keep = [i for i in range(len(rows)) if i in rendered]
+    if collator:
+        batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
+    else:
+        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length)
+    bar.close()
+
+    out = Path(out)
+    root = artifact_root(out)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / DATABASE_FILE).unlink(missing_ok=True)
+    tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "run_id": f"preflight-{Path(data).stem}", "seg": 0, "rank": 0,
+        "world_size": 1, "profile": "preflight", "started": time.time(), "params": [],
+        "model": {"class": "none (preflight: no model)", "config": None, "tie_word_embeddings": None, "dropout": {}},
+        "tokenizer": describe_tokenizer(tokenizer), "dataset": _describe_rows(rows),
+        "preflight": {"data": str(data), "tokenizer": str(tokenizer_dir), "template": str(template) if template else None,
+                      "collator": collator or "standard completion-only", "batch_size": batch_size,
+                      "max_length": max_length},
+    }
+    config = config or AuditConfig()
+    config.disabled = sorted(set(config.disabled) | {c.code for c in registered_checks()
+                                                      if c.code not in PREFLIGHT_CHECKS})
+    con = connect(out)
+    try:
+        create_tables(con)
+        _store(con, manifest, batches, failures, len(tokenizer), template_fingerprint(source))
+        return judge(con, out, config)
+    finally:
+        con.close()
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", desc="preflight", file=sys.stderr,
+                disable=not enabled or total < PROGRESS_FROM, mininterval=0.5)
+
+
+def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str]]]:
+    rendered, failures = {}, []
+    for i, row in enumerate(rows):
+        messages = row.get("messages")
+        try:
+            if not isinstance(messages, list):
+                raise ValueError("the row has no 'messages' list")
+            rendered[i] = renderer.render(messages)
+        except Exception as exc:  # noqa: BLE001 - every render failure is a finding, not a crash
+            failures.append((ids[i], f"{type(exc).__name__}: {one_line(exc)}"))
+        bar.update(1)
+    return rendered, failures
+
+
+def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) -> list[dict]:
+    """Completion-only: labels on the template's generation spans (assistant content + end of turn),
+    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token)."""
+    texts = [rendered[i][0] for i in keep]
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+    lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
+    flat_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int64, count=int(lengths.sum()))
+    row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    # +1 where an assistant span starts, -1 after it ends; the running sum marks the span tokens.
+    edges = np.zeros(len(flat_ids) + 1, dtype=np.int64)
+    for k, i in enumerate(keep):
+        encoding = encodings[k]
+        for begin, end in rendered[i][1]:
+            first, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
+            if first is None:
+                break
+            last = lengths[k] - 1 if last is None else last
+            edges[row_start[k] + first] += 1
+            edges[row_start[k] + last + 1] -= 1
+    assistant = np.cumsum(edges[:-1]) > 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise InputError("the tokenizer has neither a pad nor an eos token to pad batches with")
+    batches = []
+    for b in range(0, len(keep), batch_size):
+        rows = range(b, min(b + batch_size, len(keep)))
+        size = np.minimum(lengths[list(rows)], max_length or np.iinfo(np.int64).max)
+        width = int(size.max())
+        position = np.arange(width)
+        inside = position < size[:, None]
+        index = row_start[list(rows)][:, None] + np.minimum(position, np.maximum(size[:, None] - 1, 0))
+        input_ids = np.where(inside, flat_ids[index], pad)
+        labels = np.where(inside & assistant[index], input_ids, IGNORE_INDEX)
+        batches.append({"sample_ids": [ids[keep[r]] for r in rows], "input_ids": input_ids, "labels": labels,
+                        "attention_mask": inside.astype(np.int64)})
+    return batches
+
+
+def _custom_batches(collate, tokenizer, rows, ids, keep, batch_size, max_length, bar) -> list[dict]:
+    batches = []
+    for b in range(0, len(keep), batch_size):
+        chunk = keep[b:b + batch_size]
+        try:
+            out = collate(tokenizer, [rows[i] for i in chunk], **({"max_length": max_length} if max_length else {}))
+            batch = {k: np.asarray(out[k]) for k in ("input_ids", "labels")}
+            batch["attention_mask"] = np.asarray(out["attention_mask"]) if out.get("attention_mask") is not None \
+                else np.ones_like(batch["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - the user's collator failing is bad input
+            raise InputError(f"--collator failed on rows from {ids[chunk[0]]}: {type(exc).__name__}: {one_line(exc)}") from None
+        batch["sample_ids"] = [ids[i] for i in chunk]
+        batches.append(batch)
+        bar.update(len(chunk))
+    return batches
+
+
+def _describe_rows(rows: list[dict]) -> dict[str, Any]:
+    fields, message_fields = set(), set()
+    for row in rows:
+        fields.update(row)
+        messages = row.get("messages")
+        if isinstance(messages, list):
+            message_fields.update(k for m in messages if isinstance(m, dict) for k in m)
+    return {"rows": len(rows), "fields": sorted(fields), "message_fields": sorted(message_fields)}
+
+
+def _list_column(matrices: list[np.ndarray]) -> pa.Array:
+    """Rows of [B, T] matrices as one Arrow list column (no per-value Python objects)."""
+    if not matrices:
+        return pa.array([], type=pa.list_(pa.int32()))
+    values = np.concatenate([m.reshape(-1) for m in matrices]).astype(np.int32)
+    widths = np.concatenate([np.full(m.shape[0], m.shape[1], dtype=np.int64) for m in matrices])
+    offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str]], tokenizer_length: int,
+           fingerprint: str | None) -> None:
+    con.execute("INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
+                [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)])
+    steps = np.arange(1, len(batches) + 1)
+    sizes = np.array([len(b["sample_ids"]) for b in batches], dtype=np.int64)
+    real = [b["attention_mask"] != 0 for b in batches]
+    trained = [b["labels"] != IGNORE_INDEX for b in batches]
+    batch_table = pa.table({
+        "step": pa.array(steps, pa.int64()),
+        "rows": pa.array(sizes, pa.int32()),
+        "seq_len": pa.array([b["input_ids"].shape[1] for b in batches], pa.int32()),
+        "sample_ids": pa.array([b["sample_ids"] for b in batches], pa.list_(pa.string())),
+        "lengths": pa.array([r.sum(1).tolist() for r in real], pa.list_(pa.int32())),
+        "label_tokens": pa.array([t.sum(1).tolist() for t in trained], pa.list_(pa.int32())),
+        "padding_trained": pa.array([(t & ~r).sum(1).tolist() for t, r in zip(trained, real)], pa.list_(pa.int32())),
+        "left_padded_rows": pa.array([int((~r[:, 0]).sum()) for r in real], pa.int32()),
+    })
+    con.register("new_batches", batch_table)
+    con.execute("""INSERT INTO batches SELECT 0, 0, step, 0, rows, seq_len, sample_ids, lengths, label_tokens,
+                   padding_trained, left_padded_rows, ?, ? FROM new_batches""", [tokenizer_length, fingerprint])
+    con.unregister("new_batches")
+    sample_table = pa.table({
+        "step": pa.array(np.repeat(steps, sizes), pa.int64()),
+        "row": pa.array(np.concatenate([np.arange(s) for s in sizes]) if len(sizes) else [], pa.int32()),
+        "sample_id": pa.array([s for b in batches for s in b["sample_ids"]], pa.string()),
+        "input_ids": _list_column([b["input_ids"] for b in batches]),
+        "labels": _list_column([b["labels"] for b in batches]),
+        "attention_mask": _list_column([b["attention_mask"] for b in batches]),
+    })
+    con.register("new_samples", sample_table)
+    con.execute("""INSERT INTO samples SELECT 0, 0, step, 0, row, sample_id, input_ids, labels, attention_mask
+                   FROM new_samples""")
+    con.unregister("new_samples")
+    if failures:
+        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, 'render_failed', ?, ?, ?)",
+                        [(float(i), error, sample) for i, (sample, error) in enumerate(failures)])

@@ -1,0 +1,37 @@
+"""LOOP-03: lopsided batches warn from their step with the extreme samples; clean only gets the info."""
+
+import numpy as np
+
+from sftaudit.checks.loop03_batch_padding import _grouped_padded_tokens
+from sftaudit.ingest import connect
+
+from .data_runs import audited, clean_data_findings, findings
+
+
+def test_high_length_variance_warns_from_its_step(runs):
+    run_dir, verdict = audited(runs, "data_template")
+    (f,) = findings(verdict, "LOOP-03", "warn")
+    assert f["step"] == 3 and f["evidence"]["steps"] == [3, 4, 5, 6]
+    assert f["evidence"]["value"] > 0.15 and f["evidence"]["padding_share"] > 0.6
+    con = connect(run_dir, read_only=True)
+    ids, lengths = con.execute(
+        "SELECT sample_ids, lengths FROM batches WHERE step = ?", [f["evidence"]["worst_step"]]).fetchall()[0]
+    con.close()
+    assert max(lengths) > 4 * min(lengths) and f["evidence"]["lengths"] == lengths
+    # the shortest and the longest sample of the worst batch
+    assert f["evidence"]["sample_ids"] == [ids[int(np.argmin(lengths))], ids[int(np.argmax(lengths))]]
+
+
+def test_grouped_batching_pads_only_to_the_sorted_neighbours():
+    # two batches of 2: [1, 9] and [8, 2] -> grouped [1, 2] and [8, 9]: padded 2*2 + 9*2 = 22 tokens
+    assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=50) == 22
+    assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=1) == 18 + 16
+
+
+def test_clean_run_gets_only_the_waste_summary(clean_run):
+    from sftaudit.audit import audit
+
+    verdict = audit(clean_run)
+    assert [f for f in clean_data_findings(verdict) if f["code"] == "LOOP-03"] == []
+    (info,) = findings(verdict, "LOOP-03", "info")
+    assert 0 < info["evidence"]["grouped_padded_tokens"] < info["evidence"]["padded_tokens"]

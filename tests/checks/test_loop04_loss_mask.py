@@ -1,0 +1,113 @@
+"""LOOP-04: masks that disagree with the template fire with their samples and tokens; clean is silent."""
+
+import subprocess
+import sys
+
+from sftaudit.fixtures import build_tokenizer, collate, load_dataset
+from sftaudit.fixtures.faults.data import SPLIT_MARKER
+from sftaudit.ingest import connect
+
+from .data_runs import audited, batch_ids, clean_data_findings, findings
+
+
+def by_kind(verdict):
+    return {f["evidence"].get("kind"): f for f in findings(verdict, "LOOP-04") if f["evidence"].get("kind")}
+
+
+def test_assistant_span_masked_at_its_step_with_its_sample(runs):
+    run_dir, verdict = audited(runs, "data_mask")
+    f = by_kind(verdict)["assistant_masked"]
+    assert (f["severity"], f["step"]) == ("fail", 2)
+    assert f["evidence"]["sample_ids"] == [batch_ids(run_dir, 2)[0]]
+    tokens = f["evidence"]["tokens"]
+    assert any(t["expected"] == "trained" and t["actual"] == "masked" for t in tokens)
+
+
+def test_off_by_one_prompt_token_trained_from_its_step(runs):
+    run_dir, verdict = audited(runs, "data_mask")
+    f = by_kind(verdict)["off_by_one"]
+    assert (f["severity"], f["step"]) == ("fail", 3)
+    assert "prompt_trained" not in by_kind(verdict)  # every trained prompt token touches the answer
+    assert set(f["evidence"]["sample_ids"]) == {s for step in (3, 4, 5) for s in batch_ids(run_dir, step)}
+    # The side-by-side shows the header's last token trained right before the answer.
+    tokens = f["evidence"]["tokens"]
+    bad = [t for t in tokens if t["actual"] != t["expected"]]
+    assert len(bad) == 1 and bad[0]["expected"] == "masked" and bad[0]["actual"] == "trained"
+    after = next(t for t in tokens if t["pos"] == bad[0]["pos"] + 1)
+    assert after["expected"] == "trained"
+
+
+def test_padding_trained_counted_on_every_batch_row(runs):
+    run_dir, verdict = audited(runs, "data_mask")
+    f = by_kind(verdict)["padding_trained"]
+    assert (f["severity"], f["step"]) == ("fail", 4)
+    con = connect(run_dir, read_only=True)
+    padded = {s for (ids, lengths, width) in con.execute(
+        "SELECT sample_ids, lengths, seq_len FROM batches WHERE step = 4").fetchall()
+        for s, n in zip(ids, lengths) if n < width}
+    con.close()
+    assert set(f["evidence"]["sample_ids"]) == padded
+    assert any(t["expected"] == "padding" and t["actual"] == "trained" for t in f["evidence"]["tokens"])
+    aggregate = [g for g in findings(verdict, "LOOP-04", "warn") if "expected_trained" in g["evidence"]]
+    assert aggregate and aggregate[0]["evidence"]["actual_trained"] > aggregate[0]["evidence"]["expected_trained"]
+
+
+def test_attended_padding_is_confused_with_prompt(runs):
+    run_dir, verdict = audited(runs, "data_mask")
+    f = by_kind(verdict)["padding_confused"]
+    assert (f["severity"], f["step"]) == ("warn", 5)
+    con = connect(run_dir, read_only=True)
+    pad = build_tokenizer().pad_token_id
+    padded = {s for (s,) in con.execute("SELECT sample_id FROM samples WHERE step = 5 AND input_ids[-1] = ?",
+                                        [pad]).fetchall()}
+    con.close()
+    assert set(f["evidence"]["sample_ids"]) == padded
+    assert any(t["expected"] == "padding" and t["actual"] == "masked" for t in f["evidence"]["tokens"])
+
+
+def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
+    run_dir, verdict = audited(runs, "data_tokens")
+    f = by_kind(verdict)["assistant_masked"]
+    assert (f["severity"], f["step"]) == ("fail", 1)
+    # Oracle: the rows in which the correct collator (HF's generation mask) trains an end-of-turn token.
+    tok = build_tokenizer()
+    tok.chat_template = tok.chat_template.replace("<|start_header_id|>", SPLIT_MARKER)
+    rows = {r["id"]: r for r in load_dataset()}
+    ids = [s for step in (1, 2, 3) for s in batch_ids(run_dir, step)]
+    labels = collate(tok, [rows[i] for i in ids], max_length=128)["labels"]
+    ends_trained = (labels == tok.eos_token_id).any(1).tolist()
+    assert set(f["evidence"]["sample_ids"]) == {i for i, trained in zip(ids, ends_trained) if trained}
+
+
+def test_clean_run_masks_exactly_the_template_spans(clean_run):
+    from sftaudit.audit import audit
+
+    verdict = audit(clean_run)
+    assert clean_data_findings(verdict) == []
+    assert verdict["check_errors"] == []
+
+
+def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
+    run_dir, _ = audited(runs, "data_mask")
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from sftaudit.audit import audit\n"
+        f"v = audit({str(run_dir)!r})\n"
+        "assert v['check_errors'] == [], v['check_errors']\n"
+        "print(sorted({f['evidence'].get('kind') for f in v['findings'] if f['code'] == 'LOOP-04'} - {None}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_confused', 'padding_trained']"
+
+
+def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
+    from sftaudit.chat_template import TemplateLayout
+
+    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    layout = TemplateLayout.derive(build_tokenizer(tokenizer_cache), chatml)
+    assert layout.texts == {"assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>",
+                            "user": "<|im_start|>user\n", "system": "<|im_start|>system\n"}
