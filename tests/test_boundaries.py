@@ -28,13 +28,24 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
+# Modules both halves import: they must need neither torch nor the analyzer's libraries.
+SHARED = ("artifacts", "tokenizer_info", "errors")
+
+
 def test_shim_never_imports_the_analyzer():
     for path in [*(PACKAGE / "shim").rglob("*.py"), PACKAGE / "hf.py"]:
         for name in imports_of(path):
             top = name.split(".")[0]
             assert top not in ANALYZER_ONLY, f"{path.name} imports {name}"
             if name.startswith("sftaudit."):
-                assert name.split(".")[1] in ("shim", "artifacts") or name == "sftaudit", f"{path.name} imports {name}"
+                assert name.split(".")[1] in ("shim", *SHARED), f"{path.name} imports {name}"
+
+
+def test_shared_modules_need_neither_torch_nor_the_analyzer():
+    for module in SHARED:
+        names = imports_of(PACKAGE / f"{module}.py")
+        assert not {n for n in names if n.split(".")[0] in (*ANALYZER_ONLY, "torch")}, module
+        assert not {n for n in names if n.startswith("sftaudit.") and n.split(".")[1] not in SHARED}, module
 
 
 def test_checks_never_render_and_the_report_only_presents():
