@@ -7,7 +7,7 @@ from scipy import stats
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
-from .rolling import adaptive_window, dominant_period, previous_block_stats, robust_z, warmup_end
+from .rolling import grad_norm_matrix, adaptive_window, dominant_period, previous_block_stats, robust_z, warmup_end
 
 # Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
 LOG_SIGMA_FLOOR = np.log(1.2)
@@ -106,16 +106,12 @@ class GradientNormAnomaly(Check):
     # ------------------------------------------------------------------ spikes
 
     def _spikes(self, ctx: AuditContext) -> list[Finding]:
-        steps_frame = ctx.frame("SELECT step, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step")
+        steps_frame = ctx.frame("SELECT step, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
+                                "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
         if steps_frame.height < 2:
             return []
         steps = steps_frame["step"].to_numpy()
-        names = [r[0] for r in ctx.con.execute(
-            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
-            "ORDER BY idx").fetchall()]
-        cells = ctx.con.sql("SELECT step, idx, norm FROM grad_norms WHERE rank = 0").fetchnumpy()
-        norms = np.full((steps.size, len(names)), np.nan)
-        norms[np.searchsorted(steps, cells["step"]), cells["idx"]] = cells["norm"]
+        _, names, norms = grad_norm_matrix(ctx)
         with np.errstate(divide="ignore", invalid="ignore"):
             y = np.log(np.where(norms > 0, norms, np.nan))
             global_y = np.log(np.where(steps_frame["grad_norm"].to_numpy() > 0, steps_frame["grad_norm"].to_numpy(), np.nan))

@@ -6,7 +6,7 @@ import numpy as np
 from scipy import stats
 
 from .base import AuditContext, Check, Finding
-from .rolling import adaptive_window, previous_block_stats, robust_z, warmup_end
+from .rolling import grad_norm_matrix, adaptive_window, previous_block_stats, robust_z, warmup_end
 
 
 class LossDynamics(Check):
@@ -35,7 +35,7 @@ class LossDynamics(Check):
         Spike: z >= `sigma_spike` (6): warn; elevated for `diverge_steps` (5) steps in a row or
         through the end of the run: fail (divergence). Learning-rate jump: ratio >= `lr_jump`
         (10x) or <= 1/`lr_jump`: warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
-        after warmup: warn. Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
+        after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
         volatility ratio >= 3: info (drift is context for the other findings, not a verdict).
     Evidence:
         Loss, baseline median, z, p-value and effect size at the step; the spike steps; the
@@ -49,7 +49,8 @@ class LossDynamics(Check):
                 "max_series_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        frame = ctx.frame("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step")
+        frame = ctx.frame("SELECT step, arg_max(loss, seg) AS loss, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
+                          "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
         if frame.height < 3:
             return []
         steps = frame["step"].to_numpy()
@@ -123,7 +124,7 @@ class LossDynamics(Check):
         b = flat[0]
         at = steps[start + b * window]
         return [self.finding(
-            "warn",
+            "info",
             f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
             f"check the data for homogeneous or mostly masked samples before spending more steps",
             step=at, value=change[b], threshold=self.params["plateau_tolerance"], block_medians=medians[b:b + k + 1].tolist())]
@@ -153,12 +154,7 @@ class LossDynamics(Check):
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
         series = {"loss": frame["loss"].fill_null(np.nan).to_numpy(), "global grad norm": frame["grad_norm"].fill_null(np.nan).to_numpy()}
         steps = frame["step"].to_numpy()
-        names = [r[0] for r in ctx.con.execute(
-            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
-            "ORDER BY idx").fetchall()]
-        cells = ctx.con.sql("SELECT step, idx, norm FROM grad_norms WHERE rank = 0").fetchnumpy()
-        norms = np.full((steps.size, len(names)), np.nan)
-        norms[np.searchsorted(steps, cells["step"]), cells["idx"]] = cells["norm"]
+        _, names, norms = grad_norm_matrix(ctx)
         labels = list(series) + [f"grad norm {n}" for n in names]
         values = np.column_stack([series["loss"], series["global grad norm"], norms])
         start = -(-max(first, 1) // window) * window

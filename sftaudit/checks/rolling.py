@@ -80,3 +80,20 @@ def dominant_period(steps: np.ndarray, min_events: int = 3, share: float = 2 / 3
     values, counts = np.unique(gaps, return_counts=True)
     best = int(values[np.argmax(counts)])
     return best if best > 1 and counts.max() >= share * gaps.size else None
+
+
+def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """(steps, tensor names, steps x tensors norms) of rank 0, NaN where a tensor had no gradient.
+
+    Several checks need it; it is read once per audit and kept on the context."""
+    cached = ctx.__dict__.get("_grad_norm_matrix")
+    if cached is None:
+        steps = ctx.con.sql("SELECT DISTINCT step FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()["step"]
+        names = [r[0] for r in ctx.con.execute(
+            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
+            "ORDER BY idx").fetchall()]
+        cells = ctx.con.sql("SELECT step, idx, norm FROM grad_norms WHERE rank = 0").fetchnumpy()
+        norms = np.full((steps.size, len(names)), np.nan)
+        norms[np.searchsorted(steps, cells["step"]), cells["idx"]] = cells["norm"]
+        cached = ctx.__dict__["_grad_norm_matrix"] = (np.asarray(steps), names, norms)
+    return cached
