@@ -163,16 +163,20 @@ class LossDynamics(Check):
             return []
         with np.errstate(divide="ignore", invalid="ignore"):
             change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=0))[start:start + blocks * window]
-        windows = change.reshape(blocks, window, -1)
-        ref, cur = windows[:-1], windows[1:]
-        ok = np.isfinite(ref).all(axis=1) & np.isfinite(cur).all(axis=1)
-        p = np.ones(ok.shape)
-        if ok.any():
-            p_all = stats.mannwhitneyu(np.nan_to_num(ref), np.nan_to_num(cur), axis=1, alternative="two-sided").pvalue
-            p = np.where(ok, p_all, 1.0)
-        q = stats.false_discovery_control(p.ravel(), method="bh").reshape(p.shape)
+        windows = change.reshape(blocks, window, -1).transpose(0, 2, 1)  # block, series, step
+        finite = np.isfinite(windows).all(axis=2)
+        ok = finite[:-1] & finite[1:]
+        medians = np.median(windows, axis=2)
         with np.errstate(divide="ignore", invalid="ignore"):
-            effect = np.median(cur, axis=1) / np.median(ref, axis=1)
+            effect = medians[1:] / medians[:-1]
+        # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
+        # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
+        tested = ok & (effect >= self.params["min_volatility_ratio"])
+        p = np.ones(ok.shape)
+        if tested.any():
+            p[tested] = stats.mannwhitneyu(windows[:-1][tested], windows[1:][tested], axis=1,
+                                           alternative="two-sided").pvalue
+        q = stats.false_discovery_control(p.ravel(), method="bh").reshape(p.shape)
         hit = (q < self.params["fdr_q"]) & (effect >= self.params["min_volatility_ratio"]) & ok
         if not hit.any():
             return []

@@ -14,9 +14,9 @@ RUNS = {
     "lr_jump": dict(steps=22, faults={"lr_jump_at": LR_JUMP_STEP}, **QUIET),
     "eval_leak": dict(steps=10, faults={"eval_leak_at": LEAK_STEP}, **QUIET),
     "garbage": dict(steps=24, faults={"garbage_from": GARBAGE_STEP}, lr=1e-2, checkpoint_every=0, probe_every=2),
-    "template": dict(steps=20, faults={"template_from": 1}, lr=1e-2, checkpoint_every=0, probe_every=2, generate_every=4),
+    "template": dict(steps=20, faults={"template_from": 1}, lr=1e-2, checkpoint_every=0, probe_every=2, generate_every=4, max_new_tokens=16),
     # Clean, with every probe the dynamics checks read (the session's clean_run has no generations or evals).
-    "clean_probed": dict(steps=30, checkpoint_every=0, probe_every=2, generate_every=5, eval_every=5),
+    "clean_probed": dict(steps=30, checkpoint_every=0, probe_every=2, generate_every=5, eval_every=5, max_new_tokens=16),
 }
 
 
