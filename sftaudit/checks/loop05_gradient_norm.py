@@ -40,7 +40,7 @@ class GradientNormAnomaly(Check):
     Threshold:
         Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
         (10x) and across-tensor z >= `sigma_across` (3, the seed's): fail at its first step.
-        At least 3 spikes of one tensor at one interval: one warn with the period. Global norm
+        At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
         spike (same own-history rule) with no tensor spike: warn. Non-finite: fail. Weights
         unchanged between saves with non-zero gradients: fail.
     Evidence:
@@ -52,7 +52,7 @@ class GradientNormAnomaly(Check):
     code = "LOOP-05"
     name = "gradient-norm anomaly"
     defaults = {"max_tensors_listed": 20, "sigma_across": 3.0, "sigma_own": 6.0, "min_ratio": 10.0,
-                "window": None, "warmup_steps": None, "min_periodic_spikes": 3}
+                "window": None, "warmup_steps": None, "min_periodic_spikes": 4}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx) + self._spikes(ctx)
@@ -130,8 +130,8 @@ class GradientNormAnomaly(Check):
             mean = centred.sum(axis=1, keepdims=True) / count
             spread = np.sqrt((np.where(finite, log_ratio - mean, 0.0) ** 2).sum(axis=1, keepdims=True) / count)
             z_across = (log_ratio - mean) / np.where(spread > 0, spread, np.nan)
-            flagged = (judged[:, None] & (z_own >= self.params["sigma_own"])
-                       & (log_ratio >= np.log(self.params["min_ratio"])) & (z_across >= self.params["sigma_across"]))
+            own = judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+            flagged = own & (z_across >= self.params["sigma_across"])
         ratio = np.exp(log_ratio)
         ctx.add_series(self.code, "largest gradient norm / own running median", steps.tolist(),
                        np.nan_to_num(np.where(judged[:, None] & np.isfinite(ratio), ratio, 0.0).max(axis=1)).tolist(),
@@ -139,14 +139,21 @@ class GradientNormAnomaly(Check):
 
         findings: list[Finding] = []
         episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
-        for col in np.flatnonzero(flagged.any(axis=0)):
-            rows = np.flatnonzero(flagged[:, col])
+        explained = flagged.any(axis=1)  # steps a tensor-level finding accounts for
+        for col in np.flatnonzero(own.any(axis=0)):
+            # Periodicity is judged on the tensor's own history: other tensors may spike with it.
+            rows = np.flatnonzero(own[:, col])
+            period = dominant_period(steps[rows], self.params["min_periodic_spikes"])
+            if period is None:
+                rows = np.flatnonzero(flagged[:, col])
+                if not rows.size:
+                    continue
             row = rows[0]
             entry = {"tensor": names[col], "norm": norms[row, col], "baseline_median": float(np.exp(median[row, col])),
                      "effect_size": ratio[row, col], "z_own": z_own[row, col], "p_value": float(stats.norm.sf(z_own[row, col])),
                      "z_across": z_across[row, col], "steps_flagged": int(rows.size), "last_step": int(steps[rows[-1]])}
-            period = dominant_period(steps[rows], self.params["min_periodic_spikes"])
             if period is not None:
+                explained[rows] = True
                 findings.append(self.finding(
                     "warn",
                     f"{names[col]} gradient norm spikes every {period} steps from step {steps[row]} ({rows.size} spikes, "
@@ -176,7 +183,7 @@ class GradientNormAnomaly(Check):
         g_z = robust_z(global_y, g_median, g_sigma, LOG_SIGMA_FLOOR)
         with np.errstate(invalid="ignore"):
             g_flag = judged & (g_z >= self.params["sigma_own"]) & (global_y - g_median >= np.log(self.params["min_ratio"]))
-        g_flag &= ~flagged.any(axis=1)
+        g_flag &= ~explained
         if g_flag.any():
             rows = np.flatnonzero(g_flag)
             row = rows[0]

@@ -71,7 +71,7 @@ def runs_of(mask: np.ndarray, length: int) -> np.ndarray:
     return np.flatnonzero(counts >= length)
 
 
-def dominant_period(steps: np.ndarray, min_events: int = 3, share: float = 2 / 3) -> int | None:
+def dominant_period(steps: np.ndarray, min_events: int = 4, share: float = 0.75) -> int | None:
     """The interval that separates most consecutive events (>= `share` of gaps), if it is > 1."""
     steps = np.unique(np.asarray(steps))
     if steps.size < min_events:

@@ -1,5 +1,6 @@
 """LOOP-08: ROUGE-L/BLEU-4 on one tokenization (Chinese included), eval-set contamination, a silent clean run."""
 
+import pytest
 from rouge_score import rouge_scorer
 
 from sftaudit.audit import audit
@@ -12,7 +13,7 @@ REFERENCE = "长城是中国古代修建的军事防御工程，总长度超过�
 
 
 def test_rouge_and_bleu_score_chinese_on_the_shared_tokenization():
-    assert rouge_l_and_bleu_4([REFERENCE], [REFERENCE]) == (1.0, 1.0)
+    assert rouge_l_and_bleu_4([REFERENCE], [REFERENCE]) == pytest.approx((1.0, 1.0))
     half = REFERENCE[: len(REFERENCE) // 2]
     rouge, bleu = rouge_l_and_bleu_4([half], [REFERENCE])
     assert 0.4 < rouge < 0.8 and 0 < bleu < 1
@@ -43,4 +44,4 @@ def test_clean_run_with_evals_raises_nothing(runs):
     assert of(verdict, "LOOP-08") == []
     con = connect(run_dir, read_only=True)
     steps = con.execute("SELECT step FROM series WHERE code = 'LOOP-08' AND name = 'ROUGE-L' ORDER BY step").fetchall()
-    assert [s for (s,) in steps] == [5, 10, 15, 20, 25, 30]  # it did score every eval step
+    assert [s for (s,) in steps] == [4, 8, 12, 16, 20]  # it did score every eval step
