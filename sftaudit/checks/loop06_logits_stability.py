@@ -73,7 +73,13 @@ class LogitsStability(Check):
         kl = np.array([0.0] + [np.mean([kl_top_k(at[a, p][3], at[a, p][4], at[b, p][3], at[b, p][4]) for p in prompts])
                                 for a, b in zip(steps, steps[1:])])
         w = self.params["spread_window"]
-        spread = np.array([top1[max(0, i - w + 1):i + 1].std(axis=0).mean() for i in range(steps.size)])
+        # std over each trailing window of (up to) w probes, from running sums
+        sums = np.concatenate([np.zeros((1, 2, top1.shape[1])), np.cumsum(np.stack([top1, top1 ** 2], axis=1), axis=0)])
+        hi = np.arange(1, steps.size + 1)
+        lo = np.maximum(0, hi - w)
+        n = (hi - lo)[:, None]
+        mean = (sums[hi, 0] - sums[lo, 0]) / n
+        spread = np.sqrt(np.maximum((sums[hi, 1] - sums[lo, 1]) / n - mean ** 2, 0.0)).mean(axis=1)
         lr = ctx.frame("SELECT step, lr FROM steps WHERE rank = 0 ORDER BY step")
         judged_from = lr["step"][warmup_end(lr["lr"].fill_null(0).to_numpy())] if lr.height else steps[0]
         judged = steps >= judged_from
