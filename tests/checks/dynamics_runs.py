@@ -24,4 +24,6 @@ def run(runs, name):
 
 
 def of(verdict, code, severities=("warn", "fail")):
+    """The verdict's findings of one check; a check that crashed (reported, not raised) fails the test."""
+    assert verdict["check_errors"] == []
     return [f for f in verdict["findings"] if f["code"] == code and f["severity"] in severities]
