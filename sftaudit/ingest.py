@@ -41,7 +41,8 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
               "reference": "VARCHAR", "new_tokens": "INTEGER", "stopped": "BOOLEAN"},
     "metrics": {"seg": "INTEGER", "step": "BIGINT", "name": "VARCHAR", "value": "DOUBLE"},
     "checkpoints": {"seg": "INTEGER", "event": "VARCHAR", "step": "BIGINT", "path": "VARCHAR", "files": "JSON",
-                    "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "time": "DOUBLE", "sha256": "JSON"},
+                    "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "param_norms": "DOUBLE[]",
+                    "time": "DOUBLE", "sha256": "JSON"},
     "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
                "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR"},
 }

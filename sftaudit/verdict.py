@@ -15,6 +15,9 @@ from typing import Any
 from .artifacts import SCHEMA_VERSION
 from .checks.base import SEVERITY_RANK, Finding
 
+# Findings within this many steps of the first anomalous step form its chain (what fired around it).
+CHAIN_WINDOW = 50
+
 
 def checkpoint_name(path: str) -> str:
     return PurePosixPath(path.replace("\\", "/")).name
@@ -47,6 +50,8 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
                       key=lambda f: (f.step is None, f.step or 0, f.code, -SEVERITY_RANK[f.severity], f.message))
     anomalous = [f.step for f in findings if f.step is not None and f.severity != "info"]
     first = min(anomalous) if anomalous else None
+    chain = [{"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
+             for f in findings if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]
 
     per_checkpoint = []
     for c in sorted(checkpoints, key=lambda c: c["step"]):
@@ -67,6 +72,7 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
         "run": run,
         "verdict": worst(findings),
         "first_anomalous_step": first,
+        "first_anomaly_chain": chain,
         "rollback_checkpoint": rollback,
         "checkpoints": per_checkpoint,
         "findings": [f.to_dict() for f in findings],

@@ -2,35 +2,63 @@
 
 from __future__ import annotations
 
+import numpy as np
+from scipy import stats
+
+from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
+from .rolling import grad_norm_matrix, adaptive_window, dominant_period, previous_block_stats, robust_z, warmup_end
+
+# Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
+LOG_SIGMA_FLOOR = np.log(1.2)
 
 
 class GradientNormAnomaly(Check):
     """Gradient-norm anomaly (seed trigger point: after backward).
 
     What it detects:
-        Non-finite training: the first step whose loss is NaN/inf, and the first step
-        whose gradients hold NaN/inf, with the parameter tensors that carry them.
+        Non-finite loss or gradients; a parameter tensor whose gradient norm spikes (against its
+        own history and against the other tensors at that step); the same tensor spiking at a
+        fixed interval (one finding with the period); a global-norm spike no single tensor
+        explains; a parameter that receives gradients but whose weights never move between two
+        saves (left out of the optimizer).
     Why it matters:
-        One non-finite gradient poisons every weight the optimizer touches at that step;
-        from then on the run trains nothing, while a loss logger that filters NaN (the HF
-        Trainer's `logging_nan_inf_filter`) keeps the curve looking smooth.
+        One non-finite gradient poisons every weight it touches. A single layer whose gradient is
+        suddenly an order of magnitude larger points at hardware (the seed's ECC error) or a
+        broken layer; periodic spikes at a fixed interval point at the framework (recompilation),
+        not the data; a tensor left out of the optimizer trains nothing while the loss looks fine.
     Statistic:
-        `isfinite(loss)` per step; `isfinite(norm)` of each tensor's L2 gradient norm
-        (a tensor's norm is non-finite exactly when one of its elements is, or it overflows).
+        Per tensor, y = log(L2 norm); its baseline is the median and 1.4826 x MAD of y over the
+        previous block of `window` steps (default: run length / 16, between 8 and 128 steps).
+        Own-history z = (y - median) / max(sigma, log 1.2); effect size = norm / exp(median).
+        Across tensors (the seed's rule), each tensor's log-ratio to its baseline is compared with
+        the mean + `sigma_across` std of all tensors' log-ratios at that step (raw norms differ by
+        orders of magnitude between embeddings and norms, so they are not compared directly).
+        Warmup (until the learning rate stops rising) is excluded. Weight movement: the shim
+        records float64 weight norms at start and at every save; an unchanged norm while the
+        tensor's gradients were non-zero means the weights did not move.
     Threshold:
-        Any non-finite value is a fail at its first step.
+        Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
+        (10x) and across-tensor z >= `sigma_across` (3, the seed's): fail at its first step.
+        At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
+        spike (same own-history rule) with no tensor spike: warn. Non-finite: fail. Weights
+        unchanged between saves with non-zero gradients: fail.
     Evidence:
-        First and last affected step, number of affected steps, the tensors at the first
-        step with their non-finite element counts, the last finite loss before it.
+        The tensors with norm, baseline median, effect size, z, p-value, steps flagged; the
+        histogram of log10|g| of the first tensor at that step when one was recorded; for frozen
+        weights the saves compared and the gradient norms seen between them.
     """
 
     code = "LOOP-05"
     name = "gradient-norm anomaly"
-    defaults = {"max_tensors_listed": 20}
+    defaults = {"max_tensors_listed": 20, "sigma_across": 3.0, "sigma_own": 6.0, "min_ratio": 10.0,
+                "window": None, "warmup_steps": None, "min_periodic_spikes": 4}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        return self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx)
+        return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx) + self._spikes(ctx)
+                + self._weights_not_moving(ctx))
+
+    # ------------------------------------------------------------------ non-finite
 
     def _nonfinite_loss(self, ctx: AuditContext) -> list[Finding]:
         row = ctx.row(
@@ -74,3 +102,147 @@ class GradientNormAnomaly(Check):
             step=first, first_step=first, last_step=last, steps_affected=n, tensor_count=len(names),
             tensors=tensors.head(self.params["max_tensors_listed"]).to_dicts(), tensors_truncated=len(names) > len(shown),
         )]
+
+    # ------------------------------------------------------------------ spikes
+
+    def _spikes(self, ctx: AuditContext) -> list[Finding]:
+        steps_frame = ctx.frame("SELECT step, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
+                                "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
+        if steps_frame.height < 2:
+            return []
+        steps = steps_frame["step"].to_numpy()
+        _, names, norms = grad_norm_matrix(ctx)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.log(np.where(norms > 0, norms, np.nan).astype(np.float32))  # float32: half the memory traffic
+            global_y = np.log(np.where(steps_frame["grad_norm"].to_numpy() > 0, steps_frame["grad_norm"].to_numpy(), np.nan))
+        window = self.params["window"] or adaptive_window(steps.size)
+        warmup = self.params["warmup_steps"]
+        first_judged = steps[0] + warmup if warmup is not None else steps[warmup_end(steps_frame["lr"].fill_null(0).to_numpy())]
+        judged = steps >= first_judged
+
+        median, sigma = previous_block_stats(y, window)
+        z_own = robust_z(y, median, sigma, LOG_SIGMA_FLOOR)
+        log_ratio = y - median
+        with np.errstate(invalid="ignore"):
+            own = judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+        # The seed's cross-tensor rule, evaluated only on the steps where some tensor spiked on its own.
+        z_across = np.full(y.shape, np.nan)
+        candidates = np.flatnonzero(own.any(axis=1))
+        if candidates.size:
+            sub = log_ratio[candidates]
+            finite = np.isfinite(sub)
+            count = finite.sum(axis=1, keepdims=True)
+            mean = np.where(finite, sub, 0.0).sum(axis=1, keepdims=True) / count
+            spread = np.sqrt((np.where(finite, sub - mean, 0.0) ** 2).sum(axis=1, keepdims=True) / count)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                z_across[candidates] = (sub - mean) / np.where(spread > 0, spread, np.nan)
+        with np.errstate(invalid="ignore"):
+            flagged = own & (z_across >= self.params["sigma_across"])
+        largest = np.fmax.reduce(np.where(judged[:, None], log_ratio, np.nan), axis=1)
+        ctx.add_series(self.code, "largest gradient norm / own running median", steps.tolist(),
+                       np.nan_to_num(np.exp(largest)).tolist(), self.params["min_ratio"])
+
+        findings: list[Finding] = []
+        episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
+        explained = flagged.any(axis=1)  # steps a tensor-level finding accounts for
+        for col in np.flatnonzero(own.any(axis=0)):
+            # Periodicity is judged on the tensor's own history: other tensors may spike with it.
+            rows = np.flatnonzero(own[:, col])
+            period = dominant_period(steps[rows], self.params["min_periodic_spikes"])
+            if period is None:
+                rows = np.flatnonzero(flagged[:, col])
+                if not rows.size:
+                    continue
+            row = rows[0]
+            entry = {"tensor": names[col], "norm": norms[row, col], "baseline_median": float(np.exp(median[row, col])),
+                     "effect_size": float(np.exp(log_ratio[row, col])), "z_own": z_own[row, col], "p_value": float(stats.norm.sf(z_own[row, col])),
+                     "z_across": z_across[row, col], "steps_flagged": int(rows.size), "last_step": int(steps[rows[-1]])}
+            if period is not None:
+                explained[rows] = True
+                findings.append(self.finding(
+                    "warn",
+                    f"{names[col]} gradient norm spikes every {period} steps from step {steps[row]} ({rows.size} spikes, "
+                    f"up to {np.exp(log_ratio[rows, col].max()):.0f}x its running median); look for work the framework repeats on that "
+                    f"period (recompilation, a scheduled hook), not for bad data",
+                    step=steps[row], period=period, spike_steps=steps[rows].tolist(), tensors=[entry],
+                    threshold=self.params["min_ratio"], value=entry["effect_size"],
+                    **self._histogram(ctx, int(steps[row]), names[col]),
+                ))
+            else:
+                episodes.setdefault(int(steps[row]), []).append(entry)
+        for step, tensors in sorted(episodes.items()):
+            tensors.sort(key=lambda t: -t["effect_size"])
+            top = tensors[0]
+            findings.append(self.finding(
+                "fail",
+                f"gradient norm of {top['tensor']} jumped to {top['effect_size']:.0f}x its running median at step {step}"
+                + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
+                + f"; inspect that layer and the hardware it ran on, and resume from a checkpoint before step {step}",
+                step=step, tensors=tensors[: self.params["max_tensors_listed"]], threshold=self.params["min_ratio"],
+                value=top["effect_size"], p_value=top["p_value"], effect_size=top["effect_size"],
+                **self._histogram(ctx, step, top["tensor"]),
+            ))
+
+        # The global norm: a spike shared by many tensors (a bad batch) that no single tensor stands out in.
+        g_median, g_sigma = previous_block_stats(global_y, window)
+        g_z = robust_z(global_y, g_median, g_sigma, LOG_SIGMA_FLOOR)
+        with np.errstate(invalid="ignore"):
+            g_flag = judged & (g_z >= self.params["sigma_own"]) & (global_y - g_median >= np.log(self.params["min_ratio"]))
+        g_flag &= ~explained
+        if g_flag.any():
+            rows = np.flatnonzero(g_flag)
+            row = rows[0]
+            effect = float(np.exp(global_y[row] - g_median[row]))
+            findings.append(self.finding(
+                "warn",
+                f"global gradient norm jumped to {effect:.0f}x its running median at step {steps[row]} "
+                f"({rows.size} step(s) flagged) with no single tensor standing out; inspect that step's batch",
+                step=steps[row], value=effect, effect_size=effect, p_value=float(stats.norm.sf(g_z[row])),
+                threshold=self.params["min_ratio"], spike_steps=steps[rows].tolist()[:50],
+            ))
+        return findings
+
+    def _histogram(self, ctx: AuditContext, step: int, tensor: str) -> dict:
+        row = ctx.row("SELECT counts, zeros, nonfinite FROM grad_hists WHERE rank = 0 AND step = ? AND tensor = ? LIMIT 1",
+                      [step, tensor])
+        if row is None:
+            return {}
+        return {"histogram": {"tensor": tensor, "step": step, "edges": GRAD_HIST_EDGES, "counts": row[0],
+                              "zeros": row[1], "nonfinite": row[2]}}
+
+    # ------------------------------------------------------------------ weights that never move
+
+    def _weights_not_moving(self, ctx: AuditContext) -> list[Finding]:
+        initial = ctx.manifest.get("param_norms") if ctx.manifest.get("seg", 0) == 0 else None
+        saves = ctx.con.execute(
+            "SELECT step, path, param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND param_norms IS NOT NULL "
+            "ORDER BY step").fetchall()
+        snapshots = ([(0, "start of training", initial)] if initial else []) + saves
+        if len(snapshots) < 2:
+            return []
+        names = [r[0] for r in ctx.con.execute(
+            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
+            "ORDER BY idx").fetchall()]
+        findings = []
+        reported: set[int] = set()
+        for (a, a_name, a_norms), (b, b_name, b_norms) in zip(snapshots, snapshots[1:]):
+            if len(a_norms) != len(names) or len(b_norms) != len(names):
+                continue
+            unchanged = [i for i in np.flatnonzero(np.asarray(a_norms) == np.asarray(b_norms)) if i not in reported]
+            if not unchanged:
+                continue
+            grads = ctx.con.execute(
+                "SELECT idx, min(step), count(*), max(norm) FROM grad_norms WHERE rank = 0 AND step > ? AND step <= ? "
+                "AND norm > 0 AND idx IN (SELECT unnest(?::INTEGER[])) GROUP BY idx ORDER BY idx",
+                [a, b, [int(i) for i in unchanged]]).fetchall()
+            for idx, first, n, largest in grads:
+                reported.add(idx)
+                findings.append(self.finding(
+                    "fail",
+                    f"{names[idx]} received non-zero gradients at {n} step(s) from step {first} but its weights did not "
+                    f"change between {a_name} and {b_name}; add it to the optimizer's parameter groups",
+                    step=first, tensors=[{"tensor": names[idx], "weight_norm": b_norms[idx], "largest_grad_norm": largest,
+                                          "steps_with_gradient": n}],
+                    compared={"from": a_name, "from_step": a, "to": b_name, "to_step": b},
+                ))
+        return findings

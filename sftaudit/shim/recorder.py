@@ -125,6 +125,7 @@ class Recorder:
                 for i, it in enumerate(self.eval_set)
             ],
             "config": jsonable(dict(config or {})),
+            "param_norms": None,
         }
         with self._guard("manifest"):
             if tokenizer is not None:
@@ -132,6 +133,7 @@ class Recorder:
                 self._save_tokenizer()
             if dataset is not None:
                 manifest["dataset"] = describe_dataset(dataset)
+            manifest["param_norms"] = self._param_norms()
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -223,6 +225,7 @@ class Recorder:
                 "files": [{"name": self._relative(f), "bytes": f.stat().st_size} for f in files],
                 "training_state": describe_state(dict(training_state)) if training_state is not None else None,
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None,
+                "param_norms": self._param_norms(),
                 "time": time.time(),
             }
             self._write("checkpoints", record)
@@ -368,6 +371,12 @@ class Recorder:
                     "input_ids": full_ids[r].tolist(), "labels": labels[r].tolist(),
                     "attention_mask": mask[r].tolist(),
                 })
+
+    def _param_norms(self) -> list[float]:
+        """Per-tensor weight L2 norms in float64 (one transfer): equal norms at two saves mean the
+        tensor did not move, which is how LOOP-05 finds parameters left out of the optimizer."""
+        with torch.no_grad():
+            return torch.stack([p.detach().double().norm() for p in self._params]).cpu().tolist() if self._params else []
 
     def _is_spike(self, global_norm: float | None) -> bool:
         ema = self._grad_norm_ema

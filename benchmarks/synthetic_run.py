@@ -1,0 +1,76 @@
+"""A synthetic run's artifacts in the real format (what the shim writes), with planted anomalies.
+
+`write_synthetic_run(run_dir, steps=100_000, tensors=200)` writes RUN_DIR/sftaudit/rank-0/*.jsonl
+the way `sftaudit.shim.Recorder` does (same record kinds and fields, float32 values written as the
+shim writes them), so ingest and every check run on it unchanged. The planted anomalies are
+returned, so a benchmark can assert that the audit still finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
+
+def default_anomalies(steps: int, tensors: int) -> dict:
+    """Planted at fixed fractions of the run (for 100,000 steps: 60,000 / 20,096 every 128 / 30,000 / 90,000)."""
+    return {
+        "grad_scale": {"step": steps * 6 // 10, "tensor": min(37, tensors - 2), "factor": 100.0},   # LOOP-05 fail
+        "periodic_spike": {"start": steps // 5 + 96, "every": 128, "factor": 30.0},               # LOOP-05 warn, lm_head
+        "loss_spike": {"step": steps * 3 // 10, "steps": 2},                                      # LOOP-10 warn
+        "lr_jump": {"step": steps * 9 // 10, "factor": 100.0},                                    # LOOP-10 warn + fail
+    }
+
+
+def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int = 200, seed: int = 0,
+                        anomalies: dict | None = None) -> dict:
+    """Write the artifacts; returns the anomalies planted (with defaults filled in)."""
+    anomalies = default_anomalies(steps, tensors) if anomalies is None else anomalies
+    rng = np.random.default_rng(seed)
+    folder = rank_dir(run_dir, 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"model.layers.{i // 8}.block.{i % 8}.weight" for i in range(tensors - 1)] + ["lm_head.weight"]
+    params = [{"name": n, "shape": [64, 64], "dtype": "torch.bfloat16", "numel": 4096, "requires_grad": True} for n in names]
+    now = time.time()
+    manifest = {"schema_version": SCHEMA_VERSION, "run_id": Path(run_dir).name, "seg": 0, "rank": 0, "world_size": 1,
+                "profile": "prod", "schedule": {}, "started": now, "versions": {}, "instance_id": "synthetic",
+                "model": {"class": "Synthetic"}, "params": params, "tied": {}, "grad_norm_source": "pre_clip",
+                "tokenizer": None, "dataset": None, "probe_prompts": [], "eval_set": [], "config": {},
+                "param_norms": None}
+
+    step = np.arange(1, steps + 1)
+    warm = 500
+    lr = 3e-4 * np.minimum(1.0, step / warm)
+    loss = 2.0 + 1.5 * np.exp(-step / 8000) + 0.05 * rng.standard_normal(steps)
+    scale = np.exp(rng.normal(-3, 1.0, tensors))  # tensors differ by orders of magnitude, as in a real model
+    norms = scale * np.exp(0.15 * rng.standard_normal((steps, tensors)))
+    if "grad_scale" in anomalies:
+        a = anomalies["grad_scale"]
+        norms[a["step"] - 1:, a["tensor"]] *= a["factor"]
+    if "periodic_spike" in anomalies:
+        a = anomalies["periodic_spike"]
+        norms[a["start"] - 1::a["every"], -1] *= a["factor"]
+    if "loss_spike" in anomalies:
+        a = anomalies["loss_spike"]
+        loss[a["step"] - 1:a["step"] - 1 + a["steps"]] += 3.0
+    if "lr_jump" in anomalies:
+        a = anomalies["lr_jump"]
+        lr[a["step"] - 1:] *= a["factor"]
+        loss[a["step"]:] += np.linspace(2, 8, steps - a["step"])
+    norms = norms.astype(np.float32).astype(np.float64)  # the shim transfers float32 and writes it as float
+    global_norm = np.sqrt((norms ** 2).sum(axis=1))
+
+    with open(folder / "manifest.jsonl", "w") as f:
+        f.write(json.dumps(manifest) + "\n")
+    with open(folder / "steps.jsonl", "w") as f:
+        for i in range(steps):
+            f.write(json.dumps({"seg": 0, "step": int(step[i]), "time": now + i, "dt": 0.1, "loss": float(loss[i]),
+                                "lr": float(lr[i]), "grad_norm": float(global_norm[i]), "grad_norms": norms[i].tolist(),
+                                "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096}, separators=(",", ":")) + "\n")
+    with open(folder / "events.jsonl", "w") as f:
+        f.write(json.dumps({"seg": 0, "kind": "start", "time": now}) + "\n")
+    return anomalies

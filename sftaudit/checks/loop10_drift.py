@@ -1,0 +1,192 @@
+"""LOOP-10 loss pathologies and rolling-window drift."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+from .base import AuditContext, Check, Finding
+from .rolling import grad_norm_matrix, adaptive_window, previous_block_stats, robust_z, warmup_end
+
+
+class LossDynamics(Check):
+    """Loss pathologies and rolling-window drift (seed 003 section 3.2; runs after every step).
+
+    What it detects:
+        A loss spike (a batch the model cannot predict, the seed's garbage text), a loss that
+        diverges and stays up, a learning rate that jumps outside warmup, a loss plateau, training
+        vs validation loss divergence (when the run logs `eval_loss`), and distribution drift of
+        the loss, the global and per-tensor gradient norms and the probe entropy between
+        consecutive windows.
+    Why it matters:
+        Seed 003 names the three loss-curve pathologies: a plateau (homogeneous data or too few
+        useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
+        (over-fitting or leakage). A diverging loss after a learning-rate jump wastes every step
+        after it: resume before the jump.
+    Statistic:
+        Loss z = (loss - median) / max(1.4826 MAD, 1% of median) against the previous block of
+        `window` steps (run length / 16, 8..128). Learning-rate ratio lr[s] / lr[s-1] after
+        warmup. Plateau: relative change of the block median loss over `plateau_blocks` blocks.
+        Train/val: eval_loss rising at `gap_evals` consecutive evaluations while the training
+        loss block median falls. Drift: two-sided Mann-Whitney U between consecutive windows of
+        each series' absolute step-to-step change of log value (volatility, indifferent to a
+        smooth trend), Benjamini-Hochberg corrected across all series and windows.
+    Threshold:
+        Spike: z >= `sigma_spike` (6): warn; elevated for `diverge_steps` (5) steps in a row or
+        through the end of the run: fail (divergence). Learning-rate jump: ratio >= `lr_jump`
+        (10x) or <= 1/`lr_jump`: warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
+        after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
+        volatility ratio >= 3: info (drift is context for the other findings, not a verdict).
+    Evidence:
+        Loss, baseline median, z, p-value and effect size at the step; the spike steps; the
+        learning rates around a jump; block medians of a plateau; drifted series with q-values.
+    """
+
+    code = "LOOP-10"
+    name = "loss pathologies and drift"
+    defaults = {"sigma_spike": 6.0, "diverge_steps": 5, "window": None, "lr_jump": 10.0, "plateau_blocks": 4,
+                "plateau_tolerance": 0.005, "gap_evals": 3, "fdr_q": 0.01, "min_volatility_ratio": 3.0,
+                "max_series_listed": 20}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        frame = ctx.frame("SELECT step, arg_max(loss, seg) AS loss, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
+                          "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
+        if frame.height < 3:
+            return []
+        steps = frame["step"].to_numpy()
+        loss = frame["loss"].fill_null(np.nan).to_numpy().astype(float)
+        lr = frame["lr"].fill_null(np.nan).to_numpy().astype(float)
+        window = self.params["window"] or adaptive_window(steps.size)
+        first = warmup_end(np.nan_to_num(lr))
+        return (self._loss_spikes(ctx, steps, loss, window, first) + self._lr_jumps(steps, lr, first)
+                + self._plateau(steps, loss, window, first) + self._train_val_gap(ctx)
+                + self._drift(ctx, frame, window, first))
+
+    def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
+        median, sigma = previous_block_stats(loss, window)
+        z = robust_z(loss, median, sigma, 0.0)
+        z = np.where(sigma > 0.01 * np.abs(median), z, (loss - median) / (0.01 * np.abs(median)))
+        ctx.add_series(self.code, "loss robust z vs previous block", steps.tolist(), np.nan_to_num(z).tolist(),
+                       self.params["sigma_spike"])
+        with np.errstate(invalid="ignore"):
+            elevated = (np.arange(steps.size) >= first) & (z >= self.params["sigma_spike"])
+        if not elevated.any():
+            return []
+        # Consecutive elevated steps form one episode; its length decides spike vs divergence.
+        starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
+        ends = np.flatnonzero(elevated & ~np.r_[elevated[1:], False])
+        findings = []
+        for s, e in zip(starts, ends):
+            length = e - s + 1
+            evidence = dict(value=loss[s], baseline_median=median[s], z=z[s], p_value=float(stats.norm.sf(z[s])),
+                            effect_size=loss[s] / median[s], threshold=self.params["sigma_spike"],
+                            spike_steps=steps[s:e + 1].tolist()[:50])
+            if length >= self.params["diverge_steps"] or (e == steps.size - 1 and length >= 2):
+                findings.append(self.finding(
+                    "fail",
+                    f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running median of {median[s]:.3g}) and "
+                    f"stayed up for {length} step(s); resume from a checkpoint before step {steps[s]} with a lower learning rate",
+                    step=steps[s], **evidence))
+                break  # after a divergence the baseline is meaningless
+            findings.append(self.finding(
+                "warn",
+                f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running median of {median[s]:.3g} "
+                f"for {length} step(s); inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
+                step=steps[s], **evidence))
+        return findings
+
+    def _lr_jumps(self, steps, lr, first) -> list[Finding]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = lr[1:] / lr[:-1]
+        factor = self.params["lr_jump"]
+        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & (np.arange(1, steps.size) > first))
+        if not jumps.size:
+            return []
+        i = jumps[0] + 1
+        return [self.finding(
+            "warn",
+            f"learning rate changed {ratio[i - 1]:.3g}x in one step at step {steps[i]} ({lr[i - 1]:.3g} -> {lr[i]:.3g}) "
+            f"after warmup; check the scheduler and the resumed optimizer state",
+            step=steps[i], value=ratio[i - 1], threshold=factor, lr_before=lr[i - 1], lr_after=lr[i],
+            jump_steps=steps[jumps + 1].tolist()[:50])]
+
+    def _plateau(self, steps, loss, window, first) -> list[Finding]:
+        k = self.params["plateau_blocks"]
+        start = -(-max(first, 1) // window) * window  # first whole block after warmup
+        blocks = (steps.size - start) // window
+        if blocks < k + 1:
+            return []
+        medians = np.median(loss[start:start + blocks * window].reshape(blocks, window), axis=1)
+        change = (medians[k:] - medians[:-k]) / np.abs(medians[:-k])  # over k blocks; negative = improving
+        flat = np.flatnonzero(np.abs(change) < self.params["plateau_tolerance"])
+        if not flat.size:
+            return []
+        b = flat[0]
+        at = steps[start + b * window]
+        return [self.finding(
+            "info",
+            f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
+            f"check the data for homogeneous or mostly masked samples before spending more steps",
+            step=at, value=change[b], threshold=self.params["plateau_tolerance"], block_medians=medians[b:b + k + 1].tolist())]
+
+    def _train_val_gap(self, ctx) -> list[Finding]:
+        evals = ctx.frame("SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
+                          "GROUP BY step ORDER BY step")
+        n = self.params["gap_evals"]
+        if evals.height < n + 1:
+            return []
+        train = ctx.frame(
+            "SELECT e.step, (SELECT median(loss) FROM steps s WHERE s.rank = 0 AND s.step <= e.step AND s.step > e.step - 20) AS train "
+            "FROM (SELECT DISTINCT step FROM metrics WHERE rank = 0 AND name = 'eval_loss') e ORDER BY e.step")
+        ev, tr = evals["eval_loss"].to_numpy(), train["train"].fill_null(np.nan).to_numpy()
+        diverging = (np.diff(ev) > 0) & (np.diff(tr) < 0)
+        hits = np.flatnonzero(np.convolve(diverging.astype(int), np.ones(n, dtype=int), mode="full")[: diverging.size] >= n)
+        if not hits.size:
+            return []
+        i = hits[0] - n + 1  # the first rising evaluation of the run of n
+        at = int(evals["step"][i + 1])
+        return [self.finding(
+            "warn",
+            f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
+            f"stop or roll back, and check the eval set for overlap with the training data",
+            step=at, eval_steps=evals["step"].to_list()[i:i + n + 1], eval_loss=ev[i:i + n + 1].tolist())]
+
+    def _drift(self, ctx, frame, window, first) -> list[Finding]:
+        series = {"loss": frame["loss"].fill_null(np.nan).to_numpy(), "global grad norm": frame["grad_norm"].fill_null(np.nan).to_numpy()}
+        steps = frame["step"].to_numpy()
+        _, names, norms = grad_norm_matrix(ctx)
+        labels = list(series) + [f"grad norm {n}" for n in names]
+        values = np.column_stack([series["loss"], series["global grad norm"], norms])
+        start = -(-max(first, 1) // window) * window
+        blocks = (steps.size - start - 1) // window
+        if blocks < 2:
+            return []
+        with np.errstate(divide="ignore", invalid="ignore"):
+            change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=0))[start:start + blocks * window]
+        windows = change.reshape(blocks, window, -1).transpose(0, 2, 1)  # block, series, step
+        finite = np.isfinite(windows).all(axis=2)
+        ok = finite[:-1] & finite[1:]
+        medians = np.median(windows, axis=2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            effect = medians[1:] / medians[:-1]
+        # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
+        # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
+        tested = ok & (effect >= self.params["min_volatility_ratio"])
+        p = np.ones(ok.shape)
+        if tested.any():
+            p[tested] = stats.mannwhitneyu(windows[:-1][tested], windows[1:][tested], axis=1,
+                                           alternative="two-sided").pvalue
+        q = stats.false_discovery_control(p.ravel(), method="bh").reshape(p.shape)
+        hit = (q < self.params["fdr_q"]) & (effect >= self.params["min_volatility_ratio"]) & ok
+        if not hit.any():
+            return []
+        b = int(np.flatnonzero(hit.any(axis=1))[0])
+        cols = np.flatnonzero(hit[b])
+        at = int(steps[start + (b + 1) * window + 1])
+        listed = sorted(({"series": labels[c], "q_value": q[b, c], "effect_size": effect[b, c]} for c in cols),
+                        key=lambda r: r["q_value"])[: self.params["max_series_listed"]]
+        return [self.finding(
+            "info",
+            f"step-to-step volatility of {len(cols)} series ({listed[0]['series']} first) rose from step {at} "
+            f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",
+            step=at, drifted=listed, tests=int(ok.sum()), threshold=self.params["fdr_q"])]

@@ -1,0 +1,29 @@
+"""The planted-fault runs the dynamics checks (LOOP-05..08, LOOP-10) share: each is trained once per
+session through the real shim; names and options must stay identical wherever a run is requested."""
+
+from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR  # noqa: F401 - re-exported for the tests
+
+SCALE_STEP, SPIKE_START, SPIKE_EVERY, LR_JUMP_STEP, LEAK_STEP = 12, 10, 5, 15, 7
+FROZEN_TENSOR = "model.layers.0.mlp.up_proj.weight"
+QUIET = dict(checkpoint_every=0, probe_every=0)
+
+RUNS = {
+    "grad_scale": dict(steps=20, faults={"grad_scale_from": SCALE_STEP}, grad_hist_every=4, **QUIET),
+    "periodic": dict(steps=25, faults={"grad_spike_every": {"step": SPIKE_EVERY, "start": SPIKE_START}}, **QUIET),
+    "frozen": dict(steps=20, faults={"frozen_param": FROZEN_TENSOR}, checkpoint_every=10, probe_every=0),
+    "lr_jump": dict(steps=22, faults={"lr_jump_at": LR_JUMP_STEP}, **QUIET),
+    "eval_leak": dict(steps=10, faults={"eval_leak_at": LEAK_STEP}, **QUIET),
+    "template": dict(steps=20, faults={"template_from": 1}, lr=1e-2, checkpoint_every=0, probe_every=2, generate_every=4, max_new_tokens=16),
+    # Clean, with every probe the dynamics checks read (the session's clean_run has no generations or evals).
+    "clean_probed": dict(steps=20, checkpoint_every=0, probe_every=2, generate_every=4, eval_every=4, max_new_tokens=16),
+}
+
+
+def run(runs, name):
+    return runs(name, **RUNS[name])
+
+
+def of(verdict, code, severities=("warn", "fail")):
+    """The verdict's findings of one check; a check that crashed (reported, not raised) fails the test."""
+    assert verdict["check_errors"] == []
+    return [f for f in verdict["findings"] if f["code"] == code and f["severity"] in severities]

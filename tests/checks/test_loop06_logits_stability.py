@@ -1,0 +1,27 @@
+"""LOOP-06: the probe distributions of a model collapsing onto a template jump; a clean run's do not."""
+
+from sftaudit.audit import audit
+from sftaudit.checks.loop06_logits_stability import kl_top_k
+
+from .dynamics_runs import of, run
+
+
+def test_kl_on_truncated_top_k_is_zero_for_equal_and_positive_for_shifted_distributions():
+    assert kl_top_k([1, 2, 3], [0.5, 0.3, 0.1], [1, 2, 3], [0.5, 0.3, 0.1]) == 0.0
+    assert kl_top_k([1, 2, 3], [0.5, 0.3, 0.1], [7, 8, 9], [0.9, 0.05, 0.01]) > 1.0
+
+
+def test_template_collapse_moves_the_probe_distributions_before_the_generations_show_it(runs):
+    verdict = audit(run(runs, "template"))
+    findings = of(verdict, "LOOP-06")
+    assert findings and {f["severity"] for f in findings} == {"warn"}
+    first = min(findings, key=lambda f: f["step"])
+    assert first["evidence"]["value"] > first["evidence"]["threshold"]
+    diversity = of(verdict, "LOOP-07")
+    assert diversity and first["step"] <= diversity[0]["step"]
+    assert verdict["first_anomalous_step"] == min(f["step"] for f in verdict["findings"] if f["severity"] != "info")
+
+
+def test_clean_probes_raise_nothing(runs, clean_run):
+    for run_dir in (run(runs, "clean_probed"), clean_run):
+        assert of(audit(run_dir), "LOOP-06") == []
