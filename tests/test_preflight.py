@@ -10,6 +10,8 @@ from sftaudit.cli import main
 from sftaudit.fixtures import CHAT_TEMPLATE_PATH, build_tokenizer, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 
+from .torchless import PRELUDE
+
 ROWS = 24
 
 
@@ -117,7 +119,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tokenizer_dir, capsys):
 def test_preflight_runs_without_torch_and_shows_progress(tmp_path, tokenizer_dir):
     data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
     script = (
-        "import sys; sys.modules['torch'] = None\n"
+        PRELUDE +
         "import sftaudit.preflight as p; p.PROGRESS_FROM = 1\n"
         "from sftaudit.cli import main\n"
         f"sys.exit(main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tokenizer_dir)!r}, "

@@ -7,6 +7,7 @@ from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 from sftaudit.ingest import connect
 
+from ..torchless import PRELUDE
 from .data_runs import audited, batch_ids, clean_data_findings, findings
 
 
@@ -90,7 +91,7 @@ def test_clean_run_masks_exactly_the_template_spans(clean_run):
 def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
     run_dir, _ = audited(runs, "data_mask")
     script = (
-        "import sys; sys.modules['torch'] = None\n"
+        PRELUDE +
         "from sftaudit.audit import audit\n"
         f"v = audit({str(run_dir)!r})\n"
         "assert v['check_errors'] == [], v['check_errors']\n"
