@@ -1,4 +1,4 @@
-"""Command line: `sftaudit ingest|audit|report|demo`.
+"""Command line: `sftaudit ingest|audit|report|replay|gate|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -40,6 +40,20 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+
+    s = sub.add_parser("replay", help="a failed run's first anomalous step, findings, batches and how to resume")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--json", action="store_true", help="print the replay as JSON")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and the rollback margin")
+
+    s = sub.add_parser("gate", help="exit 0 if a checkpoint passes, 1 if it fails, 2 if it cannot be judged")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--checkpoint", required=True, help="checkpoint name, step or path")
+    s.add_argument("--policy", type=Path, help="TOML file: which severities and codes block")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
+    s.add_argument("--strict", action="store_true", help="warn findings block too")
+    s.add_argument("--junit", type=Path, help="write JUnit XML here (one testcase per check)")
+    s.add_argument("--json", type=Path, help="write the gate result as JSON here")
 
     s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
     s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
@@ -102,6 +116,30 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from .config import AuditConfig
+    from .replay import replay, to_json, to_text
+
+    config = AuditConfig.load(args.config)
+    doc = replay(args.run_dir, config)
+    print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
+    return _exit_code(doc["verdict"], config.strict)
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from .config import AuditConfig
+    from .gate import Policy, gate
+
+    config = AuditConfig.load(args.config)
+    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text(), encoding="utf-8")
+    print(result.summary())
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .fixtures.demo import run_demo
 
@@ -131,7 +169,8 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "demo": _demo}
+_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "replay": _replay, "gate": _gate,
+             "demo": _demo}
 
 if __name__ == "__main__":
     sys.exit(main())
