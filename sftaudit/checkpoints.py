@@ -162,9 +162,13 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
         raise CheckpointError(f"{bad} has malformed data_offsets {offsets!r}")
     begin, end = offsets
-    if not 0 <= begin <= end <= data_size:
-        raise CheckpointError(f"{bad} has data_offsets [{begin}, {end}] outside the file's {data_size} data bytes "
-                              f"(truncated file or hostile header)")
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{bad} has malformed data_offsets [{begin}, {end}]")
+    if begin > data_size:
+        raise CheckpointError(f"{bad} has data_offsets [{begin}, {end}] pointing outside the file's {data_size} "
+                              f"data bytes (hostile or corrupt header)")
+    if end > data_size:
+        raise CheckpointError(f"{bad} ends at data byte {end} but the file holds {data_size}: the file is truncated")
     item = np.dtype(SAFETENSORS_DTYPES[spec["dtype"]][0]).itemsize
     if end - begin != math.prod(shape) * item:
         raise CheckpointError(f"{bad}: shape {shape} needs {math.prod(shape) * item} bytes, "
@@ -256,6 +260,8 @@ class PickleContents:
 
 
 _MARK = object()
+# Protocol 0-2 pickles name Python 3's modules by their Python 2 names (as pickle itself maps them).
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 _LEGACY_TORCH_MAGIC = 0x1950A86A20F9469CFC6C
 
 
@@ -354,7 +360,7 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
                 stack[-1].update(_as_dict(items))
         elif name in ("GLOBAL", "INST"):
             module, _, attr = arg.partition(" ")
-            g = Global(module, attr)
+            g = Global(_PY2_MODULES.get(module, module), attr)
             seen.add(str(g))
             if name == "INST":
                 stack.append(Call(g, tuple(pop_mark())))

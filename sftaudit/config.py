@@ -8,7 +8,7 @@
     strict = false              # warns block the gate too
 
     [verdict]
-    rollback_margin = 100       # roll back to a checkpoint at least this many steps before the anomaly
+    rollback_margin = 100       # the rollback checkpoint is at least this many steps before the anomaly (default 1)
 
 Config is kept apart from computation: checks read only their own `params`.
 """
@@ -41,7 +41,7 @@ class AuditConfig:
             raise InputError(f"config {path}: {exc}") from None
         audit = data.get("audit", {})
         margin = data.get("verdict", {}).get("rollback_margin", DEFAULT_ROLLBACK_MARGIN)
-        if not isinstance(margin, int) or margin < 0:
-            raise InputError(f"config {path}: verdict.rollback_margin must be a non-negative integer")
+        if not isinstance(margin, int) or margin < 1:
+            raise InputError(f"config {path}: verdict.rollback_margin must be an integer >= 1")
         return cls(check_options=data.get("checks", {}), disabled=list(audit.get("disable", [])),
                    strict=bool(audit.get("strict", False)), rollback_margin=margin)

@@ -5,8 +5,8 @@ A finding at step s falls in the window of the first checkpoint saved at a step 
 worst severity of everything that happened up to it: findings in its window or an
 earlier one, run-level findings (no step), and findings about the checkpoint itself.
 The rollback checkpoint is the last intact one (no warn/fail finding about the checkpoint
-itself, i.e. it passes LOOP-09) saved at least `rollback_margin` steps before the first
-anomalous step.
+itself, i.e. it passes LOOP-09) saved at least `rollback_margin` (default 1) steps before
+the first anomalous step.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def worst(findings: list[Finding]) -> str:
     return "pass" if rank == 0 else ("warn", "fail")[rank - 1]
 
 
-# The seed rolls back to `step_id - 3`; PaLM-style practice restarts ~100 steps before a spike.
-DEFAULT_ROLLBACK_MARGIN = 3
+# Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
+# checkpoint before the anomaly; the seed rolls back to `step_id - 3` (3); PaLM-style practice
+# restarts about 100 steps before a loss spike (100).
+DEFAULT_ROLLBACK_MARGIN = 1
 
 
 def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str, Any]],
@@ -88,10 +90,10 @@ def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list
 
 
 def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
-    """The last intact checkpoint (passes LOOP-09) saved at least `margin` steps before the first anomaly."""
+    """The last intact checkpoint (passes LOOP-09) saved at least `margin` (>= 1) steps before the first anomaly."""
     if first is None:
         return None
-    intact = [c for c in per_checkpoint if c["step"] <= first - margin and c["intact"]]
+    intact = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["intact"]]
     return intact[-1]["name"] if intact else None
 
 

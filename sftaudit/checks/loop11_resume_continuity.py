@@ -87,11 +87,13 @@ class ResumeContinuity(Check):
                     SELECT step, sample_ids FROM batches WHERE rank = 0 AND seg < $seg AND step < $first
                     QUALIFY seg = max(seg) OVER (PARTITION BY step))),  -- the latest segment's view of each step
             resumed AS (
-                SELECT step, unnest(sample_ids) AS id FROM batches
-                WHERE rank = 0 AND seg = $seg AND step < $first + $window)
-            SELECT r.id AS sample_id, min(r.step) AS reread_at, min(h.step) AS first_trained_at
+                SELECT step, micro, unnest(sample_ids) AS id, generate_subscripts(sample_ids, 1) AS pos
+                FROM batches WHERE rank = 0 AND seg = $seg AND step < $first + $window)
+            SELECT r.id AS sample_id, r.step AS reread_at, min(h.step) AS first_trained_at
             FROM resumed r JOIN history h ON r.id = h.id AND (r.step - 1) // $epoch = (h.step - 1) // $epoch
-            GROUP BY r.id ORDER BY reread_at, first_trained_at, sample_id
+            GROUP BY r.id, r.step, r.micro, r.pos
+            QUALIFY row_number() OVER (PARTITION BY r.id ORDER BY r.step) = 1
+            ORDER BY r.step, r.micro, r.pos
             """, {"seg": seg, "first": first, "window": self.params["data_window"], "epoch": epoch})
         if reread.is_empty():
             return []

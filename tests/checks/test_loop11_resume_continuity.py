@@ -1,0 +1,64 @@
+"""LOOP-11: a clean resume is silent; a resume that restarts the LR warmup, loses the weights or the
+data position is found at its first resumed step; so is a resume from a checkpoint that fails LOOP-09."""
+
+import shutil
+
+import pytest
+
+from sftaudit.audit import audit
+from sftaudit.ingest import connect
+
+
+def loop11(verdict):
+    return [f for f in verdict["findings"] if f["code"] == "LOOP-11"]
+
+
+@pytest.fixture(scope="module")
+def verdict(resumed_run):
+    return audit(resumed_run)
+
+
+def test_each_faulty_resume_is_found_at_its_first_step(verdict):
+    found = {(f["step"], f["severity"], f["message"].split(" ")[1]) for f in loop11(verdict)}
+    # Resumes at 11 (clean), 16 (warmup restarted), 21 (weights lost), 26 (data position lost).
+    assert found == {(16, "fail", "learning"), (21, "warn", "loss"), (26, "fail", "resuming")}
+
+
+def test_restarted_warmup(verdict):
+    lr = next(f for f in loop11(verdict) if f["step"] == 16)
+    assert lr["evidence"]["lr_before"] == pytest.approx(3e-3)
+    assert lr["evidence"]["lr_after"] == pytest.approx(3e-3 * 2 / 5)  # LambdaLR warmup, first step again
+    assert lr["checkpoint"] == "checkpoint-20"
+
+
+def test_lost_weights_show_as_a_loss_jump(verdict):
+    jump = next(f for f in loop11(verdict) if f["step"] == 21)["evidence"]
+    assert jump["loss_after"] - jump["loss_before"] > jump["threshold"] > 0
+
+
+def test_reread_data_names_the_samples_and_steps(verdict, resumed_run):
+    reread = next(f for f in loop11(verdict) if f["step"] == 26)
+    con = connect(resumed_run, read_only=True)
+    try:
+        # The lost data position restarts the epoch: steps 26-30 train the batches of steps 1-5 again.
+        first_batches = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches "
+                                    "WHERE seg = 0 AND step <= 5").fetchall()[0][0]
+    finally:
+        con.close()
+    assert reread["evidence"]["count"] == len(first_batches) == 40
+    assert reread["evidence"]["sample_ids"] == first_batches
+    assert reread["evidence"]["steps"] == [26, 27, 28, 29, 30]
+
+
+def test_resume_from_a_checkpoint_that_fails_integrity(resumed_run, tmp_path):
+    run = tmp_path / "resumed-copy"
+    shutil.copytree(resumed_run, run)
+    weights = run / "checkpoint-10" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    found = [f for f in loop11(audit(run)) if f["step"] == 11]
+    assert len(found) == 1 and found[0]["severity"] == "fail"
+    assert found[0]["evidence"]["source_checkpoint"] == "checkpoint-10"
+
+
+def test_runs_never_resumed_are_silent(clean_run):
+    assert loop11(audit(clean_run)) == []
