@@ -450,3 +450,55 @@ def _call(func: Any, args: Any) -> Any:
     if name == "torch.Size" and args:
         return tuple(args[0]) if isinstance(args[0], (list, tuple)) else ()
     return Call(func, args)
+
+
+# ---------------------------------------------------------------------------- torch.save state dicts
+
+_BITS_BY_TORCH_DTYPE = {name: (bits, mask) for bits, name, mask in SAFETENSORS_DTYPES.values()}
+
+
+def state_dict_tensors(contents: PickleContents) -> dict[str, TensorRef]:
+    """The tensors of a pickled state dict (top level, or under "model"/"state_dict"/"module")."""
+    value = contents.value
+    if isinstance(value, dict):
+        for key in ("state_dict", "model", "module"):
+            if isinstance(value.get(key), dict):
+                value = value[key]
+                break
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, TensorRef)}
+
+
+def scan_torch_zip(path: Path, tensors: dict[str, TensorRef]) -> dict[str, TensorScan]:
+    """Stream the storage records of a torch zip archive: non-finite count and digest per storage,
+    given to every tensor that views it."""
+    scans: dict[str, TensorScan] = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = next(i.filename for i in z.infolist() if i.filename.endswith("data.pkl"))
+            prefix = pkl[: -len("data.pkl")]
+            by_storage: dict[str, TensorScan] = {}
+            for name, ref in tensors.items():
+                if ref.storage not in by_storage:
+                    bits, mask = _BITS_BY_TORCH_DTYPE.get(ref.dtype, ("u1", None))
+                    by_storage[ref.storage] = _scan_stream(z.open(f"{prefix}data/{ref.storage}"), bits, mask)
+                scans[name] = by_storage[ref.storage]
+    except (OSError, KeyError, StopIteration, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"{path.name}: tensor data unreadable ({type(exc).__name__}: {exc})") from None
+    return scans
+
+
+def _scan_stream(stream: Any, bits: str, mask: int | None) -> TensorScan:
+    item = np.dtype(bits).itemsize
+    h, nonfinite, tail = hashlib.blake2b(digest_size=16), 0, b""
+    with stream:
+        while chunk := stream.read(CHUNK_BYTES):
+            h.update(chunk)
+            if mask is not None:
+                data = tail + chunk
+                cut = len(data) - len(data) % item
+                values = np.frombuffer(data[:cut], dtype=bits)
+                nonfinite += int(np.count_nonzero((values & values.dtype.type(mask)) == mask))
+                tail = data[cut:]
+    return TensorScan(nonfinite, h.hexdigest())

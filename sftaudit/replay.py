@@ -75,7 +75,7 @@ def to_text(doc: dict[str, Any]) -> str:
                      f"restart from scratch")
     else:
         lines.append(f"roll back to {rb['name']} (step {rb['step']}, margin {doc['rollback_margin']} steps)")
-    lines.append(f"batches up to the anomaly (inspect or skip):")
+    lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:
         r = doc["resume"]

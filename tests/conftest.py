@@ -39,8 +39,9 @@ def nan_run(runs) -> Path:
     return runs("nan", steps=20, faults={"nan_at": NAN_STEP})
 
 
-# Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps).
-CHECKPOINT_FAULTS = {"ckpt_missing_key": 4, "ckpt_stray_dtype": 6, "ckpt_nan_tensor": 8, "ckpt_truncated": 10,
+# Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps);
+# checkpoint-2 is sound but saved with torch.save (pytorch_model.bin).
+CHECKPOINT_FAULTS = {"ckpt_torch_weights": 2, "ckpt_missing_key": 4, "ckpt_stray_dtype": 6, "ckpt_nan_tensor": 8, "ckpt_truncated": 10,
                      "ckpt_header_outside": 12, "ckpt_pickle_payload": 14, "ckpt_no_rng": 16, "param_left_out": 17}
 HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
 

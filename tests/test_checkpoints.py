@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from sftaudit.checkpoints import (CheckpointError, inside_run, read_pickle, read_safetensors_header,
-                                  safetensors_files, scan_safetensors)
+                                  safetensors_files, scan_safetensors, scan_torch_zip, state_dict_tensors)
 
 
 def write_header(path, header, data=b""):
@@ -99,3 +99,13 @@ def test_garbage_is_not_a_pickle(tmp_path):
     path.write_bytes(b"\x80\x05\x95garbage")
     with pytest.raises(CheckpointError, match="not a readable pickle"):
         read_pickle(path)
+
+
+def test_torch_save_state_dicts_are_scanned_from_their_records(tmp_path):
+    weights = {"w": torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]), "b": torch.zeros(3, dtype=torch.float16)}
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"state_dict": weights}, path)
+    refs = state_dict_tensors(read_pickle(path))
+    assert {n: (r.dtype, r.shape) for n, r in refs.items()} == {"w": ("float32", (2, 2)), "b": ("float16", (3,))}
+    scans = scan_torch_zip(path, refs)
+    assert scans["w"].nonfinite == 2 and scans["b"].nonfinite == 0

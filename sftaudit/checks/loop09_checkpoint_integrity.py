@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle,
-                           read_safetensors_header, safetensors_files, scan_safetensors)
+                           read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
+                           state_dict_tensors)
 from .base import AuditContext, Check, Finding
 
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".pkl")
+# Weights saved with torch.save(model.state_dict()), read when a folder has no safetensors.
+TORCH_WEIGHT_FILES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
 # Where each part of an exact-resume training state may live, by key, in a state pickle.
 STATE_KEYS = {
@@ -57,8 +60,8 @@ class CheckpointIntegrity(Check):
         after an architecture change) and 2.3 (collator config, scheduler step and RNG states
         lost at rollback) surface only when someone needs the checkpoint most.
     Statistic:
-        Keys and shapes of every safetensors file (header validated before use) against the
-        manifest's parameters; majority floating dtype per checkpoint (or `expected_dtype`);
+        Keys and shapes of every safetensors file (header validated before use), or of a
+        torch.save state dict read statically, against the manifest's parameters; majority floating dtype per checkpoint (or `expected_dtype`);
         count of elements whose exponent bits are all set, streamed in bounded chunks;
         sha256 against the shim's record; training-state parts found by reading the state
         pickles statically (never unpickled); blake2b digest per tensor, compared between
@@ -135,23 +138,35 @@ class CheckpointIntegrity(Check):
                                  {"files": changed}))
 
     def _check_weights(self, path: Path, checkpoint: dict, out: Inspection) -> None:
-        files = [path] if path.is_file() and path.suffix == ".safetensors" else []
         try:
-            files = files or (safetensors_files(path) if path.is_dir() else [])
+            files = [path] if path.is_file() else safetensors_files(path)
         except CheckpointError as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
             return
+        if path.is_dir() and not files:
+            files = sorted(p for p in path.iterdir() if p.name in TORCH_WEIGHT_FILES)
         if not files:
-            out.problems.append(("fail", f"{out.name} holds no safetensors weights; save with "
-                                 f"safetensors (save_pretrained / safetensors.torch.save_file)", {}))
+            out.problems.append(("fail", f"{out.name} holds no model weights (model.safetensors, shards with an "
+                                 f"index, or {TORCH_WEIGHT_FILES[0]})", {}))
             return
         entries, scans = {}, {}
         for f in files:
             rel = f"{out.name}/{f.name}" if path.is_dir() else out.name
             try:
-                header, _ = read_safetensors_header(f)
-                for entry, scan in scan_safetensors(f, header):
-                    entries[entry.name], scans[entry.name] = entry, scan
+                if f.suffix == ".safetensors":
+                    header, _ = read_safetensors_header(f)
+                    for entry, scan in scan_safetensors(f, header):
+                        entries[entry.name], scans[entry.name] = entry, scan
+                    continue
+                contents = read_pickle(f)
+                unsafe = contents.unsafe_globals(tuple(self.params["trusted_pickle_globals"]))
+                if unsafe:  # named by _check_state for folders; never trusted for weights
+                    if path.is_file():
+                        out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
+                    return
+                refs = state_dict_tensors(contents)
+                entries.update(refs)
+                scans.update(scan_torch_zip(f, refs))
             except (CheckpointError, OSError) as exc:
                 out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be "
                                      f"loaded", {"file": rel}))
@@ -216,9 +231,7 @@ class CheckpointIntegrity(Check):
                 continue
             unsafe = contents.unsafe_globals(tuple(self.params["trusted_pickle_globals"]))
             if unsafe:
-                out.problems.append(("fail", f"{rel} is a pickle that would import and call {unsafe[0]} when "
-                                     f"loaded (sftaudit only read it statically); never torch.load it without "
-                                     f"weights_only=True and find what wrote it", {"file": rel, "imports": unsafe}))
+                out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
                 continue
             pickles[f.name] = contents
         if not self.params["require_state"]:
@@ -249,6 +262,11 @@ class CheckpointIntegrity(Check):
             f"in steps {before.step + 1}-{after.step}, first {stale[0]['tensor']}; they are missing from the "
             f"optimizer or frozen by mistake"), {"tensors": stale[: self.params["max_tensors_listed"]],
                                                  "previous_checkpoint": before.name, "tensor_count": len(stale)})]
+
+
+def _unsafe_message(rel: str, unsafe: list[str]) -> str:
+    return (f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
+            f"statically); never torch.load it without weights_only=True and find what wrote it")
 
 
 def groups_of(name: str, tied: dict[str, str]) -> str:

@@ -25,8 +25,10 @@ def faulty(checkpoint_fault_run):
     return audit(checkpoint_fault_run)
 
 
-def test_each_fault_fails_only_its_own_checkpoint(faulty):
+def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
     found = loop09(faulty)
+    # checkpoint-2 is sound, its weights saved with torch.save: read statically, it passes.
+    assert (checkpoint_fault_run / "checkpoint-2" / "pytorch_model.bin").is_file()
     # param_left_out from step 17: identical at checkpoint-18 (vs 16) and checkpoint-20 (vs 18).
     assert sorted(found, key=lambda n: int(n.split("-")[1])) == [
         f"checkpoint-{s}" for s in (4, 6, 8, 10, 12, 14, 16, 18, 20)]
