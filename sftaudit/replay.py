@@ -4,8 +4,9 @@ The run is audited (a run killed mid-step audits: the torn last record is skippe
 replay holds the first anomalous step, the chain of findings from the rollback checkpoint
 to `window` steps after the anomaly, the sample ids of every batch from the rollback
 checkpoint to the anomaly (to inspect or skip), the rollback checkpoint, and the command
-to resume from it: the recorded command line with ``--resume_from_checkpoint PATH`` (the
-Trainer's argument), and the equivalent ``trainer.train(resume_from_checkpoint=PATH)``.
+to resume from it: the training loop's own ``resume_command`` (recorder config, a template
+with ``{checkpoint}``) or, for a Trainer run, the recorded command line with
+``--resume_from_checkpoint PATH`` and the equivalent ``trainer.train(resume_from_checkpoint=PATH)``.
 """
 
 from __future__ import annotations
@@ -49,14 +50,23 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
     if rollback:
         out["rollback_checkpoint"] = {k: rollback[k] for k in ("name", "step", "path")}
         path = str(run_dir / rollback["path"])
-        argv = manifest.get("argv")
-        out["resume"] = {
-            "resume_from_checkpoint": path,
-            "skip_steps": [b["step"] for b in out["batches"]],
-            "command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
-            "trainer": f"trainer.train(resume_from_checkpoint={path!r})",
-        }
+        out["resume"] = {"resume_from_checkpoint": path, "skip_steps": [b["step"] for b in out["batches"]],
+                         **resume_command(manifest, path)}
     return out
+
+
+def resume_command(manifest: dict[str, Any], path: str) -> dict[str, str | None]:
+    """How this run resumes: the loop's own `resume_command` template (recorder config, with a
+    ``{checkpoint}`` field), or for a Trainer run its recorded command line plus
+    ``--resume_from_checkpoint`` and the equivalent `trainer.train` call."""
+    config = manifest.get("config") or {}
+    if isinstance(config.get("resume_command"), str):
+        return {"command": config["resume_command"].replace("{checkpoint}", path), "trainer": None}
+    if "training_args" in config:
+        argv = manifest.get("argv")
+        return {"command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
+                "trainer": f"trainer.train(resume_from_checkpoint={path!r})"}
+    return {"command": None, "trainer": None}
 
 
 def to_json(doc: dict[str, Any]) -> str:
@@ -80,7 +90,7 @@ def to_text(doc: dict[str, Any]) -> str:
     if doc["resume"]:
         r = doc["resume"]
         lines.append("resume:")
-        if r["command"]:
-            lines.append(f"  {r['command']}")
-        lines.append(f"  {r['trainer']}")
+        lines += [f"  {r[k]}" for k in ("command", "trainer") if r[k]]
+        if not (r["command"] or r["trainer"]):
+            lines.append(f"  restore everything from {r['resume_from_checkpoint']} in your loop")
     return "\n".join(lines)

@@ -2,13 +2,14 @@
 rollback checkpoint (with its safety margin) and how to resume; also on a run killed mid-step."""
 
 import json
+import shlex
 import shutil
 
 from sftaudit.artifacts import rank_dir
 from sftaudit.cli import main
 from sftaudit.config import AuditConfig
-from sftaudit.ingest import connect
-from sftaudit.replay import replay
+from sftaudit.ingest import connect, ingest, load_manifest
+from sftaudit.replay import replay, resume_command
 
 from .conftest import NAN_STEP
 
@@ -34,8 +35,10 @@ def test_replay_of_a_diverged_run(nan_run, capsys):
     resume = doc["resume"]
     assert resume["resume_from_checkpoint"] == str(nan_run / "checkpoint-10")
     assert resume["skip_steps"] == [11, 12, 13]
-    assert resume["command"].endswith(f"--resume_from_checkpoint {nan_run / 'checkpoint-10'}")
-    assert resume["trainer"] == f"trainer.train(resume_from_checkpoint={str(nan_run / 'checkpoint-10')!r})"
+    # The plain loop's own resume template (recorder config), filled in.
+    assert resume["command"] == shlex.join(["python", "-c", "from sftaudit.fixtures.train import train_plain; "
+                                            f'train_plain("{nan_run}", steps=20, resume_from="{nan_run}/checkpoint-10")'])
+    assert resume["trainer"] is None
 
 
 def test_a_safety_margin_moves_the_rollback_earlier(nan_run):
@@ -63,3 +66,15 @@ def test_replay_of_a_run_killed_mid_step(nan_run, tmp_path):
     doc = replay(run)
     assert doc["first_anomalous_step"] == NAN_STEP
     assert doc["rollback_checkpoint"]["name"] == "checkpoint-10"
+
+
+def test_a_trainer_run_resumes_through_resume_from_checkpoint(hf_checkpoint_fault_run):
+    ingest(hf_checkpoint_fault_run)
+    con = connect(hf_checkpoint_fault_run, read_only=True)
+    try:
+        manifest = load_manifest(con)
+    finally:
+        con.close()
+    resume = resume_command(manifest, "run/checkpoint-5")
+    assert resume["command"] == shlex.join([*manifest["argv"], "--resume_from_checkpoint", "run/checkpoint-5"])
+    assert resume["trainer"] == "trainer.train(resume_from_checkpoint='run/checkpoint-5')"
