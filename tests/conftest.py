@@ -59,16 +59,16 @@ def hf_checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
                     faults=HF_CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
 
 
-# One plain run resumed four times from its checkpoints (every 5 steps): cleanly at 10, then each
-# resume with one fault: the LR warmup restarted (15), the weights not restored (20), the data
-# position lost (25).
+# One plain run resumed four times from its checkpoints (every 5 steps): cleanly at 10 (the first
+# segment ran on to step 12, as a run killed after its last checkpoint does), then each resume with
+# one fault: the LR warmup restarted (15), the weights not restored (20), the data position lost (25).
 RESUMES = [(10, None), (15, "resume_restarts_warmup"), (20, "resume_fresh_weights"), (25, "resume_rereads_data")]
 
 
 @pytest.fixture(scope="session")
 def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
     run = tmp_path_factory.mktemp("resumed") / "resumed"
-    train_plain(run, steps=10, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
+    train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
     for step, fault in RESUMES:
         train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
                     resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)

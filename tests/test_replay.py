@@ -6,10 +6,12 @@ import shlex
 import shutil
 
 from sftaudit.artifacts import rank_dir
+from sftaudit.checks import Finding
 from sftaudit.cli import main
 from sftaudit.config import AuditConfig
 from sftaudit.ingest import connect, ingest, load_manifest
 from sftaudit.replay import replay, resume_command
+from sftaudit.verdict import build_verdict
 
 from .conftest import NAN_STEP
 
@@ -78,3 +80,15 @@ def test_a_trainer_run_resumes_through_resume_from_checkpoint(hf_checkpoint_faul
     resume = resume_command(manifest, "run/checkpoint-5")
     assert resume["command"] == shlex.join([*manifest["argv"], "--resume_from_checkpoint", "run/checkpoint-5"])
     assert resume["trainer"] == "trainer.train(resume_from_checkpoint='run/checkpoint-5')"
+
+
+def test_rollback_skips_a_checkpoint_that_fails_integrity():
+    checkpoints = [{"name": f"checkpoint-{s}", "step": s, "path": f"checkpoint-{s}"} for s in (5, 10, 15)]
+    findings = [Finding("LOOP-05", "fail", "nan", step=13),
+                Finding("LOOP-09", "fail", "nan weights", step=10, checkpoint="checkpoint-10")]
+    verdict = build_verdict("r", findings, checkpoints)
+    assert verdict["first_anomalous_step"] == 13  # a checkpoint finding is not a training anomaly
+    assert verdict["rollback_checkpoint"] == "checkpoint-5"
+    assert [c["verdict"] for c in verdict["checkpoints"]] == ["pass", "fail", "fail"]
+    assert build_verdict("r", findings[:1], checkpoints)["rollback_checkpoint"] == "checkpoint-10"
+    assert build_verdict("r", findings[:1], checkpoints, rollback_margin=9)["rollback_checkpoint"] is None

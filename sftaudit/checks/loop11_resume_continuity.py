@@ -16,7 +16,7 @@ class ResumeContinuity(Check):
         did not resume cleanly: from a checkpoint that was never saved or fails LOOP-09; with
         the data order restarted (samples of the current epoch trained again right after the
         resume); with the learning-rate schedule restarted (its warmup run again); with a jump
-        in the loss curve (weights or optimizer state not restored).
+        up in the loss curve (weights or optimizer state not restored).
     Why it matters:
         "I forgot to restore the data position and re-read a stretch of already-trained data,
         a small overfitting experiment" (seed 003). A restarted warmup or lost weights waste the
@@ -32,7 +32,8 @@ class ResumeContinuity(Check):
     Threshold:
         No checkpoint at step c, or one that fails LOOP-09: fail. Any re-read sample: fail.
         LR change above max(`lr_tolerance`, 2 x the schedule's recent per-step change): fail.
-        Loss jump above `loss_jump_fraction` of the loss level: warn.
+        Loss rising by more than `loss_jump_fraction` of its level: warn (a fall is what
+        training does, sometimes fast: not a finding).
     Evidence:
         The resume step and checkpoint, `sample_ids` re-read with the steps they were first
         trained and re-read at, LR before/after and the tolerance, loss before/after.
@@ -137,9 +138,10 @@ class ResumeContinuity(Check):
         before, after = row
         if before is None or after is None:
             return []
+        # Upward only: training lowers the loss, fast at times; a resume that lost state raises it.
         threshold = self.params["loss_jump_fraction"] * abs(before)
         jump = after - before
-        if abs(jump) <= threshold:
+        if jump <= threshold:
             return []
         return [self.finding(
             "warn", f"the loss jumped from {before:.3f} to {after:.3f} when the run resumed at step {first} (median of "
