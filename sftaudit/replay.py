@@ -84,7 +84,7 @@ def to_text(doc: dict[str, Any]) -> str:
         lines.append(f"no intact checkpoint at least {doc['rollback_margin']} steps before the anomaly: "
                      f"restart from scratch")
     else:
-        lines.append(f"roll back to {rb['name']} (step {rb['step']}, margin {doc['rollback_margin']} steps)")
+        lines.append(f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']})")
     lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:
