@@ -1,10 +1,12 @@
 """LOOP-11: a clean resume is silent; a resume that restarts the LR warmup, loses the weights or the
 data position is found at its first resumed step; so is a resume from a checkpoint that fails LOOP-09."""
 
+import json
 import shutil
 
 import pytest
 
+from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.ingest import connect
 
@@ -62,3 +64,15 @@ def test_resume_from_a_checkpoint_that_fails_integrity(resumed_run, tmp_path):
 
 def test_runs_never_resumed_are_silent(clean_run):
     assert loop11(audit(clean_run)) == []
+
+
+def test_resume_from_a_checkpoint_never_recorded(resumed_run, tmp_path):
+    # As if checkpoint-10 had been written while the shim was off: the resume's source is unknown.
+    run = tmp_path / "unrecorded"
+    shutil.copytree(resumed_run, run, ignore=shutil.ignore_patterns("audit.duckdb"))
+    records = rank_dir(run, 0) / "checkpoints.jsonl"
+    lines = records.read_text().splitlines(keepends=True)
+    records.write_text("".join(line for line in lines if json.loads(line)["path"] != "checkpoint-10"))
+    found = [f for f in loop11(audit(run)) if f["step"] == 11]
+    assert len(found) == 1 and found[0]["severity"] == "fail"
+    assert found[0]["evidence"] == {"resume_step": 11, "checkpoint_name": "checkpoint-10"}
