@@ -1,5 +1,6 @@
 """LOOP-11: a clean resume is silent; a resume that restarts the LR warmup, loses the weights or the
-data position is found at its first resumed step; so is a resume from a checkpoint that fails LOOP-09."""
+data position is found at its first resumed step; so is a resume from a checkpoint that fails LOOP-09;
+plain loop and Trainer."""
 
 import json
 import shutil
@@ -76,3 +77,28 @@ def test_resume_from_a_checkpoint_never_recorded(resumed_run, tmp_path):
     found = [f for f in loop11(audit(run)) if f["step"] == 11]
     assert len(found) == 1 and found[0]["severity"] == "fail"
     assert found[0]["evidence"] == {"resume_step": 11, "checkpoint_name": "checkpoint-10"}
+
+
+@pytest.fixture(scope="module")
+def trainer_resumed_run(tmp_path_factory, tokenizer_cache):
+    """A Trainer run (linear LR decay) resumed cleanly from checkpoint-10, then from a copy of
+    checkpoint-5 that lost its scheduler.pt (the Trainer then starts a fresh schedule)."""
+    from sftaudit.fixtures.train import train_hf
+
+    run = tmp_path_factory.mktemp("hf-resumed") / "hf-resumed"
+    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache)
+    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-10")
+    (run / "checkpoint-5" / "scheduler.pt").unlink()
+    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-5")
+    return run
+
+
+def test_trainer_resumes(trainer_resumed_run):
+    found = loop11(audit(trainer_resumed_run))
+    # The clean resume at step 11 is silent; the one at 6 jumps the LR back to its start and
+    # came from a checkpoint that fails LOOP-09 (no scheduler state).
+    assert {f["step"] for f in found} == {6}
+    lr = next(f for f in found if "learning rate" in f["message"])
+    assert lr["evidence"]["lr_before"] == pytest.approx(2e-3) and lr["evidence"]["lr_after"] == pytest.approx(3e-3)
+    source = next(f for f in found if "source_checkpoint" in f["evidence"])
+    assert source["evidence"]["source_checkpoint"] == "checkpoint-5" and "scheduler" in source["message"]
