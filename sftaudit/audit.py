@@ -53,7 +53,8 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     manifest = load_manifest(con)
     ctx = AuditContext(con, run_dir, manifest)
     findings, errors = run_checks(ctx, config)
-    verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors)
+    verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
+                            config.rollback_margin)
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,

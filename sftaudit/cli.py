@@ -1,4 +1,4 @@
-"""Command line: `sftaudit ingest|audit|report|preflight|demo`.
+"""Command line: `sftaudit ingest|audit|report|preflight|replay|gate|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -53,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("replay", help="a failed run's first anomalous step, findings, batches and how to resume")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--json", action="store_true", help="print the replay as JSON")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and the rollback margin")
+
+    s = sub.add_parser("gate", help="exit 0 if a checkpoint passes, 1 if it fails, 2 if it cannot be judged")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--checkpoint", required=True, help="checkpoint name, step or path")
+    s.add_argument("--policy", type=Path, help="TOML file: which severities and codes block")
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
+    s.add_argument("--strict", action="store_true", help="warn findings block too")
+    s.add_argument("--junit", type=Path, help="write JUnit XML here (one testcase per check)")
+    s.add_argument("--json", type=Path, help="write the gate result as JSON here")
 
     s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
     s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
@@ -134,6 +148,30 @@ def _preflight(args: argparse.Namespace) -> int:
     return _exit_code(verdict["verdict"], args.strict or config.strict)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from .config import AuditConfig
+    from .replay import replay, to_json, to_text
+
+    config = AuditConfig.load(args.config)
+    doc = replay(args.run_dir, config)
+    print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
+    return _exit_code(doc["verdict"], config.strict)
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from .config import AuditConfig
+    from .gate import Policy, gate
+
+    config = AuditConfig.load(args.config)
+    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text(), encoding="utf-8")
+    print(result.summary())
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .fixtures.demo import run_demo
 
@@ -163,7 +201,8 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight, "demo": _demo}
+_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
+             "replay": _replay, "gate": _gate, "demo": _demo}
 
 if __name__ == "__main__":
     sys.exit(main())

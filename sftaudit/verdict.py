@@ -4,6 +4,9 @@ A finding at step s falls in the window of the first checkpoint saved at a step 
 (after checkpoint A, up to and including checkpoint B). A checkpoint's verdict is the
 worst severity of everything that happened up to it: findings in its window or an
 earlier one, run-level findings (no step), and findings about the checkpoint itself.
+The rollback checkpoint is the last intact one (no warn/fail finding about the checkpoint
+itself, i.e. it passes LOOP-09) saved at least `rollback_margin` (default 1) steps before
+the first anomalous step.
 """
 
 from __future__ import annotations
@@ -40,41 +43,66 @@ def worst(findings: list[Finding]) -> str:
     return "pass" if rank == 0 else ("warn", "fail")[rank - 1]
 
 
+# Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
+# checkpoint before the anomaly; the seed rolls back to `step_id - 3` (3); PaLM-style practice
+# restarts about 100 steps before a loss spike (100).
+DEFAULT_ROLLBACK_MARGIN = 1
+
+
 def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str, Any]],
-                  check_errors: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone;
-    # the rest are about the run, up to the step they happened.
+                  check_errors: list[dict[str, str]] | None = None,
+                  rollback_margin: int = DEFAULT_ROLLBACK_MARGIN) -> dict[str, Any]:
+    # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone
+    # (scope "checkpoint"); the rest are about the run, up to the step they happened (scope "run").
     about_checkpoint = [f for f in findings if f.checkpoint is not None]
     about_run = attribute([f for f in findings if f.checkpoint is None], checkpoints)
-    findings = sorted(about_checkpoint + about_run,
-                      key=lambda f: (f.step is None, f.step or 0, f.code, -SEVERITY_RANK[f.severity], f.message))
-    anomalous = [f.step for f in findings if f.step is not None and f.severity != "info"]
+    scoped = [(f, "checkpoint") for f in about_checkpoint] + [(f, "run") for f in about_run]
+    scoped.sort(key=lambda fs: (fs[0].step is None, fs[0].step or 0, fs[0].code, -SEVERITY_RANK[fs[0].severity],
+                                fs[0].message, fs[1]))
+    finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
+    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info"]
     first = min(anomalous) if anomalous else None
     chain = [{"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
-             for f in findings if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]
+             for f, _ in scoped if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]
 
     per_checkpoint = []
     for c in sorted(checkpoints, key=lambda c: c["step"]):
-        upto = [f for f in about_run if f.step is None or f.step <= c["step"]]
-        upto += [f for f in about_checkpoint if f.checkpoint == c["name"]]
-        own = [f for f in findings if f.checkpoint == c["name"]]
+        upto = findings_up_to(finding_dicts, c["name"], c["step"])
+        own = [f for f in finding_dicts if f["checkpoint"] == c["name"]]
+        intact = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
         per_checkpoint.append({"name": c["name"], "step": c["step"], "path": c["path"],
-                               "verdict": worst(upto), "findings": [f.to_dict() for f in own]})
+                               "verdict": worst_of(upto), "intact": intact, "findings": own})
 
-    rollback = None
-    if first is not None:
-        intact = [c for c in per_checkpoint if c["step"] < first
-                  and not any(f["severity"] == "fail" for f in c["findings"] if f["checkpoint"] == c["name"]
-                              and Finding.from_dict(f) in about_checkpoint)]
-        rollback = intact[-1]["name"] if intact else None
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
         "verdict": worst(findings),
         "first_anomalous_step": first,
         "first_anomaly_chain": chain,
-        "rollback_checkpoint": rollback,
+        "rollback_checkpoint": rollback_checkpoint(per_checkpoint, first, rollback_margin),
+        "rollback_margin": rollback_margin,
         "checkpoints": per_checkpoint,
-        "findings": [f.to_dict() for f in findings],
+        "findings": finding_dicts,
         "check_errors": check_errors or [],
     }
+
+
+def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list[dict[str, Any]]:
+    """What a checkpoint's verdict rests on: run findings up to its step (or without a step) and
+    the findings about that checkpoint itself."""
+    return [f for f in findings
+            if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
+            or (f["scope"] == "run" and (f["step"] is None or f["step"] <= step))]
+
+
+def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+    """The last intact checkpoint (passes LOOP-09) saved at least `margin` (>= 1) steps before the first anomaly."""
+    if first is None:
+        return None
+    intact = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["intact"]]
+    return intact[-1]["name"] if intact else None
+
+
+def worst_of(findings: list[dict[str, Any]]) -> str:
+    rank = max((SEVERITY_RANK[f["severity"]] for f in findings), default=0)
+    return "pass" if rank == 0 else ("warn", "fail")[rank - 1]

@@ -37,3 +37,39 @@ def clean_run(runs) -> Path:
 @pytest.fixture(scope="session")
 def nan_run(runs) -> Path:
     return runs("nan", steps=20, faults={"nan_at": NAN_STEP})
+
+
+# Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps);
+# checkpoint-2 is sound but saved with torch.save (pytorch_model.bin).
+CHECKPOINT_FAULTS = {"ckpt_torch_weights": 2, "ckpt_missing_key": 4, "ckpt_stray_dtype": 6, "ckpt_nan_tensor": 8, "ckpt_truncated": 10,
+                     "ckpt_header_outside": 12, "ckpt_pickle_payload": 14, "ckpt_no_rng": 16, "param_left_out": 17}
+HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_fault_run(runs) -> Path:
+    return runs("checkpoint-faults", steps=20, checkpoint_every=2, faults=CHECKPOINT_FAULTS)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
+    from sftaudit.fixtures.train import train_hf
+
+    return train_hf(tmp_path_factory.mktemp("hf-ckpt") / "hf-checkpoint-faults", steps=20, save_steps=5,
+                    faults=HF_CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
+
+
+# One plain run resumed four times from its checkpoints (every 5 steps): cleanly at 10 (the first
+# segment ran on to step 12, as a run killed after its last checkpoint does), then each resume with
+# one fault: the LR warmup restarted (15), the weights not restored (20), the data position lost (25).
+RESUMES = [(10, None), (15, "resume_restarts_warmup"), (20, "resume_fresh_weights"), (25, "resume_rereads_data")]
+
+
+@pytest.fixture(scope="session")
+def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
+    run = tmp_path_factory.mktemp("resumed") / "resumed"
+    train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
+    for step, fault in RESUMES:
+        train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
+                    resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)
+    return run

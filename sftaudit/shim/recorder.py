@@ -113,6 +113,7 @@ class Recorder:
             "started": time.time(),
             "versions": {"sftaudit": __version__, "torch": torch.__version__, **_library_versions()},
             "instance_id": uuid.uuid4().hex,
+            "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
             "model": _describe_model(model),
             "params": self._param_info,
             "tied": tied,

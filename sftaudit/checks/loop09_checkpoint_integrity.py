@@ -1,0 +1,343 @@
+"""LOOP-09 checkpoint integrity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle,
+                           read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
+                           state_dict_tensors)
+from .base import AuditContext, Check, Finding
+
+PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".pkl")
+# Weights saved with torch.save(model.state_dict()), read when a folder has no safetensors.
+TORCH_WEIGHT_FILES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
+# Where each part of an exact-resume training state may live, by key, in a state pickle.
+STATE_KEYS = {
+    "step": ("step", "global_step", "step_id"),
+    "optimizer": ("optimizer", "optimizer_state"),
+    "scheduler": ("scheduler", "lr_scheduler"),
+    "rng_states": ("rng_states", "rng_state", "rng"),
+    "data_position": ("data_position", "sampler", "dataloader"),
+    "collator": ("collator", "collator_config"),
+}
+RNG_PARTS = {"python": ("python",), "numpy": ("numpy",), "torch": ("torch", "cpu")}
+
+
+@dataclass
+class Inspection:
+    """What reading one checkpoint found: problems (severity, message, evidence) and tensor digests."""
+
+    name: str
+    step: int
+    problems: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    digests: dict[str, str] | None = None   # None: the weights could not be read
+    on_disk: bool = True
+
+    @property
+    def passes(self) -> bool:
+        return self.on_disk and not any(sev in ("warn", "fail") for sev, _, _ in self.problems)
+
+
+class CheckpointIntegrity(Check):
+    """Checkpoint integrity (seed trigger point: before/after save).
+
+    What it detects:
+        Checkpoints that cannot be resumed from or shipped: weight keys missing or unexpected
+        against the model's parameters (tied weights understood), wrong shapes, a stray dtype,
+        non-finite values, unreadable or hostile files (truncated safetensors, headers pointing
+        outside the file, pickles that would run code), files changed since they were saved,
+        an incomplete training state, and parameters identical between two consecutive
+        checkpoints although they had gradients.
+    Why it matters:
+        A rollback is only as good as the checkpoint it lands on: the seed's 5.7 (a key missing
+        after an architecture change) and 2.3 (collator config, scheduler step and RNG states
+        lost at rollback) surface only when someone needs the checkpoint most.
+    Statistic:
+        Keys and shapes of every safetensors file (header validated before use), or of a
+        torch.save state dict read statically, against the manifest's parameters; majority floating dtype per checkpoint (or `expected_dtype`);
+        count of elements whose exponent bits are all set, streamed in bounded chunks;
+        sha256 against the shim's record; training-state parts found by reading the state
+        pickles statically (never unpickled); blake2b digest per tensor, compared between
+        consecutive checkpoints, joined with the gradient norms recorded in between.
+    Threshold:
+        Any missing/unexpected key, shape mismatch, stray dtype, non-finite element, unsafe
+        pickle, unreadable or changed file, missing training-state part (`require_state`) or
+        stale parameter with a positive gradient norm fails that checkpoint; a checkpoint no
+        longer on disk is a warning.
+    Evidence:
+        `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
+        gradient norms), the file concerned, the training-state parts missing, the imports a
+        pickle would perform.
+    """
+
+    code = "LOOP-09"
+    name = "checkpoint integrity"
+    defaults = {
+        "expected_dtype": None,          # e.g. "bfloat16"; default: the checkpoint's majority dtype
+        "require_state": True,           # weights-only exports: set false
+        "trusted_pickle_globals": list(TRAINER_GLOBALS),
+        "max_tensors_listed": 20,
+    }
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        inspections = [self.inspect(ctx, c) for c in saved_checkpoints(ctx)]
+        findings = [self._finding(i, sev, msg, ev) for i in inspections for sev, msg, ev in i.problems]
+        readable = [i for i in inspections if i.digests is not None]
+        for before, after in zip(readable, readable[1:]):
+            findings += self._stale(ctx, before, after)
+        return findings
+
+    def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict) -> Finding:
+        f = self.finding(severity, message, step=inspection.step, **evidence)
+        return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence)
+
+    # ---------------------------------------------------------------- one checkpoint
+
+    def inspect(self, ctx: AuditContext, checkpoint: dict[str, Any]) -> Inspection:
+        """Read one recorded checkpoint safely; never raises on bad files (they are problems)."""
+        name, step = checkpoint["name"], checkpoint["step"]
+        out = Inspection(name, step)
+        try:
+            path = inside_run(ctx.run_dir, checkpoint["path"])
+        except CheckpointError as exc:
+            out.problems.append(("fail", f"{name} was saved outside the run directory and was not read ({exc})",
+                                 {"path": checkpoint["path"]}))
+            out.digests = None
+            return out
+        if not path.exists():
+            out.on_disk = False
+            out.problems.append(("warn", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
+                                 f"rolled back to", {"path": checkpoint["path"]}))
+            return out
+        self._check_hashes(ctx, checkpoint, out)
+        self._check_weights(path, checkpoint, out)
+        if path.is_dir():
+            self._check_state(path, out)
+        return out
+
+    def _check_hashes(self, ctx: AuditContext, checkpoint: dict, out: Inspection) -> None:
+        changed = []
+        for rel, recorded in sorted((checkpoint.get("sha256") or {}).items()):
+            try:
+                target = inside_run(ctx.run_dir, rel)
+                current = _sha256(target) if target.is_file() else None
+            except (CheckpointError, OSError):
+                current = None
+            if current != recorded:
+                changed.append(rel)
+        if changed:
+            out.problems.append(("fail", f"{out.name}: {len(changed)} file(s) changed or vanished since the shim "
+                                 f"hashed them at save, first {changed[0]}; do not trust this checkpoint",
+                                 {"files": changed}))
+
+    def _check_weights(self, path: Path, checkpoint: dict, out: Inspection) -> None:
+        try:
+            files = [path] if path.is_file() else safetensors_files(path)
+        except CheckpointError as exc:
+            out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
+            return
+        if path.is_dir() and not files:
+            files = sorted(p for p in path.iterdir() if p.name in TORCH_WEIGHT_FILES)
+        if not files:
+            out.problems.append(("fail", f"{out.name} holds no model weights (model.safetensors, shards with an "
+                                 f"index, or {TORCH_WEIGHT_FILES[0]})", {}))
+            return
+        entries, scans = {}, {}
+        for f in files:
+            rel = f"{out.name}/{f.name}" if path.is_dir() else out.name
+            try:
+                if f.suffix == ".safetensors":
+                    header, _ = read_safetensors_header(f)
+                    for entry, scan in scan_safetensors(f, header):
+                        entries[entry.name], scans[entry.name] = entry, scan
+                    continue
+                contents = read_pickle(f)
+                unsafe = contents.unsafe_globals(tuple(self.params["trusted_pickle_globals"]))
+                if unsafe:  # named by _check_state for folders; never trusted for weights
+                    if path.is_file():
+                        out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
+                    return
+                refs = state_dict_tensors(contents)
+                entries.update(refs)
+                scans.update(scan_torch_zip(f, refs))
+            except (CheckpointError, OSError) as exc:
+                out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be "
+                                     f"loaded", {"file": rel}))
+                return
+        out.digests = {n: s.digest for n, s in scans.items()}
+        params = checkpoint["params"]
+        self._check_keys(entries, params, checkpoint["tied"], out)
+        self._check_dtypes(entries, params, out)
+        bad = [{"tensor": n, "nonfinite_elements": s.nonfinite, "shape": list(entries[n].shape)}
+               for n, s in scans.items() if s.nonfinite]
+        if bad:
+            out.problems.append(("fail", f"{out.name} holds non-finite values in {len(bad)} tensor(s), first "
+                                 f"{bad[0]['tensor']} ({bad[0]['nonfinite_elements']} element(s)); do not resume "
+                                 f"from or ship it", {"tensors": bad[: self.params["max_tensors_listed"]],
+                                                     "tensor_count": len(bad)}))
+
+    def _check_keys(self, entries: dict, params: list[dict], tied: dict[str, str], out: Inspection) -> None:
+        groups: dict[str, set[str]] = {p["name"]: {p["name"]} for p in params}
+        for alias, target in tied.items():
+            groups.setdefault(target, {target}).add(alias)
+        known = {n for g in groups.values() for n in g}
+        missing = sorted(c for c, names in groups.items() if not names & entries.keys())
+        unexpected = sorted(entries.keys() - known)
+        if missing or unexpected:
+            first = (missing or unexpected)[0]
+            out.problems.append(("fail", f"{out.name} does not match the model: {len(missing)} missing and "
+                                 f"{len(unexpected)} unexpected key(s), first {first}; a strict load fails and a "
+                                 f"lenient one silently re-initialises weights", {"keys": {"missing": missing,
+                                                                                       "unexpected": unexpected}}))
+        shapes = {p["name"]: tuple(p["shape"]) for p in params}
+        wrong = [{"tensor": n, "shape": list(e.shape), "expected": list(shapes[groups_of(n, tied)])}
+                 for n, e in entries.items() if groups_of(n, tied) in shapes and e.shape != shapes[groups_of(n, tied)]]
+        if wrong:
+            out.problems.append(("fail", f"{out.name}: {len(wrong)} tensor(s) have the wrong shape, first "
+                                 f"{wrong[0]['tensor']} {wrong[0]['shape']} instead of {wrong[0]['expected']}",
+                                 {"tensors": wrong[: self.params["max_tensors_listed"]]}))
+
+    def _check_dtypes(self, entries: dict, params: list[dict], out: Inspection) -> None:
+        floats = {n: e.dtype for n, e in entries.items() if e.dtype in FLOAT_DTYPES}
+        if not floats:
+            return
+        expected = self.params["expected_dtype"]
+        if expected is None:
+            counts = Counter(floats.values()).most_common()
+            trained = Counter(p["dtype"] for p in params).most_common(1)
+            top = [d for d, c in counts if c == counts[0][1]]
+            expected = trained[0][0] if trained and trained[0][0] in top and len(top) > 1 else counts[0][0]
+        stray = [{"tensor": n, "dtype": d, "expected": expected} for n, d in floats.items() if d != expected]
+        if stray:
+            out.problems.append(("fail", f"{out.name}: {len(stray)} tensor(s) not saved as {expected}, first "
+                                 f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
+                                 {"dtypes": stray[: self.params["max_tensors_listed"]], "tensor_count": len(stray)}))
+
+    def _check_state(self, folder: Path, out: Inspection) -> None:
+        pickles: dict[str, Any] = {}
+        for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES):
+            rel = f"{out.name}/{f.name}"
+            try:
+                contents = read_pickle(f)
+            except CheckpointError as exc:
+                out.problems.append(("fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
+                continue
+            unsafe = contents.unsafe_globals(tuple(self.params["trusted_pickle_globals"]))
+            if unsafe:
+                out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
+                continue
+            pickles[f.name] = contents
+        if not self.params["require_state"]:
+            return
+        missing = missing_state_parts(folder, pickles)
+        if missing:
+            out.problems.append(("fail", f"{out.name} cannot resume exactly: its training state lacks "
+                                 f"{', '.join(missing)}; save them with the weights",
+                                 {"missing_state": missing}))
+
+    # ---------------------------------------------------------------- between checkpoints
+
+    def _stale(self, ctx: AuditContext, before: Inspection, after: Inspection) -> list[Finding]:
+        same = sorted(n for n, d in after.digests.items() if before.digests.get(n) == d)
+        if not same:
+            return []
+        grads = ctx.frame(
+            """SELECT tensor, max(norm) AS max_grad_norm, count(*) AS steps FROM grad_norms
+               WHERE rank = 0 AND step > ? AND step <= ? AND isfinite(norm) AND norm > 0
+               GROUP BY tensor""", [before.step, after.step])
+        norms = dict(zip(grads["tensor"].to_list(), grads["max_grad_norm"].to_list()))
+        tied = ctx.manifest.get("tied", {})
+        stale = [{"tensor": n, "max_grad_norm": norms[groups_of(n, tied)]} for n in same if groups_of(n, tied) in norms]
+        if not stale:
+            return []
+        return [self._finding(after, "fail", (
+            f"{len(stale)} parameter(s) identical in {before.name} and {after.name} although they had gradients "
+            f"in steps {before.step + 1}-{after.step}, first {stale[0]['tensor']}; they are missing from the "
+            f"optimizer or frozen by mistake"), {"tensors": stale[: self.params["max_tensors_listed"]],
+                                                 "previous_checkpoint": before.name, "tensor_count": len(stale)})]
+
+
+def _unsafe_message(rel: str, unsafe: list[str]) -> str:
+    return (f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
+            f"statically); never torch.load it without weights_only=True and find what wrote it")
+
+
+def groups_of(name: str, tied: dict[str, str]) -> str:
+    """The canonical parameter a (possibly tied) key stands for."""
+    return tied.get(name, name)
+
+
+def missing_state_parts(folder: Path, pickles: dict[str, PickleContents]) -> list[str]:
+    """Parts of an exact-resume training state that no file of the checkpoint holds."""
+    found: dict[str, Any] = {}
+    for fname, contents in pickles.items():
+        value = contents.value
+        if not isinstance(value, dict):
+            if fname == "training_args.bin":
+                found["collator"] = fname  # the Trainer's dataloader/padding settings live in its arguments
+            continue
+        for part, keys in STATE_KEYS.items():
+            hit = next((value[k] for k in keys if k in value), None)
+            if hit is not None:
+                found.setdefault(part, hit)
+        stem = fname.split(".")[0]
+        if stem == "optimizer" and {"state", "param_groups"} <= value.keys():
+            found.setdefault("optimizer", value)
+        if stem == "scheduler":
+            found.setdefault("scheduler", value)
+        if stem.startswith("rng_state"):
+            found.setdefault("rng_states", value)
+    trainer_state = _json(folder / "trainer_state.json")
+    if isinstance(trainer_state, dict) and "global_step" in trainer_state:
+        # The Trainer resumes its data position by skipping global_step batches.
+        found.setdefault("step", trainer_state["global_step"])
+        found.setdefault("data_position", trainer_state["global_step"])
+    if (folder / "collator.json").is_file():
+        found.setdefault("collator", "collator.json")
+    missing = [part for part in STATE_KEYS if found.get(part) is None]
+    rng = found.get("rng_states")
+    if isinstance(rng, dict):
+        missing += [f"rng_states.{part}" for part, keys in RNG_PARTS.items() if not any(k in rng for k in keys)]
+    return missing
+
+
+def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
+    """Rank 0's saved checkpoints in step order, with the recorded hashes and the saving segment's params."""
+    rows = ctx.con.execute(
+        """SELECT s.step, s.path, s.seg, h.sha256 FROM checkpoints s
+           LEFT JOIN checkpoints h ON h.event = 'hashed' AND h.rank = 0 AND h.seg = s.seg AND h.path = s.path
+                                  AND h.step = s.step
+           WHERE s.event = 'saved' AND s.rank = 0
+           QUALIFY row_number() OVER (PARTITION BY s.path ORDER BY s.seg DESC) = 1  -- the latest save is on disk
+           ORDER BY s.step""").fetchall()
+    manifests = {seg: json.loads(m) for seg, m in
+                 ctx.con.execute("SELECT seg, manifest FROM manifest WHERE rank = 0").fetchall()}
+    out = []
+    for step, path, seg, sha in rows:
+        m = manifests.get(seg, ctx.manifest)
+        out.append({"name": Path(path.replace("\\", "/")).name, "step": step, "path": path,
+                    "sha256": json.loads(sha) if sha else {}, "params": m.get("params", []),
+                    "tied": m.get("tied", {})})
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,161 @@
+"""`sftaudit gate RUN_DIR --checkpoint CKPT`: may this checkpoint ship? For CI.
+
+The run is audited (ingest + checks + verdict); the checkpoint's verdict rests on the run
+findings up to its step and the findings about the checkpoint itself (LOOP-09). A policy
+says which of them block. Outputs are deterministic: same input, same bytes.
+
+Policy file (TOML)::
+
+    [gate]
+    block = ["fail"]        # severities that block (--strict adds "warn")
+    codes = []              # only these check codes block (empty: every code)
+    ignore = ["LOOP-07"]    # these codes never block
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .audit import audit
+from .checkpoints import CheckpointError, inside_run
+from .checks import registered_checks
+from .checks.base import SEVERITIES
+from .config import AuditConfig
+from .errors import InputError
+from .verdict import findings_up_to
+
+
+@dataclass(frozen=True)
+class Policy:
+    block: tuple[str, ...] = ("fail",)
+    codes: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, path: str | Path | None, strict: bool = False) -> "Policy":
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("gate", {})
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise InputError(f"policy {path}: {exc}") from None
+        block = set(data.get("block", ["fail"])) | ({"warn"} if strict else set())
+        unknown = block - set(SEVERITIES)
+        if unknown:
+            raise InputError(f"policy {path}: unknown severities {sorted(unknown)}; use {list(SEVERITIES)}")
+        return cls(tuple(s for s in SEVERITIES if s in block), tuple(sorted(data.get("codes", []))),
+                   tuple(sorted(data.get("ignore", []))))
+
+    def blocks(self, finding: dict[str, Any]) -> bool:
+        return (finding["severity"] in self.block and finding["code"] not in self.ignore
+                and (not self.codes or finding["code"] in self.codes))
+
+
+@dataclass
+class GateResult:
+    run: str
+    checkpoint: dict[str, Any]
+    policy: Policy
+    findings: list[dict[str, Any]]
+    checks: list[tuple[str, str, bool]]          # (code, name, enabled)
+    blocking: list[dict[str, Any]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocking = [f for f in self.findings if self.policy.blocks(f)]
+
+    @property
+    def passed(self) -> bool:
+        return not self.blocking
+
+    def to_json(self) -> str:
+        doc = {
+            "run": self.run,
+            "checkpoint": self.checkpoint,
+            "result": "pass" if self.passed else "fail",
+            "policy": {"block": list(self.policy.block), "codes": list(self.policy.codes),
+                       "ignore": list(self.policy.ignore)},
+            "blocking": self.blocking,
+            "findings": self.findings,
+        }
+        return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+    def to_junit(self) -> str:
+        """One testcase per check: a blocking finding is a failure, a check turned off is skipped."""
+        name = self.checkpoint["name"]
+        suite = ET.Element("testsuite", {"name": f"sftaudit gate {self.run} {name}"})
+        counts = {"tests": 0, "failures": 0, "skipped": 0}
+        for code, title, enabled in self.checks:
+            case = ET.SubElement(suite, "testcase", {"classname": f"sftaudit.{name}", "name": f"{code} {title}"})
+            counts["tests"] += 1
+            mine = [f for f in self.findings if f["code"] == code]
+            if not enabled:
+                ET.SubElement(case, "skipped", {"message": "disabled by configuration"})
+                counts["skipped"] += 1
+                continue
+            blocking = [f for f in mine if self.policy.blocks(f)]
+            if blocking:
+                counts["failures"] += 1
+                failure = ET.SubElement(case, "failure", {"type": blocking[0]["severity"],
+                                                          "message": blocking[0]["message"]})
+                failure.text = "\n".join(_line(f) for f in blocking)
+            others = [f for f in mine if not self.policy.blocks(f)]
+            if others:
+                ET.SubElement(case, "system-out").text = "\n".join(_line(f) for f in others)
+        for key in ("tests", "failures", "skipped"):
+            suite.set(key, str(counts[key]))
+        suite.set("errors", "0")
+        ET.indent(suite)
+        return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
+
+    def summary(self) -> str:
+        c = self.checkpoint
+        lines = [f"{self.run} {c['name']} (step {c['step']}): {'PASS' if self.passed else 'FAIL'}"]
+        lines += [f"  blocks: {_line(f)}" for f in self.blocking]
+        return "\n".join(lines)
+
+
+def _line(f: dict[str, Any]) -> str:
+    where = f"step {f['step']}" if f["step"] is not None else "run"
+    return f"{f['code']} {f['severity']} {where}: {f['message']}"
+
+
+def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
+    """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
+    config = config or AuditConfig()
+    run_dir = Path(run_dir)
+    verdict = audit(run_dir, config)
+    if verdict["check_errors"]:
+        e = verdict["check_errors"][0]
+        raise InputError(f"cannot judge: check {e['code']} could not run ({e['error']})")
+    target = resolve_checkpoint(run_dir, verdict["checkpoints"], checkpoint)
+    try:
+        on_disk = inside_run(run_dir, target["path"]).exists()
+    except CheckpointError as exc:
+        raise InputError(f"cannot judge {target['name']}: {exc}") from None
+    if not on_disk:
+        raise InputError(f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']}")
+    checks = [(c.code, c.name, c.code not in config.disabled) for c in registered_checks()]
+    considered = findings_up_to(verdict["findings"], target["name"], target["step"])
+    return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
+
+
+def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted: str) -> dict[str, Any]:
+    """A checkpoint by name (checkpoint-20), step (20) or path (inside the run directory)."""
+    by_name = [c for c in checkpoints if c["name"] == wanted]
+    by_step = [c for c in checkpoints if wanted.isdigit() and c["step"] == int(wanted)]
+    root = run_dir.resolve()
+    for base in (Path.cwd(), root):
+        path = (base / wanted).resolve()
+        by_path = [c for c in checkpoints if (root / c["path"]).resolve() == path]
+        if by_path:
+            break
+    found = by_name or by_step or by_path
+    if not found:
+        saved = ", ".join(c["name"] for c in checkpoints) or "none"
+        raise InputError(f"checkpoint {wanted!r} is not among the run's saved checkpoints ({saved})")
+    return found[-1]

@@ -1,0 +1,96 @@
+"""`sftaudit replay RUN_DIR`: for a failed or diverged run, where it went wrong and how to resume.
+
+The run is audited (a run killed mid-step audits: the torn last record is skipped). The
+replay holds the first anomalous step, the chain of findings from the rollback checkpoint
+to `window` steps after the anomaly, the sample ids of every batch from the rollback
+checkpoint to the anomaly (to inspect or skip), the rollback checkpoint, and the command
+to resume from it: the training loop's own ``resume_command`` (recorder config, a template
+with ``{checkpoint}``) or, for a Trainer run, the recorded command line with
+``--resume_from_checkpoint PATH`` and the equivalent ``trainer.train(resume_from_checkpoint=PATH)``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from .audit import audit
+from .config import AuditConfig
+from .ingest import connect, load_manifest
+
+DEFAULT_WINDOW = 10
+
+
+def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    verdict = audit(run_dir, config or AuditConfig())
+    first = verdict["first_anomalous_step"]
+    out: dict[str, Any] = {"run": verdict["run"], "verdict": verdict["verdict"], "first_anomalous_step": first,
+                           "rollback_checkpoint": None, "rollback_margin": verdict["rollback_margin"],
+                           "chain": [], "batches": [], "resume": None}
+    if first is None:
+        return out
+    rollback = next((c for c in verdict["checkpoints"] if c["name"] == verdict["rollback_checkpoint"]), None)
+    since = rollback["step"] if rollback else 0
+    out["chain"] = [f for f in verdict["findings"]
+                    if f["scope"] == "run" and f["step"] is not None and since < f["step"] <= first + window]
+    con = connect(run_dir, read_only=True)
+    try:
+        rows = con.execute(
+            """SELECT step, flatten(list(sample_ids ORDER BY micro)) FROM (
+                   SELECT step, micro, sample_ids FROM batches WHERE rank = 0 AND step > ? AND step <= ?
+                   QUALIFY seg = max(seg) OVER (PARTITION BY step))  -- the latest segment's view of each step
+               GROUP BY step ORDER BY step""", [since, first]).fetchall()
+        manifest = load_manifest(con)
+    finally:
+        con.close()
+    out["batches"] = [{"step": step, "sample_ids": ids} for step, ids in rows]
+    if rollback:
+        out["rollback_checkpoint"] = {k: rollback[k] for k in ("name", "step", "path")}
+        path = str(run_dir / rollback["path"])
+        out["resume"] = {"resume_from_checkpoint": path, "skip_steps": [b["step"] for b in out["batches"]],
+                         **resume_command(manifest, path)}
+    return out
+
+
+def resume_command(manifest: dict[str, Any], path: str) -> dict[str, str | None]:
+    """How this run resumes: the loop's own `resume_command` template (recorder config, with a
+    ``{checkpoint}`` field), or for a Trainer run its recorded command line plus
+    ``--resume_from_checkpoint`` and the equivalent `trainer.train` call."""
+    config = manifest.get("config") or {}
+    if isinstance(config.get("resume_command"), str):
+        return {"command": config["resume_command"].replace("{checkpoint}", path), "trainer": None}
+    if "training_args" in config:
+        argv = manifest.get("argv")
+        return {"command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
+                "trainer": f"trainer.train(resume_from_checkpoint={path!r})"}
+    return {"command": None, "trainer": None}
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def to_text(doc: dict[str, Any]) -> str:
+    if doc["first_anomalous_step"] is None:
+        return f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay"
+    lines = [f"{doc['run']}: {doc['verdict'].upper()}; first anomalous step {doc['first_anomalous_step']}"]
+    lines.append("findings:")
+    lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
+    rb = doc["rollback_checkpoint"]
+    if rb is None:
+        lines.append(f"no intact checkpoint at least {doc['rollback_margin']} steps before the anomaly: "
+                     f"restart from scratch")
+    else:
+        lines.append(f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']})")
+    lines.append("batches up to the anomaly (inspect or skip):")
+    lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
+    if doc["resume"]:
+        r = doc["resume"]
+        lines.append("resume:")
+        lines += [f"  {r[k]}" for k in ("command", "trainer") if r[k]]
+        if not (r["command"] or r["trainer"]):
+            lines.append(f"  restore everything from {r['resume_from_checkpoint']} in your loop")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""LOOP-09: each planted checkpoint fault fails exactly its checkpoint, in a plain loop and a Trainer run;
+the clean run's checkpoints pass."""
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from sftaudit.audit import audit
+from sftaudit.checks import AuditContext
+from sftaudit.checks.loop09_checkpoint_integrity import CheckpointIntegrity
+from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, NAN_TENSOR, PAYLOAD_FILE, STRAY_TENSOR
+from sftaudit.ingest import connect, load_manifest
+
+from ..conftest import HF_CHECKPOINT_FAULTS
+
+
+def loop09(verdict):
+    return {f["checkpoint"]: f for f in verdict["findings"] if f["code"] == "LOOP-09"}
+
+
+@pytest.fixture(scope="module")
+def faulty(checkpoint_fault_run):
+    return audit(checkpoint_fault_run)
+
+
+def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
+    found = loop09(faulty)
+    # checkpoint-2 is sound, its weights saved with torch.save: read statically, it passes.
+    assert (checkpoint_fault_run / "checkpoint-2" / "pytorch_model.bin").is_file()
+    # param_left_out from step 17: identical at checkpoint-18 (vs 16) and checkpoint-20 (vs 18).
+    assert sorted(found, key=lambda n: int(n.split("-")[1])) == [
+        f"checkpoint-{s}" for s in (4, 6, 8, 10, 12, 14, 16, 18, 20)]
+    assert {f["severity"] for f in found.values()} == {"fail"}
+    assert all(f["step"] == int(name.split("-")[1]) for name, f in found.items())
+    verdicts = {c["name"]: c["verdict"] for c in faulty["checkpoints"]}
+    assert verdicts["checkpoint-2"] == "pass"
+    assert all(v == "fail" for name, v in verdicts.items() if name != "checkpoint-2")
+    # Checkpoint faults are about the files, not the training: no anomalous training step.
+    assert faulty["first_anomalous_step"] is None
+
+
+def test_missing_key_stray_dtype_and_nan_are_named(faulty):
+    found = loop09(faulty)
+    assert found["checkpoint-4"]["evidence"]["keys"] == {"missing": [DROPPED_KEY], "unexpected": []}
+    assert found["checkpoint-6"]["evidence"]["dtypes"] == [
+        {"tensor": STRAY_TENSOR, "dtype": "float32", "expected": "bfloat16"}]
+    nan = found["checkpoint-8"]["evidence"]
+    assert nan["tensors"] == [{"tensor": NAN_TENSOR, "nonfinite_elements": 1, "shape": [64, 64]}]
+
+
+def test_truncated_and_hostile_headers_are_clear_errors(faulty):
+    found = loop09(faulty)
+    assert found["checkpoint-10"]["evidence"]["file"] == "checkpoint-10/model.safetensors"
+    assert "the file is truncated" in found["checkpoint-10"]["message"]
+    hostile = found["checkpoint-12"]
+    assert hostile["evidence"]["file"] == "checkpoint-12/model.safetensors"
+    assert NAN_TENSOR in hostile["message"] and "pointing outside the file" in hostile["message"]
+
+
+def test_code_running_pickle_is_named_and_never_run(faulty, checkpoint_fault_run):
+    finding = loop09(faulty)["checkpoint-14"]
+    assert finding["evidence"] == {"file": f"checkpoint-14/{PAYLOAD_FILE}", "imports": ["builtins.exec"]}
+    marker = checkpoint_fault_run / "PICKLE_RAN"
+    assert not marker.exists()
+    # The payload is live: a plain unpickle of the same file runs it (in a child process).
+    with zipfile.ZipFile(checkpoint_fault_run / "checkpoint-14" / PAYLOAD_FILE) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+                   input=data, check=True)
+    assert marker.read_text() == "pickle code ran"
+    marker.unlink()
+
+
+def test_missing_rng_state_and_parameter_left_out_of_the_optimizer(faulty):
+    found = loop09(faulty)
+    assert found["checkpoint-16"]["evidence"]["missing_state"] == ["rng_states"]
+    for name, previous in (("checkpoint-18", "checkpoint-16"), ("checkpoint-20", "checkpoint-18")):
+        stale = found[name]["evidence"]
+        assert [t["tensor"] for t in stale["tensors"]] == [LEFT_OUT_TENSOR]
+        assert stale["tensors"][0]["max_grad_norm"] > 0 and stale["previous_checkpoint"] == previous
+
+
+def test_only_the_sound_checkpoint_is_intact(faulty):
+    assert [c["name"] for c in faulty["checkpoints"] if c["intact"]] == ["checkpoint-2"]
+
+
+def test_trainer_checkpoints(hf_checkpoint_fault_run):
+    found = loop09(audit(hf_checkpoint_fault_run))
+    assert set(found) == {f"checkpoint-{s}" for s in HF_CHECKPOINT_FAULTS.values()}
+    assert found["checkpoint-10"]["evidence"]["tensors"][0]["tensor"] == NAN_TENSOR
+    assert found["checkpoint-15"]["evidence"]["missing_state"] == ["rng_states"]
+
+
+def test_clean_run_checkpoints_pass(clean_run):
+    verdict = audit(clean_run)
+    assert loop09(verdict) == {}
+    assert all(c["intact"] for c in verdict["checkpoints"]) and len(verdict["checkpoints"]) == 3
+
+
+def test_a_configured_dtype_names_every_other_tensor(clean_run):
+    con = connect(clean_run, read_only=True)
+    try:
+        ctx = AuditContext(con, clean_run, load_manifest(con))
+        findings = CheckpointIntegrity(expected_dtype="bfloat16").run(ctx)
+        n_params = len(ctx.manifest["params"])
+    finally:
+        con.close()
+    assert [f.checkpoint for f in findings] == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    assert all(f.evidence["tensor_count"] == n_params for f in findings)
+    assert findings[0].evidence["dtypes"][0]["expected"] == "bfloat16"
+
