@@ -37,8 +37,10 @@ def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
     verdicts = {c["name"]: c["verdict"] for c in faulty["checkpoints"]}
     assert verdicts["checkpoint-2"] == "pass"
     assert all(v == "fail" for name, v in verdicts.items() if name != "checkpoint-2")
-    # Checkpoint faults are about the files, not the training: no anomalous training step.
-    assert faulty["first_anomalous_step"] is None
+    # File faults are not training anomalies; the parameter left out of the optimizer from step 17
+    # is one, and LOOP-05 names it from the gradients and weight norms at that step.
+    assert faulty["first_anomalous_step"] == 17
+    assert {f["code"] for f in faulty["findings"] if f["scope"] == "run" and f["severity"] != "info"} == {"LOOP-05"}
 
 
 def test_missing_key_stray_dtype_and_nan_are_named(faulty):
