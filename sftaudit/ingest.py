@@ -5,6 +5,10 @@ The database lives at ``RUN_DIR/sftaudit/audit.duckdb``. Its tables mirror the r
 kinds of `sftaudit.artifacts` (one row per record, plus a ``rank`` column), except:
 ``steps.grad_norms`` is unnested into the long table ``grad_norms(step, idx, tensor,
 norm)``, and the manifest's parameter list becomes ``params``.
+
+A resumed run is one timeline: when a later segment starts at step s, the earlier
+segments' records of steps >= s (the stretch the resume abandoned) move to
+``superseded_<table>``, so every check reads the run the checkpoints describe.
 """
 
 from __future__ import annotations
@@ -106,10 +110,31 @@ def ingest(run_dir: str | Path) -> dict[str, int]:
                 added[kind] += _ingest_file(con, rank, kind, folder / f"{kind}.jsonl")
         if not first_row(con, "SELECT count(*) FROM manifest")[0]:
             raise InputError(f"{run_dir}: artifacts have no manifest record")
+        _supersede_abandoned_steps(con)
         con.commit()
         return added
     finally:
         con.close()
+
+
+# Tables whose rows belong to a step of the timeline (events stay: they are the run's history).
+TIMELINE_TABLES = ("steps", "grad_norms", "batches", "samples", "grad_hists", "probes", "generations", "evals",
+                   "metrics", "checkpoints")
+
+
+def _supersede_abandoned_steps(con: duckdb.DuckDBPyConnection) -> None:
+    if first_row(con, "SELECT count(DISTINCT seg) FROM steps")[0] < 2:
+        return
+    con.execute("CREATE OR REPLACE TEMP TABLE segment_starts AS SELECT rank, seg, min(step) AS first_step "
+                "FROM steps GROUP BY rank, seg")
+    for table in TIMELINE_TABLES:
+        abandoned = (f"FROM segment_starts s WHERE s.rank = {table}.rank AND s.seg > {table}.seg "
+                     f"AND s.first_step <= {table}.step")
+        con.execute(f"CREATE TABLE IF NOT EXISTS superseded_{table} AS SELECT * FROM {table} WITH NO DATA")
+        con.execute(f"INSERT INTO superseded_{table} SELECT * FROM {table} WHERE EXISTS (SELECT 1 {abandoned})")
+        con.execute(f"DELETE FROM {table} USING segment_starts s WHERE s.rank = {table}.rank "
+                    f"AND s.seg > {table}.seg AND s.first_step <= {table}.step")
+    con.execute("DROP TABLE segment_starts")
 
 
 def _ingest_file(con: duckdb.DuckDBPyConnection, rank: int, kind: str, path: Path) -> int:
