@@ -66,3 +66,21 @@ def test_resumed_recorder_starts_a_new_segment(tmp_path, tokenizer_cache):
         rec.on_step_end(2)
     lines = steps.read_text().splitlines()
     assert json.loads(lines[-1])["seg"] == 1 and json.loads(lines[-1])["step"] == 2
+
+
+def test_batched_probes_match_each_prompt_alone(tmp_path, tokenizer_cache):
+    """Probe prompts run as one left-padded batch: padding must not change any distribution."""
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok).eval()
+    prompts = ["Hi", "Explain in two sentences why the sky looks blue at noon and red at sunset."]
+    with Recorder(tmp_path, model, tok, probe_prompts=prompts, probe_every=1, probe_top_k=5) as rec:
+        rec.on_step_end(1)
+    probes = [json.loads(line) for line in (rank_dir(tmp_path, 0) / "probes.jsonl").read_text().splitlines()]
+    for record, prompt in zip(probes, prompts):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
+        top = probs.topk(5)
+        assert record["top_ids"] == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(record["top_probs"], top.values.tolist())) < 1e-5

@@ -47,6 +47,7 @@ IGNORE_INDEX = -100
 # A step whose global gradient norm exceeds this multiple of its running mean gets histograms
 # recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
 SPIKE_FACTOR = 10.0
+GENERATION_CHUNK = 32  # rows per generate() call: large eval sets are split to bound probe memory
 
 
 class Recorder:
@@ -139,6 +140,9 @@ class Recorder:
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
         self._eval_inputs = self._encode_prompts([it["messages"] for it in self.eval_set])
+        self._probe_batch = self._left_padded(self._probe_inputs)
+        self._generation_batch = self._left_padded(self._probe_inputs, self.schedule.generations_per_prompt)
+        self._eval_batch = self._left_padded(self._eval_inputs)
 
     # ------------------------------------------------------------------ public hooks
 
@@ -439,45 +443,67 @@ class Recorder:
             self._probing = False
 
     def _probe_probes(self, step: int) -> None:
-        device = self._device()
-        last = [self.model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].float() for ids in self._probe_inputs]
-        logp = torch.log_softmax(torch.stack(last), dim=-1)
+        ids, mask = self._on_device(self._probe_batch)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the positions
+        logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask, position_ids=positions)
+                                 .logits[:, -1].float(), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
         top = logp.exp().topk(min(self.schedule.probe_top_k, logp.shape[-1]), dim=-1)
-        probs, ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
+        probs, top_ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
         for i in range(len(self._probe_inputs)):
             self._write("probes", {"step": step, "prompt": i, "entropy": entropy[i],
-                                   "top_ids": ids[i], "top_probs": probs[i]})
+                                   "top_ids": top_ids[i], "top_probs": probs[i]})
 
     def _probe_generations(self, step: int) -> None:
         n = self.schedule.generations_per_prompt
-        for i, ids in enumerate(self._probe_inputs):
-            torch.manual_seed(i)  # the same sampling noise at every step: differences are the model's
-            texts, lengths, stopped = self._generate(ids, n, sample=True)
-            for j in range(n):
-                self._write("generations", {"step": step, "prompt": i, "sample": j, "text": texts[j],
-                                            "new_tokens": lengths[j], "stopped": stopped[j]})
+        torch.manual_seed(0)  # the same sampling noise at every step: differences are the model's
+        texts, lengths, stopped = self._generate(self._generation_batch, sample=True)
+        for r, text in enumerate(texts):
+            self._write("generations", {"step": step, "prompt": r // n, "sample": r % n, "text": text,
+                                        "new_tokens": lengths[r], "stopped": stopped[r]})
 
     def _probe_evals(self, step: int) -> None:
-        for i, ids in enumerate(self._eval_inputs):
-            texts, lengths, stopped = self._generate(ids, 1, sample=False)
-            item = self.eval_set[i]
-            self._write("evals", {"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[0],
-                                  "reference": item["reference"], "new_tokens": lengths[0], "stopped": stopped[0]})
+        texts, lengths, stopped = self._generate(self._eval_batch, sample=False)
+        for i, item in enumerate(self.eval_set):
+            self._write("evals", {"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[i],
+                                  "reference": item["reference"], "new_tokens": lengths[i], "stopped": stopped[i]})
 
-    def _generate(self, ids: list[int], n: int, sample: bool) -> tuple[list[str], list[int], list[bool]]:
+    def _generate(self, batch: tuple[torch.Tensor, torch.Tensor], sample: bool) -> tuple[list[str], list[int], list[bool]]:
+        """Batched generation on left-padded prompts, in chunks so a large eval set fits in memory."""
         tok = self.tokenizer
-        prompt = torch.tensor([ids] * n, device=self._device())
-        out = self.model.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=sample,
-            max_new_tokens=self.schedule.max_new_tokens, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            eos_token_id=tok.eos_token_id, **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
-        )[:, len(ids):].cpu()
         eos = tok.eos_token_id
-        stopped = (out == eos).any(1).tolist() if eos is not None else [False] * n
-        lengths = [int((row == eos).nonzero()[0, 0]) + 1 if s else row.numel() for row, s in zip(out, stopped)]
-        texts = tok.batch_decode([row[:k] for row, k in zip(out, lengths)], skip_special_tokens=True)
+        texts, lengths, stopped = [], [], []
+        for ids, mask in zip(*(t.split(GENERATION_CHUNK) for t in self._on_device(batch))):
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=sample, max_new_tokens=self.schedule.max_new_tokens,
+                pad_token_id=self._pad_id(), eos_token_id=eos,
+                **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
+            )[:, ids.shape[1]:].cpu()
+            ended = (out == eos).any(1) if eos is not None else torch.zeros(len(out), dtype=torch.bool)
+            length = torch.where(ended, (out == eos).int().argmax(1) + 1, out.shape[1]).tolist()
+            texts += tok.batch_decode([row[:k] for row, k in zip(out, length)], skip_special_tokens=True)
+            lengths += length
+            stopped += ended.tolist()
         return texts, lengths, stopped
+
+    def _left_padded(self, prompts: list[list[int]], repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts as one left-padded batch (built once: the prompts never change)."""
+        rows = [p for p in prompts for _ in range(repeat)]
+        width = max((len(r) for r in rows), default=0)
+        ids = torch.full((len(rows), width), self._pad_id() if rows else 0, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[r, width - len(row):] = 1
+        return ids, mask
+
+    def _on_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self._device()
+        return batch[0].to(device), batch[1].to(device)
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
     def _encode_prompts(self, conversations: list[list[dict]]) -> list[list[int]]:
         if not conversations:
