@@ -23,7 +23,8 @@ from sftaudit.fixtures.train import PROBE_PROMPTS, batches
 from sftaudit.shim import PROFILES, Recorder
 
 
-def measure(size: str, profile: str, steps: int, block: int, batch_size: int, max_length: int) -> dict:
+def measure(size: str, profile: str, steps: int, block: int, batch_size: int, max_length: int,
+            warmup: int = 20) -> dict:
     torch.manual_seed(0)
     tok = build_tokenizer()
     model = build_model(tok, size=size)
@@ -35,8 +36,8 @@ def measure(size: str, profile: str, steps: int, block: int, batch_size: int, ma
     with tempfile.TemporaryDirectory() as run_dir:
         rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())
         shim_step = 0
-        for i in range(2 * steps):
-            shimmed = (i // block) % 2 == 1
+        for i in range(-warmup, 2 * steps):  # warmup steps (i < 0) settle allocators and caches, unmeasured
+            shimmed = i >= 0 and (i // block) % 2 == 1
             batch = prepared[i % len(prepared)]
             start = time.perf_counter()
             if shimmed:
@@ -50,7 +51,8 @@ def measure(size: str, profile: str, steps: int, block: int, batch_size: int, ma
             if shimmed:
                 rec.on_step_end(shim_step, lr=1e-4)
             opt.zero_grad(set_to_none=True)
-            times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
+            if i >= 0:
+                times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
         rec.close()
     bare, shim = times["bare"], times["shim"]
     return {
