@@ -45,7 +45,14 @@ class Opened:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.goto(report.as_uri())
+        self.page.wait_for_selector("body[data-open-ready]", timeout=LOAD_TIMEOUT_MS)
+        # Charts below the fold are drawn as they come into view: scroll through them as a reader would.
+        charts = self.page.locator("div.chart")
+        for i in range(charts.count()):
+            charts.nth(i).scroll_into_view_if_needed()
+            self.page.wait_for_selector(f"#{charts.nth(i).get_attribute('id')}[data-drawn]", timeout=LOAD_TIMEOUT_MS)
         self.page.wait_for_selector("body[data-charts-ready]", timeout=LOAD_TIMEOUT_MS)
+        self.page.evaluate("window.scrollTo(0, 0)")
 
     def in_viewport(self, element_id: str) -> bool:
         return self.page.evaluate(

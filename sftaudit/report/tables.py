@@ -16,9 +16,10 @@ import polars as pl
 
 from ..ingest import first_row
 
-# Below this many points a series is drawn as recorded; above, as an envelope of this many buckets.
-ENVELOPE_BUCKETS = 2000
-HEATMAP_BUCKETS = 300
+# Below this many points a series is drawn as recorded; above, as an envelope of this many buckets
+# (about one per pixel of a chart as wide as the page: more are invisible and slow the page down).
+ENVELOPE_BUCKETS = 1000
+HEATMAP_BUCKETS = 250
 
 # The tables the shim fills for a check: when empty, the check had nothing to judge.
 CHECK_INPUTS = {
