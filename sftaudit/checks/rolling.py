@@ -8,6 +8,8 @@ against between `window` and 2 x `window` steps of its own history, none of whic
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal data
@@ -47,8 +49,10 @@ def previous_block_stats(values: np.ndarray, window: int) -> tuple[np.ndarray, n
         b = x[: blocks * window].reshape(blocks, window, k)
         b = np.where(np.isfinite(b), b, np.nan)
         agg = np.nanmedian if np.isnan(b).any() else np.median
-        med = agg(b, axis=1)
-        mad = agg(np.abs(b - med[:, None, :]), axis=1)
+        with warnings.catch_warnings():  # an all-NaN block (a NaN stretch) has no baseline: NaN is the answer
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = agg(b, axis=1)
+            mad = agg(np.abs(b - med[:, None, :]), axis=1)
         owner = np.arange(window, n) // window - 1  # the block before each row's own block
         median[window:] = med[owner]
         sigma[window:] = MAD_TO_SIGMA * mad[owner]
