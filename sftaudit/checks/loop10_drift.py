@@ -143,12 +143,13 @@ class LossDynamics(Check):
         hits = np.flatnonzero(np.convolve(diverging.astype(int), np.ones(n, dtype=int), mode="full")[: diverging.size] >= n)
         if not hits.size:
             return []
-        i = hits[0] - n + 1  # the first rising evaluation of the run of n
+        i = int(hits[0]) - n + 1  # the first rising evaluation of the run of n
         at = int(evals["step"][i + 1])
         return [self.finding(
             "warn",
             f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
-            f"stop or roll back, and check the eval set for overlap with the training data",
+            f"the model is overfitting its training data: stop or roll back to a checkpoint before step {at}, "
+            f"and add data, regularisation or an earlier stop",
             step=at, eval_steps=evals["step"].to_list()[i:i + n + 1], eval_loss=ev[i:i + n + 1].tolist())]
 
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
