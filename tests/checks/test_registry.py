@@ -1,0 +1,37 @@
+"""Every registered check: a stable code, its docs in the fixed sections, its own tests, no crash on real runs."""
+
+import re
+from pathlib import Path
+
+from sftaudit.audit import audit
+from sftaudit.checks import registered_checks
+from sftaudit.checks.base import DOC_SECTIONS
+
+HERE = Path(__file__).parent
+
+
+def test_codes_are_stable_unique_and_numbered_by_their_file():
+    checks = registered_checks()
+    codes = [c.code for c in checks]
+    assert len(codes) == len(set(codes)) and all(re.fullmatch(r"LOOP-\d\d", c) for c in codes)
+    for check in checks:
+        assert check.__module__.rsplit(".", 1)[1].startswith("loop" + check.code[-2:] + "_"), check
+        assert check.name and isinstance(check.defaults, dict)
+
+
+def test_every_check_documents_its_sections_in_order():
+    for check in registered_checks():
+        doc = check.__doc__ or ""
+        positions = [doc.find(f"{section}:") for section in DOC_SECTIONS]
+        assert -1 not in positions and positions == sorted(positions), (check.code, positions)
+
+
+def test_every_check_has_its_own_test_file():
+    for check in registered_checks():
+        module = check.__module__.rsplit(".", 1)[1]
+        assert (HERE / f"test_{module}.py").is_file(), f"{check.code}: tests/checks/test_{module}.py is missing"
+
+
+def test_no_check_crashes_on_the_clean_and_the_failed_run(clean_run, nan_run):
+    for run in (clean_run, nan_run):
+        assert audit(run)["check_errors"] == []
