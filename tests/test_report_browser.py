@@ -126,14 +126,20 @@ def test_clicking_a_finding_link_scrolls_to_its_evidence(failed):
 
 def test_untrusted_sample_text_stays_text(failed):
     page = failed.page
-    page.locator("#timeline").scroll_into_view_if_needed()
+    # Centred, so that no marker hides under the sticky header while the mouse hovers it.
+    page.evaluate("document.getElementById('timeline').scrollIntoView({block: 'center'})")
     hovered = []
     for marker in page.locator("#timeline .scatterlayer .trace path.point").all():  # hover labels are SVG text
         box = marker.bounding_box()
         if box is None:
             continue
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-        hovered.append(page.locator("#timeline .hoverlayer").text_content())
+        for _ in range(20):  # plotly draws the hover label on its next animation frame
+            text = page.locator("#timeline .hoverlayer").text_content()
+            if text:
+                break
+            page.wait_for_timeout(50)
+        hovered.append(text)
     assert any("<script>window.__xss = 1</script>" in h for h in hovered)
     assert page.evaluate("window.__xss") is None
     assert page.locator("img").count() == 0
