@@ -40,8 +40,7 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
     try:
         rows = con.execute(
             """SELECT step, flatten(list(sample_ids ORDER BY micro)) FROM (
-                   SELECT step, micro, sample_ids FROM batches WHERE rank = 0 AND step > ? AND step <= ?
-                   QUALIFY seg = max(seg) OVER (PARTITION BY step))  -- the latest segment's view of each step
+                   SELECT step, micro, sample_ids FROM batches WHERE rank = 0 AND step > ? AND step <= ?)
                GROUP BY step ORDER BY step""", [since, first]).fetchall()
         manifest = load_manifest(con)
     finally:

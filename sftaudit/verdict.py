@@ -38,11 +38,6 @@ def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> lis
     return out
 
 
-def worst(findings: list[Finding]) -> str:
-    rank = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
-    return "pass" if rank == 0 else ("warn", "fail")[rank - 1]
-
-
 # Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
 # checkpoint before the anomaly; the seed rolls back to `step_id - 3` (3); PaLM-style practice
 # restarts about 100 steps before a loss spike (100).
@@ -76,7 +71,7 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
-        "verdict": worst(findings),
+        "verdict": worst_of(finding_dicts),
         "first_anomalous_step": first,
         "first_anomaly_chain": chain,
         "rollback_checkpoint": rollback_checkpoint(per_checkpoint, first, rollback_margin),

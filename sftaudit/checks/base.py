@@ -40,11 +40,6 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Finding":
-        return cls(**{k: d.get(k) for k in ("code", "severity", "message", "step", "checkpoint")},
-                   evidence=d.get("evidence") or {})
-
 
 @dataclass
 class AuditContext:

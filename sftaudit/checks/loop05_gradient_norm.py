@@ -7,7 +7,8 @@ from scipy import stats
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
-from .rolling import grad_norm_matrix, adaptive_window, dominant_period, previous_block_stats, robust_z, warmup_end
+from .rolling import (adaptive_window, dominant_period, grad_norm_matrix, previous_block_stats, robust_z, step_frame,
+                      warmup_end)
 
 # Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
 LOG_SIGMA_FLOOR = np.log(1.2)
@@ -106,8 +107,7 @@ class GradientNormAnomaly(Check):
     # ------------------------------------------------------------------ spikes
 
     def _spikes(self, ctx: AuditContext) -> list[Finding]:
-        steps_frame = ctx.frame("SELECT step, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
-                                "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
+        steps_frame = step_frame(ctx, "lr", "grad_norm")
         if steps_frame.height < 2:
             return []
         steps = steps_frame["step"].to_numpy()

@@ -6,7 +6,7 @@ import numpy as np
 from scipy import stats
 
 from .base import AuditContext, Check, Finding
-from .rolling import grad_norm_matrix, adaptive_window, previous_block_stats, robust_z, warmup_end
+from .rolling import adaptive_window, grad_norm_matrix, previous_block_stats, robust_z, step_frame, warmup_end
 
 
 class LossDynamics(Check):
@@ -49,8 +49,7 @@ class LossDynamics(Check):
                 "max_series_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        frame = ctx.frame("SELECT step, arg_max(loss, seg) AS loss, arg_max(lr, seg) AS lr, arg_max(grad_norm, seg) AS grad_norm "
-                          "FROM steps WHERE rank = 0 GROUP BY step ORDER BY step")  # a resumed step: its latest run
+        frame = step_frame(ctx, "loss", "lr", "grad_norm")
         if frame.height < 3:
             return []
         steps = frame["step"].to_numpy()

@@ -85,8 +85,7 @@ class ResumeContinuity(Check):
             """
             WITH history AS (
                 SELECT step, unnest(sample_ids) AS id FROM (
-                    SELECT step, sample_ids FROM batches WHERE rank = 0 AND seg < $seg AND step < $first
-                    QUALIFY seg = max(seg) OVER (PARTITION BY step))),  -- the latest segment's view of each step
+                    SELECT step, sample_ids FROM batches WHERE rank = 0 AND seg < $seg AND step < $first)),
             resumed AS (
                 SELECT step, micro, unnest(sample_ids) AS id, generate_subscripts(sample_ids, 1) AS pos
                 FROM batches WHERE rank = 0 AND seg = $seg AND step < $first + $window)
@@ -109,7 +108,7 @@ class ResumeContinuity(Check):
     def _lr(self, ctx: AuditContext, seg: int, first: int) -> list[Finding]:
         before = ctx.frame(
             """SELECT step, lr FROM steps WHERE rank = 0 AND seg < ? AND step < ? AND lr IS NOT NULL
-               QUALIFY seg = max(seg) OVER (PARTITION BY step) ORDER BY step DESC LIMIT ?""",
+               ORDER BY step DESC LIMIT ?""",
             [seg, first, self.params["lr_window"] + 1])
         after = ctx.row("SELECT lr FROM steps WHERE rank = 0 AND seg = ? AND step = ? AND lr IS NOT NULL", [seg, first])
         if before.is_empty() or after is None or not before["lr"][0]:
@@ -131,8 +130,7 @@ class ResumeContinuity(Check):
         k = self.params["loss_window"]
         row = ctx.row(
             """SELECT (SELECT median(loss) FROM (SELECT loss FROM steps WHERE rank = 0 AND seg < $seg AND step < $first
-                         AND isfinite(loss) QUALIFY seg = max(seg) OVER (PARTITION BY step)
-                         ORDER BY step DESC LIMIT $k)),
+                         AND isfinite(loss) ORDER BY step DESC LIMIT $k)),
                       (SELECT median(loss) FROM (SELECT loss FROM steps WHERE rank = 0 AND seg = $seg
                          AND isfinite(loss) ORDER BY step LIMIT $k))""", {"seg": seg, "first": first, "k": k})
         before, after = row

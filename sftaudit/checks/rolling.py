@@ -87,6 +87,11 @@ def dominant_period(steps: np.ndarray, min_events: int = 4, share: float = 0.75)
     return best if best > 1 and counts.max() >= share * gaps.size else None
 
 
+def step_frame(ctx, *columns: str):
+    """Rank 0's per-step columns in step order (one row per step: ingest sets abandoned resumed steps aside)."""
+    return ctx.frame(f"SELECT step, {', '.join(columns)} FROM steps WHERE rank = 0 ORDER BY step")
+
+
 def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:
     """(steps, tensor names, steps x tensors norms) of rank 0, NaN where a tensor had no gradient.
 
