@@ -9,8 +9,9 @@ from typing import Any
 from .checks import AuditContext, Finding, registered_checks
 from .config import AuditConfig
 from .errors import InputError
-from .ingest import connect, first_row, ingest, load_manifest
-from .verdict import build_verdict, checkpoint_name
+from .checkpoints import CheckpointError, inside_run
+from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints
+from .verdict import build_verdict
 
 
 def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
@@ -31,10 +32,47 @@ def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], l
 
 
 def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
-    rows = ctx.con.execute(
-        "SELECT max(step), path FROM checkpoints WHERE event = 'saved' AND rank = 0 GROUP BY path ORDER BY 1"
-    ).fetchall()
-    return [{"name": checkpoint_name(path), "step": step, "path": path} for step, path in rows]
+    """The run's checkpoints (one per path, the last save), and whether each is still on disk."""
+    out = []
+    for c in recorded_checkpoints(ctx.con):
+        try:
+            on_disk = inside_run(ctx.run_dir, c["path"]).exists()
+        except CheckpointError:
+            on_disk = False
+        out.append({k: c[k] for k in ("name", "step", "path", "saves")} | {"on_disk": on_disk})
+    return out
+
+
+# Shim components without which a run cannot be judged at all: the steps (loss, gradient norms)
+# and the batches (what was trained on).
+ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
+
+
+def evidence_coverage(con, check_errors: list[dict[str, str]]) -> dict[str, Any]:
+    """What the evidence covers: steps recorded per rank, shim components switched off (from which
+    step, with which error), checks that could not run; and why the run cannot be judged, if so."""
+    ranks = [{"rank": r, "steps": n, "first_step": lo, "last_step": hi} for r, n, lo, hi in con.execute(
+        """SELECT m.rank, count(s.step), min(s.step), max(s.step) FROM (SELECT DISTINCT rank FROM manifest) m
+           LEFT JOIN steps s USING (rank) GROUP BY m.rank ORDER BY m.rank""").fetchall()]
+    off = [{"rank": r, "component": c, "from_step": step, "error": error} for r, c, step, error in con.execute(
+        """SELECT rank, probe, min(step), arg_min(error, coalesce(step, -1)) FROM events
+           WHERE kind = 'shim_error' GROUP BY rank, probe ORDER BY rank, probe""").fetchall()]
+    first = {r["rank"]: r["first_step"] for r in ranks}
+    reasons = []
+    if not any(r["steps"] for r in ranks):
+        reasons.append("no training step was recorded")
+    for o in off:
+        start = first.get(o["rank"])
+        if o["component"] in ESSENTIAL_COMPONENTS and (o["from_step"] is None or start is None
+                                                         or o["from_step"] <= start):
+            reasons.append(f"rank {o['rank']}'s {o['component']} recording was switched off from the start "
+                           f"(step {o['from_step']}: {o['error']})")
+    partial = [f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']} ({o['error']}); "
+               f"later steps are judged without it" for o in off
+               if o["component"] not in ESSENTIAL_COMPONENTS or first.get(o["rank"]) is not None
+               and o["from_step"] is not None and o["from_step"] > first[o["rank"]]]
+    return {"ranks": ranks, "components_off": off, "checks_not_run": [e["code"] for e in check_errors],
+            "partial": partial, "cannot_judge": "; ".join(reasons) or None}
 
 
 def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
@@ -54,7 +92,7 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     ctx = AuditContext(con, run_dir, manifest)
     findings, errors = run_checks(ctx, config)
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
-                            config.rollback_margin)
+                            config.rollback_margin, evidence_coverage(con, errors))
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,

@@ -122,6 +122,7 @@ class TensorScan:
 
     nonfinite: int
     digest: str         # blake2b of the raw bytes: equal digests = identical values
+    all_zero: bool      # every byte zero (a LoRA B matrix never trained is exactly zero)
 
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
@@ -183,7 +184,7 @@ def scan_safetensors(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[T
         for e in entries:
             bits, _, mask = SAFETENSORS_DTYPES[e.raw]
             f.seek(e.begin)
-            h, nonfinite, left = hashlib.blake2b(digest_size=16), 0, e.end - e.begin
+            h, nonfinite, left, zero = hashlib.blake2b(digest_size=16), 0, e.end - e.begin, True
             item = np.dtype(bits).itemsize
             while left:
                 chunk = f.read(min(left, CHUNK_BYTES - CHUNK_BYTES % item))
@@ -191,10 +192,11 @@ def scan_safetensors(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[T
                     raise CheckpointError(f"{path.name}: file ended inside tensor {e.name}")
                 left -= len(chunk)
                 h.update(chunk)
+                zero = zero and not chunk.strip(b"\0")
                 if mask is not None:
                     values = np.frombuffer(chunk, dtype=bits)
                     nonfinite += int(np.count_nonzero((values & values.dtype.type(mask)) == mask))
-            yield e, TensorScan(nonfinite, h.hexdigest())
+            yield e, TensorScan(nonfinite, h.hexdigest(), zero)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -491,14 +493,15 @@ def scan_torch_zip(path: Path, tensors: dict[str, TensorRef]) -> dict[str, Tenso
 
 def _scan_stream(stream: Any, bits: str, mask: int | None) -> TensorScan:
     item = np.dtype(bits).itemsize
-    h, nonfinite, tail = hashlib.blake2b(digest_size=16), 0, b""
+    h, nonfinite, tail, zero = hashlib.blake2b(digest_size=16), 0, b"", True
     with stream:
         while chunk := stream.read(CHUNK_BYTES):
             h.update(chunk)
+            zero = zero and not chunk.strip(b"\0")
             if mask is not None:
                 data = tail + chunk
                 cut = len(data) - len(data) % item
                 values = np.frombuffer(data[:cut], dtype=bits)
                 nonfinite += int(np.count_nonzero((values & values.dtype.type(mask)) == mask))
                 tail = data[cut:]
-    return TensorScan(nonfinite, h.hexdigest())
+    return TensorScan(nonfinite, h.hexdigest(), zero)

@@ -179,12 +179,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _exit_code(verdict: str, strict: bool) -> int:
+    if verdict == "unjudged":
+        return EXIT_CANNOT_JUDGE
     if verdict == "fail" or (strict and verdict == "warn"):
         return EXIT_FAIL
     return EXIT_PASS
 
 
 def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
+    if verdict.get("cannot_judge"):
+        print(f"{verdict['run']}: could not judge: {verdict['cannot_judge']}", file=sys.stderr)
     print(f"{verdict['run']}: {verdict['verdict'].upper()}", end="")
     if verdict["first_anomalous_step"] is not None:
         print(f"; first anomalous step {verdict['first_anomalous_step']}", end="")
@@ -196,6 +200,8 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"  {f['code']} {f['severity']:<4} {where}: {f['message']}")
     for e in verdict["check_errors"]:
         print(f"  {e['code']} could not run: {e['error']}")
+    for note in verdict.get("evidence", {}).get("partial", []):
+        print(f"  partial evidence: {note}")
     print(f"verdict: {verdict_path}")
     if report:
         print(f"report:  {report}")

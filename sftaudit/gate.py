@@ -10,6 +10,8 @@ Policy file (TOML)::
     block = ["fail"]        # severities that block (--strict adds "warn")
     codes = []              # only these check codes block (empty: every code)
     ignore = ["LOOP-07"]    # these codes never block
+    require_resume_state = false  # true: a checkpoint without optimizer, scheduler, RNG states
+                                  # or data position fails (default: one warn for the run)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import tomllib
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ class Policy:
     block: tuple[str, ...] = ("fail",)
     codes: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
+    require_resume_state: bool = False
 
     @classmethod
     def load(cls, path: str | Path | None, strict: bool = False) -> "Policy":
@@ -49,7 +52,7 @@ class Policy:
         if unknown:
             raise InputError(f"policy {path}: unknown severities {sorted(unknown)}; use {list(SEVERITIES)}")
         return cls(tuple(s for s in SEVERITIES if s in block), tuple(sorted(data.get("codes", []))),
-                   tuple(sorted(data.get("ignore", []))))
+                   tuple(sorted(data.get("ignore", []))), bool(data.get("require_resume_state", False)))
 
     def blocks(self, finding: dict[str, Any]) -> bool:
         return (finding["severity"] in self.block and finding["code"] not in self.ignore
@@ -127,8 +130,13 @@ def _line(f: dict[str, Any]) -> str:
 def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
+    if policy.require_resume_state:
+        loop09 = {**config.check_options.get("LOOP-09", {}), "require_resume_state": True}
+        config = replace(config, check_options={**config.check_options, "LOOP-09": loop09})
     run_dir = Path(run_dir)
     verdict = audit(run_dir, config)
+    if verdict.get("cannot_judge"):
+        raise InputError(f"could not judge {run_dir}: {verdict['cannot_judge']}")
     if verdict["check_errors"]:
         e = verdict["check_errors"][0]
         raise InputError(f"cannot judge: check {e['code']} could not run ({e['error']})")
@@ -138,14 +146,16 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
     except CheckpointError as exc:
         raise InputError(f"cannot judge {target['name']}: {exc}") from None
     if not on_disk:
-        raise InputError(f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']}")
+        raise InputError(f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']} "
+                         f"(rotated out or deleted)")
     checks = [(c.code, c.name, c.code not in config.disabled) for c in registered_checks()]
     considered = findings_up_to(verdict["findings"], target["name"], target["step"])
     return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
 
 
 def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted: str) -> dict[str, Any]:
-    """A checkpoint by name (checkpoint-20), step (20) or path (inside the run directory)."""
+    """A checkpoint by name (step-20), step (20) or path (inside the run directory). A step whose
+    save a later save to the same path overwrote cannot be judged: its files are gone."""
     by_name = [c for c in checkpoints if c["name"] == wanted]
     by_step = [c for c in checkpoints if wanted.isdigit() and c["step"] == int(wanted)]
     root = run_dir.resolve()
@@ -155,6 +165,12 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
         if by_path:
             break
     found = by_name or by_step or by_path
+    if not found and wanted.isdigit():
+        later = [c for c in checkpoints if int(wanted) in c.get("saves", ())]
+        if later:
+            c = later[-1]
+            raise InputError(f"cannot judge step {wanted}'s checkpoint: {c['path']} was overwritten at step "
+                             f"{c['step']}; only that save is on disk (judge it with --checkpoint {c['name']})")
     if not found:
         saved = ", ".join(c["name"] for c in checkpoints) or "none"
         raise InputError(f"checkpoint {wanted!r} is not among the run's saved checkpoints ({saved})")

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import duckdb
 
@@ -226,3 +226,42 @@ def load_manifest(con: duckdb.DuckDBPyConnection, rank: int = 0) -> dict:
     if row is None:
         raise InputError(f"no manifest for rank {rank}")
     return json.loads(row[0])
+
+
+def recorded_checkpoints(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    """Rank 0's checkpoints, one per path (a checkpoint's identity is its path relative to the run
+    directory), in order of their last save: name (shortest unique path suffix), step of the last
+    save (the one on disk), every step it was saved at, that save's segment and recorded hashes."""
+    rows = con.execute(
+        """WITH saved AS (SELECT * FROM checkpoints WHERE event = 'saved' AND rank = 0),
+                saves AS (SELECT path, list(step ORDER BY seg, step) AS saves FROM saved GROUP BY path),
+                last AS (SELECT path, step, seg FROM saved
+                         QUALIFY row_number() OVER (PARTITION BY path ORDER BY seg DESC, step DESC) = 1),
+                hashed AS (SELECT path, step, seg, any_value(sha256) AS sha256 FROM checkpoints
+                           WHERE event = 'hashed' AND rank = 0 GROUP BY path, step, seg)
+           SELECT l.path, l.step, l.seg, s.saves, h.sha256 FROM last l JOIN saves s USING (path)
+           LEFT JOIN hashed h ON h.path = l.path AND h.step = l.step AND h.seg = l.seg
+           ORDER BY l.step, l.path""").fetchall()
+    names = checkpoint_names([r[0] for r in rows])
+    return [{"name": names[path], "path": path, "step": step, "seg": seg, "saves": saves,
+             "sha256": json.loads(sha) if sha else {}} for path, step, seg, saves, sha in rows]
+
+
+def checkpoint_names(paths: list[str]) -> dict[str, str]:
+    """Display names: the shortest path suffix that tells the checkpoints apart, without the file
+    name they all share (``checkpoints/step-20/model.safetensors`` -> ``step-20``)."""
+    parts = {p: PurePosixPath(p.replace("\\", "/")).parts or (p,) for p in paths}
+    shared = 0  # trailing components every checkpoint has in common (model.safetensors)
+    if len(parts) > 1:
+        while all(len(q) > shared + 1 for q in parts.values()) and \
+                len({q[len(q) - shared - 1] for q in parts.values()}) == 1:
+            shared += 1
+    trimmed = {p: q[: len(q) - shared] for p, q in parts.items()}
+    names = {}
+    for p, q in trimmed.items():
+        for k in range(1, len(q) + 1):
+            suffix = q[-k:]
+            if sum(1 for other in trimmed.values() if other[-k:] == suffix) == 1:
+                break
+        names[p] = "/".join(suffix)
+    return names

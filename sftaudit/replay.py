@@ -29,6 +29,7 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
     first = verdict["first_anomalous_step"]
     out: dict[str, Any] = {"run": verdict["run"], "verdict": verdict["verdict"], "first_anomalous_step": first,
                            "rollback_checkpoint": None, "rollback_margin": verdict["rollback_margin"],
+                           "rollback_deleted": verdict["rollback_deleted"],
                            "chain": [], "batches": [], "resume": None}
     if first is None:
         return out
@@ -79,11 +80,14 @@ def to_text(doc: dict[str, Any]) -> str:
     lines.append("findings:")
     lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
     rb = doc["rollback_checkpoint"]
+    deleted = f"; {doc['rollback_deleted']} would have been, but it is no longer on disk" \
+        if doc.get("rollback_deleted") else ""
     if rb is None:
-        lines.append(f"no intact checkpoint at least {doc['rollback_margin']} steps before the anomaly: "
-                     f"restart from scratch")
+        lines.append(f"no intact checkpoint on disk at least {doc['rollback_margin']} steps before the anomaly"
+                     f"{deleted}: restart from scratch")
     else:
-        lines.append(f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']})")
+        lines.append(f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']})"
+                     f"{deleted}")
     lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:

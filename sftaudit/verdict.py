@@ -4,15 +4,15 @@ A finding at step s falls in the window of the first checkpoint saved at a step 
 (after checkpoint A, up to and including checkpoint B). A checkpoint's verdict is the
 worst severity of everything that happened up to it: findings in its window or an
 earlier one, run-level findings (no step), and findings about the checkpoint itself.
-The rollback checkpoint is the last intact one (no warn/fail finding about the checkpoint
-itself, i.e. it passes LOOP-09) saved at least `rollback_margin` (default 1) steps before
-the first anomalous step.
+The rollback checkpoint is the last intact one (still on disk, no warn/fail finding about
+the checkpoint itself, i.e. it passes LOOP-09) saved at least `rollback_margin` (default 1)
+steps before the first anomalous step; `rollback_deleted` names a later sound one that was
+rotated out or deleted.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import PurePosixPath
 from typing import Any
 
 from .artifacts import SCHEMA_VERSION
@@ -20,10 +20,6 @@ from .checks.base import SEVERITY_RANK, Finding
 
 # Findings within this many steps of the first anomalous step form its chain (what fired around it).
 CHAIN_WINDOW = 50
-
-
-def checkpoint_name(path: str) -> str:
-    return PurePosixPath(path.replace("\\", "/")).name
 
 
 def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> list[Finding]:
@@ -46,7 +42,9 @@ DEFAULT_ROLLBACK_MARGIN = 1
 
 def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str, Any]],
                   check_errors: list[dict[str, str]] | None = None,
-                  rollback_margin: int = DEFAULT_ROLLBACK_MARGIN) -> dict[str, Any]:
+                  rollback_margin: int = DEFAULT_ROLLBACK_MARGIN,
+                  evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's verdict; "unjudged" (never pass) when the evidence says it cannot be judged."""
     # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone
     # (scope "checkpoint"); the rest are about the run, up to the step they happened (scope "run").
     about_checkpoint = [f for f in findings if f.checkpoint is not None]
@@ -64,17 +62,23 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
     for c in sorted(checkpoints, key=lambda c: c["step"]):
         upto = findings_up_to(finding_dicts, c["name"], c["step"])
         own = [f for f in finding_dicts if f["checkpoint"] == c["name"]]
-        intact = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
+        sound = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
+        on_disk = c.get("on_disk", True)
         per_checkpoint.append({"name": c["name"], "step": c["step"], "path": c["path"],
-                               "verdict": worst_of(upto), "intact": intact, "findings": own})
+                               "saves": c.get("saves", [c["step"]]), "on_disk": on_disk,
+                               "verdict": worst_of(upto), "intact": sound and on_disk, "sound": sound,
+                               "findings": own})
 
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
-        "verdict": worst_of(finding_dicts),
+        "verdict": "unjudged" if evidence and evidence["cannot_judge"] else worst_of(finding_dicts),
+        "cannot_judge": evidence["cannot_judge"] if evidence else None,
+        "evidence": evidence or {},
         "first_anomalous_step": first,
         "first_anomaly_chain": chain,
         "rollback_checkpoint": rollback_checkpoint(per_checkpoint, first, rollback_margin),
+        "rollback_deleted": rollback_deleted(per_checkpoint, first, rollback_margin),
         "rollback_margin": rollback_margin,
         "checkpoints": per_checkpoint,
         "findings": finding_dicts,
@@ -84,18 +88,29 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
 
 def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list[dict[str, Any]]:
     """What a checkpoint's verdict rests on: run findings up to its step (or without a step) and
-    the findings about that checkpoint itself."""
+    the findings about that checkpoint itself. A run finding whose evidence names the checkpoints
+    it `applies_to` (one warn for several checkpoints) counts for those alone."""
     return [f for f in findings
             if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
-            or (f["scope"] == "run" and (f["step"] is None or f["step"] <= step))]
+            or (f["scope"] == "run" and (f["step"] is None or f["step"] <= step)
+                and name in (f["evidence"] or {}).get("applies_to", [name]))]
 
 
 def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
-    """The last intact checkpoint (passes LOOP-09) saved at least `margin` (>= 1) steps before the first anomaly."""
+    """The last intact checkpoint (on disk, passes LOOP-09) saved at least `margin` (>= 1) steps
+    before the first anomaly."""
     if first is None:
         return None
     intact = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["intact"]]
     return intact[-1]["name"] if intact else None
+
+
+def rollback_deleted(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+    """The checkpoint that would have been the rollback target had it not been rotated out or deleted."""
+    if first is None:
+        return None
+    sound = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["sound"]]
+    return sound[-1]["name"] if sound and not sound[-1]["on_disk"] else None
 
 
 def worst_of(findings: list[dict[str, Any]]) -> str:

@@ -39,10 +39,16 @@ def test_bad_checkpoint_fails_and_a_good_one_of_the_same_run_passes(checkpoint_f
     assert gate(checkpoint_fault_run, 14) == 1  # by step
 
 
-def test_trainer_run(hf_checkpoint_fault_run):
+def test_trainer_run(hf_checkpoint_fault_run, tmp_path):
     assert gate(hf_checkpoint_fault_run, "checkpoint-5") == 0
     assert gate(hf_checkpoint_fault_run, "checkpoint-10") == 1
-    assert gate(hf_checkpoint_fault_run, "checkpoint-15") == 1
+    # checkpoint-15 lacks its RNG states: sound weights pass by default, fail when the policy
+    # requires an exact-resume training state.
+    assert gate(hf_checkpoint_fault_run, "checkpoint-15") == 0
+    policy = tmp_path / "resume.toml"
+    policy.write_text("[gate]\nrequire_resume_state = true\n")
+    assert gate(hf_checkpoint_fault_run, "checkpoint-15", "--policy", policy) == 1
+    assert gate(hf_checkpoint_fault_run, "checkpoint-20", "--policy", policy) == 0
     assert gate(hf_checkpoint_fault_run, "checkpoint-20") == 0
 
 

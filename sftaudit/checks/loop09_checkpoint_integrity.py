@@ -9,19 +9,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle,
-                           read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
-                           state_dict_tensors)
+from ..checkpoints import TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle
+from ..ingest import recorded_checkpoints
+from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
 from .base import AuditContext, Check, Finding
 
-PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".pkl")
-# Weights saved with torch.save(model.state_dict()), read when a folder has no safetensors.
-TORCH_WEIGHT_FILES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+# Input-embedding names of the common architectures (a tied output head must equal it).
+EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
 # Where each part of an exact-resume training state may live, by key, in a state pickle.
 STATE_KEYS = {
-    "step": ("step", "global_step", "step_id"),
-    "optimizer": ("optimizer", "optimizer_state"),
+    "step": ("step", "global_step", "global_steps", "step_id", "iter_num"),
+    "optimizer": ("optimizer", "optimizer_state", "optimizer_state_dict", "optim"),
     "scheduler": ("scheduler", "lr_scheduler"),
     "rng_states": ("rng_states", "rng_state", "rng"),
     "data_position": ("data_position", "sampler", "dataloader"),
@@ -39,6 +38,8 @@ class Inspection:
     problems: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     digests: dict[str, str] | None = None   # None: the weights could not be read
     on_disk: bool = True
+    missing_state: list[str] = field(default_factory=list)  # training-state parts no file holds
+    layout: str | None = None                                # what wrote it (sftaudit.layouts)
 
     @property
     def passes(self) -> bool:
@@ -81,18 +82,40 @@ class CheckpointIntegrity(Check):
     name = "checkpoint integrity"
     defaults = {
         "expected_dtype": None,          # e.g. "bfloat16"; default: the checkpoint's majority dtype
-        "require_state": True,           # weights-only exports: set false
+        "require_resume_state": False,   # true: a checkpoint that cannot resume exactly fails
         "trusted_pickle_globals": list(TRAINER_GLOBALS),
         "max_tensors_listed": 20,
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        inspections = [self.inspect(ctx, c) for c in saved_checkpoints(ctx)]
+        checkpoints = saved_checkpoints(ctx)
+        inspections = [self.inspect(ctx, c) for c in checkpoints]
         findings = [self._finding(i, sev, msg, ev) for i in inspections for sev, msg, ev in i.problems]
+        findings += [self._finding(i, "info", (
+            f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
+            f"overwrote the one before, only step {c['step']}'s is on disk"), {"saves": c["saves"]})
+            for i, c in zip(inspections, checkpoints) if len(c["saves"]) > 1]
+        findings += self._resume_state(inspections)
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
         return findings
+
+    def _resume_state(self, inspections: list[Inspection]) -> list[Finding]:
+        """One run-level warn naming each missing training-state part and the checkpoints lacking it
+        (a fail per checkpoint instead under `require_resume_state`)."""
+        lacking: dict[str, list[str]] = {}
+        for i in inspections:
+            for part in i.missing_state:
+                lacking.setdefault(part, []).append(i.name)
+        if not lacking or self.params["require_resume_state"]:
+            return []
+        names = sorted({n for ns in lacking.values() for n in ns}, key=[i.name for i in inspections].index)
+        parts = "; ".join(f"{part} ({_listed(ns)})" for part, ns in lacking.items())
+        return [self.finding("warn", (
+            f"{len(names)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
+            f"with the weights, or set require_resume_state = true to fail such checkpoints"),
+            missing_state=lacking, applies_to=names)]
 
     def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict) -> Finding:
         f = self.finding(severity, message, step=inspection.step, **evidence)
@@ -113,13 +136,12 @@ class CheckpointIntegrity(Check):
             return out
         if not path.exists():
             out.on_disk = False
-            out.problems.append(("warn", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
+            out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
                                  f"rolled back to", {"path": checkpoint["path"]}))
             return out
         self._check_hashes(ctx, checkpoint, out)
-        self._check_weights(path, checkpoint, out)
-        if path.is_dir():
-            self._check_state(path, out)
+        weights = self._check_weights(path, checkpoint, out)
+        self._check_state(path, weights, out)
         return out
 
     def _check_hashes(self, ctx: AuditContext, checkpoint: dict, out: Inspection) -> None:
@@ -137,43 +159,29 @@ class CheckpointIntegrity(Check):
                                  f"hashed them at save, first {changed[0]}; do not trust this checkpoint",
                                  {"files": changed}))
 
-    def _check_weights(self, path: Path, checkpoint: dict, out: Inspection) -> None:
+    def _check_weights(self, path: Path, checkpoint: dict, out: Inspection) -> Weights | None:
         try:
-            files = [path] if path.is_file() else safetensors_files(path)
-        except CheckpointError as exc:
+            weights = read_weights(path, tuple(self.params["trusted_pickle_globals"]))
+        except UnsafePickle as exc:
+            rel = self._rel(path, exc.file)
+            out.problems.append(("fail", _unsafe_message(rel, exc.imports), {"file": rel, "imports": exc.imports}))
+            return None
+        except FileError as exc:
+            rel = self._rel(path, exc.file)
+            out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
+                                 {"file": rel}))
+            return None
+        except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
-            return
-        if path.is_dir() and not files:
-            files = sorted(p for p in path.iterdir() if p.name in TORCH_WEIGHT_FILES)
-        if not files:
-            out.problems.append(("fail", f"{out.name} holds no model weights (model.safetensors, shards with an "
-                                 f"index, or {TORCH_WEIGHT_FILES[0]})", {}))
-            return
-        entries, scans = {}, {}
-        for f in files:
-            rel = f"{out.name}/{f.name}" if path.is_dir() else out.name
-            try:
-                if f.suffix == ".safetensors":
-                    header, _ = read_safetensors_header(f)
-                    for entry, scan in scan_safetensors(f, header):
-                        entries[entry.name], scans[entry.name] = entry, scan
-                    continue
-                contents = read_pickle(f)
-                unsafe = contents.unsafe_globals(tuple(self.params["trusted_pickle_globals"]))
-                if unsafe:  # named by _check_state for folders; never trusted for weights
-                    if path.is_file():
-                        out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
-                    return
-                refs = state_dict_tensors(contents)
-                entries.update(refs)
-                scans.update(scan_torch_zip(f, refs))
-            except (CheckpointError, OSError) as exc:
-                out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be "
-                                     f"loaded", {"file": rel}))
-                return
-        out.digests = {n: s.digest for n, s in scans.items()}
-        params = checkpoint["params"]
-        self._check_keys(entries, params, checkpoint["tied"], out)
+            return None
+        out.layout = weights.layout
+        out.digests = {n: s.digest for n, s in weights.scans.items()}
+        entries, scans, params = weights.tensors, weights.scans, checkpoint["params"]
+        if weights.adapter is not None:
+            self._check_adapter(weights, params, checkpoint["step"], out)
+        else:
+            self._check_keys(entries, params, checkpoint["tied"], out)
+            self._check_tied(weights, checkpoint, out)
         self._check_dtypes(entries, params, out)
         bad = [{"tensor": n, "nonfinite_elements": s.nonfinite, "shape": list(entries[n].shape)}
                for n, s in scans.items() if s.nonfinite]
@@ -182,6 +190,63 @@ class CheckpointIntegrity(Check):
                                  f"{bad[0]['tensor']} ({bad[0]['nonfinite_elements']} element(s)); do not resume "
                                  f"from or ship it", {"tensors": bad[: self.params["max_tensors_listed"]],
                                                      "tensor_count": len(bad)}))
+        return weights
+
+    @staticmethod
+    def _rel(path: Path, file: Path) -> str:
+        return f"{path.name}/{file.name}" if path.is_dir() else path.name
+
+    def _check_adapter(self, weights: Weights, params: list[dict], step: int, out: Inspection) -> None:
+        """PEFT adapters: judged against the adapter's target modules and rank (and the LoRA
+        parameters the model trained), not the base model."""
+        config, entries, scans = weights.adapter, weights.tensors, weights.scans
+        if not entries:
+            out.problems.append(("fail", f"{out.name}: the adapter file holds no tensors; the trained adapter was "
+                                 f"not saved (a state_dict filter applied twice keeps nothing)", {"keys": {
+                                     "missing": [], "unexpected": []}, "tensor_count": 0}))
+            return
+        rank, targets = config.get("r"), config.get("target_modules")
+        lora = {n: adapter_module(n) for n in entries}
+        untargeted = sorted(n for n, m in lora.items() if m and targets is not None and not targeted(m[0], targets))
+        wrong_rank = [{"tensor": n, "shape": list(entries[n].shape), "rank": rank} for n, m in lora.items()
+                      if m and isinstance(rank, int) and not config.get("rank_pattern") and len(entries[n].shape) == 2
+                      and entries[n].shape[0 if m[1].endswith("A") else 1] != rank]
+        trained = {adapter_module(p["name"]) for p in params if p["requires_grad"]} - {None}
+        saved = {m for m in lora.values() if m}
+        missing = sorted(f"{m}.{kind}" for m, kind in trained - saved)
+        if missing or untargeted:
+            out.problems.append(("fail", f"{out.name} does not match the adapter: {len(missing)} trained LoRA "
+                                 f"matrices missing and {len(untargeted)} key(s) outside target_modules "
+                                 f"{targets}, first {(missing or untargeted)[0]}",
+                                 {"keys": {"missing": missing, "unexpected": untargeted}}))
+        if wrong_rank:
+            out.problems.append(("fail", f"{out.name}: {len(wrong_rank)} LoRA matrices do not have the rank r={rank} "
+                                 f"of adapter_config.json, first {wrong_rank[0]['tensor']} {wrong_rank[0]['shape']}",
+                                 {"tensors": wrong_rank[: self.params["max_tensors_listed"]]}))
+        b = [n for n, m in lora.items() if m and m[1] in ("lora_B", "lora_embedding_B") and n in scans]
+        if b and step > 0 and all(scans[n].all_zero for n in b):
+            out.problems.append(("fail", f"{out.name}: every lora_B matrix ({len(b)}) is still zero after {step} "
+                                 f"step(s), so the adapter changes nothing; the LoRA parameters were not trained "
+                                 f"(not in the optimizer, learning rate 0, or saved before training)",
+                                 {"tensors": [{"tensor": n} for n in b[: self.params["max_tensors_listed"]]],
+                                  "tensor_count": len(b)}))
+
+    def _check_tied(self, weights: Weights, checkpoint: dict, out: Inspection) -> None:
+        """A config that ties the output head to the input embeddings while the saved tensors differ
+        (zoo Z34): a reload overwrites one with the other."""
+        config = weights.config or {}
+        says_tied = config.get("tie_word_embeddings", checkpoint.get("tie_word_embeddings"))
+        if not says_tied:
+            return
+        head = next((n for n in weights.tensors if n.endswith("lm_head.weight")), None)
+        embed = next((n for n in weights.tensors if n.endswith(EMBEDDING_SUFFIXES)), None)
+        if head is None or embed is None or head not in weights.scans or embed not in weights.scans:
+            return
+        if weights.scans[head].digest != weights.scans[embed].digest:
+            out.problems.append(("fail", f"{out.name}: the config ties {head} to {embed} "
+                                 f"(tie_word_embeddings) but the saved tensors differ; a reload overwrites one with "
+                                 f"the other. Save with tie_word_embeddings=false or tie them again before saving",
+                                 {"tensors": [{"tensor": head}, {"tensor": embed}]}))
 
     def _check_keys(self, entries: dict, params: list[dict], tied: dict[str, str], out: Inspection) -> None:
         groups: dict[str, set[str]] = {p["name"]: {p["name"]} for p in params}
@@ -220,9 +285,15 @@ class CheckpointIntegrity(Check):
                                  f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
                                  {"dtypes": stray[: self.params["max_tensors_listed"]], "tensor_count": len(stray)}))
 
-    def _check_state(self, folder: Path, out: Inspection) -> None:
-        pickles: dict[str, Any] = {}
-        for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES):
+    def _check_state(self, path: Path, weights: Weights | None, out: Inspection) -> None:
+        """The training state a checkpoint holds: the pickles of its folder, and the state its weight
+        files carry (a nested ``torch.save({"model": ..., "optimizer": ...})``, DeepSpeed's optimizer
+        shards, DCP's non-model entries)."""
+        pickles: dict[str, Any] = dict(weights.state) if weights else {}
+        folder = path if path.is_dir() else None
+        read = {f.name for f in weights.files} if weights else set()
+        for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
+                        and p.name not in read) if folder else []:
             rel = f"{out.name}/{f.name}"
             try:
                 contents = read_pickle(f)
@@ -234,13 +305,13 @@ class CheckpointIntegrity(Check):
                 out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
                 continue
             pickles[f.name] = contents
-        if not self.params["require_state"]:
-            return
-        missing = missing_state_parts(folder, pickles)
-        if missing:
+        if weights and weights.state_keys:
+            pickles[".metadata"] = PickleContents({k: True for k in weights.state_keys})
+        out.missing_state = missing_state_parts(folder, pickles)
+        if out.missing_state and self.params["require_resume_state"]:
             out.problems.append(("fail", f"{out.name} cannot resume exactly: its training state lacks "
-                                 f"{', '.join(missing)}; save them with the weights",
-                                 {"missing_state": missing}))
+                                 f"{', '.join(out.missing_state)}; save them with the weights",
+                                 {"missing_state": out.missing_state}))
 
     # ---------------------------------------------------------------- between checkpoints
 
@@ -264,6 +335,10 @@ class CheckpointIntegrity(Check):
                                                  "previous_checkpoint": before.name, "tensor_count": len(stale)})]
 
 
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _unsafe_message(rel: str, unsafe: list[str]) -> str:
     return (f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
             f"statically); never torch.load it without weights_only=True and find what wrote it")
@@ -274,7 +349,7 @@ def groups_of(name: str, tied: dict[str, str]) -> str:
     return tied.get(name, name)
 
 
-def missing_state_parts(folder: Path, pickles: dict[str, PickleContents]) -> list[str]:
+def missing_state_parts(folder: Path | None, pickles: dict[str, PickleContents]) -> list[str]:
     """Parts of an exact-resume training state that no file of the checkpoint holds."""
     found: dict[str, Any] = {}
     for fname, contents in pickles.items():
@@ -294,12 +369,12 @@ def missing_state_parts(folder: Path, pickles: dict[str, PickleContents]) -> lis
             found.setdefault("scheduler", value)
         if stem.startswith("rng_state"):
             found.setdefault("rng_states", value)
-    trainer_state = _json(folder / "trainer_state.json")
+    trainer_state = _json(folder / "trainer_state.json") if folder else None
     if isinstance(trainer_state, dict) and "global_step" in trainer_state:
         # The Trainer resumes its data position by skipping global_step batches.
         found.setdefault("step", trainer_state["global_step"])
         found.setdefault("data_position", trainer_state["global_step"])
-    if (folder / "collator.json").is_file():
+    if folder and (folder / "collator.json").is_file():
         found.setdefault("collator", "collator.json")
     missing = [part for part in STATE_KEYS if found.get(part) is None]
     rng = found.get("rng_states")
@@ -309,23 +384,12 @@ def missing_state_parts(folder: Path, pickles: dict[str, PickleContents]) -> lis
 
 
 def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
-    """Rank 0's saved checkpoints in step order, with the recorded hashes and the saving segment's params."""
-    rows = ctx.con.execute(
-        """SELECT s.step, s.path, s.seg, h.sha256 FROM checkpoints s
-           LEFT JOIN checkpoints h ON h.event = 'hashed' AND h.rank = 0 AND h.seg = s.seg AND h.path = s.path
-                                  AND h.step = s.step
-           WHERE s.event = 'saved' AND s.rank = 0
-           QUALIFY row_number() OVER (PARTITION BY s.path ORDER BY s.seg DESC) = 1  -- the latest save is on disk
-           ORDER BY s.step""").fetchall()
+    """Rank 0's checkpoints in step order (one per path: its last save), with the recorded hashes
+    and the saving segment's params."""
     manifests = {seg: json.loads(m) for seg, m in
                  ctx.con.execute("SELECT seg, manifest FROM manifest WHERE rank = 0").fetchall()}
-    out = []
-    for step, path, seg, sha in rows:
-        m = manifests.get(seg, ctx.manifest)
-        out.append({"name": Path(path.replace("\\", "/")).name, "step": step, "path": path,
-                    "sha256": json.loads(sha) if sha else {}, "params": m.get("params", []),
-                    "tied": m.get("tied", {})})
-    return out
+    return [{**c, "params": manifests.get(c["seg"], ctx.manifest).get("params", []),
+             "tied": manifests.get(c["seg"], ctx.manifest).get("tied", {})} for c in recorded_checkpoints(ctx.con)]
 
 
 def _sha256(path: Path) -> str:

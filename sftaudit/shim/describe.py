@@ -11,11 +11,35 @@ from typing import Any
 import torch
 
 
+# Module names that wrappers insert inside the tree (FSDP1 with use_orig_params, activation
+# checkpointing, torch.compile of a submodule); a saved state dict does not have them.
+WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DistributedDataParallel / DataParallel (also as accelerate prepares it) and
+    torch.compile: the module whose state dict the checkpoints hold."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as a checkpoint writes it: wrapper modules inside the tree dropped."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
 def describe_params(model: torch.nn.Module) -> tuple[list[dict], dict[str, str]]:
-    """Unique parameters in `named_parameters()` order, and tied aliases -> canonical name."""
+    """Unique parameters in `named_parameters()` order, and tied aliases -> canonical name; names
+    as a checkpoint of the unwrapped model writes them (pass the model `unwrap_model` returns)."""
     canonical: dict[int, str] = {}
     params, tied = [], {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for raw_name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(raw_name)
         if id(p) in canonical:
             tied[name] = canonical[id(p)]
             continue

@@ -39,7 +39,7 @@ import torch
 from .. import __version__
 from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
 from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
-from .describe import describe_dataset, describe_params, describe_state, jsonable
+from .describe import describe_dataset, describe_params, describe_state, jsonable, unwrap_model
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
@@ -83,6 +83,7 @@ class Recorder:
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
+        model = unwrap_model(model)  # DDP's `module.`, torch.compile's `_orig_mod.`: names as checkpoints have them
         self.model = model
         self.tokenizer = tokenizer
         self.schedule = resolve_schedule(profile, schedule)
@@ -535,7 +536,11 @@ class Recorder:
                 self._write("events", {"kind": "probe_disabled", "probe": component, "step": step})
             except Exception:  # noqa: BLE001
                 pass
-            warnings.warn(f"sftaudit: {component} recording failed and was switched off: {exc}", stacklevel=3)
+            if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
+                # One line for the run: later failures (other components, other ranks) are in the events.
+                warnings.warn(f"sftaudit: {component} recording failed at step {step} and was switched off "
+                              f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
+                              f"only", stacklevel=3)
 
     def _write(self, kind: str, record: dict) -> None:
         if "writer" in self.disabled:

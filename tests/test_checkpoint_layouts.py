@@ -1,0 +1,99 @@
+"""Checkpoints as real loops and libraries save them: identity by path, overwritten paths,
+nested torch.save dicts, PEFT adapters, DDP-wrapped models. Each layout: a clean run audits
+and gates as it should, a planted fault gates 1 (or 2 where it cannot be judged)."""
+
+import pytest
+
+from sftaudit.audit import audit
+from sftaudit.cli import main
+from sftaudit.fixtures import layouts
+from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
+
+RUN = dict(steps=12, checkpoint_every=4, profile="prod")
+
+
+def gate(run, checkpoint, *extra):
+    return main(["gate", str(run), "--checkpoint", str(checkpoint), *map(str, extra)])
+
+
+def loop09(verdict):
+    return [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
+
+
+@pytest.fixture(scope="module")
+def step_folders(runs):
+    """checkpoints/step-N/model.safetensors, weights only; step 12's save holds a NaN."""
+    return runs("step-folders", **RUN, saver=layouts.step_folder_weights(nan_at=12))
+
+
+def test_same_file_name_in_step_folders_is_told_apart_by_path(step_folders, capsys):
+    verdict = audit(step_folders)
+    assert [(c["name"], c["path"]) for c in verdict["checkpoints"]] == [
+        (f"step-{s}", f"checkpoints/step-{s}/model.safetensors") for s in (4, 8, 12)]
+    fails = [f for f in loop09(verdict) if f["severity"] == "fail"]
+    assert [(f["checkpoint"], f["step"]) for f in fails] == [("step-12", 12)]
+    # Weights only: one warn for the run naming what no checkpoint holds, never a fail each.
+    warns = [f for f in loop09(verdict) if f["severity"] == "warn"]
+    assert len(warns) == 1 and warns[0]["evidence"]["applies_to"] == ["step-4", "step-8", "step-12"]
+    assert {"optimizer", "rng_states", "data_position"} <= warns[0]["evidence"]["missing_state"].keys()
+    # The sound weights-only checkpoints pass the gate (by step, name or path); the NaN one fails.
+    assert gate(step_folders, 8) == 0
+    assert gate(step_folders, "step-4") == 0
+    assert gate(step_folders, step_folders / "checkpoints/step-8/model.safetensors") == 0
+    assert gate(step_folders, 12) == 1
+    assert gate(step_folders, "step-4", "--strict") == 1  # the resume-state warn blocks under --strict
+    capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def one_path(runs):
+    """nanoGPT style: torch.save({"model": ..., "optimizer": ..., ...}, "ckpt.pt") at every save."""
+    return runs("one-path", **RUN, saver=layouts.one_path_nested())
+
+
+def test_one_path_saved_at_every_step_is_one_checkpoint(one_path, capsys):
+    verdict = audit(one_path)
+    assert verdict["verdict"] == "pass"
+    [c] = verdict["checkpoints"]
+    assert (c["name"], c["step"], c["saves"], c["intact"]) == ("ckpt.pt", 12, [4, 8, 12], True)
+    [info] = loop09(verdict)
+    assert info["severity"] == "info" and "saved at steps 4, 8, 12" in info["message"]
+    assert gate(one_path, "ckpt.pt") == 0 and gate(one_path, 12) == 0
+    assert gate(one_path, 8) == 2
+    assert "overwritten at step 12" in capsys.readouterr().err
+
+
+def test_nested_torch_save_with_a_nan_fails(runs):
+    run = runs("one-path-nan", **RUN, saver=layouts.one_path_nested(nan_at=12))
+    [fail] = [f for f in loop09(audit(run)) if f["severity"] == "fail"]
+    assert fail["checkpoint"] == "ckpt.pt" and "non-finite" in fail["message"]
+    assert fail["evidence"]["tensors"][0]["tensor"] == NAN_TENSOR
+    assert gate(run, "ckpt.pt") == 1
+
+
+@pytest.fixture(scope="module")
+def lora_run(runs):
+    return runs("lora", **RUN, wrap=layouts.lora, saver=layouts.peft_adapters())
+
+
+def test_peft_adapters_are_judged_against_their_config(lora_run):
+    verdict = audit(lora_run)
+    assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
+    assert loop09(verdict) == [] and all(c["intact"] for c in verdict["checkpoints"])
+    assert gate(lora_run, "checkpoint-12") == 0
+
+
+def test_empty_adapter_fails(runs):
+    run = runs("lora-empty", **RUN, wrap=layouts.lora, saver=layouts.peft_adapters(empty_adapter_at=8))
+    fails = [f for f in loop09(audit(run)) if f["severity"] == "fail"]
+    assert [f["checkpoint"] for f in fails] == ["checkpoint-8"]
+    assert "holds no tensors" in fails[0]["message"]
+    assert gate(run, "checkpoint-8") == 1 and gate(run, "checkpoint-4") == 0
+
+
+def test_untrained_lora_b_fails(runs):
+    run = runs("lora-lr0", **RUN, lr=0.0, wrap=layouts.lora, saver=layouts.peft_adapters())
+    fails = [f for f in loop09(audit(run)) if f["severity"] == "fail" and "lora_B" in f["message"]]
+    assert [f["checkpoint"] for f in fails] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
+    assert fails[0]["evidence"]["tensor_count"] == 4  # q_proj and v_proj in both layers
+    assert gate(run, "checkpoint-4") == 1
