@@ -87,6 +87,8 @@ TRAINER_GLOBALS = (
     "transformers.training_args.*", "transformers.training_args_seq2seq.*", "transformers.trainer_utils.*",
     "transformers.trainer_pt_utils.AcceleratorConfig", "accelerate.state.PartialState",
     "accelerate.utils.dataclasses.*", "trl.trainer.*_config.*", "numpy.dtypes.*",
+    # DeepSpeed's optimizer shards: its loss scaler and bf16 fragment addresses (plain objects).
+    "deepspeed.runtime.fp16.loss_scaler.*", "deepspeed.utils.tensor_fragment.fragment_address",
 )
 
 

@@ -89,16 +89,20 @@ def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weig
         weights = _peft(path, trusted)
     elif (path / DCP_METADATA).is_file():
         weights = _dcp(path)
-    elif _deepspeed_folder(path) is not None:
-        weights = _deepspeed(_deepspeed_folder(path), trusted)
     else:
         files = safetensors_files(path) or sorted(p for p in path.iterdir() if p.name in TORCH_WEIGHT_FILES)
-        if not files:
+        deepspeed = _deepspeed_folder(path)
+        if deepspeed is not None and not files:  # the engine's own save: weights in its model states
+            weights = _deepspeed(deepspeed, trusted)
+        elif not files:
             raise CheckpointError(f"holds no model weights (model.safetensors, shards with an index, "
                                   f"{TORCH_WEIGHT_FILES[0]}, an adapter, a DCP or DeepSpeed folder)")
-        weights = Weights("safetensors" if files[0].suffix == ".safetensors" else "torch")
-        for f in files:
-            _merge(weights, _pickle_or_safetensors(f, trusted, weights.layout))
+        else:
+            weights = Weights("safetensors" if files[0].suffix == ".safetensors" else "torch")
+            for f in files:
+                _merge(weights, _pickle_or_safetensors(f, trusted, weights.layout))
+            if deepspeed is not None:  # the Trainer under DeepSpeed: weights beside the engine's state
+                weights.state.update(_deepspeed(deepspeed, trusted).state)
     weights.config = weights.config or (config if isinstance(config, dict) else None)
     return weights
 
@@ -236,11 +240,15 @@ def _deepspeed_folder(path: Path) -> Path | None:
 
 
 def _deepspeed(folder: Path, trusted: tuple[str, ...]) -> Weights:
-    trusted = (*trusted, "deepspeed.runtime.*", "deepspeed.utils.*", "deepspeed.checkpoint.*")
+    """Model states (weights under "module", scheduler, global_steps, client state at the top) and
+    the optimizer shards; a ZeRO-3 save keeps no weights there (use its 16-bit export)."""
     out = _pickle_or_safetensors(folder / DEEPSPEED_MODEL_STATES, trusted, "deepspeed")
     out.layout = "deepspeed"
     for f in sorted(folder.glob("*optim_states.pt")):
-        out.state[f.name] = _safe_pickle(f, trusted)
+        try:
+            out.state[f.name] = _safe_pickle(f, trusted)
+        except (CheckpointError, OSError) as exc:
+            raise exc if isinstance(exc, UnsafePickle) else FileError(f, str(exc)) from None
         out.files.append(f)
     return out
 

@@ -97,3 +97,19 @@ def test_untrained_lora_b_fails(runs):
     assert [f["checkpoint"] for f in fails] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
     assert fails[0]["evidence"]["tensor_count"] == 4  # q_proj and v_proj in both layers
     assert gate(run, "checkpoint-4") == 1
+
+
+def test_config_ties_embeddings_the_saved_tensors_do_not(runs):
+    run = runs("tied-config", steps=4, checkpoint_every=4, profile="prod", saver=layouts.tied_config_untied_tensors())
+    [fail] = [f for f in loop09(audit(run)) if f["severity"] == "fail"]
+    assert fail["checkpoint"] == "checkpoint-4" and "the config ties lm_head.weight to model.embed_tokens.weight" \
+        in fail["message"]
+    assert gate(run, "checkpoint-4") == 1
+
+
+def test_deepspeed_engine_folders_are_read_statically(runs):
+    run = runs("deepspeed", **RUN, saver=layouts.deepspeed_engine_folders())
+    verdict = audit(run)
+    assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
+    assert loop09(verdict) == [] and gate(run, "checkpoint-12") == 0
+    assert not (run / "ZERO_TO_FP32_RAN").exists()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import duckdb
 
 from ..checkpoints import TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle
 from ..ingest import recorded_checkpoints
@@ -50,32 +52,39 @@ class CheckpointIntegrity(Check):
     """Checkpoint integrity (seed trigger point: before/after save).
 
     What it detects:
-        Checkpoints that cannot be resumed from or shipped: weight keys missing or unexpected
-        against the model's parameters (tied weights understood), wrong shapes, a stray dtype,
-        non-finite values, unreadable or hostile files (truncated safetensors, headers pointing
-        outside the file, pickles that would run code), files changed since they were saved,
-        an incomplete training state, and parameters identical between two consecutive
+        Checkpoints that cannot be resumed from or shipped, in every layout `sftaudit.layouts`
+        reads (safetensors, torch.save, Trainer folders, PEFT adapters, DCP, DeepSpeed): weight
+        keys missing or unexpected against the model's parameters (tied weights understood) or,
+        for an adapter, against its target modules and rank; wrong shapes, a stray dtype,
+        non-finite values, an empty adapter or untrained lora_B, a config that ties embeddings
+        the saved tensors do not; unreadable or hostile files (truncated safetensors, headers
+        pointing outside the file, pickles that would run code), files changed since they were
+        saved, an incomplete training state, and parameters identical between two consecutive
         checkpoints although they had gradients.
     Why it matters:
         A rollback is only as good as the checkpoint it lands on: the seed's 5.7 (a key missing
         after an architecture change) and 2.3 (collator config, scheduler step and RNG states
         lost at rollback) surface only when someone needs the checkpoint most.
     Statistic:
-        Keys and shapes of every safetensors file (header validated before use), or of a
-        torch.save state dict read statically, against the manifest's parameters; majority floating dtype per checkpoint (or `expected_dtype`);
-        count of elements whose exponent bits are all set, streamed in bounded chunks;
-        sha256 against the shim's record; training-state parts found by reading the state
-        pickles statically (never unpickled); blake2b digest per tensor, compared between
-        consecutive checkpoints, joined with the gradient norms recorded in between.
+        Keys and shapes of every weight file (safetensors header validated before use, pickles
+        and DCP metadata read statically) against the manifest's parameters; majority floating
+        dtype per checkpoint (or `expected_dtype`); count of elements whose exponent bits are all
+        set, streamed in bounded chunks; sha256 against the shim's record of the last save to
+        that path; training-state parts found by reading the state pickles statically (never
+        unpickled); blake2b digest per tensor, compared between consecutive checkpoints, joined
+        with the gradient norms recorded in between. Results are cached by the files' paths,
+        sizes and mtimes and the recorded hashes.
     Threshold:
         Any missing/unexpected key, shape mismatch, stray dtype, non-finite element, unsafe
-        pickle, unreadable or changed file, missing training-state part (`require_state`) or
-        stale parameter with a positive gradient norm fails that checkpoint; a checkpoint no
-        longer on disk is a warning.
+        pickle, unreadable or changed file, empty or untrained adapter, tied config with
+        differing tensors, or stale parameter with a positive gradient norm fails that
+        checkpoint. Missing training-state parts are one warn for the run (a fail per
+        checkpoint under `require_resume_state`); a checkpoint no longer on disk, and a path
+        saved at several steps, are info.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
-        gradient norms), the file concerned, the training-state parts missing, the imports a
-        pickle would perform.
+        gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
+        `applies_to`, the imports a pickle would perform, `saves`.
     """
 
     code = "LOOP-09"
@@ -139,10 +148,24 @@ class CheckpointIntegrity(Check):
             out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
                                  f"rolled back to", {"path": checkpoint["path"]}))
             return out
+        key = self._cache_key(path, checkpoint)
+        cached = _cache_get(ctx, key)
+        if cached is not None:
+            return cached
         self._check_hashes(ctx, checkpoint, out)
         weights = self._check_weights(path, checkpoint, out)
         self._check_state(path, weights, out)
+        _cache_put(ctx, key, out)
         return out
+
+    def _cache_key(self, path: Path, checkpoint: dict[str, Any]) -> str:
+        """What a checkpoint's inspection depends on: its files' paths, sizes and mtimes, the hashes
+        the shim recorded, the parameters it is judged against, and this check's options."""
+        files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
+        stats = [(str(f.relative_to(path.parent)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        key = [CACHE_VERSION, checkpoint["name"], checkpoint["path"], checkpoint["step"], stats,
+               checkpoint.get("sha256"), checkpoint["params"], checkpoint["tied"], self.params]
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
     def _check_hashes(self, ctx: AuditContext, checkpoint: dict, out: Inspection) -> None:
         changed = []
@@ -333,6 +356,31 @@ class CheckpointIntegrity(Check):
             f"in steps {before.step + 1}-{after.step}, first {stale[0]['tensor']}; they are missing from the "
             f"optimizer or frozen by mistake"), {"tensors": stale[: self.params["max_tensors_listed"]],
                                                  "previous_checkpoint": before.name, "tensor_count": len(stale)})]
+
+
+# Bump when what an inspection holds changes: older cached results are then ignored.
+CACHE_VERSION = 1
+
+
+def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
+    """A stored inspection of unchanged files (so a re-audit does not rescan them), or None."""
+    if not ctx.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name = 'loop09_cache'"):
+        return None
+    row = ctx.row("SELECT inspection FROM loop09_cache WHERE key = ?", [key])
+    if row is None:
+        return None
+    data = json.loads(row[0])
+    return Inspection(data["name"], data["step"], [tuple(p) for p in data["problems"]], data["digests"],
+                      data["on_disk"], data["missing_state"], data["layout"])
+
+
+def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
+    try:
+        ctx.con.execute("CREATE TABLE IF NOT EXISTS loop09_cache (key VARCHAR PRIMARY KEY, inspection JSON)")
+        ctx.con.execute("INSERT OR REPLACE INTO loop09_cache VALUES (?, ?)",
+                        [key, json.dumps(asdict(inspection), default=str)])
+    except duckdb.Error:  # a read-only connection (a check run by hand): nothing to keep
+        pass
 
 
 def _listed(names: list[str], limit: int = 5) -> str:
