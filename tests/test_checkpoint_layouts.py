@@ -2,12 +2,15 @@
 nested torch.save dicts, PEFT adapters, DDP-wrapped models. Each layout: a clean run audits
 and gates as it should, a planted fault gates 1 (or 2 where it cannot be judged)."""
 
+import shutil
+
 import pytest
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.fixtures import layouts
 from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
+from sftaudit.ingest import connect
 
 RUN = dict(steps=12, checkpoint_every=4, profile="prod")
 
@@ -113,3 +116,34 @@ def test_deepspeed_engine_folders_are_read_statically(runs):
     assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
     assert loop09(verdict) == [] and gate(run, "checkpoint-12") == 0
     assert not (run / "ZERO_TO_FP32_RAN").exists()
+
+
+def test_sharded_save_pretrained_is_read_shard_by_shard(runs, tmp_path, capsys):
+    run = runs("sharded", steps=4, checkpoint_every=4, profile="prod", saver=layouts.sharded_save_pretrained())
+    shards = sorted(p.name for p in (run / "checkpoint-4").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (run / "checkpoint-4" / "model.safetensors.index.json").is_file()
+    verdict = audit(run)
+    assert loop09(verdict) == [] and gate(run, 4) == 0
+    # A shard lost after the save: the checkpoint cannot be loaded.
+    (run / "checkpoint-4" / shards[-1]).unlink()
+    messages = sorted(f["message"] for f in loop09(audit(run)) if f["severity"] == "fail")
+    assert [f"shard {shards[-1]} is missing" in m for m in messages] == [False, True]  # also: a file vanished
+    assert "changed or vanished" in messages[0]
+    capsys.readouterr()
+
+
+def test_reaudit_reads_only_changed_checkpoints(clean_run, tmp_path):
+    run = tmp_path / "clean"
+    shutil.copytree(clean_run, run)
+    first = audit(run)
+    con = connect(run, read_only=True)
+    try:
+        cached = con.execute("SELECT count(*) FROM loop09_cache").fetchone()[0]
+    finally:
+        con.close()
+    assert cached == len(first["checkpoints"]) == 3
+    assert audit(run)["findings"] == first["findings"]  # from the cache, the same findings
+    weights = run / "checkpoint-20" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0" * 8)  # changed after the shim hashed it
+    [changed] = loop09(audit(run))
+    assert changed["checkpoint"] == "checkpoint-20" and "changed or vanished" in changed["message"]
