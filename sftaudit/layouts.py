@@ -70,7 +70,6 @@ class TensorInfo:
 class Weights:
     """What a checkpoint's weight files hold, whatever wrote them."""
 
-    layout: str                                   # safetensors | torch | peft | dcp | deepspeed
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     scans: dict[str, TensorScan] = field(default_factory=dict)  # absent keys: values not read
     files: list[Path] = field(default_factory=list)
@@ -83,7 +82,7 @@ class Weights:
 def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weights:
     """The checkpoint at `path` (file or folder), read by the reader its layout needs."""
     if path.is_file():
-        return _pickle_or_safetensors(path, trusted, "torch")
+        return _pickle_or_safetensors(path, trusted)
     config = _json(path / "config.json")
     if any((path / name).is_file() for name in ADAPTER_FILES):
         weights = _peft(path, trusted)
@@ -98,34 +97,34 @@ def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weig
             raise CheckpointError(f"holds no model weights (model.safetensors, shards with an index, "
                                   f"{TORCH_WEIGHT_FILES[0]}, an adapter, a DCP or DeepSpeed folder)")
         else:
-            weights = Weights("safetensors" if files[0].suffix == ".safetensors" else "torch")
+            weights = Weights()
             for f in files:
-                _merge(weights, _pickle_or_safetensors(f, trusted, weights.layout))
+                _merge(weights, _pickle_or_safetensors(f, trusted))
             if deepspeed is not None:  # the Trainer under DeepSpeed: weights beside the engine's state
                 weights.state.update(_deepspeed(deepspeed, trusted).state)
     weights.config = weights.config or (config if isinstance(config, dict) else None)
     return weights
 
 
-def _pickle_or_safetensors(f: Path, trusted: tuple[str, ...], layout: str) -> Weights:
+def _pickle_or_safetensors(f: Path, trusted: tuple[str, ...]) -> Weights:
     try:
-        return _read_file(f, trusted, layout)
+        return _read_file(f, trusted)
     except (UnsafePickle, FileError):
         raise
     except (CheckpointError, OSError) as exc:
         raise FileError(f, str(exc)) from None
 
 
-def _read_file(f: Path, trusted: tuple[str, ...], layout: str) -> Weights:
+def _read_file(f: Path, trusted: tuple[str, ...]) -> Weights:
     if f.suffix == ".safetensors":
         header, _ = read_safetensors_header(f)
-        out = Weights("safetensors", files=[f])
+        out = Weights(files=[f])
         for entry, scan in scan_safetensors(f, header):
             out.tensors[entry.name], out.scans[entry.name] = TensorInfo(entry.dtype, entry.shape), scan
         return out
     contents = _safe_pickle(f, trusted)
     refs = state_dict_tensors(contents)
-    out = Weights(layout, {n: TensorInfo(r.dtype, r.shape) for n, r in refs.items()}, scan_torch_zip(f, refs), [f])
+    out = Weights({n: TensorInfo(r.dtype, r.shape) for n, r in refs.items()}, scan_torch_zip(f, refs), [f])
     out.state[f.name] = contents  # a nested {"model": ..., "optimizer": ...} is its own training state
     return out
 
@@ -153,8 +152,8 @@ def _peft(folder: Path, trusted: tuple[str, ...]) -> Weights:
     if not isinstance(config, dict):
         raise CheckpointError("adapter_config.json is missing or not a JSON object")
     f = next(folder / n for n in ADAPTER_FILES if (folder / n).is_file())
-    weights = _pickle_or_safetensors(f, trusted, "peft")
-    weights.layout, weights.adapter = "peft", config
+    weights = _pickle_or_safetensors(f, trusted)
+    weights.adapter = config
     weights.state.pop(f.name, None)
     return weights
 
@@ -190,7 +189,7 @@ def _dcp(folder: Path) -> Weights:
     entries = _state(meta.get("state_dict_metadata")) if isinstance(meta, dict) else {}
     if not isinstance(entries, dict) or not entries:
         raise CheckpointError(f"{DCP_METADATA}: no state_dict_metadata (not a torch.distributed.checkpoint)")
-    out = Weights("dcp", files=sorted(folder.glob("*.distcp")))
+    out = Weights(files=sorted(folder.glob("*.distcp")))
     if not out.files:
         raise CheckpointError("a DCP .metadata without any .distcp data file")
     model_prefix = "model." if any(str(k).startswith("model.") for k in entries) else ""
@@ -242,8 +241,7 @@ def _deepspeed_folder(path: Path) -> Path | None:
 def _deepspeed(folder: Path, trusted: tuple[str, ...]) -> Weights:
     """Model states (weights under "module", scheduler, global_steps, client state at the top) and
     the optimizer shards; a ZeRO-3 save keeps no weights there (use its 16-bit export)."""
-    out = _pickle_or_safetensors(folder / DEEPSPEED_MODEL_STATES, trusted, "deepspeed")
-    out.layout = "deepspeed"
+    out = _pickle_or_safetensors(folder / DEEPSPEED_MODEL_STATES, trusted)
     for f in sorted(folder.glob("*optim_states.pt")):
         try:
             out.state[f.name] = _safe_pickle(f, trusted)

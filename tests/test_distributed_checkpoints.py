@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.fixtures import layouts
@@ -75,3 +76,17 @@ def test_fsdp2_run_whose_recording_switched_off_cannot_be_judged(tmp_path, capsy
     assert verdict["verdict"] == "unjudged" and verdict["evidence"]["ranks"] == [
         {"rank": 0, "steps": 0, "first_step": None, "last_step": None}]
     assert "COULD NOT JUDGE" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_compiled_and_wrapped_models_are_recorded_under_their_checkpoint_names(tmp_path, tokenizer_cache):
+    from sftaudit.fixtures import build_model, build_tokenizer
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok)
+    expected = list(model.state_dict())
+    compiled = torch.compile(model)  # an OptimizedModule: every name gets `_orig_mod.`
+    assert next(n for n, _ in compiled.named_parameters()).startswith("_orig_mod.")
+    Recorder(tmp_path, compiled, tok, profile="prod").close()
+    manifest = json.loads((rank_dir(tmp_path, 0) / "manifest.jsonl").read_text().splitlines()[0])
+    assert [p["name"] for p in manifest["params"]] == expected

@@ -41,7 +41,6 @@ class Inspection:
     digests: dict[str, str] | None = None   # None: the weights could not be read
     on_disk: bool = True
     missing_state: list[str] = field(default_factory=list)  # training-state parts no file holds
-    layout: str | None = None                                # what wrote it (sftaudit.layouts)
 
     @property
     def passes(self) -> bool:
@@ -120,7 +119,10 @@ class CheckpointIntegrity(Check):
         if not lacking or self.params["require_resume_state"]:
             return []
         names = sorted({n for ns in lacking.values() for n in ns}, key=[i.name for i in inspections].index)
-        parts = "; ".join(f"{part} ({_listed(ns)})" for part, ns in lacking.items())
+        by_checkpoints: dict[tuple[str, ...], list[str]] = {}  # parts missing from the same checkpoints
+        for part, ns in lacking.items():
+            by_checkpoints.setdefault(tuple(ns), []).append(part)
+        parts = "; ".join(f"{', '.join(ps)} ({_listed(list(ns))})" for ns, ps in by_checkpoints.items())
         return [self.finding("warn", (
             f"{len(names)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
             f"with the weights, or set require_resume_state = true to fail such checkpoints"),
@@ -197,7 +199,6 @@ class CheckpointIntegrity(Check):
         except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
             return None
-        out.layout = weights.layout
         out.digests = {n: s.digest for n, s in weights.scans.items()}
         entries, scans, params = weights.tensors, weights.scans, checkpoint["params"]
         if weights.adapter is not None:
@@ -359,7 +360,7 @@ class CheckpointIntegrity(Check):
 
 
 # Bump when what an inspection holds changes: older cached results are then ignored.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
@@ -371,7 +372,7 @@ def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
         return None
     data = json.loads(row[0])
     return Inspection(data["name"], data["step"], [tuple(p) for p in data["problems"]], data["digests"],
-                      data["on_disk"], data["missing_state"], data["layout"])
+                      data["on_disk"], data["missing_state"])
 
 
 def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
