@@ -91,8 +91,10 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     manifest = load_manifest(con)
     ctx = AuditContext(con, run_dir, manifest)
     findings, errors = run_checks(ctx, config)
+    # A preflight judges a dataset before any training: it has no steps to cover by design.
+    evidence = evidence_coverage(con, errors) if manifest.get("profile") != "preflight" else None
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
-                            config.rollback_margin, evidence_coverage(con, errors))
+                            config.rollback_margin, evidence)
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
