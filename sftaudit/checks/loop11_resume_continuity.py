@@ -40,7 +40,8 @@ class ResumeContinuity(Check):
         median of the first `loss_window` losses after r minus that of the last before it.
     Threshold:
         No checkpoint at step r - 1, or one that fails LOOP-09: fail. Any sample re-read before its
-        epoch ends: fail. Another order than the abandoned segment's with nothing re-read: warn.
+        epoch ends: fail. Another order than the abandoned segment's with nothing re-read: warn;
+        the abandoned order further on (batches skipped on purpose, as `replay` lists them): info.
         LR change above max(`lr_tolerance`, 2 x the schedule's recent per-step change): fail. Any
         tensor norm off by more than `weight_tolerance` (relative): fail. Optimizer step count 0
         after a checkpoint of step > 0: fail. Loss rising by more than `loss_jump_fraction` of its
@@ -131,6 +132,13 @@ class ResumeContinuity(Check):
         if not reread.size:
             if not differs.size:
                 return []
+            skipped = skipped_ahead(then, now)
+            if skipped:  # the abandoned order, further on: batches skipped on purpose (as `replay` advises)
+                left = abandoned["step"].to_numpy()
+                return [self.finding(
+                    "info", f"the run resumed at step {first} {skipped} sample(s) further in its order than the "
+                    f"abandoned run (the batches of steps {left[0]}-{left[skipped - 1]} skipped)", step=first,
+                    resume_step=first, skipped=skipped, skipped_steps=np.unique(left[:skipped]).tolist())]
             at = int(differs[0])
             return [self.finding(
                 "warn", f"after resuming at step {first} the run trained another order than the abandoned run did "
@@ -157,7 +165,7 @@ class ResumeContinuity(Check):
     def _abandoned(self, ctx: AuditContext, first: int, window: int, sql: str):
         """What the segment the resume left trained at the resumed steps (empty if it stopped at the checkpoint)."""
         if not ctx.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_batches'"):
-            return ctx.frame("SELECT ''::VARCHAR AS id WHERE false")
+            return ctx.frame("SELECT 0::BIGINT AS step, ''::VARCHAR AS id WHERE false")
         left = ctx.scalar("SELECT max(seg) FROM batches WHERE rank = 0 AND step < ?", [first])
         return ctx.frame(sql.format(table="superseded_batches",
                                     where="seg = $left AND step >= $first AND step < $first + $window"),
@@ -266,6 +274,15 @@ class ResumeContinuity(Check):
             "warn", f"the loss jumped from {before:.3f} to {after:.3f} when the run resumed at step {first} (median of "
             f"{k} steps each side); check that weights and optimizer state were restored", step=first,
             resume_step=first, loss_before=before, loss_after=after, value=jump, threshold=threshold)]
+
+
+def skipped_ahead(abandoned: np.ndarray, resumed: np.ndarray) -> int:
+    """How many samples of the abandoned order the resumed one starts past (0 if it is not that order)."""
+    for offset in np.flatnonzero(abandoned == resumed[0])[:1]:  # ids are unique within an epoch
+        n = min(len(abandoned) - offset, len(resumed))
+        if offset and np.array_equal(abandoned[offset:offset + n], resumed[:n]):
+            return int(offset)
+    return 0
 
 
 def numbered_occurrences(codes: np.ndarray, known: int) -> np.ndarray:
