@@ -174,3 +174,19 @@ def test_epochs_are_inferred_from_the_order():
     rows = np.r_[np.arange(9), 4]
     duplicated = np.concatenate([rng.permutation(rows) for _ in range(3)])
     assert epoch_starts(numbered_occurrences(duplicated, len(duplicated))).tolist() == [0, 10, 20]
+
+
+def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
+    """The Trainer's own seeded sampler over 10 rows in batches of 4 (3 steps an epoch, the last
+    partial): resumed from checkpoint-4 with `ignore_data_skip`, it trains epoch 2 from its start."""
+    from sftaudit.fixtures.train import train_hf
+
+    options = dict(save_steps=2, dataset_rows=10, batch_size=4, max_length=32, probe_every=0, generate_every=0,
+                   eval_every=0, tokenizer_cache=tokenizer_cache)
+    run = train_hf(tmp_path / "hf", steps=6, **options)
+    train_hf(run, steps=6, resume_from=run / "checkpoint-4", trainer_options={"ignore_data_skip": True}, **options)
+    found = loop11(audit(run))
+    assert [(f["step"], f["severity"]) for f in found] == [(5, "fail")]
+    data = found[0]["evidence"]
+    assert data["restarted_at"] == "the start of epoch 2" and data["restarted_at_step"] == 4
+    assert data["count"] == data["trained_this_epoch"] == 4
