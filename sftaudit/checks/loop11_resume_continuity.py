@@ -124,9 +124,8 @@ class ResumeContinuity(Check):
         rows = ctx.scalar("SELECT manifest->>'$.dataset.rows' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
         epoch_length = int(np.median(lengths)) if lengths.size else int(rows) if rows else None
         begun = int(starts[-1])
-        due = now[:max(epoch_length - (len(past) - begun), 0)] if epoch_length else now
-        due = now_n[:len(due)]
-        reread = np.flatnonzero(np.isin(due, past_n[begun:]))
+        left_in_epoch = max(epoch_length - (len(past) - begun), 0) if epoch_length else len(now)
+        reread = np.flatnonzero(np.isin(now_n[:left_in_epoch], past_n[begun:]))
         epoch = {"current_epoch": len(starts), "epoch_started_at_step": int(past_steps[begun]),
                  "epoch_length": epoch_length}
         if not reread.size:
@@ -157,8 +156,7 @@ class ResumeContinuity(Check):
             f"{steps[0]}-{steps[-1]}; {restart['text']}: restore the data position (epoch, index in the epoch, "
             f"sampler seed)", step=steps[0], resume_step=first, sample_ids=ids[now[listed]].tolist(),
             count=int(reread.size), steps=steps, restarted_at_step=restart["step"], restarted_at=restart["where"],
-            trained_this_epoch=len(past) - begun,
-            differing_from_abandoned=int(differs.size), **epoch,
+            trained_this_epoch=len(past) - begun, differing_from_abandoned=int(differs.size), **epoch,
             reread=[{"sample_id": ids[now[k]], "reread_at": int(now_steps[k]),
                      "last_trained_at": int(past_steps[trained_at[now[k]]])} for k in listed])]
 
