@@ -31,7 +31,7 @@ def measure(size: str, profile: str, steps: int, block: int, batch_size: int, ma
     rows = load_dataset()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = batches(rows, batch_size, seed=0)
-    prepared = [collate(tok, next(data)[2], max_length=max_length) for _ in range(16)]
+    prepared = [collate(tok, next(data)[0], max_length=max_length) for _ in range(16)]
     times = {"bare": [], "shim": []}
     with tempfile.TemporaryDirectory() as run_dir:
         rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())

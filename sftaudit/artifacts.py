@@ -42,7 +42,7 @@ RECORD_KINDS = (
     "evals",        # eval-set generations with their references
     "metrics",      # scalar metrics from the trainer's logs (eval_loss, grad_norm, ...)
     "checkpoints",  # saved checkpoints: path, files, training state; then their hashes
-    "events",       # shim lifecycle and errors: start, close, shim_error, probe_disabled
+    "events",       # shim lifecycle and errors: start, segment_start, close, shim_error, probe_disabled
 )
 
 # Histogram bin edges for log10|grad|: fixed so histograms compare across steps and tensors.

@@ -46,6 +46,7 @@ class SFTAuditCallback(TrainerCallback):
         options = dict(self.options)
         options.setdefault("tokenizer", processing_class if processing_class is not None else tokenizer)
         options.setdefault("config", {"training_args": args.to_dict()})
+        options.setdefault("optimizer", kwargs.get("optimizer"))
         self._state = state
         self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="post_clip", **options)
         self._handles = [

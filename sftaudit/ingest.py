@@ -48,7 +48,8 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
                     "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "param_norms": "DOUBLE[]",
                     "time": "DOUBLE", "sha256": "JSON"},
     "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
-               "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR"},
+               "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR", "param_norms": "DOUBLE[]",
+               "optimizer_step": "BIGINT"},
 }
 
 _SCHEMA_SQL = """

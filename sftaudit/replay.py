@@ -50,18 +50,20 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
     if rollback:
         out["rollback_checkpoint"] = {k: rollback[k] for k in ("name", "step", "path")}
         path = str(run_dir / rollback["path"])
-        out["resume"] = {"resume_from_checkpoint": path, "skip_steps": [b["step"] for b in out["batches"]],
-                         **resume_command(manifest, path)}
+        skip = [b["step"] for b in out["batches"]]
+        out["resume"] = {"resume_from_checkpoint": path, "skip_steps": skip, **resume_command(manifest, path, skip)}
     return out
 
 
-def resume_command(manifest: dict[str, Any], path: str) -> dict[str, str | None]:
+def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = ()) -> dict[str, str | None]:
     """How this run resumes: the loop's own `resume_command` template (recorder config, with a
-    ``{checkpoint}`` field), or for a Trainer run its recorded command line plus
-    ``--resume_from_checkpoint`` and the equivalent `trainer.train` call."""
+    ``{checkpoint}`` field and optionally ``{skip_steps}``, filled with a list such as [11, 12]),
+    or for a Trainer run its recorded command line plus ``--resume_from_checkpoint`` and the
+    equivalent `trainer.train` call."""
     config = manifest.get("config") or {}
     if isinstance(config.get("resume_command"), str):
-        return {"command": config["resume_command"].replace("{checkpoint}", path), "trainer": None}
+        command = config["resume_command"].replace("{checkpoint}", path).replace("{skip_steps}", json.dumps(list(skip_steps)))
+        return {"command": command, "trainer": None}
     if "training_args" in config:
         argv = manifest.get("argv")
         return {"command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,

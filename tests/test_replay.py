@@ -2,10 +2,16 @@
 rollback checkpoint (with its safety margin) and how to resume; also on a run killed mid-step."""
 
 import json
+import os
 import shlex
 import shutil
+import subprocess
+import sys
+
+import pytest
 
 from sftaudit.artifacts import rank_dir
+from sftaudit.audit import audit
 from sftaudit.checks import Finding
 from sftaudit.cli import main
 from sftaudit.config import AuditConfig
@@ -38,8 +44,10 @@ def test_replay_of_a_diverged_run(nan_run, capsys):
     assert resume["resume_from_checkpoint"] == str(nan_run / "checkpoint-10")
     assert resume["skip_steps"] == [11, 12, 13]
     # The plain loop's own resume template (recorder config), filled in.
-    assert resume["command"] == shlex.join(["python", "-c", "from sftaudit.fixtures.train import train_plain; "
-                                            f'train_plain("{nan_run}", steps=20, resume_from="{nan_run}/checkpoint-10")'])
+    python, flag, code = shlex.split(resume["command"])
+    assert (python, flag) == ("python", "-c")
+    assert code.startswith(f'from sftaudit.fixtures.train import train_plain; train_plain("{nan_run}", steps=20, '
+                           f'resume_from="{nan_run}/checkpoint-10", skip_steps=[11, 12, 13], ')
     assert resume["trainer"] is None
 
 
@@ -92,3 +100,55 @@ def test_rollback_skips_a_checkpoint_that_fails_integrity():
     assert [c["verdict"] for c in verdict["checkpoints"]] == ["pass", "fail", "fail"]
     assert build_verdict("r", findings[:1], checkpoints)["rollback_checkpoint"] == "checkpoint-10"
     assert build_verdict("r", findings[:1], checkpoints, rollback_margin=9)["rollback_checkpoint"] is None
+
+
+# ---------------------------------------------------------------- resume, end to end
+
+# A run that fails at step 7 (NaN loss), multi-epoch: 10 rows in batches of 4, checkpoints every 3 steps.
+SMALL = dict(dataset_rows=10, batch_size=4, max_length=32, probe_every=0, generate_every=0, eval_every=0)
+
+
+def timeline(run):
+    con = connect(run, read_only=True)
+    try:
+        live = con.execute("SELECT seg, min(step), max(step) FROM steps GROUP BY seg ORDER BY seg").fetchall()
+        abandoned = con.execute("SELECT seg, min(step), max(step) FROM superseded_steps GROUP BY seg").fetchall()
+    finally:
+        con.close()
+    return live, abandoned
+
+
+def test_a_plain_run_resumed_with_the_printed_command_audits_pass(tmp_path, tokenizer_cache):
+    from sftaudit.fixtures.train import train_plain
+
+    run = train_plain(tmp_path / "plain", steps=8, checkpoint_every=3, order="sampler", faults={"nan_at": 7},
+                      tokenizer_cache=tokenizer_cache, **SMALL)
+    doc = replay(run)
+    assert doc["first_anomalous_step"] == 7 and doc["rollback_checkpoint"]["name"] == "checkpoint-6"
+    assert doc["resume"]["skip_steps"] == [7]
+    # Run exactly what replay printed (its `python` is this interpreter): resume, skipping step 7's batch.
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(shlex.split(doc["resume"]["command"]), check=True, env=env, capture_output=True)
+    after = audit(run)
+    assert after["verdict"] == "pass", after["findings"]
+    skipped = [f for f in after["findings"] if f["code"] == "LOOP-11"]
+    assert [(f["severity"], f["step"], f["evidence"]["skipped_steps"]) for f in skipped] == [("info", 7, [7])]
+    assert timeline(run) == ([(0, 1, 6), (1, 7, 8)], [(0, 7, 8)])
+
+
+@pytest.mark.parametrize("trl", [False, True], ids=["trainer", "trl"])
+def test_a_trainer_run_resumed_from_the_named_checkpoint_audits_pass(trl, tmp_path, tokenizer_cache):
+    from sftaudit.fixtures.train import train_hf
+
+    options = dict(steps=8, save_steps=3, trl=trl, tokenizer_cache=tokenizer_cache, **SMALL)
+    run = train_hf(tmp_path / "hf", faults={"nan_at": 7}, **options)
+    doc = replay(run)
+    assert doc["first_anomalous_step"] == 7 and doc["rollback_checkpoint"]["name"] == "checkpoint-6"
+    resume = doc["resume"]
+    assert resume["trainer"] == f"trainer.train(resume_from_checkpoint={resume['resume_from_checkpoint']!r})"
+    # What the printed call does: the Trainer restores weights, optimizer, scheduler, RNG and data position
+    # (its seeded sampler skips the epoch's trained batches); the Trainer has no way to skip others.
+    train_hf(run, resume_from=resume["resume_from_checkpoint"], **options)
+    after = audit(run)
+    assert after["verdict"] == "pass", after["findings"]
+    assert timeline(run) == ([(0, 1, 6), (1, 7, 8)], [(0, 7, 8)])

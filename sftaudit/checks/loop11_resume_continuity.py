@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+import numpy as np
+
 from .base import AuditContext, Check, Finding
 from .loop09_checkpoint_integrity import CheckpointIntegrity, saved_checkpoints
 
@@ -12,37 +14,49 @@ class ResumeContinuity(Check):
     """Resume continuity (seed 003, 3.3 and 7.1: resume must restore seed, data position and scheduler).
 
     What it detects:
-        A resumed run (a new recorder segment whose first step continues an earlier one) that
-        did not resume cleanly: from a checkpoint that was never saved or fails LOOP-09; with
-        the data order restarted (samples of the current epoch trained again right after the
-        resume); with the learning-rate schedule restarted (its warmup run again); with a jump
-        up in the loss curve (weights or optimizer state not restored).
+        A resumed run (a new recorder segment whose first step continues an earlier one) that did
+        not restore what it resumed: from a checkpoint that was never saved or fails LOOP-09; the
+        data position (samples already trained this epoch trained again, the order restarted at
+        an epoch's or the dataset's start, another shuffle than the run's); the learning-rate
+        schedule (warmup run again, LR dropped to 0); the weights (not the checkpoint's); the
+        optimizer state (Adam's step count back to 0).
     Why it matters:
         "I forgot to restore the data position and re-read a stretch of already-trained data,
-        a small overfitting experiment" (seed 003). A restarted warmup or lost weights waste the
-        steps since the checkpoint and quietly change the run's recipe.
+        a small overfitting experiment" (seed 003). A restarted warmup, lost weights or fresh
+        optimizer moments waste the steps since the checkpoint and quietly change the run's recipe.
     Statistic:
-        Resume point c = the new segment's first step - 1. Data: sample ids trained in the
-        `data_window` steps after c that the run already trained at a step <= c in the same
-        epoch (epoch length = dataset rows / rows per step, from the manifest and batches).
-        LR: relative change between the last LR before c and the first after, against the
-        schedule's own largest relative per-step change in the `lr_window` steps before c.
-        Loss: median of the first `loss_window` losses after c minus the median of the last
-        `loss_window` before it.
+        Resume point: the new segment's first step r. Data, on the stream of sample ids in training
+        order: epochs are inferred from the ids trained before r (an epoch ends where an id comes
+        back; epoch length = the median completed epoch, else the dataset's rows), so epochs may
+        start mid-batch and the dataset need not fill whole batches. Compared: the ids of the first
+        `data_window` resumed steps with the abandoned segment's ids at the same steps (what the
+        run would have trained), and those due before the current epoch ends with the ids it
+        already trained. Where a re-read begins, the recorded order is searched for the longest
+        match to name where the order restarted. LR: relative change between the last LR before r
+        and the first after, against the schedule's own largest relative per-step change in the
+        `lr_window` steps before r. Weights: per-tensor float64 norms recorded at the segment's
+        first step against those recorded when the checkpoint was saved. Optimizer: its step
+        count at the segment's first step (Adam-style state). Without a weight fingerprint: the
+        median of the first `loss_window` losses after r minus that of the last before it.
     Threshold:
-        No checkpoint at step c, or one that fails LOOP-09: fail. Any re-read sample: fail.
-        LR change above max(`lr_tolerance`, 2 x the schedule's recent per-step change): fail.
-        Loss rising by more than `loss_jump_fraction` of its level: warn (a fall is what
-        training does, sometimes fast: not a finding).
+        No checkpoint at step r - 1, or one that fails LOOP-09: fail. Any sample re-read before its
+        epoch ends: fail. Another order than the abandoned segment's with nothing re-read: warn;
+        the abandoned order further on (batches skipped on purpose, as `replay` lists them): info.
+        LR change above max(`lr_tolerance`, 2 x the schedule's recent per-step change): fail. Any
+        tensor norm off by more than `weight_tolerance` (relative): fail. Optimizer step count 0
+        after a checkpoint of step > 0: fail. Loss rising by more than `loss_jump_fraction` of its
+        level (no fingerprint only): warn.
     Evidence:
-        The resume step and checkpoint, `sample_ids` re-read with the steps they were first
-        trained and re-read at, LR before/after and the tolerance, loss before/after.
+        The resume step and checkpoint; for data the re-read `sample_ids` with the steps they were
+        last trained and re-trained at, the count, the current epoch's start and length, where the order
+        restarted; LR before/after and the tolerance; tensors whose weights differ; the optimizer's
+        step count; loss before/after.
     """
 
     code = "LOOP-11"
     name = "resume continuity"
-    defaults = {"data_window": 50, "lr_window": 10, "lr_tolerance": 0.1, "loss_window": 3,
-                "loss_jump_fraction": 0.05, "max_ids_listed": 50}
+    defaults = {"data_window": 50, "lr_window": 2, "lr_tolerance": 0.1, "weight_tolerance": 1e-9,
+                "loss_window": 3, "loss_jump_fraction": 0.05, "max_ids_listed": 50}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         resumes = ctx.con.execute(
@@ -53,57 +67,132 @@ class ResumeContinuity(Check):
         checkpoints = saved_checkpoints(ctx)
         findings = []
         for seg, first in resumes:
-            findings += self._source(ctx, checkpoints, seg, first)
+            source, problems = self._source(ctx, checkpoints, seg, first)
+            findings += problems
             findings += self._data(ctx, seg, first)
             findings += self._lr(ctx, seg, first)
-            findings += self._loss(ctx, seg, first)
+            findings += self._weights(ctx, seg, first, source)
+            findings += self._optimizer(ctx, seg, first, source)
         return findings
 
-    def _source(self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int) -> list[Finding]:
+    def _source(self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int) -> tuple[dict | None, list[Finding]]:
         config = ctx.scalar("SELECT manifest->'$.config.resume_from' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
         named = PurePosixPath(str(config).strip('"').replace("\\", "/")).name if config not in (None, "null") else None
         source = next((c for c in checkpoints if c["name"] == named), None) if named else \
             next((c for c in checkpoints if c["step"] == first - 1), None)
         if source is None:
-            return [self.finding("fail", f"the run resumed at step {first} but no checkpoint "
-                                 f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed exactly",
-                                 step=first, resume_step=first, checkpoint_name=named)]
+            return None, [self.finding("fail", f"the run resumed at step {first} but no checkpoint "
+                                       f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
+                                       f"exactly", step=first, resume_step=first, checkpoint_name=named)]
         inspection = CheckpointIntegrity().inspect(ctx, source)
         if inspection.passes:
-            return []
+            return source, []
         problem = next(msg for sev, msg, _ in inspection.problems if sev in ("warn", "fail"))
-        return [self.finding("fail", f"the run resumed at step {first} from {source['name']}, which fails "
-                             f"LOOP-09 ({problem})", step=first, resume_step=first, source_checkpoint=source["name"])]
+        return source, [self.finding("fail", f"the run resumed at step {first} from {source['name']}, which fails "
+                                     f"LOOP-09 ({problem})", step=first, resume_step=first,
+                                     source_checkpoint=source["name"])]
+
+    # ------------------------------------------------------------------ data position
 
     def _data(self, ctx: AuditContext, seg: int, first: int) -> list[Finding]:
-        rows = ctx.scalar("SELECT manifest->>'$.dataset.rows' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
-        per_step = ctx.scalar("""SELECT median(r) FROM (SELECT step, sum(rows) AS r FROM batches
-                                 WHERE rank = 0 AND seg = ? GROUP BY step)""", [seg])
-        epoch = int(rows) // int(per_step) if rows and per_step else None
-        epoch = epoch or 1 << 62  # unknown dataset size: one long epoch
-        reread = ctx.frame(
-            """
-            WITH history AS (
-                SELECT step, unnest(sample_ids) AS id FROM (
-                    SELECT step, sample_ids FROM batches WHERE rank = 0 AND seg < $seg AND step < $first)),
-            resumed AS (
-                SELECT step, micro, unnest(sample_ids) AS id, generate_subscripts(sample_ids, 1) AS pos
-                FROM batches WHERE rank = 0 AND seg = $seg AND step < $first + $window)
-            SELECT r.id AS sample_id, r.step AS reread_at, min(h.step) AS first_trained_at
-            FROM resumed r JOIN history h ON r.id = h.id AND (r.step - 1) // $epoch = (h.step - 1) // $epoch
-            GROUP BY r.id, r.step, r.micro, r.pos
-            QUALIFY row_number() OVER (PARTITION BY r.id ORDER BY r.step) = 1
-            ORDER BY r.step, r.micro, r.pos
-            """, {"seg": seg, "first": first, "window": self.params["data_window"], "epoch": epoch})
-        if reread.is_empty():
+        window = self.params["data_window"]
+        stream = """SELECT step, unnest(sample_ids) AS id, generate_subscripts(sample_ids, 1) AS pos, micro
+                    FROM {table} WHERE rank = 0 AND {where}"""
+        order = " ORDER BY step, micro, pos"
+        history = ctx.frame(stream.format(table="batches", where="step < $first") + order, {"first": first})
+        resumed = ctx.frame(stream.format(table="batches", where="seg = $seg AND step < $first + $window") + order,
+                            {"seg": seg, "first": first, "window": window})
+        if history.is_empty() or resumed.is_empty():
             return []
-        steps = sorted(set(reread["reread_at"].to_list()))
-        ids = reread["sample_id"].to_list()
+        abandoned = self._abandoned(ctx, first, window, stream + order)
+        ids, codes = np.unique(np.concatenate([history["id"].to_numpy(), resumed["id"].to_numpy(),
+                                               abandoned["id"].to_numpy()]), return_inverse=True)
+        past, now = codes[:len(history)], codes[len(history):len(history) + len(resumed)]
+        then = codes[len(history) + len(resumed):]
+        past_steps, now_steps = history["step"].to_numpy(), resumed["step"].to_numpy()
+
+        # Same ids at the same steps as the abandoned segment: the order was restored exactly.
+        overlap = min(len(then), len(now))
+        differs = np.flatnonzero(then[:overlap] != now[:overlap])
+        if overlap and not differs.size:
+            return []
+        # Duplicate rows (same id or content hash) come back within an epoch: number their occurrences.
+        numbered = numbered_occurrences(np.concatenate([past, now]), len(past))
+        past_n, now_n = numbered[:len(past)], numbered[len(past):]
+        starts = epoch_starts(past_n)
+        lengths = np.diff(starts)
+        rows = ctx.scalar("SELECT manifest->>'$.dataset.rows' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
+        epoch_length = int(np.median(lengths)) if lengths.size else int(rows) if rows else None
+        begun = int(starts[-1])
+        left_in_epoch = max(epoch_length - (len(past) - begun), 0) if epoch_length else len(now)
+        reread = np.flatnonzero(np.isin(now_n[:left_in_epoch], past_n[begun:]))
+        epoch = {"current_epoch": len(starts), "epoch_started_at_step": int(past_steps[begun]),
+                 "epoch_length": epoch_length}
+        if not reread.size:
+            if not differs.size:
+                return []
+            skipped = skipped_ahead(then, now)
+            if skipped:  # the abandoned order, further on: batches skipped on purpose (as `replay` advises)
+                left = abandoned["step"].to_numpy()
+                return [self.finding(
+                    "info", f"the run resumed at step {first} {skipped} sample(s) further in its order than the "
+                    f"abandoned run (the batches of steps {left[0]}-{left[skipped - 1]} skipped)", step=first,
+                    resume_step=first, skipped=skipped, skipped_steps=np.unique(left[:skipped]).tolist())]
+            at = int(differs[0])
+            return [self.finding(
+                "warn", f"after resuming at step {first} the run trained another order than the abandoned run did "
+                f"at the same steps (from step {now_steps[at]}: {ids[now[at]]} instead of {ids[then[at]]}); "
+                f"restore the sampler's seed and state", step=int(now_steps[at]), resume_step=first,
+                differing=int(differs.size), compared=overlap, **epoch)]
+        restart = self._restart(past, now[reread[0]:], starts, past_steps)
+        # A restarted order trains the whole matched stretch again, past the epoch's end too.
+        reread = np.union1d(reread, np.arange(reread[0], reread[0] + restart["length"]))
+        trained_at = last_occurrence(past)
+        listed = reread[: self.params["max_ids_listed"]]
+        steps = np.unique(now_steps[reread]).tolist()
         return [self.finding(
-            "fail", f"after resuming at step {first} the run trained {len(ids)} sample(s) again that it had already "
-            f"trained this epoch (steps {steps[0]}-{steps[-1]}); the data position was not restored",
-            step=steps[0], resume_step=first, sample_ids=ids[: self.params["max_ids_listed"]], count=len(ids),
-            steps=steps, reread=reread.head(self.params["max_ids_listed"]).to_dicts())]
+            "fail", f"after resuming at step {first} the run trained {reread.size} sample(s) again that it had "
+            f"already trained in epoch {len(starts)} (begun at step {epoch['epoch_started_at_step']}), at steps "
+            f"{steps[0]}-{steps[-1]}; {restart['text']}: restore the data position (epoch, index in the epoch, "
+            f"sampler seed)", step=steps[0], resume_step=first, sample_ids=ids[now[listed]].tolist(),
+            count=int(reread.size), steps=steps, restarted_at_step=restart["step"], restarted_at=restart["where"],
+            trained_this_epoch=len(past) - begun, differing_from_abandoned=int(differs.size), **epoch,
+            reread=[{"sample_id": ids[now[k]], "reread_at": int(now_steps[k]),
+                     "last_trained_at": int(past_steps[trained_at[now[k]]])} for k in listed])]
+
+    def _abandoned(self, ctx: AuditContext, first: int, window: int, sql: str):
+        """What the segment the resume left trained at the resumed steps (empty if it stopped at the checkpoint)."""
+        if not ctx.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_batches'"):
+            return ctx.frame("SELECT 0::BIGINT AS step, ''::VARCHAR AS id WHERE false")
+        left = ctx.scalar("SELECT max(seg) FROM batches WHERE rank = 0 AND step < ?", [first])
+        return ctx.frame(sql.format(table="superseded_batches",
+                                    where="seg = $left AND step >= $first AND step < $first + $window"),
+                         {"left": left, "first": first, "window": window})
+
+    @staticmethod
+    def _restart(past: np.ndarray, replayed: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> dict:
+        """Where in the recorded order the re-read stretch comes from: the longest exact match."""
+        candidates = np.flatnonzero(past == replayed[0])  # one per epoch at most: a short loop
+        spans = [min(len(replayed), len(past) - q) for q in candidates]
+        matches = [int(np.argmin(np.append(past[q:q + n] == replayed[:n], False))) for q, n in zip(candidates, spans)]
+        # The stretch matched furthest (relative to what could match); ties go to the latest epoch.
+        scores = [(m / n if m >= 2 else 0.0, q) for m, n, q in zip(matches, spans, candidates)]
+        best = max(range(len(scores)), key=lambda i: scores[i]) if scores else None
+        if best is None or not scores[best][0]:
+            return {"text": "its order is another shuffle than the run's", "step": None, "where": "other order",
+                    "length": 0}
+        q = int(candidates[best])
+        step = int(steps[q])
+        if q == 0:
+            where = "the dataset's start"
+        elif q in starts:
+            where = f"the start of epoch {int(np.searchsorted(starts, q)) + 1}"
+        else:
+            where = f"the order of step {step}"
+        return {"text": f"the order restarted at {where} (step {step})" if q in starts else
+                f"it picked up {where} again", "step": step, "where": where, "length": matches[best]}
+
+    # ------------------------------------------------------------------ schedule, weights, optimizer
 
     def _lr(self, ctx: AuditContext, seg: int, first: int) -> list[Finding]:
         before = ctx.frame(
@@ -115,16 +204,54 @@ class ResumeContinuity(Check):
             return []
         lrs = before["lr"].to_numpy()[::-1]
         last, now = float(lrs[-1]), float(after[0])
-        pace = float(max((abs(b - a) / a for a, b in zip(lrs, lrs[1:]) if a), default=0.0))
+        steps = np.abs(np.diff(lrs)) / np.where(lrs[:-1] != 0, lrs[:-1], np.inf)
+        pace = float(steps.max(initial=0.0))
         tolerance = max(self.params["lr_tolerance"], 2 * pace)
         change = abs(now - last) / last
         if change <= tolerance:
             return []
-        what = "restarting its schedule (warmup run again)" if now < last else "jumping ahead of its schedule"
+        what = ("dropping to 0" if now == 0 else "restarting its schedule (warmup run again)" if now < last
+                else "jumping ahead of its schedule")
         return [self.finding(
             "fail", f"the learning rate went from {last:.3g} at step {first - 1} to {now:.3g} at step {first} on "
-            f"resume, {what}; restore the scheduler state from the checkpoint", step=first, resume_step=first,
-            lr_before=last, lr_after=now, value=change, threshold=tolerance)]
+            f"resume, {what}; the scheduler state was not restored from the checkpoint", step=first,
+            resume_step=first, lr_before=last, lr_after=now, value=change, threshold=tolerance)]
+
+    def _segment_start(self, ctx: AuditContext, seg: int) -> tuple | None:
+        return ctx.row("""SELECT param_norms, optimizer_step FROM events WHERE rank = 0 AND seg = ?
+                          AND kind = 'segment_start' ORDER BY step LIMIT 1""", [seg])
+
+    def _weights(self, ctx: AuditContext, seg: int, first: int, source: dict | None) -> list[Finding]:
+        start = self._segment_start(ctx, seg)
+        saved = ctx.row("""SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND path = ?
+                           ORDER BY seg DESC LIMIT 1""", [source["path"]]) if source else None
+        if not (start and start[0] and saved and saved[0]) or len(start[0]) != len(saved[0]):
+            return self._loss(ctx, seg, first)
+        now, then = np.asarray(start[0], dtype=float), np.asarray(saved[0], dtype=float)
+        off = np.abs(now - then) / np.maximum(np.abs(then), 1e-12)
+        differing = np.flatnonzero(off > self.params["weight_tolerance"])
+        if not differing.size:
+            return []
+        names = dict(ctx.con.execute("SELECT idx, name FROM params WHERE rank = 0 AND seg = ? AND idx IS NOT NULL",
+                                     [seg]).fetchall())
+        worst = differing[np.argsort(-off[differing])][: self.params["max_ids_listed"]]
+        return [self.finding(
+            "fail", f"the weights at step {first} are not those of {source['name']}, which the run resumed from: "
+            f"{differing.size} of {len(now)} tensors differ (e.g. {names.get(int(worst[0]), int(worst[0]))}, norm "
+            f"{now[worst[0]]:.6g} vs {then[worst[0]]:.6g} saved); the checkpoint's weights were not loaded",
+            step=first, resume_step=first, source_checkpoint=source["name"], count=int(differing.size),
+            tensors=[names.get(int(i), str(int(i))) for i in worst], value=float(off.max()),
+            threshold=self.params["weight_tolerance"])]
+
+    def _optimizer(self, ctx: AuditContext, seg: int, first: int, source: dict | None) -> list[Finding]:
+        start = self._segment_start(ctx, seg)
+        if not start or start[1] is None or source is None or start[1] > 0 or source["step"] == 0:
+            return []
+        return [self.finding(
+            "fail", f"the optimizer state was not restored at step {first}: its step count is 0 although "
+            f"{source['name']} was saved after {source['step']} steps, so Adam's moments start empty and the first "
+            f"updates are full-size; load the optimizer state from the checkpoint", step=first, resume_step=first,
+            source_checkpoint=source["name"], optimizer_step=int(start[1]), checkpoint_step=source["step"])]
 
     def _loss(self, ctx: AuditContext, seg: int, first: int) -> list[Finding]:
         k = self.params["loss_window"]
@@ -146,3 +273,53 @@ class ResumeContinuity(Check):
             f"{k} steps each side); check that weights and optimizer state were restored", step=first,
             resume_step=first, loss_before=before, loss_after=after, value=jump, threshold=threshold)]
 
+
+def skipped_ahead(abandoned: np.ndarray, resumed: np.ndarray) -> int:
+    """How many samples of the abandoned order the resumed one starts past (0 if it is not that order)."""
+    for offset in np.flatnonzero(abandoned == resumed[0])[:1]:  # ids are unique within an epoch
+        n = min(len(abandoned) - offset, len(resumed))
+        if offset and np.array_equal(abandoned[offset:offset + n], resumed[:n]):
+            return int(offset)
+    return 0
+
+
+def numbered_occurrences(codes: np.ndarray, known: int) -> np.ndarray:
+    """Ids made unique within an epoch: an id the first `known` positions hold m times as often as
+    an epoch's share (a duplicated row, or its content hash) becomes m ids, taken in turn."""
+    counts = np.bincount(codes[:known], minlength=int(codes.max(initial=0)) + 1)
+    epochs = max(known / max(int(np.count_nonzero(counts)), 1), 1.0)
+    copies = np.maximum(np.rint(counts / epochs), 1).astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    ordered = codes[order]
+    group_start = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    occurrence = np.empty(len(codes), dtype=np.int64)
+    occurrence[order] = np.arange(len(codes)) - np.repeat(group_start, np.diff(np.r_[group_start, len(codes)]))
+    return codes * int(copies.max(initial=1)) + occurrence % copies[codes]
+
+
+def epoch_starts(codes: np.ndarray) -> np.ndarray:
+    """Where each epoch of a stream of sample ids starts: an epoch ends where one of its ids comes back."""
+    previous = previous_occurrence(codes)
+    starts = [0]
+    while True:  # one pass per epoch
+        back = np.flatnonzero(previous[starts[-1]:] >= starts[-1])
+        if not back.size:
+            return np.asarray(starts)
+        starts.append(starts[-1] + int(back[0]))
+
+
+def previous_occurrence(codes: np.ndarray) -> np.ndarray:
+    """For each position, the position where the same id was last seen before it (-1 if never)."""
+    order = np.argsort(codes, kind="stable")
+    ordered = codes[order]
+    same = ordered[1:] == ordered[:-1]
+    previous = np.full(len(codes), -1)
+    previous[order[1:][same]] = order[:-1][same]
+    return previous
+
+
+def last_occurrence(codes: np.ndarray) -> np.ndarray:
+    """Per id code, the last position where it occurs (-1 if never), indexable by code."""
+    out = np.full(int(codes.max(initial=-1)) + 1, -1)
+    out[codes] = np.arange(len(codes))  # repeated indices: the last assignment stands
+    return out

@@ -63,6 +63,8 @@ class Recorder:
         dataset: the training rows (list of dicts or HF dataset): their field names go to the manifest.
         grad_norm_source: what `on_backward` sees: "pre_clip" (the documented call order) or "post_clip".
         config: any run configuration to keep in the manifest.
+        optimizer: the optimizer, optional: its step count at the segment's first step shows whether a
+            resume restored its state.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Recorder:
         world_size: int | None = None,
         grad_norm_source: str = "pre_clip",
         config: Mapping[str, Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -93,6 +96,8 @@ class Recorder:
         self.probe_prompts = list(probe_prompts)
         self.eval_set = [dict(item) for item in eval_set]
         self.disabled: set[str] = set()
+        self.optimizer = optimizer
+        self._segment_started = False
         self._writer = JsonlWriter(rank_dir(self.run_dir, self.rank))
         self.segment = len(read_jsonl(self._writer.folder / "manifest.jsonl"))
         self._params = [p for _, p in model.named_parameters()]
@@ -151,6 +156,10 @@ class Recorder:
         """Before forward: shape, sample ids, lengths, padding and label statistics of one micro-batch."""
         if self._probing or "batches" in self.disabled:
             return
+        if not self._segment_started:
+            self._segment_started = True
+            with self._guard("segment_start"):
+                self._record_segment_start(step)
         with self._guard("batches"):
             self._begin_step(step)
             input_ids = batch["input_ids"]
@@ -170,10 +179,12 @@ class Recorder:
                 "padding_trained": (trained & padding).sum(1),
                 "left_padded": padding[:, 0],
             }
-            # Rows are kept whole as evidence on schedule, and always when no ids were given:
-            # a content hash of the row then serves as its sample id.
-            if keep_rows or sample_ids is None:
+            # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
+            # row's attended tokens (padding dropped: -1) serves as its sample id.
+            if keep_rows:
                 parts["input_ids"] = input_ids
+            if sample_ids is None:
+                parts["hashed_ids"] = torch.where(attention_mask.bool(), input_ids, -1)
             if keep_rows:
                 parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
                 parts["attention_mask"] = attention_mask[:keep_rows]
@@ -354,10 +365,9 @@ class Recorder:
         micro = m["micro"]
         rows, length = m["shape"]
         ids = m["sample_ids"]
-        input_ids = values.get((micro, "input_ids"))
         if ids is None:
-            ids = ["h:" + hashlib.blake2b(row.astype("int64").tobytes(), digest_size=8).hexdigest()
-                   for row in input_ids.reshape(rows, length)]
+            ids = ["h:" + hashlib.blake2b(row[row >= 0].astype("int64").tobytes(), digest_size=8).hexdigest()
+                   for row in values[micro, "hashed_ids"].reshape(rows, length)]
         self._write("batches", {
             "step": step, "micro": micro, "rows": rows, "seq_len": length, "sample_ids": ids,
             "lengths": values[micro, "lengths"].astype("int64").tolist(),
@@ -368,7 +378,7 @@ class Recorder:
         })
         keep = m["keep_rows"]
         if keep:
-            full_ids = input_ids.reshape(rows, length).astype("int64")
+            full_ids = values[micro, "input_ids"].reshape(rows, length).astype("int64")
             labels = values[micro, "labels"].reshape(keep, length).astype("int64")
             mask = values[micro, "attention_mask"].reshape(keep, length).astype("int64")
             for r in range(keep):
@@ -377,6 +387,23 @@ class Recorder:
                     "input_ids": full_ids[r].tolist(), "labels": labels[r].tolist(),
                     "attention_mask": mask[r].tolist(),
                 })
+
+    def _record_segment_start(self, step: int) -> None:
+        """Once per segment, before its first forward: the weights' fingerprint and the optimizer's
+        step count, which a resume must have restored from its checkpoint (LOOP-11)."""
+        self._write("events", {"kind": "segment_start", "step": step, "time": time.time(),
+                               "param_norms": self._param_norms(), "optimizer_step": self._optimizer_step()})
+
+    def _optimizer_step(self) -> int | None:
+        """Adam-style optimizers count their steps in each parameter's state: 0 when the state is
+        empty (fresh); None for optimizers that keep no step count, or when none was given."""
+        opt = self.optimizer
+        if opt is None:
+            return None
+        state = next(iter(opt.state.values()), None)
+        if state:
+            return int(state["step"]) if "step" in state else None
+        return 0 if "betas" in getattr(opt, "defaults", {}) else None
 
     def _param_norms(self) -> list[float]:
         """Per-tensor weight L2 norms in float64 (one transfer): equal norms at two saves mean the
