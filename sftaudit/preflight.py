@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
-from .chat_template import IGNORE_INDEX, Renderer, tokenizer_specials
+from .chat_template import IGNORE_INDEX, TRAINED, Renderer, TemplateLayout, expected_labels, tokenizer_specials
 from .config import AuditConfig
 from .errors import InputError, one_line
 from .tokenizer_info import describe_tokenizer
@@ -98,12 +98,15 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
     bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
 
-    rendered, failures = _render(rows, ids, Renderer(source, tokenizer_specials(tokenizer)), bar)
+    renderer = Renderer(source, tokenizer_specials(tokenizer))
+    rendered, failures = _render(rows, ids, renderer, bar)
     keep = [i for i in range(len(rows)) if i in rendered]
     if collator:
         batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
     else:
-        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length)
+        # Without `{% generation %}` markers the assistant spans come from the template's layout.
+        layout = None if renderer.tracks_generation else TemplateLayout.derive(tokenizer, source)
+        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout)
     bar.close()
 
     out = Path(out)
@@ -153,9 +156,11 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
     return rendered, failures
 
 
-def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) -> list[dict]:
+def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout) -> list[dict]:
     """Completion-only: labels on the template's generation spans (assistant content + end of turn),
-    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token)."""
+    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token);
+    without generation spans, on each assistant turn of the template's `layout` (content through
+    the end-of-turn marker)."""
     texts = [rendered[i][0] for i in keep]
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
@@ -185,7 +190,11 @@ def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) ->
         inside = position < size[:, None]
         index = row_start[list(rows)][:, None] + np.minimum(position, np.maximum(size[:, None] - 1, 0))
         input_ids = np.where(inside, flat_ids[index], pad)
-        labels = np.where(inside & assistant[index], input_ids, IGNORE_INDEX)
+        if layout is None:
+            labels = np.where(inside & assistant[index], input_ids, IGNORE_INDEX)
+        else:
+            expected, _ = expected_labels(np.where(inside, input_ids, -1), inside, layout, tokenizer.pad_token_id)
+            labels = np.where(expected == TRAINED, input_ids, IGNORE_INDEX)
         batches.append({"sample_ids": [ids[keep[r]] for r in rows], "input_ids": input_ids, "labels": labels,
                         "attention_mask": inside.astype(np.int64)})
     return batches

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..chat_template import first_manifest, run_tokenizer, template_fields, template_source
+from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
+                             template_fields, template_source)
 from .base import AuditContext, Check, Finding
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -16,9 +17,10 @@ class SpecialTokenAlignment(Check):
     """Tokenizer special-token alignment (seed trigger point: after tokenize).
 
     What it detects:
-        A control marker the template emits that the tokenizer splits into several pieces;
-        no eos token; pad == eos while every real eos is masked (the model never learns to
-        stop); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
+        A control marker the template emits that the tokenizer splits into several pieces
+        (in the rendered samples; one only in unreached branches is info); no eos token; pad
+        == the marker that ends an assistant turn while every real one is masked (the model
+        never learns to stop); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
         that changes within the run (between batches, at a checkpoint, or on resume).
     Why it matters:
         A split marker is learned as ordinary text, so generation never emits the real one;
@@ -27,12 +29,14 @@ class SpecialTokenAlignment(Check):
     Statistic:
         Markers: the tokenizer's own special/added tokens found in the template's literal
         strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
-        specials. pad == eos: trained share of attended eos positions in the recorded rows.
+        specials, then searched (as its pieces) in the recorded rows. pad == stop: trained share
+        of the attended end-of-turn markers (derived from the template) in the recorded rows.
         Identity: per-batch tokenizer length, checkpoint and segment fingerprints against
         the run's first manifest.
     Threshold:
-        Any split marker, missing eos, untrained eos with pad == eos, too few embedding rows
-        or changed tokenizer is a fail.
+        Any split marker the samples contain, missing eos, untrained stop marker with pad ==
+        stop, too few embedding rows or changed tokenizer is a fail; a split marker in
+        unreached branches only is info.
     Evidence:
         Each split marker with its pieces and ids; special-token ids; embedding rows and
         tokenizer length; the step / checkpoint and both fingerprints or lengths.
@@ -50,10 +54,10 @@ class SpecialTokenAlignment(Check):
         findings = self._identity(ctx, described) + self._embedding(ctx, start, described)
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
-            findings += self._markers(tokenizer) + self._eos(ctx, tokenizer)
+            findings += self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer)
         return findings
 
-    def _markers(self, tokenizer: Any) -> list[Finding]:
+    def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
         source = template_source(getattr(tokenizer, "chat_template", None))
         if source is None:
             return []
@@ -73,21 +77,36 @@ class SpecialTokenAlignment(Check):
                 split.append({"marker": marker, "pieces": tokenizer.convert_ids_to_tokens(ids), "ids": ids})
         if not split:
             return []
-        first = split[0]
-        return [self.finding(
-            "fail",
-            f"the template emits {len(split)} marker(s) the tokenizer splits, first {first['marker']!r} into "
-            f"{len(first['pieces'])} pieces {first['pieces']}; add them as special tokens (and resize the "
-            f"embeddings) or use the tokenizer's own markers",
-            split_markers=split,
-        )]
+        # Judged on what the data renders: a marker only in branches the rows never take (tool calls) is info.
+        reached = set()
+        if ctx.has_rows("samples"):
+            for _, ids, _, _ in sample_blocks(recorded_samples(ctx, source)):
+                reached |= {m["marker"] for m in split if m["marker"] not in reached and matches(ids, m["ids"]).any()}
+        findings = []
+        for severity, markers, where in (("fail", [m for m in split if m["marker"] in reached], "in the samples"),
+                                         ("info", [m for m in split if m["marker"] not in reached],
+                                          "only in branches these samples never render")):
+            if markers:
+                first = markers[0]
+                findings.append(self.finding(
+                    severity,
+                    f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
+                    f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
+                    f"tokens (and resize the embeddings) or use the tokenizer's own markers",
+                    split_markers=markers, reached=severity == "fail",
+                ))
+        return findings
 
     def _eos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        """pad == the marker that ends an assistant turn (not the eos string: Phi-3.5 appends its eos,
+        which is also its pad, after the `<|end|>` that stops a turn), with every real one masked."""
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         if eos is None:
             return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
                                          "set eos_token to the template's end-of-turn marker")]
-        if pad is None or pad != eos or not ctx.has_rows("samples"):
+        layout = run_layout(tokenizer)
+        stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
+        if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
         attended, trained, step, sample = ctx.row(
             """
@@ -96,16 +115,18 @@ class SpecialTokenAlignment(Check):
                          unnest(attention_mask) AS attended FROM samples)
             WHERE id = ? AND attended = 1
             """,
-            [eos],
+            [stop],
         )
         if not attended or trained:
             return []
+        marker = tokenizer.convert_ids_to_tokens(stop)
         return [self.finding(
             "fail",
-            f"pad == eos ({tokenizer.eos_token!r}, id {eos}) and all {attended} real eos tokens are masked with the "
+            f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
             f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
             f"attention_mask",
-            step=step, sample_ids=[sample], pad_id=pad, eos_id=eos, eos_attended=attended, eos_trained=trained,
+            step=step, sample_ids=[sample], pad_id=pad, eos_id=stop, stop_marker=marker, eos_attended=attended,
+            eos_trained=trained,
         )]
 
     def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (CATEGORY_NAMES, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
+from ..chat_template import (CATEGORY_NAMES, EITHER, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
                              first_manifest, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_source)
 from .base import AuditContext, Check, Finding
@@ -72,7 +72,7 @@ class LossMaskValidity(Check):
             expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
             actual = actual_labels(labels, attention)
             expected_total += int((expected == TRAINED).sum())
-            actual_total += int((actual == TRAINED).sum())
+            actual_total += int(((actual == TRAINED) & (expected != EITHER)).sum())
             kinds = _mismatches(expected, actual)
             steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
             for kind, mask in kinds.items():
