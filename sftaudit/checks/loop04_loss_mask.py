@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (CATEGORY_NAMES, EITHER, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
+from ..chat_template import (CATEGORY_NAMES, EITHER, IGNORE_INDEX, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
                              first_manifest, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_source)
 from .base import AuditContext, Check, Finding
@@ -44,6 +44,9 @@ class LossMaskValidity(Check):
         previous turn's text (true of special-token headers). Each row is compared with
         `labels != -100`; padding trained is also counted on every batch row from the
         batch records. Aggregate: trained tokens vs the template's expected count.
+        Full-sequence loss (every attended token trained) is a configuration, not a bug: one
+        warn naming it and how to switch, silenced by `expect = "all_tokens"`;
+        `assistant_turns = "last"` declares that only the last assistant turn is trained.
     Threshold:
         Any mismatched position in a row is a fail (padding confused with prompt: warn);
         the aggregate counts differing by more than 0.1% (seed) is a warn.
@@ -54,7 +57,8 @@ class LossMaskValidity(Check):
 
     code = "LOOP-04"
     name = "loss-mask validity"
-    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6}
+    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6,
+                "expect": "assistant_tokens", "assistant_turns": "all"}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         tokenizer = run_tokenizer(ctx)
@@ -64,12 +68,23 @@ class LossMaskValidity(Check):
             return findings
         template = template_source(first_manifest(ctx).get("tokenizer", {}).get("chat_template"))
         frame = recorded_samples(ctx, template)
+        if self._all_tokens_trained(frame):
+            if self.params["expect"] == "all_tokens":
+                return findings
+            return findings + [self.finding(
+                "warn",
+                "every non-padding token is trained (full-sequence loss: TRL's default for a `messages` dataset, "
+                "axolotl's train_on_inputs), so the model also learns to write the prompts; for completion-only "
+                "loss set assistant_only_loss=True (TRL) / train_on_inputs: false (axolotl), or declare it intended "
+                "with [checks.\"LOOP-04\"] expect = \"all_tokens\"",
+                step=int(frame["step"].min()), kind="full_sequence_loss", configuration="all tokens trained")]
+        last_turn_only = self.params["assistant_turns"] == "last"
         hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in _ADVICE}
         first_evidence: dict[str, list[dict]] = {}
         counts = {k: 0 for k in _ADVICE}
         expected_total = actual_total = 0
         for part, ids, labels, attention in sample_blocks(frame):
-            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
             actual = actual_labels(labels, attention)
             expected_total += int((expected == TRAINED).sum())
             actual_total += int(((actual == TRAINED) & (expected != EITHER)).sum())
@@ -97,6 +112,16 @@ class LossMaskValidity(Check):
                 expected_trained=expected_total, actual_trained=actual_total,
             ))
         return findings
+
+    @staticmethod
+    def _all_tokens_trained(frame: Any) -> bool:
+        """Every attended token of every recorded row carries a label (the shifted last one aside)."""
+        for _, _, labels, attention in sample_blocks(frame):
+            trained = labels != IGNORE_INDEX
+            real = attention != 0
+            if (real & ~trained).sum() > real.shape[0]:  # at most one masked position per row
+                return False
+        return frame.height > 0
 
     def _mask_finding(self, kind: str, rows: list[tuple[int, str, int]], tokens: int, evidence: list[dict]) -> Finding:
         rows.sort(key=lambda r: r[0])
