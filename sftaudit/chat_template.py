@@ -408,7 +408,8 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
         trailing = np.flip(np.cumprod(np.flip(is_pad | (ids < 0), axis=1), axis=1), axis=1).astype(bool)
         leading = np.cumprod(is_pad, axis=1).astype(bool)
         padding |= (trailing & is_pad & (state == MASKED)) | leading
-    expected = np.where(padding, PADDING, np.where(either, EITHER, state)).astype(np.int8)
+    # The template's own final eos is attended text even when the pad id is the same token.
+    expected = np.where(either & (attention != 0), EITHER, np.where(padding, PADDING, state)).astype(np.int8)
 
     empty = {}
     for role, seq in layout.headers.items():

@@ -1,6 +1,6 @@
 """`sftaudit preflight`: checks LOOP-01..04 on a dataset + tokenizer + chat template, before training.
 
-Every sample is rendered (strictly, with the template's generation spans), tokenized and
+Every sample is rendered (by transformers, as apply_chat_template renders it), tokenized and
 collated (by the given collator, or a standard completion-only one), and the result is
 written into the same DuckDB tables a recorded run is ingested into, with each batch as a
 "step". The same checks then run on it, so findings, verdict and exit codes are those of
@@ -142,7 +142,9 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled or total < PROGRESS_FROM, mininterval=0.5)
 
 
-def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str]]]:
+def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str, str]]]:
+    """Every row rendered; the failures as (sample id, kind, message): the template refusing the row
+    (`render_failed`) or a message's content missing from its render (`content_dropped`, Z02)."""
     rendered, failures = {}, []
     for i, row in enumerate(rows):
         messages = row.get("messages")
@@ -151,7 +153,15 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
                 raise ValueError("the row has no 'messages' list")
             rendered[i] = renderer.render(messages)
         except Exception as exc:  # noqa: BLE001 - every render failure is a finding, not a crash
-            failures.append((ids[i], f"{type(exc).__name__}: {one_line(exc)}"))
+            failures.append((ids[i], "render_failed", f"{type(exc).__name__}: {one_line(exc)}"))
+        else:
+            text = rendered[i][0]
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, str) and content.strip() and content.strip() not in text:
+                    failures.append((ids[i], "content_dropped",
+                                     f"the {m.get('role')} message's content is missing from the render"))
+                    break
         bar.update(1)
     return rendered, failures
 
@@ -237,7 +247,7 @@ def _list_column(matrices: list[np.ndarray]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str]], tokenizer_length: int,
+def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str, str]], tokenizer_length: int,
            fingerprint: str | None) -> None:
     con.execute("INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
                 [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)])
@@ -272,5 +282,5 @@ def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, s
                    FROM new_samples""")
     con.unregister("new_samples")
     if failures:
-        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, 'render_failed', ?, ?, ?)",
-                        [(float(i), error, sample) for i, (sample, error) in enumerate(failures)])
+        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, ?, ?, ?, ?)",
+                        [(kind, float(i), error, sample) for i, (sample, kind, error) in enumerate(failures)])

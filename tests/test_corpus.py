@@ -120,7 +120,10 @@ def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=N
 
 
 USER_COLLATOR = "tests.test_corpus:incremental_collator"
-# Qwen3 renders the last turn with an empty thinking block and earlier turns without, so rendering
+NO_SYSTEM = [chat for chat in CLEAN_CHATS if chat[0]["role"] != "system"]
+# Mistral v0.3 renders the system prompt only into a conversation's last message when that is a user turn, so
+# a training chat (ending with the assistant) loses it: a real finding (test_dropped_system_prompt_fails),
+# so its clean chats here have no system prompt. Qwen3 renders the last turn with an empty thinking block and earlier turns without, so rendering
 # turn by turn is not a correct collator for it: only the standard collator is run there.
 CLEAN_CASES = [("llama3", "meta-llama-Llama-3.1-8B-Instruct", None), ("llama3", "meta-llama-Llama-3.1-8B-Instruct", USER_COLLATOR),
                ("qwen2", "Qwen-Qwen2.5-7B-Instruct", None), ("qwen2", "Qwen-Qwen2.5-7B-Instruct", USER_COLLATOR),
@@ -130,6 +133,121 @@ CLEAN_CASES = [("llama3", "meta-llama-Llama-3.1-8B-Instruct", None), ("llama3", 
 
 @pytest.mark.parametrize("family,name,collator", CLEAN_CASES)
 def test_clean_chats_pass_preflight_on_real_families(tmp_path, tokenizers, family, name, collator):
-    verdict, problems = run_preflight(tmp_path, tokenizers, family, name, CLEAN_CHATS * 2, collator)
+    chats = NO_SYSTEM if family == "mistral" else CLEAN_CHATS
+    verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats * 2, collator)
     assert problems == [] and verdict["check_errors"] == [], problems
     assert verdict["verdict"] == "pass"
+
+
+def shifted_collator(start_by=0, end_by=0, mask_pad=False, bos=False):
+    """The correct collator with one planted fault: labels start `start_by` tokens early, end `end_by`
+    tokens early, the pad id masked wherever it occurs, or the rendered text tokenized with its BOS added."""
+    def collate(tokenizer, rows, max_length=4096):
+        import numpy as np
+
+        batch = incremental_collator(tokenizer, rows, max_length)
+        labels, ids = batch["labels"], batch["input_ids"]
+        trained = labels != -100
+        starts = trained[:, 1:] & ~trained[:, :-1]
+        ends = trained[:, :-1] & ~trained[:, 1:]
+        if start_by:
+            labels[:, :-1][starts] = ids[:, :-1][starts]
+        if end_by:
+            labels[:, :-1][ends] = -100
+        if mask_pad:
+            labels[ids == tokenizer.pad_token_id] = -100
+        if bos:  # one more BOS in front of the template's own: every row and label moves right by one
+            first = np.full((ids.shape[0], 1), tokenizer.bos_token_id)
+            batch = {"input_ids": np.hstack([first, ids]), "labels": np.hstack([np.full_like(first, -100), labels]),
+                     "attention_mask": np.hstack([np.ones_like(first), batch["attention_mask"]])}
+        return batch
+    return collate
+
+
+off_by_one = shifted_collator(start_by=1)
+end_of_turn_masked = shifted_collator(end_by=1)
+pad_masked_by_id = shifted_collator(mask_pad=True)
+double_bos = shifted_collator(bos=True)
+
+
+def codes(problems, code):
+    return [(c, severity) for c, severity, _ in problems if c == code]
+
+
+def test_rows_keyed_role_fail_loop01_on_llama3(tmp_path, tokenizers):
+    chats = [[{"Role": m["role"], "content": m["content"]} for m in chat] for chat in CLEAN_CHATS]
+    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", chats)
+    assert verdict["verdict"] == "fail" and ("LOOP-01", "fail") in codes(problems, "LOOP-01")
+    field = next(f for f in verdict["findings"] if f["evidence"].get("template_field") == "role")
+    assert field["evidence"]["spelled_as"] == ["Role"]
+
+
+@pytest.mark.parametrize("family,name", [("qwen2", "Qwen-Qwen2.5-7B-Instruct"),
+                                         ("llama3", "meta-llama-Llama-3.1-8B-Instruct")])
+def test_missing_content_fails_loop01_naming_the_row(tmp_path, tokenizers, family, name):
+    """Qwen2.5's template refuses the row (undefined + text); Llama 3.1's renders an empty turn."""
+    chats = [list(chat) for chat in CLEAN_CHATS]
+    chats[2] = chats[2][:-1] + [{"role": "assistant"}]
+    verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats)
+    (finding,) = [f for f in verdict["findings"] if f["code"] == "LOOP-01" and f["severity"] == "fail"]
+    assert verdict["verdict"] == "fail" and finding["evidence"]["sample_ids"] == ["row-2"]
+
+
+@pytest.mark.parametrize("family,name,fault,kind", [
+    ("mistral", "mistralai-Mistral-7B-Instruct-v0.3", "off_by_one", "off_by_one"),
+    ("llama3", "meta-llama-Llama-3.1-8B-Instruct", "end_of_turn_masked", "assistant_masked"),
+])
+def test_collator_faults_fail_loop04(tmp_path, tokenizers, family, name, fault, kind):
+    chats = NO_SYSTEM if family == "mistral" else CLEAN_CHATS
+    verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats, f"tests.test_corpus:{fault}")
+    assert verdict["verdict"] == "fail"
+    found = [f for f in verdict["findings"] if f["code"] == "LOOP-04" and f["evidence"].get("kind") == kind]
+    assert found and found[0]["severity"] == "fail" and len(found[0]["evidence"]["sample_ids"]) == len(chats)
+
+
+def test_pad_set_to_the_stop_marker_and_masked_by_id_fails_loop02(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "Qwen-Qwen2.5-7B-Instruct", CLEAN_CHATS,
+                                      "tests.test_corpus:pad_masked_by_id", pad_token="<|im_end|>")
+    stop = next(f for f in verdict["findings"] if f["code"] == "LOOP-02" and "eos_trained" in f["evidence"])
+    assert verdict["verdict"] == "fail" and stop["severity"] == "fail" and stop["evidence"]["stop_marker"] == "<|im_end|>"
+
+
+def test_phi35_eos_after_the_last_turn_is_no_pad_finding(tmp_path, tokenizers):
+    """Phi-3.5 appends its eos (also its pad) after the `<|end|>` that ends a turn: not pad == stop."""
+    tokenizer = copy.deepcopy(tokenizers["llama3"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>",
+                                                                "<|endoftext|>"]})
+    tokenizer.eos_token = tokenizer.pad_token = "<|endoftext|>"
+    tokenizers = {**tokenizers, "phi": tokenizer}
+    verdict, problems = run_preflight(tmp_path, tokenizers, "phi", "microsoft-Phi-3.5-mini-instruct", CLEAN_CHATS)
+    assert problems == [] and verdict["verdict"] == "pass", problems
+
+
+def test_truncation_that_empties_samples_fails_loop04(tmp_path, tokenizers):
+    tokenizer = tokenizers["qwen2"]
+    tokenizer.chat_template = template("Qwen-Qwen2.5-7B-Instruct")
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(str(folder))
+    data = write_rows(tmp_path / "data.jsonl", CLEAN_CHATS)
+    prompt_lengths = [len(tokenizer.apply_chat_template(chat[:[m["role"] for m in chat].index("assistant")],
+                                                        add_generation_prompt=True, return_dict=False))
+                      for chat in CLEAN_CHATS]
+    max_length = sorted(prompt_lengths)[1]  # cuts the rows whose first answer starts there or later
+    verdict = preflight(data, folder, tmp_path / "out", max_length=max_length, progress=False)
+    emptied = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "emptied_by_truncation")
+    assert verdict["verdict"] == "fail" and emptied["evidence"]["max_length"] == max_length
+    assert emptied["evidence"]["sample_ids"] == [f"row-{i}" for i, n in enumerate(prompt_lengths) if n >= max_length]
+
+
+def test_double_bos_fails_loop02(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS,
+                                      "tests.test_corpus:double_bos")
+    bos = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "double_bos")
+    assert verdict["verdict"] == "fail" and bos["code"] == "LOOP-02" and len(bos["evidence"]["sample_ids"]) == 4
+
+
+def test_dropped_system_prompt_fails_loop01(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "mistral", "mistralai-Mistral-7B-Instruct-v0.3", CLEAN_CHATS)
+    dropped = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "content_dropped")
+    assert verdict["verdict"] == "fail" and dropped["code"] == "LOOP-01"
+    assert dropped["evidence"]["sample_ids"] == ["row-1", "row-3"] and "system" in dropped["evidence"]["error"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_fields, template_source)
 from .base import AuditContext, Check, Finding
@@ -20,7 +22,8 @@ class SpecialTokenAlignment(Check):
         A control marker the template emits that the tokenizer splits into several pieces
         (in the rendered samples; one only in unreached branches is info); no eos token; pad
         == the marker that ends an assistant turn while every real one is masked (the model
-        never learns to stop); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
+        never learns to stop); samples that start with two BOS tokens (the template writes one
+        and the tokenizer call adds another); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
         that changes within the run (between batches, at a checkpoint, or on resume).
     Why it matters:
         A split marker is learned as ordinary text, so generation never emits the real one;
@@ -54,7 +57,7 @@ class SpecialTokenAlignment(Check):
         findings = self._identity(ctx, described) + self._embedding(ctx, start, described)
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
-            findings += self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer)
+            findings += self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
         return findings
 
     def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
@@ -127,6 +130,31 @@ class SpecialTokenAlignment(Check):
             f"attention_mask",
             step=step, sample_ids=[sample], pad_id=pad, eos_id=stop, stop_marker=marker, eos_attended=attended,
             eos_trained=trained,
+        )]
+
+    def _double_bos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        """The template writes BOS and the collator's tokenizer call adds another (Z03)."""
+        bos = tokenizer.bos_token_id
+        if bos is None or not ctx.has_rows("samples"):
+            return []
+        hits: list[tuple[int, str]] = []
+        for part, ids, _, attention in sample_blocks(recorded_samples(ctx, template_source(tokenizer.chat_template))):
+            first = np.argmax(attention != 0, axis=1)
+            rows = np.arange(ids.shape[0])
+            second = np.minimum(first + 1, ids.shape[1] - 1)
+            doubled = (ids[rows, first] == bos) & (ids[rows, second] == bos) & (second > first)
+            picked = np.flatnonzero(doubled)
+            hits += zip(part["step"].gather(picked).to_list(), part["sample_id"].gather(picked).to_list())
+        if not hits:
+            return []
+        hits.sort()
+        ids = list(dict.fromkeys(s for _, s in hits))
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) start with two BOS tokens {tokenizer.bos_token!r} from step {hits[0][0]} (first "
+            f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
+            f"add_special_tokens=False",
+            step=hits[0][0], kind="double_bos", bos_id=bos, sample_ids=ids[:50], samples_affected=len(ids),
         )]
 
     def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:

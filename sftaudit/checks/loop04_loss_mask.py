@@ -27,7 +27,8 @@ class LossMaskValidity(Check):
         Labels that disagree with the chat template: prompt tokens trained (and the seed's
         off-by-one, where the prompt's last token before the answer is trained), assistant
         tokens or their end-of-turn marker masked, padding trained, padding confused with
-        prompt (pads attended, or real tokens hidden as padding).
+        prompt (pads attended, or real tokens hidden as padding), samples that truncation
+        leaves without a single trained token.
     Why it matters:
         The loss curve looks fine either way: a model trained on prompts learns to echo
         them, one that never sees its end-of-turn marker never learns to stop, and trained
@@ -78,6 +79,7 @@ class LossMaskValidity(Check):
                 "loss set assistant_only_loss=True (TRL) / train_on_inputs: false (axolotl), or declare it intended "
                 "with [checks.\"LOOP-04\"] expect = \"all_tokens\"",
                 step=int(frame["step"].min()), kind="full_sequence_loss", configuration="all tokens trained")]
+        findings += self._emptied_by_truncation(frame)
         last_turn_only = self.params["assistant_turns"] == "last"
         hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in _ADVICE}
         first_evidence: dict[str, list[dict]] = {}
@@ -112,6 +114,28 @@ class LossMaskValidity(Check):
                 expected_trained=expected_total, actual_trained=actual_total,
             ))
         return findings
+
+    def _emptied_by_truncation(self, frame: Any) -> list[Finding]:
+        """Rows cut at the longest recorded length that train no token at all (Z11)."""
+        hits, longest = [], 0
+        for part, _, labels, attention in sample_blocks(frame):
+            lengths = (attention != 0).sum(1)
+            longest = max(longest, int(lengths.max(initial=0)))
+            empty = np.flatnonzero(((labels != IGNORE_INDEX).sum(1) == 0) & (lengths > 0))
+            hits += zip(part["step"].gather(empty).to_list(), part["sample_id"].gather(empty).to_list(),
+                        lengths[empty].tolist())
+        truncated = sorted((step, sample) for step, sample, length in hits if length == longest)
+        if not truncated or longest == 0:
+            return []
+        ids = list(dict.fromkeys(s for _, s in truncated))
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) train no token: truncation to {longest} tokens cuts them before the assistant "
+            f"turn (first {ids[0]}, step {truncated[0][0]}); raise max_length, truncate the prompt from the left, "
+            f"or drop them",
+            step=truncated[0][0], kind="emptied_by_truncation", max_length=longest,
+            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
+        )]
 
     @staticmethod
     def _all_tokens_trained(frame: Any) -> bool:
