@@ -38,26 +38,30 @@ class SpecialTokenAlignment(Check):
         the run's first manifest.
     Threshold:
         Any split marker the samples contain, missing eos, untrained stop marker with pad ==
-        stop, too few embedding rows or changed tokenizer is a fail; a split marker in
-        unreached branches only is info.
+        stop, double BOS, too few embedding rows, frozen untrained marker rows (norm below 5%
+        of the median row norm) or changed tokenizer is a fail; a generation eos without the
+        end-of-turn marker is a warn; a split marker only in unreached branches, or untrained
+        marker rows that are trainable, is info.
     Evidence:
-        Each split marker with its pieces and ids; special-token ids; embedding rows and
+        Each split marker with its pieces and ids; special-token ids; the doubled-BOS sample
+        ids; each untrained marker's row norms and the medians; embedding rows and
         tokenizer length; the step / checkpoint and both fingerprints or lengths.
     """
 
     code = "LOOP-02"
     name = "tokenizer special-token alignment"
-    defaults = {}
+    defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         start = first_manifest(ctx)
         described = start.get("tokenizer") or {}
         if not described:
             return []
-        findings = self._identity(ctx, described) + self._embedding(ctx, start, described)
+        findings = self._identity(ctx, described) + self._embedding(ctx, start, described) + self._untrained(ctx, start)
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
-            findings += self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
+            findings += (self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
+                         + self._stops_on(start, tokenizer))
         return findings
 
     def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
@@ -130,6 +134,60 @@ class SpecialTokenAlignment(Check):
             f"attention_mask",
             step=step, sample_ids=[sample], pad_id=pad, eos_id=stop, stop_marker=marker, eos_attended=attended,
             eos_trained=trained,
+        )]
+
+    def _untrained(self, ctx: AuditContext, start: dict) -> list[Finding]:
+        """Template markers the samples use whose embedding and output rows are near zero at start (Z07):
+        frozen, they never train, so the model cannot read or emit them."""
+        rows = start.get("marker_rows")
+        if not rows or not ctx.has_rows("samples"):
+            return []
+        fraction = self.params["untrained_row_fraction"]
+        output = rows.get("output_norm") or [None] * len(rows["ids"])
+        low = [(i, t, e, o) for i, t, e, o in zip(rows["ids"], rows["tokens"], rows["embed_norm"], output)
+               if e < fraction * rows["embed_median"] and (o is None or o < fraction * rows["output_median"])]
+        if not low:
+            return []
+        used = {r[0] for r in ctx.con.execute(
+            f"SELECT DISTINCT id FROM (SELECT unnest(input_ids) AS id FROM samples) WHERE id IN ({','.join('?' * len(low))})",
+            [i for i, *_ in low]).fetchall()}
+        low = [r for r in low if r[0] in used]
+        if not low:
+            return []
+        frozen = not rows.get("embed_trainable") or rows.get("output_trainable") is False
+        return [self.finding(
+            "fail" if frozen else "info",
+            f"{len(low)} template marker(s) the samples use have untrained embedding/output rows (norm below "
+            f"{fraction:.0%} of the median), first {low[0][1]!r} (embedding {low[0][2]:.3g}, median "
+            f"{rows['embed_median']:.3g})" + ("; the rows are frozen, so they never train: make the embeddings and "
+                                               "lm_head trainable (modules_to_save with LoRA) or initialise the rows "
+                                               "from the mean embedding" if frozen else "; they are trainable"),
+            kind="untrained_markers", markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o}
+                                               for i, t, e, o in low],
+            embed_median=rows["embed_median"], output_median=rows.get("output_median"), frozen=frozen,
+        )]
+
+    def _stops_on(self, start: dict, tokenizer: Any) -> list[Finding]:
+        """The model's generation eos (generation config, else model config) does not include the marker
+        the template ends a turn with (Z06): trained to emit it, the model is never stopped by it."""
+        model = start.get("model") or {}
+        stops = model.get("generation_eos")
+        if stops is None:
+            stops = (model.get("config") or {}).get("eos_token_id")
+        layout = run_layout(tokenizer)
+        if stops is None or layout is None or not layout.turn_end:
+            return []
+        stops = {int(i) for i in (stops if isinstance(stops, list) else [stops])}
+        stop = layout.turn_end[-1]
+        if stop in stops:
+            return []
+        marker = tokenizer.convert_ids_to_tokens(stop)
+        return [self.finding(
+            "warn",
+            f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
+            f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
+            f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
+            kind="eos_differs_from_turn_end", turn_end_id=stop, turn_end=marker, generation_eos=sorted(stops),
         )]
 
     def _double_bos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
