@@ -446,23 +446,35 @@ def sample_blocks(frame: Any, rows: int = 8192):
 # --------------------------------------------------------------------------- tokenizer
 
 
-@functools.lru_cache(maxsize=4)
-def _load(path: str, mtime: float) -> Any:
-    from transformers import AutoTokenizer
+_LOADED: dict[tuple[str, float], Any] = {}  # (folder, newest file time) -> tokenizer, the last few
 
-    return AutoTokenizer.from_pretrained(path)
+
+def _key(path: Path) -> tuple[str, float]:
+    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
+    if not files:
+        raise InputError(f"{path}: no saved tokenizer")
+    return str(path.resolve()), max(p.stat().st_mtime for p in files)
 
 
 def load_tokenizer(path: str | Path) -> Any:
     """A saved tokenizer (transformers, without torch), cached while its files are unchanged."""
-    path = Path(path)
-    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
-    if not files:
-        raise InputError(f"{path}: no saved tokenizer")
-    try:
-        return _load(str(path.resolve()), max(p.stat().st_mtime for p in files))
-    except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
-        raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+    key = _key(Path(path))
+    if key not in _LOADED:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(key[0])
+        except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
+            raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+        remember_tokenizer(path, tokenizer)
+    return _LOADED[key]
+
+
+def remember_tokenizer(path: str | Path, tokenizer: Any) -> None:
+    """`tokenizer` is what is saved in `path` (preflight just saved it): the checks reuse it, not a reload."""
+    while len(_LOADED) >= 4:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[_key(Path(path))] = tokenizer
 
 
 # --------------------------------------------------------------------------- what the checks share

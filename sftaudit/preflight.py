@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
-from .chat_template import IGNORE_INDEX, TRAINED, Renderer, TemplateLayout, expected_labels, tokenizer_specials
+from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, expected_labels, remember_tokenizer, run_layout,
+                            tokenizer_specials)
 from .config import AuditConfig
 from .errors import InputError, one_line
 from .tokenizer_info import describe_tokenizer
@@ -105,7 +106,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
         batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
     else:
         # Without `{% generation %}` markers the assistant spans come from the template's layout.
-        layout = None if renderer.tracks_generation else TemplateLayout.derive(tokenizer, source)
+        layout = None if renderer.tracks_generation else run_layout(tokenizer)
         batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout)
     bar.close()
 
@@ -114,6 +115,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     root.mkdir(parents=True, exist_ok=True)
     (root / DATABASE_FILE).unlink(missing_ok=True)
     tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
+    remember_tokenizer(root / TOKENIZER_DIR, tokenizer)
     manifest = {
         "schema_version": SCHEMA_VERSION, "run_id": f"preflight-{Path(data).stem}", "seg": 0, "rank": 0,
         "world_size": 1, "profile": "preflight", "started": time.time(), "params": [],
