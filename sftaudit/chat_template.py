@@ -4,9 +4,9 @@ Three things, all derived from the template itself, never from hard-coded marker
 
 * `template_fields`: what the template reads from a message and from its context, walking
   jinja2's own AST (message aliases followed through ``for``/``set``).
-* `Renderer`: the template rendered the way transformers renders it, but with
-  ``StrictUndefined`` (a missing field is an error, not an empty string) and the
-  ``{% generation %}`` spans returned as character offsets.
+* `Renderer`: the template rendered by transformers' own machinery (byte-equal with
+  ``apply_chat_template(..., tokenize=False)``), with the ``{% generation %}`` spans as
+  character offsets when the template has them.
 * `TemplateLayout`: the token-id sequences that open each role's turn and end a turn,
   found by rendering sentinel conversations and diffing the text; `expected_labels`
   uses them to say, for every position of a token row, whether it should be trained.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 import json
-from contextvars import ContextVar
+import os
+import re
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +26,16 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes as nodes
 import numpy as np
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InputError, one_line
 
 IGNORE_INDEX = -100
-MASKED, TRAINED, PADDING = 0, 1, 2
-CATEGORY_NAMES = ("masked", "trained", "padding")
+MASKED, TRAINED, PADDING, EITHER = 0, 1, 2, 3
+CATEGORY_NAMES = ("masked", "trained", "padding", "either")
 # Tests that make a field read optional: `message.tool_calls is defined`, `... is none`.
 _OPTIONAL_TESTS = {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable"}
+_CHAT_ROLES = {"system", "user", "assistant", "role"}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINEL = {"system": "SFTAUDITSYSTEMSENTINEL", "user": "SFTAUDITUSERSENTINEL",
              "assistant": "SFTAUDITASSISTANTSENTINEL"}
 
@@ -53,44 +53,12 @@ def template_source(chat_template: Any) -> str | None:
 # --------------------------------------------------------------------------- AST
 
 
-class _Generation(Extension):
-    """``{% generation %}...{% endgeneration %}``: records the character span it rendered."""
+def _compiled(source: str) -> jinja2.Template:
+    """The template as transformers compiles it (same environment, globals, filters, `generation` tag)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    tags = {"generation"}
-    spans: ContextVar[list | None] = ContextVar("sftaudit_generation_spans", default=None)
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
-
-    def _track(self, caller):
-        text = caller()
-        tracking = self.spans.get()
-        if tracking is not None:
-            blocks, spans = tracking
-            start = sum(map(len, blocks))
-            spans.append((start, start + len(text)))
-        return text
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
-                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                       namespace=jinja2.utils.Namespace)
     try:
-        return env.from_string(source)
+        return _compile_jinja_template(source)
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"chat template does not parse: {one_line(exc)}") from None
 
@@ -106,7 +74,7 @@ class TemplateFields:
 def template_fields(source: str) -> TemplateFields:
     """Every field the template reads from a message (required unless only tested/`.get`),
     the context variables it reads, and its literal strings (for LOOP-02's markers)."""
-    ast = _compile(source).environment.parse(source)
+    ast = _compiled(source).environment.parse(source)
     lists, messages = {"messages"}, set()
     assignments = [(n.target, n.iter, True) for n in ast.find_all(nodes.For)]
     assignments += [(n.target, n.node, False) for n in ast.find_all(nodes.Assign)]
@@ -142,27 +110,60 @@ def template_fields(source: str) -> TemplateFields:
     out.literals = {n.data for n in ast.find_all(nodes.TemplateData)}
     out.literals |= {n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)}
 
-    def visit(node, parent):
-        name = None
+    def field_read(node):
         if isinstance(node, nodes.Getitem) and is_message(node.node) and isinstance(node.arg, nodes.Const) \
                 and isinstance(node.arg.value, str):
-            name = node.arg.value
-        elif isinstance(node, nodes.Getattr) and is_message(node.node) and node.attr not in ("get", "items", "keys", "values"):
-            name = node.attr
-        elif isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get" \
+            return node.arg.value
+        if isinstance(node, nodes.Getattr) and is_message(node.node) and node.attr not in ("get", "items", "keys", "values"):
+            return node.attr
+        return None
+
+    def truthy_reads(test):
+        """Fields a condition reads as a bare truth value (`if m.tool_calls`, `not m.x`, `a and m.y`)."""
+        if isinstance(test, (nodes.And, nodes.Or)):
+            return truthy_reads(test.left) | truthy_reads(test.right)
+        if isinstance(test, nodes.Not):
+            return truthy_reads(test.node)
+        name = field_read(test)
+        return {name} if name else set()
+
+    def visit(node, parent, conditional):
+        """Reads under an `if` or inline `x if c else y` are optional, except under a plain dispatch
+        on the message's role (`if message.role == 'user'`), which every row of that role takes."""
+        if isinstance(node, (nodes.If, nodes.CondExpr)):
+            test = node.test
+            tested = {field_read(n) for n in [test, *test.find_all((nodes.Getitem, nodes.Getattr))]} - {None}
+            tested |= {c.expr.value for c in [test, *test.find_all(nodes.Compare)] if isinstance(c, nodes.Compare)
+                       and isinstance(c.expr, nodes.Const) and any(op.op in ("in", "notin") and is_message(op.expr)
+                                                                    for op in c.ops)}
+            roles = {c.value for c in test.find_all(nodes.Const) if isinstance(c.value, str)}
+            role_dispatch = tested == {"role"} and roles <= _CHAT_ROLES and not any(
+                n.name not in messages and n.name not in lists for n in test.find_all(nodes.Name))
+            out.message_optional.update(truthy_reads(test))
+            visit(test, node, conditional)
+            branches = [node.expr1, node.expr2] if isinstance(node, nodes.CondExpr) else \
+                node.body + node.elif_ + node.else_
+            for child in branches:
+                if child is not None:
+                    visit(child, node, conditional or not role_dispatch)
+            return
+        name = field_read(node)
+        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get" \
                 and is_message(node.node.node) and node.args and isinstance(node.args[0], nodes.Const):
             out.message_optional.add(node.args[0].value)
         elif isinstance(node, nodes.Compare) and isinstance(node.expr, nodes.Const) and \
                 any(op.op in ("in", "notin") and is_message(op.expr) for op in node.ops):
             out.message_optional.add(node.expr.value)
         if name is not None:
-            optional = isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS
+            optional = (conditional or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
+                        or (isinstance(parent, nodes.Filter) and parent.name in ("default", "d") and parent.node is node)
+                        or isinstance(parent, (nodes.Not, nodes.And, nodes.Or, nodes.If, nodes.CondExpr)))
             (out.message_optional if optional else out.message_required).add(name)
         for child in node.iter_child_nodes():
-            visit(child, node)
+            visit(child, node, conditional)
 
-    visit(ast, None)
-    out.message_required -= out.message_optional
+    visit(ast, None, False)
+    out.message_optional -= out.message_required
     return out
 
 
@@ -170,29 +171,28 @@ def template_fields(source: str) -> TemplateFields:
 
 
 class Renderer:
-    """Render conversations with the template, strictly, with the generation spans."""
+    """Render conversations exactly as `tokenizer.apply_chat_template(..., tokenize=False)` does
+    (transformers' own `render_jinja_template`), with the `{% generation %}` spans when the
+    template has them. A template that refuses a row (`raise_exception`) raises TemplateError."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str | None] | None = None):
+    def __init__(self, source: str, template_kwargs: dict[str, Any] | None = None):
         self.source = source
-        self.template = _compile(source)
-        self.context = {"tools": None, "documents": None, **(special_tokens or {})}
+        self.kwargs = dict(template_kwargs or {})
+        self.tracks_generation = bool(_GENERATION_TAG.search(source))
+        _compiled(source)  # a syntax error is bad input, reported once
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        blocks: list[str] = []
-        spans: list[tuple[int, int]] = []
-        token = _Generation.spans.set((blocks, spans))
-        try:
-            for block in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **self.context):
-                blocks.append(block)
-        finally:
-            _Generation.spans.reset(token)
-        return "".join(blocks), spans
+        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+
+        (text,), spans = render_jinja_template(
+            [_normalize_chat_messages(messages)], chat_template=self.source, add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=self.tracks_generation, **self.kwargs)
+        return text, [tuple(s) for s in spans[0]] if spans else []
 
 
-def tokenizer_specials(tokenizer: Any) -> dict[str, str | None]:
-    """The special-token strings transformers passes to chat templates."""
-    return {f"{role}_token": getattr(tokenizer, f"{role}_token", None) for role in ("bos", "eos", "pad", "unk")}
+def tokenizer_specials(tokenizer: Any) -> dict[str, Any]:
+    """What transformers passes to chat templates besides the messages: the special-tokens map."""
+    return dict(getattr(tokenizer, "special_tokens_map", {}) or {})
 
 
 # --------------------------------------------------------------------------- layout
@@ -202,62 +202,130 @@ def tokenizer_specials(tokenizer: Any) -> dict[str, str | None]:
 class TemplateLayout:
     """Token-id markers of the template: where each role's turn opens and where a turn ends.
 
-    Derived by rendering sentinel conversations: the generation prompt is the assistant
-    header; the part of the assistant's generation span after its content is the end of
-    turn (without generation markers: the text after the last assistant message); the text
-    between the end of one turn and the next sentinel is that role's header.
+    Derived by rendering sentinel conversations, whether or not the template has
+    `{% generation %}` markers: the end of turn is what follows an assistant message both
+    when the chat ends there and when a user turn follows (so a final eos the template adds
+    after the last turn is not part of it); a role's header is what sits between the end of
+    the previous turn and that role's sentinel. Text a template inserts between the
+    assistant header and the content (an empty thinking block) is `assistant_prefix`.
+    Markers are tokenized in context (the tokens lying wholly inside the marker's text), so
+    a SentencePiece word-start merged into the content is not part of them.
     """
 
     headers: dict[str, list[int]]
     turn_end: list[int]
     texts: dict[str, str]
+    assistant_prefix: list[int] = field(default_factory=list)
+    blank_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    eos_id: int | None = None
 
     @classmethod
     def derive(cls, tokenizer: Any, source: str) -> "TemplateLayout":
         renderer = Renderer(source, tokenizer_specials(tokenizer))
         s = _SENTINEL
 
-        def conv(*roles):
-            return [{"role": r, "content": s[r]} for r in roles]
+        def render(*roles, prompt=False):
+            try:
+                return renderer.render([{"role": r, "content": s[r]} for r in roles], add_generation_prompt=prompt)
+            except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError):
+                return None, []  # the template refuses this shape of conversation
 
-        text_ua, spans = renderer.render(conv("user", "assistant"))
+        def tokens(text, start, end):
+            """(id, char start, char end) of `text`'s tokens lying wholly in [start, end): markers as
+            tokenized in context."""
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return [(i, b, e) for i, (b, e) in zip(enc["input_ids"], enc["offset_mapping"]) if start <= b < e <= end]
+
+        blank = _blank_ids(tokenizer)
+
+        def trimmed(run):
+            """The run without whitespace tokens at either end."""
+            while run and blank[run[0][0]]:
+                run = run[1:]
+            while run and blank[run[-1][0]]:
+                run = run[:-1]
+            return run
+
+        text_ua, spans = render("user", "assistant")
+        if text_ua is None or s["assistant"] not in text_ua:
+            raise InputError("the chat template does not render a user/assistant conversation with its content")
         a_start = text_ua.index(s["assistant"])
         a_end = a_start + len(s["assistant"])
         span = next(((b, e) for b, e in spans if b <= a_start < e), None)
-        turn_end = text_ua[a_end:span[1]] if span else text_ua[a_end:].rstrip()
-        if not turn_end.strip():
+        text_uau, _ = render("user", "assistant", "user")
+        if text_uau is not None and (s["assistant"] not in text_uau or text_uau.count(s["user"]) != 2):
+            text_uau = None
+        # The end of turn, in tokens: the generation span's tail, else what follows the assistant's content
+        # both when the chat ends there and when a user turn follows (a final eos is not part of it).
+        run = tokens(text_ua, a_end, span[1] if span else len(text_ua))
+        if not span and text_uau:
+            after = text_uau.index(s["assistant"]) + len(s["assistant"])
+            following = tokens(text_uau, after, len(text_uau))
+            common = 0
+            while common < min(len(run), len(following)) and run[common][0] == following[common][0]:
+                common += 1
+            # Nothing in common (the last turn ends with eos instead): the marker that closes earlier turns.
+            run = trimmed(run[:common]) or trimmed(following)[:1]
+        run = trimmed(run)
+        if not run:
             raise InputError("cannot find the template's end-of-turn marker after an assistant message")
-        prompt_only, _ = renderer.render(conv("user"))
-        with_prompt, _ = renderer.render(conv("user"), add_generation_prompt=True)
-        if with_prompt.startswith(prompt_only) and with_prompt != prompt_only:
-            assistant = with_prompt[len(prompt_only):]
-        else:
-            between = text_ua[text_ua.index(s["user"]) + len(s["user"]):a_start]
-            assistant = between.split(turn_end, 1)[-1]
-        texts = {"assistant": assistant.lstrip(), "turn_end": turn_end}
-        text_uau, _ = renderer.render(conv("user", "assistant", "user"))
-        between = text_uau[text_uau.index(s["assistant"]) + len(s["assistant"]):text_uau.rindex(s["user"])]
-        texts["user"] = between.split(turn_end, 1)[-1].lstrip() if turn_end in between else None
-        user_prefix = prompt_only[:prompt_only.index(s["user"])]
-        try:
-            text_sua, _ = renderer.render(conv("system", "user", "assistant"))
-            if texts["user"] and user_prefix.endswith(texts["user"]):
-                preamble = user_prefix[:-len(texts["user"])]
-                system_prefix = text_sua[:text_sua.index(s["system"])]
-                if system_prefix.startswith(preamble):
-                    texts["system"] = system_prefix[len(preamble):]
-        except (jinja2.TemplateError, ValueError):
-            pass  # a template without system turns: only user/assistant headers
-        texts = {k: v for k, v in texts.items() if v}
+        turn_end = tokenizer.decode([i for i, _, _ in run])
+        texts = {"turn_end": turn_end}
+        markers = {"turn_end": [i for i, _, _ in run]}
 
-        def encode(text):
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # A role's header: between the end of the previous turn and the role's sentinel, as it sits
+        # inside a conversation (so not the last turn's extras), tokenized in context.
+        def header(text, previous_end, sentinel_at, role):
+            region = text[previous_end:sentinel_at]
+            offset = previous_end + (region.index(turn_end) + len(turn_end) if turn_end in region else 0)
+            stripped = text[offset:sentinel_at].lstrip()
+            if stripped.strip():
+                start = sentinel_at - len(stripped)
+                texts[role] = stripped
+                markers[role] = [i for i, _, _ in tokens(text, start, sentinel_at)]
 
-        headers = {role: encode(texts[role]) for role in ("system", "user", "assistant") if role in texts}
-        return cls(headers=headers, turn_end=encode(turn_end), texts=texts)
+        source_text = text_uau or text_ua
+        user_at = source_text.index(s["user"])
+        header(source_text, user_at + len(s["user"]), source_text.index(s["assistant"]), "assistant")
+        if "assistant" not in markers:
+            prompt_only, _ = render("user")
+            with_prompt, _ = render("user", prompt=True)
+            if prompt_only and with_prompt and with_prompt.startswith(prompt_only) and with_prompt != prompt_only:
+                header(with_prompt, len(prompt_only), len(with_prompt), "assistant")
+        if "assistant" not in markers or not markers["assistant"]:
+            raise InputError("cannot find the template's assistant header")
+        if text_uau:
+            second_user = text_uau.rindex(s["user"])
+            header(text_uau, text_uau.index(s["assistant"]) + len(s["assistant"]), second_user, "user")
+        # What the template inserts before the last turn's content only (an empty thinking block).
+        before = text_ua[:a_start]
+        header_at = before.rfind(texts["assistant"])
+        prefix = (header_at + len(texts["assistant"]), a_start) if header_at >= 0 else None
+        assistant_prefix = [i for i, _, _ in tokens(text_ua, *prefix)] if prefix and text_ua[prefix[0]:prefix[1]].strip() else []
+        text_sua, _ = render("system", "user", "assistant")
+        if text_sua and s["system"] in text_sua and "user" in texts:
+            system_at = text_sua.index(s["system"])
+            user_header_at = text_ua.rfind(texts["user"], 0, text_ua.index(s["user"]))
+            preamble = text_ua[:user_header_at] if user_header_at >= 0 else ""
+            if text_sua.startswith(preamble) and text_sua[len(preamble):system_at].strip():
+                header(text_sua, len(preamble), system_at, "system")
+        headers = {role: markers[role] for role in ("system", "user", "assistant") if markers.get(role)}
+        return cls(headers=headers, turn_end=markers["turn_end"], texts=texts, assistant_prefix=assistant_prefix,
+                   blank_ids=blank, eos_id=tokenizer.eos_token_id)
 
 
-def _matches(ids: np.ndarray, seq: list[int]) -> np.ndarray:
+def _blank_ids(tokenizer: Any) -> np.ndarray:
+    """[vocab] bool: tokens that decode to whitespace only (tolerated next to turn markers)."""
+    vocab = tokenizer.get_vocab()
+    blank = np.zeros(max(len(tokenizer), max(vocab.values(), default=0) + 1), dtype=bool)
+    pieces = [t for t in vocab if t.strip("\u0120\u010a\u0109\u2581\n\t\r <0x0A><0x09><0x20>") == ""]
+    for token in pieces:
+        if tokenizer.convert_tokens_to_string([token]).isspace():
+            blank[vocab[token]] = True
+    return blank
+
+
+def matches(ids: np.ndarray, seq: list[int]) -> np.ndarray:
     """[N, T] bool: the sequence `seq` starts at each position."""
     n, t = ids.shape
     out = np.zeros((n, t), dtype=bool)
@@ -279,21 +347,33 @@ def _shift(mask: np.ndarray, by: int) -> np.ndarray:
     return out
 
 
-def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayout,
-                    pad_id: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Expected category (MASKED / TRAINED / PADDING) of every position of right-aligned rows.
+def _covered(starts: np.ndarray, length: int) -> np.ndarray:
+    """Every position of a `length`-token run starting at `starts`."""
+    out = np.zeros_like(starts)
+    for j in range(length):
+        out |= _shift(starts, j)
+    return out
+
+
+def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayout, pad_id: int | None,
+                    last_turn_only: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Expected category (MASKED / TRAINED / PADDING / EITHER) of every position of right-aligned rows.
 
     Trained: from the end of each assistant header through the next end-of-turn marker
-    (or the row's end when truncated). Padding: attention 0, and the runs of pad ids before
-    the first / after the last real token that are not an open assistant turn's end marker
-    (so pad == eos is handled). Also returns, per role, [N, T] marks of empty turns
-    (a header immediately followed by the end-of-turn marker).
-    Rows shorter than T are filled with -1 ids and attention 0.
+    (or the row's end when truncated); with `last_turn_only`, the last assistant turn of each
+    row only. Padding: attention 0, and the runs of pad ids before the first / after the
+    last real token that are not an open assistant turn's end marker (so pad == eos is
+    handled). EITHER (collators differ, all fine): whitespace tokens right after an
+    end-of-turn marker, the template's eos after the last turn, and what the
+    template inserts before the content (`assistant_prefix`, e.g. an empty thinking block).
+    Also returns, per role, [N, T] marks of empty turns (a header immediately followed by
+    the end-of-turn marker). Rows shorter than T are filled with -1 ids and attention 0.
     """
     n, t = ids.shape
     header = layout.headers["assistant"]
-    opens = _shift(_matches(ids, header), len(header))
-    end_at = _matches(ids, layout.turn_end)
+    header_at = matches(ids, header)
+    opens = _shift(header_at, len(header))
+    end_at = matches(ids, layout.turn_end)
     closes = _shift(end_at, len(layout.turn_end))
     events = np.full((n, t), -1, dtype=np.int8)
     events[closes] = MASKED
@@ -302,6 +382,25 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
     np.maximum.accumulate(positions, axis=1, out=positions)
     state = np.take_along_axis(events, positions, axis=1)
     state = np.where(state == TRAINED, TRAINED, MASKED).astype(np.int8)
+    if last_turn_only:
+        turn = np.cumsum(opens, axis=1)
+        state[(turn < turn[:, -1:]) & (state == TRAINED)] = MASKED
+
+    either = np.zeros((n, t), dtype=bool)
+    blank = layout.blank_ids[np.clip(ids, 0, len(layout.blank_ids) - 1)] & (ids >= 0) & (ids < len(layout.blank_ids))
+    if layout.assistant_prefix:
+        prefix_at = matches(ids, layout.assistant_prefix) & opens
+        either |= _covered(prefix_at, len(layout.assistant_prefix))
+    edge = closes | _shift(either, 1)
+    for _ in range(3):  # a short run of whitespace tokens after the end-of-turn marker or the prefix
+        edge_blank = edge & blank
+        either |= edge_blank
+        edge = _shift(edge_blank, 1)
+    if layout.eos_id is not None and layout.eos_id not in layout.turn_end:
+        last = np.maximum((attention != 0).sum(1) - 1, 0)
+        at_last = np.zeros((n, t), dtype=bool)
+        at_last[np.arange(n), last] = True
+        either |= at_last & (ids == layout.eos_id) & (state == MASKED)
 
     padding = attention == 0
     if pad_id is not None:
@@ -309,12 +408,15 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
         trailing = np.flip(np.cumprod(np.flip(is_pad | (ids < 0), axis=1), axis=1), axis=1).astype(bool)
         leading = np.cumprod(is_pad, axis=1).astype(bool)
         padding |= (trailing & is_pad & (state == MASKED)) | leading
-    expected = np.where(padding, PADDING, state).astype(np.int8)
+    # The template's own final eos is attended text even when the pad id is the same token.
+    expected = np.where(either & (attention != 0), EITHER, np.where(padding, PADDING, state)).astype(np.int8)
 
     empty = {}
     for role, seq in layout.headers.items():
-        end_right_after = np.pad(end_at[:, len(seq):], ((0, 0), (0, len(seq))))
-        empty[role] = _matches(ids, seq) & end_right_after
+        reach = _shift(matches(ids, seq), len(seq))
+        for _ in range(3):
+            reach |= _shift(reach & blank, 1)
+        empty[role] = reach & end_at
     return expected, empty
 
 
@@ -344,23 +446,35 @@ def sample_blocks(frame: Any, rows: int = 8192):
 # --------------------------------------------------------------------------- tokenizer
 
 
-@functools.lru_cache(maxsize=4)
-def _load(path: str, mtime: float) -> Any:
-    from transformers import AutoTokenizer
+_LOADED: dict[tuple[str, float], Any] = {}  # (folder, newest file time) -> tokenizer, the last few
 
-    return AutoTokenizer.from_pretrained(path)
+
+def _key(path: Path) -> tuple[str, float]:
+    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
+    if not files:
+        raise InputError(f"{path}: no saved tokenizer")
+    return str(path.resolve()), max(p.stat().st_mtime for p in files)
 
 
 def load_tokenizer(path: str | Path) -> Any:
     """A saved tokenizer (transformers, without torch), cached while its files are unchanged."""
-    path = Path(path)
-    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
-    if not files:
-        raise InputError(f"{path}: no saved tokenizer")
-    try:
-        return _load(str(path.resolve()), max(p.stat().st_mtime for p in files))
-    except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
-        raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+    key = _key(Path(path))
+    if key not in _LOADED:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(key[0])
+        except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
+            raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+        remember_tokenizer(path, tokenizer)
+    return _LOADED[key]
+
+
+def remember_tokenizer(path: str | Path, tokenizer: Any) -> None:
+    """`tokenizer` is what is saved in `path` (preflight just saved it): the checks reuse it, not a reload."""
+    while len(_LOADED) >= 4:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[_key(Path(path))] = tokenizer
 
 
 # --------------------------------------------------------------------------- what the checks share

@@ -1,6 +1,6 @@
 """`sftaudit preflight`: checks LOOP-01..04 on a dataset + tokenizer + chat template, before training.
 
-Every sample is rendered (strictly, with the template's generation spans), tokenized and
+Every sample is rendered (by transformers, as apply_chat_template renders it), tokenized and
 collated (by the given collator, or a standard completion-only one), and the result is
 written into the same DuckDB tables a recorded run is ingested into, with each batch as a
 "step". The same checks then run on it, so findings, verdict and exit codes are those of
@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
-from .chat_template import IGNORE_INDEX, Renderer, tokenizer_specials
+from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, expected_labels, remember_tokenizer, run_layout,
+                            tokenizer_specials)
 from .config import AuditConfig
 from .errors import InputError, one_line
 from .tokenizer_info import describe_tokenizer
@@ -98,12 +99,15 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
     bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
 
-    rendered, failures = _render(rows, ids, Renderer(source, tokenizer_specials(tokenizer)), bar)
+    renderer = Renderer(source, tokenizer_specials(tokenizer))
+    rendered, failures = _render(rows, ids, renderer, bar)
     keep = [i for i in range(len(rows)) if i in rendered]
     if collator:
         batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
     else:
-        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length)
+        # Without `{% generation %}` markers the assistant spans come from the template's layout.
+        layout = None if renderer.tracks_generation else run_layout(tokenizer)
+        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout)
     bar.close()
 
     out = Path(out)
@@ -111,6 +115,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     root.mkdir(parents=True, exist_ok=True)
     (root / DATABASE_FILE).unlink(missing_ok=True)
     tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
+    remember_tokenizer(root / TOKENIZER_DIR, tokenizer)
     manifest = {
         "schema_version": SCHEMA_VERSION, "run_id": f"preflight-{Path(data).stem}", "seg": 0, "rank": 0,
         "world_size": 1, "profile": "preflight", "started": time.time(), "params": [],
@@ -139,7 +144,9 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled or total < PROGRESS_FROM, mininterval=0.5)
 
 
-def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str]]]:
+def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str, str]]]:
+    """Every row rendered; the failures as (sample id, kind, message): the template refusing the row
+    (`render_failed`) or a message's content missing from its render (`content_dropped`, Z02)."""
     rendered, failures = {}, []
     for i, row in enumerate(rows):
         messages = row.get("messages")
@@ -148,14 +155,24 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
                 raise ValueError("the row has no 'messages' list")
             rendered[i] = renderer.render(messages)
         except Exception as exc:  # noqa: BLE001 - every render failure is a finding, not a crash
-            failures.append((ids[i], f"{type(exc).__name__}: {one_line(exc)}"))
+            failures.append((ids[i], "render_failed", f"{type(exc).__name__}: {one_line(exc)}"))
+        else:
+            text = rendered[i][0]
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, str) and content.strip() and content.strip() not in text:
+                    failures.append((ids[i], "content_dropped",
+                                     f"the {m.get('role')} message's content is missing from the render"))
+                    break
         bar.update(1)
     return rendered, failures
 
 
-def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) -> list[dict]:
+def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout) -> list[dict]:
     """Completion-only: labels on the template's generation spans (assistant content + end of turn),
-    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token)."""
+    mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token);
+    without generation spans, on each assistant turn of the template's `layout` (content through
+    the end-of-turn marker)."""
     texts = [rendered[i][0] for i in keep]
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
@@ -185,7 +202,11 @@ def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length) ->
         inside = position < size[:, None]
         index = row_start[list(rows)][:, None] + np.minimum(position, np.maximum(size[:, None] - 1, 0))
         input_ids = np.where(inside, flat_ids[index], pad)
-        labels = np.where(inside & assistant[index], input_ids, IGNORE_INDEX)
+        if layout is None:
+            labels = np.where(inside & assistant[index], input_ids, IGNORE_INDEX)
+        else:
+            expected, _ = expected_labels(np.where(inside, input_ids, -1), inside, layout, tokenizer.pad_token_id)
+            labels = np.where(expected == TRAINED, input_ids, IGNORE_INDEX)
         batches.append({"sample_ids": [ids[keep[r]] for r in rows], "input_ids": input_ids, "labels": labels,
                         "attention_mask": inside.astype(np.int64)})
     return batches
@@ -228,7 +249,7 @@ def _list_column(matrices: list[np.ndarray]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str]], tokenizer_length: int,
+def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str, str]], tokenizer_length: int,
            fingerprint: str | None) -> None:
     con.execute("INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
                 [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)])
@@ -263,5 +284,5 @@ def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, s
                    FROM new_samples""")
     con.unregister("new_samples")
     if failures:
-        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, 'render_failed', ?, ?, ?)",
-                        [(float(i), error, sample) for i, (sample, error) in enumerate(failures)])
+        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, ?, ?, ?, ?)",
+                        [(kind, float(i), error, sample) for i, (sample, kind, error) in enumerate(failures)])

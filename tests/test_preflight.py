@@ -129,3 +129,23 @@ def test_preflight_runs_without_torch_and_shows_progress(tmp_path, tokenizer_dir
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{ROWS}/{ROWS}" in out.stderr  # the progress bar reached the end
     assert "PASS" in out.stdout and (tmp_path / "out" / "report.html").exists()
+
+
+def test_full_sequence_loss_is_one_warn_unless_declared(tmp_path, tokenizer_dir, monkeypatch):
+    (tmp_path / "full_collator.py").write_text(
+        "from sftaudit.fixtures import collate\n"
+        "def everything(tokenizer, rows, **kw):\n"
+        "    batch = collate(tokenizer, rows, **kw)\n"
+        "    batch['labels'] = batch['input_ids'].clone()\n"
+        "    batch['labels'][batch['attention_mask'] == 0] = -100\n"
+        "    return batch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
+    code, verdict = run(tmp_path, data, tokenizer_dir, "--collator", "full_collator:everything")
+    (warn,) = failing(verdict, "LOOP-04")
+    assert code == 0 and warn["severity"] == "warn" and warn["evidence"]["kind"] == "full_sequence_loss"
+    assert 'expect = "all_tokens"' in warn["message"] and "assistant_only_loss" in warn["message"]
+    (tmp_path / "checks.toml").write_text('[checks."LOOP-04"]\nexpect = "all_tokens"\n')
+    code, verdict = run(tmp_path, data, tokenizer_dir, "--collator", "full_collator:everything",
+                        "--config", str(tmp_path / "checks.toml"))
+    assert code == 0 and failing(verdict, "LOOP-04") == []

@@ -16,9 +16,12 @@ class PromptTemplateConsistency(Check):
 
     What it detects:
         Fields the chat template reads that the dataset does not have (a case mismatch like
-        `Role` vs `role` names both spellings), samples that fail to render with strict
-        undefined variables (preflight), samples with an empty system, user or assistant
-        turn, and samples rendered with more than one template in one run.
+        `Role` vs `role` names both spellings; reads under a condition, `is defined`,
+        `default` or `.get` are optional and never a finding), samples the template refuses (`raise_exception`, e.g.
+        roles that do not alternate: the row and the template's message), a message whose
+        content is missing from the render (a dropped system prompt, preflight), samples with
+        an empty system, user or assistant turn, and samples rendered with more than one
+        template in one run.
     Why it matters:
         A template that reads a missing field renders an empty string or crashes late; empty
         instruction pairs (seed 003) teach the model to babble on empty input; two templates
@@ -47,7 +50,7 @@ class PromptTemplateConsistency(Check):
         source = template_source((start.get("tokenizer") or {}).get("chat_template"))
         if source is None:
             return []
-        return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx)
+        return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx) + self._dropped(ctx)
                 + self._empty_turns(ctx, source) + self._templates(ctx, source))
 
     def _fields(self, source: str, dataset: dict) -> list[Finding]:
@@ -79,6 +82,21 @@ class PromptTemplateConsistency(Check):
             f"{len(ids)} sample(s) fail to render with the chat template (first {ids[0]}: {failed['error'][0]}); "
             f"fix or drop them before training",
             sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids), error=failed["error"][0],
+        )]
+
+    def _dropped(self, ctx: AuditContext) -> list[Finding]:
+        """Rows whose render lacks a message's content (preflight): the template dropped it (Z02)."""
+        dropped = ctx.frame("SELECT sample_id, error FROM events WHERE kind = 'content_dropped' ORDER BY time")
+        if dropped.is_empty():
+            return []
+        ids = dropped["sample_id"].to_list()
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) lose a message in the render (first {ids[0]}: {dropped['error'][0]}); the template "
+            f"drops it (e.g. a system prompt it does not support): merge it into the first user turn or use a "
+            f"template that renders it",
+            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids), error=dropped["error"][0],
+            kind="content_dropped",
         )]
 
     def _empty_turns(self, ctx: AuditContext, source: str) -> list[Finding]:

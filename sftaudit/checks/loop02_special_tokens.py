@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..chat_template import first_manifest, run_tokenizer, template_fields, template_source
+import numpy as np
+
+from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
+                             template_fields, template_source)
 from .base import AuditContext, Check, Finding
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -16,9 +19,11 @@ class SpecialTokenAlignment(Check):
     """Tokenizer special-token alignment (seed trigger point: after tokenize).
 
     What it detects:
-        A control marker the template emits that the tokenizer splits into several pieces;
-        no eos token; pad == eos while every real eos is masked (the model never learns to
-        stop); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
+        A control marker the template emits that the tokenizer splits into several pieces
+        (in the rendered samples; one only in unreached branches is info); no eos token; pad
+        == the marker that ends an assistant turn while every real one is masked (the model
+        never learns to stop); samples that start with two BOS tokens (the template writes one
+        and the tokenizer call adds another); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
         that changes within the run (between batches, at a checkpoint, or on resume).
     Why it matters:
         A split marker is learned as ordinary text, so generation never emits the real one;
@@ -27,33 +32,39 @@ class SpecialTokenAlignment(Check):
     Statistic:
         Markers: the tokenizer's own special/added tokens found in the template's literal
         strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
-        specials. pad == eos: trained share of attended eos positions in the recorded rows.
+        specials, then searched (as its pieces) in the recorded rows. pad == stop: trained share
+        of the attended end-of-turn markers (derived from the template) in the recorded rows.
         Identity: per-batch tokenizer length, checkpoint and segment fingerprints against
         the run's first manifest.
     Threshold:
-        Any split marker, missing eos, untrained eos with pad == eos, too few embedding rows
-        or changed tokenizer is a fail.
+        Any split marker the samples contain, missing eos, untrained stop marker with pad ==
+        stop, double BOS, too few embedding rows, frozen untrained marker rows (norm below 5%
+        of the median row norm) or changed tokenizer is a fail; a generation eos without the
+        end-of-turn marker is a warn; a split marker only in unreached branches, or untrained
+        marker rows that are trainable, is info.
     Evidence:
-        Each split marker with its pieces and ids; special-token ids; embedding rows and
+        Each split marker with its pieces and ids; special-token ids; the doubled-BOS sample
+        ids; each untrained marker's row norms and the medians; embedding rows and
         tokenizer length; the step / checkpoint and both fingerprints or lengths.
     """
 
     code = "LOOP-02"
     name = "tokenizer special-token alignment"
-    defaults = {}
+    defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         start = first_manifest(ctx)
         described = start.get("tokenizer") or {}
         if not described:
             return []
-        findings = self._identity(ctx, described) + self._embedding(ctx, start, described)
+        findings = self._identity(ctx, described) + self._embedding(ctx, start, described) + self._untrained(ctx, start)
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
-            findings += self._markers(tokenizer) + self._eos(ctx, tokenizer)
+            findings += (self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
+                         + self._stops_on(start, tokenizer))
         return findings
 
-    def _markers(self, tokenizer: Any) -> list[Finding]:
+    def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
         source = template_source(getattr(tokenizer, "chat_template", None))
         if source is None:
             return []
@@ -73,21 +84,36 @@ class SpecialTokenAlignment(Check):
                 split.append({"marker": marker, "pieces": tokenizer.convert_ids_to_tokens(ids), "ids": ids})
         if not split:
             return []
-        first = split[0]
-        return [self.finding(
-            "fail",
-            f"the template emits {len(split)} marker(s) the tokenizer splits, first {first['marker']!r} into "
-            f"{len(first['pieces'])} pieces {first['pieces']}; add them as special tokens (and resize the "
-            f"embeddings) or use the tokenizer's own markers",
-            split_markers=split,
-        )]
+        # Judged on what the data renders: a marker only in branches the rows never take (tool calls) is info.
+        reached = set()
+        if ctx.has_rows("samples"):
+            for _, ids, _, _ in sample_blocks(recorded_samples(ctx, source)):
+                reached |= {m["marker"] for m in split if m["marker"] not in reached and matches(ids, m["ids"]).any()}
+        findings = []
+        for severity, markers, where in (("fail", [m for m in split if m["marker"] in reached], "in the samples"),
+                                         ("info", [m for m in split if m["marker"] not in reached],
+                                          "only in branches these samples never render")):
+            if markers:
+                first = markers[0]
+                findings.append(self.finding(
+                    severity,
+                    f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
+                    f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
+                    f"tokens (and resize the embeddings) or use the tokenizer's own markers",
+                    split_markers=markers, reached=severity == "fail",
+                ))
+        return findings
 
     def _eos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        """pad == the marker that ends an assistant turn (not the eos string: Phi-3.5 appends its eos,
+        which is also its pad, after the `<|end|>` that stops a turn), with every real one masked."""
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         if eos is None:
             return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
                                          "set eos_token to the template's end-of-turn marker")]
-        if pad is None or pad != eos or not ctx.has_rows("samples"):
+        layout = run_layout(tokenizer)
+        stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
+        if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
         attended, trained, step, sample = ctx.row(
             """
@@ -96,16 +122,97 @@ class SpecialTokenAlignment(Check):
                          unnest(attention_mask) AS attended FROM samples)
             WHERE id = ? AND attended = 1
             """,
-            [eos],
+            [stop],
         )
         if not attended or trained:
             return []
+        marker = tokenizer.convert_ids_to_tokens(stop)
         return [self.finding(
             "fail",
-            f"pad == eos ({tokenizer.eos_token!r}, id {eos}) and all {attended} real eos tokens are masked with the "
+            f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
             f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
             f"attention_mask",
-            step=step, sample_ids=[sample], pad_id=pad, eos_id=eos, eos_attended=attended, eos_trained=trained,
+            step=step, sample_ids=[sample], pad_id=pad, eos_id=stop, stop_marker=marker, eos_attended=attended,
+            eos_trained=trained,
+        )]
+
+    def _untrained(self, ctx: AuditContext, start: dict) -> list[Finding]:
+        """Template markers the samples use whose embedding and output rows are near zero at start (Z07):
+        frozen, they never train, so the model cannot read or emit them."""
+        rows = start.get("marker_rows")
+        if not rows or not ctx.has_rows("samples"):
+            return []
+        fraction = self.params["untrained_row_fraction"]
+        output = rows.get("output_norm") or [None] * len(rows["ids"])
+        low = [(i, t, e, o) for i, t, e, o in zip(rows["ids"], rows["tokens"], rows["embed_norm"], output)
+               if e < fraction * rows["embed_median"] and (o is None or o < fraction * rows["output_median"])]
+        if not low:
+            return []
+        used = {r[0] for r in ctx.con.execute(
+            f"SELECT DISTINCT id FROM (SELECT unnest(input_ids) AS id FROM samples) WHERE id IN ({','.join('?' * len(low))})",
+            [i for i, *_ in low]).fetchall()}
+        low = [r for r in low if r[0] in used]
+        if not low:
+            return []
+        frozen = not rows.get("embed_trainable") or rows.get("output_trainable") is False
+        return [self.finding(
+            "fail" if frozen else "info",
+            f"{len(low)} template marker(s) the samples use have untrained embedding/output rows (norm below "
+            f"{fraction:.0%} of the median), first {low[0][1]!r} (embedding {low[0][2]:.3g}, median "
+            f"{rows['embed_median']:.3g})" + ("; the rows are frozen, so they never train: make the embeddings and "
+                                               "lm_head trainable (modules_to_save with LoRA) or initialise the rows "
+                                               "from the mean embedding" if frozen else "; they are trainable"),
+            kind="untrained_markers", markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o}
+                                               for i, t, e, o in low],
+            embed_median=rows["embed_median"], output_median=rows.get("output_median"), frozen=frozen,
+        )]
+
+    def _stops_on(self, start: dict, tokenizer: Any) -> list[Finding]:
+        """The model's generation eos (generation config, else model config) does not include the marker
+        the template ends a turn with (Z06): trained to emit it, the model is never stopped by it."""
+        model = start.get("model") or {}
+        stops = model.get("generation_eos")
+        if stops is None:
+            stops = (model.get("config") or {}).get("eos_token_id")
+        layout = run_layout(tokenizer)
+        if stops is None or layout is None or not layout.turn_end:
+            return []
+        stops = {int(i) for i in (stops if isinstance(stops, list) else [stops])}
+        stop = layout.turn_end[-1]
+        if stop in stops:
+            return []
+        marker = tokenizer.convert_ids_to_tokens(stop)
+        return [self.finding(
+            "warn",
+            f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
+            f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
+            f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
+            kind="eos_differs_from_turn_end", turn_end_id=stop, turn_end=marker, generation_eos=sorted(stops),
+        )]
+
+    def _double_bos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        """The template writes BOS and the collator's tokenizer call adds another (Z03)."""
+        bos = tokenizer.bos_token_id
+        if bos is None or not ctx.has_rows("samples"):
+            return []
+        hits: list[tuple[int, str]] = []
+        for part, ids, _, attention in sample_blocks(recorded_samples(ctx, template_source(tokenizer.chat_template))):
+            first = np.argmax(attention != 0, axis=1)
+            rows = np.arange(ids.shape[0])
+            second = np.minimum(first + 1, ids.shape[1] - 1)
+            doubled = (ids[rows, first] == bos) & (ids[rows, second] == bos) & (second > first)
+            picked = np.flatnonzero(doubled)
+            hits += zip(part["step"].gather(picked).to_list(), part["sample_id"].gather(picked).to_list())
+        if not hits:
+            return []
+        hits.sort()
+        ids = list(dict.fromkeys(s for _, s in hits))
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) start with two BOS tokens {tokenizer.bos_token!r} from step {hits[0][0]} (first "
+            f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
+            f"add_special_tokens=False",
+            step=hits[0][0], kind="double_bos", bos_id=bos, sample_ids=ids[:50], samples_affected=len(ids),
         )]
 
     def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:

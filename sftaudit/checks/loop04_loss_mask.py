@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (CATEGORY_NAMES, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
+from ..chat_template import (CATEGORY_NAMES, EITHER, IGNORE_INDEX, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
                              first_manifest, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_source)
 from .base import AuditContext, Check, Finding
@@ -27,7 +27,8 @@ class LossMaskValidity(Check):
         Labels that disagree with the chat template: prompt tokens trained (and the seed's
         off-by-one, where the prompt's last token before the answer is trained), assistant
         tokens or their end-of-turn marker masked, padding trained, padding confused with
-        prompt (pads attended, or real tokens hidden as padding).
+        prompt (pads attended, or real tokens hidden as padding), samples that truncation
+        leaves without a single trained token.
     Why it matters:
         The loss curve looks fine either way: a model trained on prompts learns to echo
         them, one that never sees its end-of-turn marker never learns to stop, and trained
@@ -44,6 +45,9 @@ class LossMaskValidity(Check):
         previous turn's text (true of special-token headers). Each row is compared with
         `labels != -100`; padding trained is also counted on every batch row from the
         batch records. Aggregate: trained tokens vs the template's expected count.
+        Full-sequence loss (every attended token trained) is a configuration, not a bug: one
+        warn naming it and how to switch, silenced by `expect = "all_tokens"`;
+        `assistant_turns = "last"` declares that only the last assistant turn is trained.
     Threshold:
         Any mismatched position in a row is a fail (padding confused with prompt: warn);
         the aggregate counts differing by more than 0.1% (seed) is a warn.
@@ -54,7 +58,8 @@ class LossMaskValidity(Check):
 
     code = "LOOP-04"
     name = "loss-mask validity"
-    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6}
+    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6,
+                "expect": "assistant_tokens", "assistant_turns": "all"}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         tokenizer = run_tokenizer(ctx)
@@ -64,15 +69,27 @@ class LossMaskValidity(Check):
             return findings
         template = template_source(first_manifest(ctx).get("tokenizer", {}).get("chat_template"))
         frame = recorded_samples(ctx, template)
+        if self._all_tokens_trained(frame):
+            if self.params["expect"] == "all_tokens":
+                return findings
+            return findings + [self.finding(
+                "warn",
+                "every non-padding token is trained (full-sequence loss: TRL's default for a `messages` dataset, "
+                "axolotl's train_on_inputs), so the model also learns to write the prompts; for completion-only "
+                "loss set assistant_only_loss=True (TRL) / train_on_inputs: false (axolotl), or declare it intended "
+                "with [checks.\"LOOP-04\"] expect = \"all_tokens\"",
+                step=int(frame["step"].min()), kind="full_sequence_loss", configuration="all tokens trained")]
+        findings += self._emptied_by_truncation(frame)
+        last_turn_only = self.params["assistant_turns"] == "last"
         hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in _ADVICE}
         first_evidence: dict[str, list[dict]] = {}
         counts = {k: 0 for k in _ADVICE}
         expected_total = actual_total = 0
         for part, ids, labels, attention in sample_blocks(frame):
-            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
             actual = actual_labels(labels, attention)
             expected_total += int((expected == TRAINED).sum())
-            actual_total += int((actual == TRAINED).sum())
+            actual_total += int(((actual == TRAINED) & (expected != EITHER)).sum())
             kinds = _mismatches(expected, actual)
             steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
             for kind, mask in kinds.items():
@@ -97,6 +114,38 @@ class LossMaskValidity(Check):
                 expected_trained=expected_total, actual_trained=actual_total,
             ))
         return findings
+
+    def _emptied_by_truncation(self, frame: Any) -> list[Finding]:
+        """Rows cut at the longest recorded length that train no token at all (Z11)."""
+        hits, longest = [], 0
+        for part, _, labels, attention in sample_blocks(frame):
+            lengths = (attention != 0).sum(1)
+            longest = max(longest, int(lengths.max(initial=0)))
+            empty = np.flatnonzero(((labels != IGNORE_INDEX).sum(1) == 0) & (lengths > 0))
+            hits += zip(part["step"].gather(empty).to_list(), part["sample_id"].gather(empty).to_list(),
+                        lengths[empty].tolist())
+        truncated = sorted((step, sample) for step, sample, length in hits if length == longest)
+        if not truncated or longest == 0:
+            return []
+        ids = list(dict.fromkeys(s for _, s in truncated))
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) train no token: truncation to {longest} tokens cuts them before the assistant "
+            f"turn (first {ids[0]}, step {truncated[0][0]}); raise max_length, truncate the prompt from the left, "
+            f"or drop them",
+            step=truncated[0][0], kind="emptied_by_truncation", max_length=longest,
+            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
+        )]
+
+    @staticmethod
+    def _all_tokens_trained(frame: Any) -> bool:
+        """Every attended token of every recorded row carries a label (the shifted last one aside)."""
+        for _, _, labels, attention in sample_blocks(frame):
+            trained = labels != IGNORE_INDEX
+            real = attention != 0
+            if (real & ~trained).sum() > real.shape[0]:  # at most one masked position per row
+                return False
+        return frame.height > 0
 
     def _mask_finding(self, kind: str, rows: list[tuple[int, str, int]], tokens: int, evidence: list[dict]) -> Finding:
         rows.sort(key=lambda r: r[0])

@@ -138,6 +138,7 @@ class Recorder:
         with self._guard("manifest"):
             if tokenizer is not None:
                 manifest["tokenizer"] = describe_tokenizer(tokenizer)
+                manifest["marker_rows"] = _marker_rows(model, tokenizer)
                 self._save_tokenizer()
             if dataset is not None:
                 manifest["dataset"] = describe_dataset(dataset)
@@ -650,9 +651,32 @@ def _describe_model(model: torch.nn.Module) -> dict:
         "class": type(model).__name__,
         "config": jsonable(config.to_dict()) if hasattr(config, "to_dict") else None,
         "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        # What generate() stops on (LOOP-02 compares it with the template's end-of-turn marker).
+        "generation_eos": jsonable(getattr(getattr(model, "generation_config", None), "eos_token_id", None)),
         "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
                     if "dropout" in k and isinstance(v, (int, float))},
     }
+
+
+def _marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
+    """Embedding and output row norms of the added tokens the chat template writes, with the median
+    row norm, at start: a base model's untrained chat markers are near zero (Z07). One host sync."""
+    template = getattr(tokenizer, "chat_template", None)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = sorted(int(i) for i, t in added.items() if isinstance(template, str) and t.content and t.content in template)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not ids or embed is None or max(ids) >= embed.weight.shape[0]:
+        return None
+    with torch.no_grad():
+        rows = [embed.weight] + ([output.weight] if output is not None and output.weight.shape[0] > max(ids) else [])
+        norms = [w.float().norm(dim=1) for w in rows]
+        stats = torch.stack([torch.cat([n[ids], n.median().reshape(1)]) for n in norms]).cpu().tolist()
+    return {"ids": ids, "tokens": [added[i].content for i in ids], "embed_norm": stats[0][:-1],
+            "embed_median": stats[0][-1], "embed_trainable": bool(embed.weight.requires_grad),
+            "output_norm": stats[1][:-1] if len(stats) > 1 else None,
+            "output_median": stats[1][-1] if len(stats) > 1 else None,
+            "output_trainable": bool(output.weight.requires_grad) if len(stats) > 1 else None}
 
 
 def _library_versions() -> dict[str, str]:

@@ -16,9 +16,11 @@ DATA_RUNS = {
     "data_template": dict(steps=6, checkpoint_every=3, **QUIET,
                           faults={"empty_assistant_at": 2, "length_variance_at": 3, "second_template_at": 4,
                                   "tokenizer_swap_at": 5}),
-    # from the start: capitalised message keys, a marker that splits, pad == eos with pads masked
+    # from the start: capitalised message keys, a marker that splits, pad == eos with pads masked,
+    # generation stopping on the base model's eos, the end-of-turn marker's rows zero and frozen
     "data_tokens": dict(steps=3, checkpoint_every=0, **QUIET,
-                        faults={"field_case": True, "split_marker": True, "pad_is_eos": True}),
+                        faults={"field_case": True, "split_marker": True, "pad_is_eos": True, "base_model_eos": True,
+                                "untrained_markers": True}),
 }
 _verdicts: dict = {}
 

@@ -22,6 +22,25 @@ def test_pad_equal_to_eos_with_pads_masked_fails(runs):
     assert f["evidence"]["sample_ids"][0] in batch_ids(run_dir, 1)
 
 
+def test_generation_eos_other_than_the_turn_end_warns(runs):
+    from sftaudit.artifacts import TOKENIZER_DIR, artifact_root
+    from sftaudit.chat_template import load_tokenizer
+
+    run_dir, verdict = audited(runs, "data_tokens")
+    (f,) = [f for f in findings(verdict, "LOOP-02") if f["evidence"].get("kind") == "eos_differs_from_turn_end"]
+    tokenizer = load_tokenizer(artifact_root(run_dir) / TOKENIZER_DIR)
+    assert f["severity"] == "warn" and f["evidence"]["turn_end"] == "<|eot_id|>"
+    assert f["evidence"]["generation_eos"] == [tokenizer.bos_token_id]
+
+
+def test_frozen_untrained_marker_rows_fail(runs):
+    _, verdict = audited(runs, "data_tokens")
+    (f,) = [f for f in findings(verdict, "LOOP-02") if f["evidence"].get("kind") == "untrained_markers"]
+    assert f["severity"] == "fail" and f["evidence"]["frozen"]
+    assert [m["token"] for m in f["evidence"]["markers"]] == ["<|eot_id|>"]
+    assert f["evidence"]["markers"][0]["embed_norm"] == 0 and f["evidence"]["embed_median"] > 0
+
+
 def test_tokenizer_swapped_mid_run_fails_at_the_step_and_the_checkpoint(runs):
     run_dir, verdict = audited(runs, "data_template")
     at_step = next(f for f in findings(verdict, "LOOP-02") if "tokenizer_length_now" in f["evidence"])
