@@ -39,7 +39,7 @@ import torch
 from .. import __version__
 from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
 from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
-from .describe import describe_dataset, describe_params, describe_state, jsonable
+from .describe import describe_dataset, describe_params, describe_scheduler, describe_state, jsonable
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
@@ -63,6 +63,8 @@ class Recorder:
         dataset: the training rows (list of dicts or HF dataset): their field names go to the manifest.
         grad_norm_source: what `on_backward` sees: "pre_clip" (the documented call order) or "post_clip".
         config: any run configuration to keep in the manifest.
+        scheduler: the LR scheduler (optional): its class and state go to the manifest, so LOOP-14
+            can rebuild the configured schedule and compare it with the LR recorded at every step.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Recorder:
         world_size: int | None = None,
         grad_norm_source: str = "pre_clip",
         config: Mapping[str, Any] | None = None,
+        scheduler: Any = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -128,6 +131,7 @@ class Recorder:
             ],
             "config": jsonable(dict(config or {})),
             "param_norms": None,
+            "scheduler": None,
         }
         with self._guard("manifest"):
             if tokenizer is not None:
@@ -136,6 +140,8 @@ class Recorder:
             if dataset is not None:
                 manifest["dataset"] = describe_dataset(dataset)
             manifest["param_norms"] = self._param_norms()
+            if scheduler is not None:
+                manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -143,6 +149,9 @@ class Recorder:
         self._probe_batch = self._left_padded(self._probe_inputs)
         self._generation_batch = self._left_padded(self._probe_inputs, self.schedule.generations_per_prompt)
         self._eval_batch = self._left_padded(self._eval_inputs)
+        # The model's own loss per micro-batch and the weight the backpropagated objective gives it
+        # (LOOP-13 recomputes the intended token mean from them).
+        self._loss_hook = model.register_forward_hook(self._after_forward, with_kwargs=True)
 
     # ------------------------------------------------------------------ public hooks
 
@@ -166,6 +175,7 @@ class Recorder:
             parts = {
                 "lengths": attention_mask.sum(1),
                 "label_tokens": trained.sum(1),
+                "target_tokens": trained[:, 1:].sum(1),  # what a causal LM's shifted loss averages over
                 "padding_trained": (trained & padding).sum(1),
                 "left_padded": padding[:, 0],
             }
@@ -187,6 +197,9 @@ class Recorder:
         With gradient accumulation call it after each backward: losses are averaged and the
         gradients read at the last call are the step's."""
         self.record_loss(step, loss)
+        if self._micro and torch.is_tensor(loss) and "losses" not in self.disabled:
+            with self._guard("losses"):  # the scalar backpropagated for the latest micro-batch
+                self._micro[-1]["parts"]["backprop"] = loss.detach().float().reshape(())
         self.record_gradients(step)
 
     def record_loss(self, step: int, loss: torch.Tensor | float) -> None:
@@ -252,6 +265,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        self._loss_hook.remove()
         for worker in self._hashers:
             worker.join(timeout=60)
         self._write("events", {"kind": "close", "time": time.time()})
@@ -262,6 +276,25 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
+        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised."""
+        if self._probing or not module.training or not self._micro or "losses" in self.disabled:
+            return
+        with self._guard("losses"):
+            loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                return
+            parts = self._micro[-1]["parts"]
+            parts["model_loss"] = loss.detach().float().reshape(())
+            items = kwargs.get("num_items_in_batch")  # HF: the loss is then a sum over this many tokens
+            if items is not None:
+                parts["num_items"] = items.detach().float().reshape(()) if torch.is_tensor(items) else torch.tensor(float(items))
+            if loss.requires_grad:
+                def weight(grad: torch.Tensor) -> None:
+                    parts["loss_weight"] = grad.detach().float().reshape(())
+                loss.register_hook(weight)
 
     # ------------------------------------------------------------------ per step
 
@@ -363,6 +396,9 @@ class Recorder:
             "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
             "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
             "left_padded_rows": int(values[micro, "left_padded"].sum()),
+            "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+            **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
+               if (micro, key) in values},
             "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
         })
         keep = m["keep_rows"]
