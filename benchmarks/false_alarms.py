@@ -56,6 +56,12 @@ FAULTS = [
      dict(path="loop", steps=120, lr_schedule="cosine", warmup_steps=12, faults={"scheduler_steps_per_step": 4})),
     ("Z36", "killed at 60, resumed with a fresh scheduler", "LOOP-14", 61,
      dict(path="loop", steps=80, lr_schedule="cosine", warmup_steps=12, resume_at=60, resume_fault="resume_restarts_warmup")),
+    ("Z26", "frozen embeddings, decoder layers under reentrant checkpointing: layers get grad None", "LOOP-15", 3,
+     dict(path="loop", steps=30, faults={"reentrant_checkpointing": True})),
+    ("Z27", "lm_head declared trainable, frozen", "LOOP-15", 1,
+     dict(path="loop", steps=30, trainable=["lm_head.*"], faults={"frozen_module": "lm_head.*"})),
+    ("Z29", "layer-1 gradients of step 2 copied back from step 3 (stale bucket)", "LOOP-15", 3,
+     dict(path="loop", steps=30, faults={"stale_grads_from": 3})),
     ("Z25", "one layer's gradient x100 from step 37 (a broken layer; the zoo's trigger is one batch)", "LOOP-05", 37,
      dict(path="loop", steps=60, faults={"grad_scale_from": 37})),
 ]
@@ -79,7 +85,7 @@ def train(out: Path, spec: dict) -> Path:
     steps = spec["steps"]
     if spec["path"] == "loop":
         loop = dict(options, lr_schedule=spec.get("lr_schedule", "cosine"), warmup_steps=spec.get("warmup_steps", 10),
-                    optimizer=spec.get("optimizer", "adamw"))
+                    optimizer=spec.get("optimizer", "adamw"), trainable=spec.get("trainable"))
         resume_at = spec.get("resume_at") or (steps // 2 if spec.get("resume") else None)
         if resume_at:
             train_plain(run_dir, steps=resume_at + 3, checkpoint_every=resume_at, **loop)  # killed 3 steps after the save
