@@ -36,7 +36,9 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
                 # loss normalisation (LOOP-13): shifted target tokens per row, the model's loss, its weight in
                 # the backpropagated objective, the HF num_items_in_batch, the scalar given to on_backward
                 "target_tokens": "INTEGER[]", "model_loss": "DOUBLE", "loss_weight": "DOUBLE", "num_items": "DOUBLE",
-                "backprop": "DOUBLE"},
+                "backprop": "DOUBLE",
+                # packing (LOOP-16): attended BOS tokens and position_ids restarts per row, varlen attention given
+                "bos_starts": "INTEGER[]", "position_resets": "INTEGER[]", "varlen": "BOOLEAN"},
     "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
                 "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
     "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",

@@ -47,7 +47,9 @@ IGNORE_INDEX = -100
 # A step whose global gradient norm exceeds this multiple of its running mean gets histograms
 # recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
 SPIKE_FACTOR = 10.0
-GENERATION_CHUNK = 32  # rows per generate() call: large eval sets are split to bound probe memory
+GENERATION_CHUNK = 32
+# Batch keys through which a loop hands the model per-sample boundaries (varlen / packed attention).
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")  # rows per generate() call: large eval sets are split to bound probe memory
 
 
 class Recorder:
@@ -181,6 +183,7 @@ class Recorder:
             }
             # Rows are kept whole as evidence on schedule, and always when no ids were given:
             # a content hash of the row then serves as its sample id.
+            parts.update(self._segments(batch, input_ids, attention_mask))
             if keep_rows or sample_ids is None:
                 parts["input_ids"] = input_ids
             if keep_rows:
@@ -188,7 +191,9 @@ class Recorder:
                 parts["attention_mask"] = attention_mask[:keep_rows]
             if sample_ids is not None:
                 sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
-            self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids,
+            varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(batch.get("attention_mask"))
+                                                              and batch["attention_mask"].dim() == 4)
+            self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids, "varlen": varlen,
                                 "keep_rows": keep_rows, "parts": parts, **self._tokenizer_state()})
 
     def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
@@ -326,6 +331,20 @@ class Recorder:
             self._template = (template, template_fingerprint(template))
         return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
 
+    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """Per row: sequence starts (attended BOS tokens: a packed row holds one per sample) and, when
+        the batch gives position_ids, how often they restart at 0 (LOOP-16, packing boundaries)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
+        out = {}
+        if bos is not None:
+            attended = attention_mask != 0 if attention_mask.shape == input_ids.shape else torch.ones_like(input_ids, dtype=torch.bool)
+            out["bos_starts"] = ((input_ids == bos) & attended).sum(1)
+        positions = batch.get("position_ids")
+        if torch.is_tensor(positions) and positions.shape[-1] == input_ids.shape[1]:
+            positions = positions.reshape(-1, input_ids.shape[1]).expand(input_ids.shape[0], -1)
+            out["position_resets"] = (positions[:, 1:] == 0).sum(1)
+        return out
+
     def _rows_to_keep(self, step: int, rows: int) -> int:
         every = self.schedule.samples_every
         if every and step % every == 0 and "samples" not in self.disabled:
@@ -397,6 +416,9 @@ class Recorder:
             "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
             "left_padded_rows": int(values[micro, "left_padded"].sum()),
             "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+            **{key: values[micro, key].astype("int64").tolist() for key in ("bos_starts", "position_resets")
+               if (micro, key) in values},
+            "varlen": m["varlen"],
             **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
                if (micro, key) in values},
             "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
@@ -654,6 +676,7 @@ def _describe_model(model: torch.nn.Module) -> dict:
         "class": type(model).__name__,
         "config": jsonable(config.to_dict()) if hasattr(config, "to_dict") else None,
         "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        "attn_implementation": getattr(config, "_attn_implementation", None),
         "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
                     if "dropout" in k and isinstance(v, (int, float))},
     }

@@ -4,7 +4,7 @@ session through the real shim; names and options must stay identical wherever a 
 from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR  # noqa: F401 - re-exported for the tests
 
 SCALE_STEP, SPIKE_START, SPIKE_EVERY, LR_JUMP_STEP, LEAK_STEP = 12, 10, 5, 15, 7
-MEAN_OF_MEANS_STEP, STALE_STEP = 5, 5
+MEAN_OF_MEANS_STEP, STALE_STEP, PACKED_STEP = 5, 5, 3
 FROZEN_TENSOR = "model.layers.0.mlp.up_proj.weight"
 QUIET = dict(checkpoint_every=0, probe_every=0)
 
@@ -25,6 +25,8 @@ RUNS = {
     "trainable_set": dict(steps=8, batch_size=4, trainable=["lm_head.*"],
                           faults={"reentrant_checkpointing": True, "frozen_module": "lm_head.*"}, **QUIET),
     "stale_grads": dict(steps=8, batch_size=4, faults={"stale_grads_from": STALE_STEP}, **QUIET),
+    # Z16: from step PACKED_STEP three samples per row, positions running on, plain causal attention.
+    "packed": dict(steps=4, batch_size=6, faults={"packed_from": PACKED_STEP}, **QUIET),
     # Clean, with every probe the dynamics checks read (the session's clean_run has no generations or evals).
     "clean_probed": dict(steps=20, checkpoint_every=0, probe_every=2, generate_every=4, eval_every=4, max_new_tokens=16),
 }
