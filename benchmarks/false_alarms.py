@@ -56,6 +56,8 @@ FAULTS = [
      dict(path="loop", steps=120, lr_schedule="cosine", warmup_steps=12, faults={"scheduler_steps_per_step": 4})),
     ("Z36", "killed at 60, resumed with a fresh scheduler", "LOOP-14", 61,
      dict(path="loop", steps=80, lr_schedule="cosine", warmup_steps=12, resume_at=60, resume_fault="resume_restarts_warmup")),
+    ("Z16", "3 samples packed per row from step 5, positions running on, plain causal attention", "LOOP-16", 5,
+     dict(path="loop", steps=20, batch_size=6, faults={"packed_from": 5})),
     ("Z26", "frozen embeddings, decoder layers under reentrant checkpointing: layers get grad None", "LOOP-15", 3,
      dict(path="loop", steps=30, faults={"reentrant_checkpointing": True})),
     ("Z27", "lm_head declared trainable, frozen", "LOOP-15", 1,
@@ -78,7 +80,7 @@ def train(out: Path, spec: dict) -> Path:
             run_dir / "sftaudit" / "rank-0" / "events.jsonl").read_text():
         return run_dir  # kept from an earlier invocation
     # GA 4 runs take micro-batches of 2 rows (8 rows per step), the others 4.
-    options = dict(COMMON, batch_size=2 if spec.get("grad_accum", 1) > 1 else 4,
+    options = dict(COMMON, batch_size=spec.get("batch_size", 2 if spec.get("grad_accum", 1) > 1 else 4),
                    tokenizer_cache=str(out / "tokenizer"), seed=spec.get("seed", 0), lr=spec.get("lr", 3e-3),
                    grad_accum=spec.get("grad_accum", 1), faults=spec.get("faults"), generate_every=50, eval_every=50,
                    probe_every=spec.get("probe_every", 10))
