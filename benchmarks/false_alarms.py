@@ -90,7 +90,7 @@ def train(out: Path, spec: dict) -> Path:
                     optimizer=spec.get("optimizer", "adamw"), trainable=spec.get("trainable"))
         resume_at = spec.get("resume_at") or (steps // 2 if spec.get("resume") else None)
         if resume_at:
-            train_plain(run_dir, steps=resume_at + 3, checkpoint_every=resume_at, **loop)  # killed 3 steps after the save
+            train_plain(run_dir, steps=steps, stop_after=resume_at + 3, checkpoint_every=resume_at, **loop)  # killed 3 steps after the save
             fault = spec.get("resume_fault")
             train_plain(run_dir, steps=steps, checkpoint_every=resume_at, resume_from=run_dir / f"checkpoint-{resume_at}",
                         **{**loop, "faults": {fault: True} if fault else loop["faults"]})
@@ -114,8 +114,11 @@ def judge(run_dir: Path) -> dict:
 def work(args: tuple[Path, dict]) -> tuple[str, dict, float]:
     out, spec = args
     started = time.perf_counter()
-    run_dir = train(out, spec)
-    return spec["name"], judge(run_dir), time.perf_counter() - started
+    try:
+        result = judge(train(out, spec))
+    except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others' figures
+        result = {"check_errors": [{"code": "run", "error": f"{type(exc).__name__}: {exc}"}], "findings": []}
+    return spec["name"], result, time.perf_counter() - started
 
 
 def main() -> None:
@@ -129,7 +132,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     clean = sweep(args.steps) if args.only in ("sweep", "all") else []
     faults = [{"name": f"fault-{z}", **spec} for z, _, _, _, spec in FAULTS] if args.only in ("faults", "all") else []
-    specs = clean + faults
+    specs = faults + clean  # the fault table first: shorter runs
     if args.audit_only:
         results = {s["name"]: (judge(args.out / s["name"]), 0.0) for s in specs if (args.out / s["name"]).exists()}
     else:
