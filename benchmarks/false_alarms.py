@@ -54,7 +54,7 @@ FAULTS = [
      dict(path="trainer", steps=20, grad_accum=4, faults={"logged_loss_times_accumulation": True})),
     ("Z28", "cosine over 120 steps, warmup 12, scheduler stepped 4x per optimizer step", "LOOP-14", 1,
      dict(path="loop", steps=120, lr_schedule="cosine", warmup_steps=12, faults={"scheduler_steps_per_step": 4})),
-    ("Z36", "killed at 60, resumed with a fresh scheduler", "LOOP-14", 61,
+    ("Z36", "checkpoint at 60, killed at 63, resumed from 60 with a fresh scheduler", "LOOP-14", 61,
      dict(path="loop", steps=80, lr_schedule="cosine", warmup_steps=12, resume_at=60, resume_fault="resume_restarts_warmup")),
     ("Z16", "3 samples packed per row from step 5, positions running on, plain causal attention", "LOOP-16", 5,
      dict(path="loop", steps=20, batch_size=6, faults={"packed_from": 5})),
