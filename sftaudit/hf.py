@@ -40,13 +40,16 @@ class SFTAuditCallback(TrainerCallback):
 
     # -- lifecycle
 
-    def on_train_begin(self, args, state, control, model=None, processing_class=None, tokenizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, tokenizer=None,
+                       lr_scheduler=None, **kwargs):
         if self.recorder is not None or model is None:
             return
         options = dict(self.options)
         options.setdefault("tokenizer", processing_class if processing_class is not None else tokenizer)
-        options.setdefault("config", {"training_args": args.to_dict()})
+        # max_steps as the Trainer resolved it (from epochs when args.max_steps is -1): the LR schedule's length.
+        options.setdefault("config", {"training_args": args.to_dict(), "max_steps": state.max_steps})
         options.setdefault("optimizer", kwargs.get("optimizer"))
+        options.setdefault("scheduler", lr_scheduler)
         self._state = state
         self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="post_clip", **options)
         self._handles = [

@@ -32,7 +32,13 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
     "batches": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "rows": "INTEGER", "seq_len": "INTEGER",
                 "sample_ids": "VARCHAR[]", "lengths": "INTEGER[]", "label_tokens": "INTEGER[]",
                 "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER",
-                "tokenizer_length": "INTEGER", "template_fingerprint": "VARCHAR"},
+                "tokenizer_length": "INTEGER", "template_fingerprint": "VARCHAR",
+                # loss normalisation (LOOP-13): shifted target tokens per row, the model's loss, its weight in
+                # the backpropagated objective, the HF num_items_in_batch, the scalar given to on_backward
+                "target_tokens": "INTEGER[]", "model_loss": "DOUBLE", "loss_weight": "DOUBLE", "num_items": "DOUBLE",
+                "backprop": "DOUBLE",
+                # packing (LOOP-16): attended BOS tokens and position_ids restarts per row, varlen attention given
+                "bos_starts": "INTEGER[]", "position_resets": "INTEGER[]", "varlen": "BOOLEAN"},
     "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
                 "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
     "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",
@@ -96,6 +102,8 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
         stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
         cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
         con.execute(f'CREATE TABLE IF NOT EXISTS "{kind}" (rank INTEGER, {cols})')
+        for k, v in stored.items():  # a database ingested by an older sftaudit gains the newer fields
+            con.execute(f'ALTER TABLE "{kind}" ADD COLUMN IF NOT EXISTS "{k}" {v}')
 
 
 def ingest(run_dir: str | Path) -> dict[str, int]:

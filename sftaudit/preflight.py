@@ -268,7 +268,9 @@ def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, s
         "left_padded_rows": pa.array([int((~r[:, 0]).sum()) for r in real], pa.int32()),
     })
     con.register("new_batches", batch_table)
-    con.execute("""INSERT INTO batches SELECT 0, 0, step, 0, rows, seq_len, sample_ids, lengths, label_tokens,
+    con.execute("""INSERT INTO batches (rank, seg, step, micro, rows, seq_len, sample_ids, lengths, label_tokens,
+                   padding_trained, left_padded_rows, tokenizer_length, template_fingerprint)
+                   SELECT 0, 0, step, 0, rows, seq_len, sample_ids, lengths, label_tokens,
                    padding_trained, left_padded_rows, ?, ? FROM new_batches""", [tokenizer_length, fingerprint])
     con.unregister("new_batches")
     sample_table = pa.table({

@@ -25,6 +25,19 @@ def kl_top_k(prev_ids, prev_probs, cur_ids, cur_probs) -> float:
     return float(np.sum(p * np.log(p / q)))
 
 
+# Log-scale sigma floor: a history flatter than this (e = 1.5x) does not make ordinary wobbles alarms.
+LOG_SIGMA_FLOOR = np.log(1.5)
+
+
+def own_history(values: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Robust z of log(value) against the previous block of probes, and value / baseline median."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log(np.where(values > 0, values, np.nan))
+    median, sigma = previous_block_stats(y, window)
+    with np.errstate(invalid="ignore"):
+        return robust_z(y, median, sigma, LOG_SIGMA_FLOOR), np.exp(y - median)
+
+
 class LogitsStability(Check):
     """Logits distribution stability (seed trigger point: probe steps).
 
@@ -41,20 +54,26 @@ class LogitsStability(Check):
         is across time: per prompt, the std of the top-1 probability over the last `spread_window`
         (5) probe steps, averaged over prompts. KL(previous || current) per prompt on the recorded
         top-k (missing tokens get the list's smallest probability; the rest is one bucket),
-        averaged over prompts, with a robust z against the previous block of probe steps. Entropy:
-        mean over prompts against the median of the previous block. Warmup excluded.
+        averaged over prompts. Both are judged against the run's own probe-to-probe history, as
+        LOOP-05 judges gradient norms: y = log(value), baseline = median and 1.4826 x MAD of y over
+        the previous block of `window` probe steps, z = (y - median) / max(sigma, log 1.5). Ordinary
+        learning at a high learning rate moves the distributions a lot, but steadily; a jump is
+        a value far outside what this run's probes did just before. Entropy: mean over prompts
+        against the median of the previous block. Warmup excluded.
     Threshold:
-        Spread > `max_top1_std` (0.08, the seed's): warn. KL z >= `sigma` (6) and KL >= `min_kl`
-        (0.1 nats): warn. Entropy < `entropy_collapse` (0.5) x its previous-block median: warn.
-        Each at the first probe step it holds.
+        KL: z >= `sigma` (6), KL >= `min_ratio` (10) x its baseline median and KL >= `min_kl`
+        (0.02 nats, below which top-k rounding dominates): warn. Spread: z >= `sigma` and spread >
+        `max_top1_std` (0.08, the seed's absolute value, kept as a floor): warn. Entropy <
+        `entropy_collapse` (0.5) x its previous-block median: warn. Each at the first probe step
+        it holds.
     Evidence:
         The value and threshold at that step, per-prompt values and the top tokens before/after.
     """
 
     code = "LOOP-06"
     name = "logits distribution stability"
-    defaults = {"max_top1_std": 0.08, "spread_window": 5, "sigma": 6.0, "min_kl": 0.1, "entropy_collapse": 0.5,
-                "window": 4}
+    defaults = {"max_top1_std": 0.08, "spread_window": 5, "sigma": 6.0, "min_ratio": 10.0, "min_kl": 0.02,
+                "entropy_collapse": 0.5, "window": 4}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("SELECT step, prompt, entropy, top_ids, top_probs FROM probes WHERE rank = 0 "
@@ -90,14 +109,15 @@ class LogitsStability(Check):
         ctx.add_series(self.code, "mean next-token entropy", steps.tolist(), entropy.tolist())
 
         findings = []
-        k_median, k_sigma = previous_block_stats(kl, self.params["window"])
-        kl_z = robust_z(kl, k_median, k_sigma, 1e-3)
+        kl_z, kl_ratio = own_history(kl, self.params["window"])
+        spread_z, _ = own_history(spread, self.params["window"])
         e_median, _ = previous_block_stats(entropy, self.params["window"])
         with np.errstate(invalid="ignore"):
             rules = [
-                ("spread", judged & (spread > self.params["max_top1_std"]), spread, self.params["max_top1_std"],
+                ("spread", judged & (spread_z >= self.params["sigma"]) & (spread > self.params["max_top1_std"]), spread, self.params["max_top1_std"],
                  "the top-1 probability on the probe prompts swung by std {v:.3f} over the last {w} probes at step {s}"),
-                ("kl", judged & (kl_z >= self.params["sigma"]) & (kl >= self.params["min_kl"]), kl, self.params["min_kl"],
+                ("kl", judged & (kl_z >= self.params["sigma"]) & (kl_ratio >= self.params["min_ratio"])
+                 & (kl >= self.params["min_kl"]), kl, self.params["min_kl"],
                  "the next-token distribution on the probe prompts jumped (KL {v:.3g} nats from the previous probe) at step {s}"),
                 ("entropy", judged & (entropy < self.params["entropy_collapse"] * e_median), entropy,
                  self.params["entropy_collapse"], "next-token entropy on the probe prompts collapsed to {v:.3g} at step {s}"),

@@ -98,7 +98,10 @@ class LossDynamics(Check):
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = lr[1:] / lr[:-1]
         factor = self.params["lr_jump"]
-        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & (np.arange(1, steps.size) > first))
+        # Between two LRs both under 1% of the peak (the tail of a decay to 0) a ratio is not a jump.
+        with np.errstate(invalid="ignore"):
+            material = np.fmax(lr[1:], lr[:-1]) >= 0.01 * np.nanmax(lr) if lr.size and np.isfinite(lr).any() else np.zeros(0, bool)
+        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & material & (np.arange(1, steps.size) > first))
         if not jumps.size:
             return []
         i = jumps[0] + 1

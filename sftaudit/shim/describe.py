@@ -6,6 +6,7 @@ Computed once when a recorder starts, never per step. The tokenizer's descriptio
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -101,3 +102,61 @@ def describe_state(obj: Any, depth: int = 0) -> Any:
             return {"type": type(obj).__name__, "len": len(obj)}
         return [describe_state(v, depth + 1) for v in obj]
     return {"type": type(obj).__name__}
+
+
+def describe_scheduler(scheduler: Any, steps: int | None = None) -> dict[str, Any]:
+    """An LR scheduler's class, numeric state and the schedule it will follow: `lr` is the
+    learning rate of the first parameter group after 0, 1, 2, ... scheduler steps, from
+    `trace_start` on (for a LambdaLR: base_lr x lr_lambda(s) from s = 0, its lambdas evaluated
+    directly; otherwise a copy stepped on a one-tensor optimizer). The trace covers `steps`
+    scheduler steps (the run's max_steps when known, else the scheduler's own horizon)."""
+    state = {k: v for k, v in scheduler.state_dict().items()
+             if isinstance(v, (int, float, str, bool, list, type(None))) and k != "_last_lr"}
+    out: dict[str, Any] = {"class": type(scheduler).__name__, "state": jsonable(state), "trace_start": 0, "lr": None}
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas and isinstance(lambdas[0], functools.partial):
+        out["lr_lambda"] = {"function": getattr(lambdas[0].func, "__name__", None), "arguments": jsonable(lambdas[0].keywords)}
+    horizon = steps or _horizon(scheduler)
+    if not horizon:
+        return out
+    horizon = min(int(horizon), MAX_SCHEDULE_TRACE)
+    if lambdas and type(scheduler).__name__ == "LambdaLR":
+        base = scheduler.base_lrs[0]
+        out["lr"] = [float(f"{base * lambdas[0](s):.7g}") for s in range(horizon + 1)]
+    elif not hasattr(scheduler, "_schedulers"):  # chained schedulers hold the real optimizer: not copied
+        out["trace_start"] = int(getattr(scheduler, "last_epoch", 0))
+        out["lr"] = _simulate(scheduler, horizon)
+    return out
+
+
+MAX_SCHEDULE_TRACE = 50_000
+
+
+def _horizon(scheduler: Any) -> int | None:
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas and isinstance(lambdas[0], functools.partial) and "num_training_steps" in lambdas[0].keywords:
+        return lambdas[0].keywords["num_training_steps"]
+    for name in ("total_steps", "T_max", "total_iters"):
+        if isinstance(getattr(scheduler, name, None), int):
+            return getattr(scheduler, name)
+    return None
+
+
+def _simulate(scheduler: Any, steps: int) -> list[float]:
+    """Step a copy of the scheduler on a one-tensor optimizer with the same groups and LRs."""
+    import copy
+    import warnings
+
+    groups = [{"params": [torch.zeros(1, requires_grad=True)], **{k: v for k, v in g.items() if k != "params"}}
+              for g in scheduler.optimizer.param_groups]
+    clone = copy.copy(scheduler)
+    clone.__dict__ = copy.deepcopy({k: v for k, v in scheduler.__dict__.items() if k != "optimizer"})
+    clone.optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"])
+    lrs = [clone.optimizer.param_groups[0]["lr"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            clone.optimizer.step()
+            clone.step()
+            lrs.append(clone.optimizer.param_groups[0]["lr"])
+    return [float(f"{v:.7g}") for v in lrs]

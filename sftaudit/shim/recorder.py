@@ -39,7 +39,7 @@ import torch
 from .. import __version__
 from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
 from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
-from .describe import describe_dataset, describe_params, describe_state, jsonable, unwrap_model
+from .describe import describe_dataset, describe_params, describe_scheduler, describe_state, jsonable, unwrap_model
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
@@ -47,7 +47,9 @@ IGNORE_INDEX = -100
 # A step whose global gradient norm exceeds this multiple of its running mean gets histograms
 # recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
 SPIKE_FACTOR = 10.0
-GENERATION_CHUNK = 32  # rows per generate() call: large eval sets are split to bound probe memory
+GENERATION_CHUNK = 32
+# Batch keys through which a loop hands the model per-sample boundaries (varlen / packed attention).
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")  # rows per generate() call: large eval sets are split to bound probe memory
 
 
 class Recorder:
@@ -65,6 +67,8 @@ class Recorder:
         config: any run configuration to keep in the manifest.
         optimizer: the optimizer, optional: its step count at the segment's first step shows whether a
             resume restored its state.
+        scheduler: the LR scheduler (optional): its class and state go to the manifest, so LOOP-14
+            can rebuild the configured schedule and compare it with the LR recorded at every step.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Recorder:
         grad_norm_source: str = "pre_clip",
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -134,6 +139,7 @@ class Recorder:
             ],
             "config": jsonable(dict(config or {})),
             "param_norms": None,
+            "scheduler": None,
         }
         with self._guard("manifest"):
             if tokenizer is not None:
@@ -143,6 +149,8 @@ class Recorder:
             if dataset is not None:
                 manifest["dataset"] = describe_dataset(dataset)
             manifest["param_norms"] = self._param_norms()
+            if scheduler is not None:
+                manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -150,6 +158,9 @@ class Recorder:
         self._probe_batch = self._left_padded(self._probe_inputs)
         self._generation_batch = self._left_padded(self._probe_inputs, self.schedule.generations_per_prompt)
         self._eval_batch = self._left_padded(self._eval_inputs)
+        # The model's own loss per micro-batch and the weight the backpropagated objective gives it
+        # (LOOP-13 recomputes the intended token mean from them).
+        self._loss_hook = model.register_forward_hook(self._after_forward, with_kwargs=True)
 
     # ------------------------------------------------------------------ public hooks
 
@@ -177,21 +188,24 @@ class Recorder:
             parts = {
                 "lengths": attention_mask.sum(1),
                 "label_tokens": trained.sum(1),
+                "target_tokens": trained[:, 1:].sum(1),  # what a causal LM's shifted loss averages over
                 "padding_trained": (trained & padding).sum(1),
                 "left_padded": padding[:, 0],
             }
             # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
             # row's attended tokens (padding dropped: -1) serves as its sample id.
-            if keep_rows:
-                parts["input_ids"] = input_ids
+            parts.update(self._segments(batch, input_ids, attention_mask))
             if sample_ids is None:
                 parts["hashed_ids"] = torch.where(attention_mask.bool(), input_ids, -1)
             if keep_rows:
+                parts["input_ids"] = input_ids
                 parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
                 parts["attention_mask"] = attention_mask[:keep_rows]
             if sample_ids is not None:
                 sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
-            self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids,
+            varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(batch.get("attention_mask"))
+                                                              and batch["attention_mask"].dim() == 4)
+            self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids, "varlen": varlen,
                                 "keep_rows": keep_rows, "parts": parts, **self._tokenizer_state()})
 
     def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
@@ -200,6 +214,9 @@ class Recorder:
         With gradient accumulation call it after each backward: losses are averaged and the
         gradients read at the last call are the step's."""
         self.record_loss(step, loss)
+        if self._micro and torch.is_tensor(loss) and "losses" not in self.disabled:
+            with self._guard("losses"):  # the scalar backpropagated for the latest micro-batch
+                self._micro[-1]["parts"]["backprop"] = loss.detach().float().reshape(())
         self.record_gradients(step)
 
     def record_loss(self, step: int, loss: torch.Tensor | float) -> None:
@@ -265,6 +282,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        self._loss_hook.remove()
         for worker in self._hashers:
             worker.join(timeout=60)
         self._write("events", {"kind": "close", "time": time.time()})
@@ -275,6 +293,25 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
+        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised."""
+        if self._probing or not module.training or not self._micro or "losses" in self.disabled:
+            return
+        with self._guard("losses"):
+            loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                return
+            parts = self._micro[-1]["parts"]
+            parts["model_loss"] = loss.detach().float().reshape(())
+            items = kwargs.get("num_items_in_batch")  # HF: the loss is then a sum over this many tokens
+            if items is not None:
+                parts["num_items"] = items.detach().float().reshape(()) if torch.is_tensor(items) else torch.tensor(float(items))
+            if loss.requires_grad:
+                def weight(grad: torch.Tensor) -> None:
+                    parts["loss_weight"] = grad.detach().float().reshape(())
+                loss.register_hook(weight)
 
     # ------------------------------------------------------------------ per step
 
@@ -305,6 +342,20 @@ class Recorder:
         if template is not self._template[0]:  # hash only when the template object changes
             self._template = (template, template_fingerprint(template))
         return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
+
+    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """Per row: sequence starts (attended BOS tokens: a packed row holds one per sample) and, when
+        the batch gives position_ids, how often they restart at 0 (LOOP-16, packing boundaries)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
+        out = {}
+        if bos is not None:
+            attended = attention_mask != 0 if attention_mask.shape == input_ids.shape else torch.ones_like(input_ids, dtype=torch.bool)
+            out["bos_starts"] = ((input_ids == bos) & attended).sum(1)
+        positions = batch.get("position_ids")
+        if torch.is_tensor(positions) and positions.shape[-1] == input_ids.shape[1]:
+            positions = positions.reshape(-1, input_ids.shape[1]).expand(input_ids.shape[0], -1)
+            out["position_resets"] = (positions[:, 1:] == 0).sum(1)
+        return out
 
     def _rows_to_keep(self, step: int, rows: int) -> int:
         every = self.schedule.samples_every
@@ -375,6 +426,12 @@ class Recorder:
             "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
             "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
             "left_padded_rows": int(values[micro, "left_padded"].sum()),
+            "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+            **{key: values[micro, key].astype("int64").tolist() for key in ("bos_starts", "position_resets")
+               if (micro, key) in values},
+            "varlen": m["varlen"],
+            **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
+               if (micro, key) in values},
             "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
         })
         keep = m["keep_rows"]
@@ -653,6 +710,7 @@ def _describe_model(model: torch.nn.Module) -> dict:
         "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
         # What generate() stops on (LOOP-02 compares it with the template's end-of-turn marker).
         "generation_eos": jsonable(getattr(getattr(model, "generation_config", None), "eos_token_id", None)),
+        "attn_implementation": getattr(config, "_attn_implementation", None),
         "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
                     if "dropout" in k and isinstance(v, (int, float))},
     }

@@ -4,6 +4,7 @@ session through the real shim; names and options must stay identical wherever a 
 from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR  # noqa: F401 - re-exported for the tests
 
 SCALE_STEP, SPIKE_START, SPIKE_EVERY, LR_JUMP_STEP, LEAK_STEP = 12, 10, 5, 15, 7
+MEAN_OF_MEANS_STEP, STALE_STEP, PACKED_STEP = 5, 5, 3
 FROZEN_TENSOR = "model.layers.0.mlp.up_proj.weight"
 QUIET = dict(checkpoint_every=0, probe_every=0)
 
@@ -14,6 +15,18 @@ RUNS = {
     "lr_jump": dict(steps=22, faults={"lr_jump_at": LR_JUMP_STEP}, **QUIET),
     "eval_leak": dict(steps=10, faults={"eval_leak_at": LEAK_STEP}, **QUIET),
     "template": dict(steps=20, faults={"template_from": 1}, lr=1e-2, checkpoint_every=0, probe_every=2, generate_every=4, max_new_tokens=16),
+    # Gradient accumulation over 4 micro-batches, correctly token-normalised, then the mean of means (Z22).
+    "mean_of_means": dict(steps=8, grad_accum=4, batch_size=4, faults={"loss_mean_of_means_from": MEAN_OF_MEANS_STEP}, **QUIET),
+    # A cosine schedule (warmup 3 of 12 steps) whose scheduler is stepped twice per optimizer step (Z28).
+    "scheduler_twice": dict(steps=12, lr_schedule="cosine", warmup_steps=3, batch_size=4,
+                            faults={"scheduler_steps_per_step": 2}, **QUIET),
+    # Z26 (layers without gradients), Z27 (lm_head declared trainable, frozen) and Z29 (stale layer-1 gradients
+    # from step STALE_STEP) are independent: one run, three findings.
+    "trainable_set": dict(steps=8, batch_size=4, trainable=["lm_head.*"],
+                          faults={"reentrant_checkpointing": True, "frozen_module": "lm_head.*"}, **QUIET),
+    "stale_grads": dict(steps=8, batch_size=4, faults={"stale_grads_from": STALE_STEP}, **QUIET),
+    # Z16: from step PACKED_STEP three samples per row, positions running on, plain causal attention.
+    "packed": dict(steps=4, batch_size=6, faults={"packed_from": PACKED_STEP}, **QUIET),
     # Clean, with every probe the dynamics checks read (the session's clean_run has no generations or evals).
     "clean_probed": dict(steps=20, checkpoint_every=0, probe_every=2, generate_every=4, eval_every=4, max_new_tokens=16),
 }

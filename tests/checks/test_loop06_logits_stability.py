@@ -1,7 +1,9 @@
 """LOOP-06: the probe distributions of a model collapsing onto a template jump; a clean run's do not."""
 
+import numpy as np
+
 from sftaudit.audit import audit
-from sftaudit.checks.loop06_logits_stability import kl_top_k
+from sftaudit.checks.loop06_logits_stability import kl_top_k, own_history
 
 from .dynamics_runs import of, run
 
@@ -25,3 +27,15 @@ def test_template_collapse_moves_the_probe_distributions_before_the_generations_
 def test_clean_probes_raise_nothing(runs, clean_run):
     for run_dir in (run(runs, "clean_probed"), clean_run):
         assert of(audit(run_dir), "LOOP-06") == []
+
+
+def test_kl_is_judged_against_the_runs_own_probe_history():
+    # Ordinary learning at a high LR: KL between probes of 0.1-0.3 nats throughout (the absolute
+    # 0.1-nat rule fired on this); then one probe that moves 20x more than the probes before it.
+    rng = np.random.default_rng(0)
+    learning = rng.uniform(0.1, 0.3, 20)
+    z, ratio = own_history(learning, 4)
+    assert not ((z >= 6) & (ratio >= 10)).any()
+    jumped = np.append(learning, 4.0)
+    z, ratio = own_history(jumped, 4)
+    assert z[-1] >= 6 and ratio[-1] >= 10

@@ -1,0 +1,207 @@
+"""LOOP-13 loss normalisation and scale."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import AuditContext, Check, Finding
+
+
+class LossNormalisation(Check):
+    """Loss normalisation and scale (trigger point: after backward, per optimizer window).
+
+    What it detects:
+        The objective the optimizer minimised is not the token mean over the optimizer window:
+        gradient accumulation taken as the mean of micro-batch means (zoo Z22), or per-rank means
+        averaged across ranks (Z24), so tokens in short micro-batches weigh more. The logged training
+        loss disagreeing with the loss the model computed (Z23: logged x gradient-accumulation steps;
+        Z18: a NaN step hidden by the Trainer's `logging_nan_inf_filter`). A first loss far above
+        ln(vocabulary), the loss of a uniform guess (a broken head or a loss scaled by mistake).
+    Why it matters:
+        With a mis-normalised objective, gradient accumulation is no longer a large batch: short
+        answers are over-trained and long ones under-trained, and results change with the
+        accumulation steps or the number of GPUs. A wrong logged loss sends people chasing a
+        divergence that is not there, or hides one that is.
+    Statistic:
+        Per micro-batch the shim records the model's returned loss (a mean over its shifted target
+        tokens n, or a sum over `num_items_in_batch` tokens when the Trainer passes it), n, and the
+        gradient that reached that loss in backward: its weight w in the backpropagated objective.
+        A token's effective weight is t = w / (tokens the loss divides by); the intended weight is
+        the same for every token of the window (all micro-batches and ranks of the step). Relative
+        weight error = t / (token-weighted mean of t) - 1 (an overall scale is the learning rate's
+        business, not this check's). Logged loss: the Trainer's `loss` metric against the recorded
+        objective (sum of model loss x w) at the same step. First loss: the token-mean loss of the
+        first recorded step against ln(vocabulary size).
+    Threshold:
+        Largest |relative weight error| in a step > `max_weight_error` (1%): fail at the first such
+        step. Logged loss differs from the recorded one by more than `max_logged_error` (2%, above
+        the Trainer's 4-decimal rounding): fail; a non-finite recorded loss logged as finite: fail.
+        First loss > `first_loss_factor` (2) x ln(vocabulary): warn. No model loss recorded (a custom
+        loss): info, the check is skipped.
+    Evidence:
+        Per step: the micro-batches with their token counts, weights and relative errors; the most
+        over-weighted samples (ids and target tokens); the detected convention; for the logged loss
+        the two values and their ratio.
+    """
+
+    code = "LOOP-13"
+    name = "loss normalisation and scale"
+    defaults = {"max_weight_error": 0.01, "max_logged_error": 0.02, "first_loss_factor": 2.0, "samples_listed": 5}
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        if not ctx.has_rows("batches"):
+            return []
+        micro = ctx.frame(
+            """
+            SELECT rank, step, micro, sample_ids, target_tokens, list_sum(target_tokens) AS n,
+                   model_loss, loss_weight, num_items
+            FROM batches WHERE target_tokens IS NOT NULL ORDER BY step, rank, micro
+            """
+        )
+        if micro.height == 0:
+            return []
+        if micro["model_loss"].null_count() == micro.height:
+            return [self.finding(
+                "info",
+                "loss normalisation not judged: the model returned no loss (a custom loss computed outside the "
+                "model), so no per-token mean was visible; pass labels to the model to have it checked")]
+        return self._weights(ctx, micro) + self._logged(ctx, micro) + self._first_loss(ctx, micro)
+
+    # ------------------------------------------------------------------ token weights
+
+    def _weights(self, ctx: AuditContext, micro) -> list[Finding]:
+        steps = micro["step"].to_numpy()
+        n = micro["n"].fill_null(0).to_numpy().astype(float)
+        loss = micro["model_loss"].to_numpy().astype(float)
+        weight = micro["loss_weight"].to_numpy().astype(float)
+        items = micro["num_items"].to_numpy().astype(float)
+        divides_by = np.where(np.isfinite(items), items, n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            token_weight = weight / divides_by
+        usable = np.isfinite(token_weight) & np.isfinite(loss) & (n > 0)
+        # A step is judged when every micro-batch of it is usable.
+        uniq, start = np.unique(steps, return_index=True)
+        bounds = np.append(start, steps.size)
+        whole = np.logical_and.reduceat(usable, start)
+        ok = np.repeat(whole, np.diff(bounds))
+        if not ok.any():
+            return []
+        tw = np.where(ok, token_weight, 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean_weight = np.add.reduceat(tw * n, start) / np.add.reduceat(np.where(ok, n, 0.0), start)
+            rel = np.where(ok, token_weight / np.repeat(mean_weight, np.diff(bounds)) - 1.0, np.nan)
+        worst = np.fmax.reduceat(np.abs(np.where(ok, rel, np.nan)), start)
+        ctx.add_series(self.code, "largest relative token-weight error", uniq.tolist(), worst.tolist(),
+                       self.params["max_weight_error"])
+        bad = np.flatnonzero(whole & (worst > self.params["max_weight_error"]))
+        if not bad.size:
+            return []
+        i = int(bad[0])
+        step = int(uniq[i])
+        rows = slice(int(bounds[i]), int(bounds[i + 1]))
+        micro_batches = [
+            {"rank": int(r), "micro": int(m), "target_tokens": int(k), "loss_weight": float(w), "divides_by": float(d),
+             "relative_error": float(e)}
+            for r, m, k, w, d, e in zip(micro["rank"][rows], micro["micro"][rows], n[rows], weight[rows],
+                                        divides_by[rows], rel[rows])]
+        over = max(range(len(micro_batches)), key=lambda j: micro_batches[j]["relative_error"])
+        ids = micro["sample_ids"][int(bounds[i] + over)].to_list()
+        per_row = micro["target_tokens"][int(bounds[i] + over)].to_list()
+        samples = sorted(zip(ids, per_row), key=lambda x: x[1])[: self.params["samples_listed"]]
+        convention = _convention(weight[rows], divides_by[rows], n[rows], micro["rank"][rows].n_unique())
+        top = micro_batches[over]
+        return [self.finding(
+            "fail",
+            f"the loss of step {step} weights tokens unequally ({convention}): tokens of micro-batch {top['micro']}"
+            f"{' on rank ' + str(top['rank']) if micro['rank'][rows].n_unique() > 1 else ''} "
+            f"({top['target_tokens']} target tokens) count {1 + top['relative_error']:.2f}x the window's token mean "
+            f"({bad.size} step(s) affected); divide each micro-batch's summed token loss by the window's total target "
+            f"tokens (Trainer: pass num_items_in_batch / keep model_accepts_loss_kwargs)",
+            step=step, value=float(worst[i]), threshold=self.params["max_weight_error"], convention=convention,
+            steps_affected=int(bad.size), micro_batches=micro_batches,
+            over_weighted_samples=[{"sample_id": s, "target_tokens": k} for s, k in samples])]
+
+    # ------------------------------------------------------------------ logged loss
+
+    def _logged(self, ctx: AuditContext, micro) -> list[Finding]:
+        logged = ctx.frame("SELECT step, value FROM metrics WHERE rank = 0 AND name = 'loss' ORDER BY step")
+        if logged.height == 0:
+            return []
+        recorded = ctx.frame(
+            """
+            SELECT step, sum(model_loss * loss_weight) AS objective, count(*) AS micro_batches,
+                   count(loss_weight) AS weighted
+            FROM batches WHERE rank = 0 AND model_loss IS NOT NULL GROUP BY step ORDER BY step
+            """
+        )
+        # Only steps logged one step after the previous log: the Trainer's value is then that one step's.
+        steps = logged["step"].to_numpy()
+        single = np.diff(np.concatenate([[steps[0] - 1], steps])) == 1
+        rec = dict(zip(recorded["step"].to_list(), recorded["objective"].to_list()))
+        full = dict(zip(recorded["step"].to_list(), (recorded["weighted"] == recorded["micro_batches"]).to_list()))
+        findings = []
+        hidden = [(int(s), v) for s, v, one in zip(steps, logged["value"].to_list(), single)
+                  if one and full.get(s) and rec.get(s) is not None and not np.isfinite(rec[s]) and np.isfinite(v)]
+        if hidden:
+            s, v = hidden[0]
+            findings.append(self.finding(
+                "fail",
+                f"the loss was non-finite at step {s} but the trainer logged {v:.4g} there ({len(hidden)} step(s)); "
+                f"the Trainer's logging_nan_inf_filter hides NaN steps from the logs: resume from a checkpoint "
+                f"before step {s} and find the batch that produced it",
+                step=s, logged=v, recorded=str(rec[s]), steps_hidden=[h[0] for h in hidden][:50]))
+        pairs = [(int(s), v, rec[s]) for s, v, one in zip(steps, logged["value"].to_list(), single)
+                 if one and full.get(s) and rec.get(s) is not None and np.isfinite(rec[s]) and np.isfinite(v)]
+        if not pairs:
+            return findings
+        s_arr, log_arr, rec_arr = (np.array(x, dtype=float) for x in zip(*pairs))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = log_arr / rec_arr
+        off = np.abs(log_arr - rec_arr) > self.params["max_logged_error"] * np.abs(rec_arr) + 5e-4
+        if off.any():
+            j = int(np.flatnonzero(off)[0])
+            r = float(ratio[j])
+            multiple = round(r) if r >= 1.5 and abs(r - round(r)) < 0.05 else None
+            accum = ctx.scalar("SELECT max(micro_batches) FROM steps WHERE rank = 0 AND step = ?", [int(s_arr[j])])
+            why = (f" = {multiple} x the recorded loss" + (" (the gradient-accumulation steps)" if multiple == accum else "")
+                   if multiple else f", {r:.3g}x the recorded {rec_arr[j]:.4g}")
+            findings.append(self.finding(
+                "fail",
+                f"the logged training loss at step {int(s_arr[j])} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); "
+                f"the loss curve you are reading is not the loss that was trained: fix the logging's normalisation",
+                step=int(s_arr[j]), logged=float(log_arr[j]), recorded=float(rec_arr[j]), ratio=r,
+                value=r, threshold=self.params["max_logged_error"], steps_affected=int(off.sum())))
+        return findings
+
+    # ------------------------------------------------------------------ first loss
+
+    def _first_loss(self, ctx: AuditContext, micro) -> list[Finding]:
+        vocab = (ctx.manifest.get("model") or {}).get("config") or {}
+        vocab = vocab.get("vocab_size") or (ctx.manifest.get("tokenizer") or {}).get("length")
+        if ctx.manifest.get("seg", 0) != 0 and ctx.scalar("SELECT min(seg) FROM batches") != 0:
+            return []
+        first = ctx.row("SELECT step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) / "
+                        "sum(list_sum(target_tokens)) FROM batches WHERE rank = 0 AND seg = 0 AND model_loss IS NOT NULL "
+                        "GROUP BY step ORDER BY step LIMIT 1")
+        if not vocab or first is None or first[1] is None or not np.isfinite(first[1]):
+            return []
+        uniform = float(np.log(vocab))
+        if first[1] <= self.params["first_loss_factor"] * uniform:
+            return []
+        return [self.finding(
+            "warn",
+            f"the first step's loss is {first[1]:.3g}, {first[1] / uniform:.1f}x ln(vocabulary) = {uniform:.2f}, the loss of a "
+            f"uniform guess; check the output head's initialisation and any scaling applied to the loss",
+            step=int(first[0]), value=float(first[1]), threshold=self.params["first_loss_factor"] * uniform,
+            vocab_size=int(vocab))]
+
+
+def _convention(weight: np.ndarray, divides_by: np.ndarray, n: np.ndarray, ranks: int) -> str:
+    """Name the normalisation the weights show (for the finding's message)."""
+    per_mean = np.allclose(divides_by, n)
+    if per_mean and np.allclose(weight, weight[0], rtol=1e-3):
+        if ranks > 1:
+            return "mean of per-rank means"
+        return "mean of micro-batch means" if np.isclose(weight[0] * len(weight), 1.0, rtol=1e-3) else \
+            "micro-batch means with equal weights"
+    return "unequal per-micro-batch weights"

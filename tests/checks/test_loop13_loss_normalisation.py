@@ -1,0 +1,60 @@
+"""LOOP-13: a mean of micro-batch means (Z22), a logged loss x GA (Z23) and a NaN step the Trainer's
+logging filter hides (Z18) are found at their step; correctly normalised runs stay quiet."""
+
+import pytest
+
+from sftaudit.audit import audit
+
+from ..conftest import NAN_STEP
+from .dynamics_runs import MEAN_OF_MEANS_STEP, of, run
+
+HF_NAN_STEP = 4
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory, tokenizer_cache):
+    """A real Trainer with its default logging_nan_inf_filter, GA 2 (num_items_in_batch passed to the
+    model), the logged loss multiplied by GA (Z23) and a NaN loss at HF_NAN_STEP (Z18)."""
+    from sftaudit.fixtures.train import train_hf
+
+    return train_hf(tmp_path_factory.mktemp("hf-loss") / "hf-loss", steps=6, grad_accum=2, batch_size=4, save_steps=100,
+                    tokenizer_cache=tokenizer_cache, probe_every=0, generate_every=0, eval_every=0,
+                    faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP})
+
+
+def test_mean_of_micro_batch_means_fails_at_its_step_naming_the_over_weighted_samples(runs):
+    verdict = audit(run(runs, "mean_of_means"))
+    [finding] = of(verdict, "LOOP-13")
+    assert (finding["severity"], finding["step"]) == ("fail", MEAN_OF_MEANS_STEP)  # steps 1-4 token-mean: quiet
+    evidence = finding["evidence"]
+    assert evidence["convention"] == "mean of micro-batch means" and "mean of micro-batch means" in finding["message"]
+    micro = evidence["micro_batches"]
+    assert len(micro) == 4 and evidence["value"] > 0.01
+    # The most over-weighted micro-batch is the one with the fewest target tokens; its samples are named.
+    fewest = min(micro, key=lambda m: m["target_tokens"])
+    assert max(micro, key=lambda m: m["relative_error"]) == fewest
+    assert len(evidence["over_weighted_samples"]) == 4 and all(s["sample_id"].startswith("s") for s in evidence["over_weighted_samples"])
+
+
+def test_trainer_with_accumulation_is_normalised_but_its_logged_loss_is_ga_times_too_big(trainer_run):
+    verdict = audit(trainer_run)
+    findings = of(verdict, "LOOP-13")
+    assert not [f for f in findings if "weights tokens unequally" in f["message"]]
+    logged = next(f for f in findings if "logged training loss" in f["message"])
+    assert (logged["severity"], logged["step"]) == ("fail", 1)
+    assert logged["evidence"]["ratio"] == pytest.approx(2.0, rel=1e-3) and "gradient-accumulation" in logged["message"]
+
+
+def test_nan_hidden_by_the_trainers_logging_filter_is_found_at_its_step(trainer_run):
+    verdict = audit(trainer_run)
+    hidden = next(f for f in of(verdict, "LOOP-13") if "logging_nan_inf_filter" in f["message"])
+    assert (hidden["severity"], hidden["step"]) == ("fail", HF_NAN_STEP)
+    assert isinstance(hidden["evidence"]["logged"], float)  # the Trainer logged a finite number there
+    assert any(f["step"] == HF_NAN_STEP for f in of(verdict, "LOOP-05"))
+    assert verdict["first_anomalous_step"] == 1  # the logged-loss scale finding comes first
+
+
+def test_clean_and_failed_plain_runs_raise_nothing(clean_run, nan_run):
+    assert of(audit(clean_run), "LOOP-13") == []
+    # The plain loop logs no trainer loss: a NaN step is LOOP-05's, not a hidden one.
+    assert of(audit(nan_run), "LOOP-13") == [] and NAN_STEP
