@@ -105,7 +105,7 @@ def test_rollback_skips_a_checkpoint_that_fails_integrity():
 # ---------------------------------------------------------------- resume, end to end
 
 # A run that fails at step 7 (NaN loss), multi-epoch: 10 rows in batches of 4, checkpoints every 3 steps.
-SMALL = dict(dataset_rows=10, batch_size=4, max_length=32, probe_every=0, generate_every=0, eval_every=0)
+SMALL = dict(dataset_rows=10, batch_size=4, max_length=64, probe_every=0, generate_every=0, eval_every=0)
 
 
 def timeline(run):

@@ -27,7 +27,10 @@ class LossNormalisation(Check):
         tokens n, or a sum over `num_items_in_batch` tokens when the Trainer passes it), n, and the
         gradient that reached that loss in backward: its weight w in the backpropagated objective.
         A token's effective weight is t = w / (tokens the loss divides by); the intended weight is
-        the same for every token of the window (all micro-batches and ranks of the step). Relative
+        the same for every token of the window: all micro-batches of the step on one rank, and all
+        ranks when the run says its loss is a token mean across ranks (the Trainer's
+        `average_tokens_across_devices`, or `token_mean_across_ranks` in the recorder's config;
+        otherwise each rank's own token mean is the objective DDP averages). Relative
         weight error = t / (token-weighted mean of t) - 1 (an overall scale is the learning rate's
         business, not this check's). Logged loss: the Trainer's `loss` metric against the recorded
         objective (sum of model loss x w) at the same step. First loss: the token-mean loss of the
@@ -70,7 +73,14 @@ class LossNormalisation(Check):
     # ------------------------------------------------------------------ token weights
 
     def _weights(self, ctx: AuditContext, micro) -> list[Finding]:
+        config = ctx.manifest.get("config") or {}
+        across_ranks = bool(config.get("token_mean_across_ranks")
+                            or (config.get("training_args") or {}).get("average_tokens_across_devices"))
+        ranks = micro["rank"].to_numpy().astype(np.int64)
         steps = micro["step"].to_numpy()
+        # One optimizer window per step, or per (step, rank) when each rank normalises by its own tokens
+        # (rows come ordered by step, rank, micro, so windows are contiguous either way).
+        window = steps if across_ranks else steps * (int(ranks.max()) + 1) + ranks
         n = micro["n"].fill_null(0).to_numpy().astype(float)
         loss = micro["model_loss"].to_numpy().astype(float)
         weight = micro["loss_weight"].to_numpy().astype(float)
@@ -79,8 +89,8 @@ class LossNormalisation(Check):
         with np.errstate(divide="ignore", invalid="ignore"):
             token_weight = weight / divides_by
         usable = np.isfinite(token_weight) & np.isfinite(loss) & (n > 0)
-        # A step is judged when every micro-batch of it is usable.
-        uniq, start = np.unique(steps, return_index=True)
+        # A window is judged when every micro-batch of it is usable.
+        uniq, start = np.unique(window, return_index=True)
         bounds = np.append(start, steps.size)
         whole = np.logical_and.reduceat(usable, start)
         ok = np.repeat(whole, np.diff(bounds))
@@ -91,13 +101,15 @@ class LossNormalisation(Check):
             mean_weight = np.add.reduceat(tw * n, start) / np.add.reduceat(np.where(ok, n, 0.0), start)
             rel = np.where(ok, token_weight / np.repeat(mean_weight, np.diff(bounds)) - 1.0, np.nan)
         worst = np.fmax.reduceat(np.abs(np.where(ok, rel, np.nan)), start)
-        ctx.add_series(self.code, "largest relative token-weight error", uniq.tolist(), worst.tolist(),
-                       self.params["max_weight_error"])
+        window_step = steps[start]
+        series_steps, first_window = np.unique(window_step, return_index=True)
+        ctx.add_series(self.code, "largest relative token-weight error", series_steps.tolist(),
+                       np.fmax.reduceat(worst, first_window).tolist(), self.params["max_weight_error"])
         bad = np.flatnonzero(whole & (worst > self.params["max_weight_error"]))
         if not bad.size:
             return []
         i = int(bad[0])
-        step = int(uniq[i])
+        step = int(window_step[i])
         rows = slice(int(bounds[i]), int(bounds[i + 1]))
         micro_batches = [
             {"rank": int(r), "micro": int(m), "target_tokens": int(k), "loss_weight": float(w), "divides_by": float(d),
@@ -115,10 +127,10 @@ class LossNormalisation(Check):
             f"the loss of step {step} weights tokens unequally ({convention}): tokens of micro-batch {top['micro']}"
             f"{' on rank ' + str(top['rank']) if micro['rank'][rows].n_unique() > 1 else ''} "
             f"({top['target_tokens']} target tokens) count {1 + top['relative_error']:.2f}x the window's token mean "
-            f"({bad.size} step(s) affected); divide each micro-batch's summed token loss by the window's total target "
+            f"({np.unique(window_step[bad]).size} step(s) affected); divide each micro-batch's summed token loss by the window's total target "
             f"tokens (Trainer: pass num_items_in_batch / keep model_accepts_loss_kwargs)",
             step=step, value=float(worst[i]), threshold=self.params["max_weight_error"], convention=convention,
-            steps_affected=int(bad.size), micro_batches=micro_batches,
+            steps_affected=int(np.unique(window_step[bad]).size), micro_batches=micro_batches,
             over_weighted_samples=[{"sample_id": s, "target_tokens": k} for s, k in samples])]
 
     # ------------------------------------------------------------------ logged loss

@@ -12,7 +12,7 @@ from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_plain
 
 ORDERS = ("cyclic", "sampler", "dataloader")
-RUN = dict(dataset_rows=10, batch_size=4, max_length=32, checkpoint_every=2,
+RUN = dict(dataset_rows=10, batch_size=4, max_length=64, checkpoint_every=2,
            probe_every=0, generate_every=0, eval_every=0)
 # The dataloader run also passes no sample ids: the shim content-hashes its rows.
 ORDER_FAULTS = {"dataloader": {"ids_not_given": True}}

@@ -181,7 +181,7 @@ def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
     partial): resumed from checkpoint-4 with `ignore_data_skip`, it trains epoch 2 from its start."""
     from sftaudit.fixtures.train import train_hf
 
-    options = dict(save_steps=2, dataset_rows=10, batch_size=4, max_length=32, probe_every=0, generate_every=0,
+    options = dict(save_steps=2, dataset_rows=10, batch_size=4, max_length=64, probe_every=0, generate_every=0,
                    eval_every=0, tokenizer_cache=tokenizer_cache)
     run = train_hf(tmp_path / "hf", steps=6, **options)
     train_hf(run, steps=6, resume_from=run / "checkpoint-4", trainer_options={"ignore_data_skip": True}, **options)
