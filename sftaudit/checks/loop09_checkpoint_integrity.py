@@ -77,7 +77,8 @@ class CheckpointIntegrity(Check):
         Any missing/unexpected key, shape mismatch, stray dtype, non-finite element, unsafe
         pickle, unreadable or changed file, empty or untrained adapter, tied config with
         differing tensors, or stale parameter with a positive gradient norm fails that
-        checkpoint. Missing training-state parts are one warn for the run (a fail per
+        checkpoint, unless lr x gradient norm stayed under half a float32 ulp of the weight
+        norm at every step in between (an update that rounds away, e.g. SGD at lr 1e-5). Missing training-state parts are one warn for the run (a fail per
         checkpoint under `require_resume_state`); a checkpoint no longer on disk, and a path
         saved at several steps, are info.
     Evidence:
@@ -344,10 +345,19 @@ class CheckpointIntegrity(Check):
         if not same:
             return []
         grads = ctx.frame(
-            """SELECT tensor, max(norm) AS max_grad_norm, count(*) AS steps FROM grad_norms
-               WHERE rank = 0 AND step > ? AND step <= ? AND isfinite(norm) AND norm > 0
-               GROUP BY tensor""", [before.step, after.step])
-        norms = dict(zip(grads["tensor"].to_list(), grads["max_grad_norm"].to_list()))
+            """SELECT g.tensor, any_value(g.idx) AS idx, max(g.norm) AS max_grad_norm, max(g.norm * s.lr) AS largest_step
+               FROM grad_norms g LEFT JOIN steps s ON s.rank = g.rank AND s.step = g.step
+               WHERE g.rank = 0 AND g.step > ? AND g.step <= ? AND isfinite(g.norm) AND g.norm > 0
+               GROUP BY g.tensor""", [before.step, after.step])
+        saved = ctx.row("SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND step = ? "
+                        "AND param_norms IS NOT NULL LIMIT 1", [after.step])
+        weight_norms = saved[0] if saved else []
+        # LOOP-05's rule: lr x |g| under half a float32 ulp of |w| at every step is an update that rounds away
+        # (plain SGD at a tiny LR), not a tensor missing from the optimizer.
+        rounds_away = {tensor for tensor, idx, step_size in grads.select("tensor", "idx", "largest_step").iter_rows()
+                       if step_size is not None and idx is not None and idx < len(weight_norms)
+                       and step_size < weight_norms[idx] * 2.0 ** -24}
+        norms = {t: n for t, n in zip(grads["tensor"].to_list(), grads["max_grad_norm"].to_list()) if t not in rounds_away}
         tied = ctx.manifest.get("tied", {})
         stale = [{"tensor": n, "max_grad_norm": norms[groups_of(n, tied)]} for n in same if groups_of(n, tied) in norms]
         if not stale:

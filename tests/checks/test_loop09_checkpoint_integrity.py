@@ -136,3 +136,15 @@ def test_a_configured_dtype_names_every_other_tensor(clean_run):
     assert all(f.evidence["tensor_count"] == n_params for f in findings)
     assert findings[0].evidence["dtypes"][0]["expected"] == "bfloat16"
 
+
+
+def test_updates_that_round_away_are_not_stale(tmp_path):
+    """Plain SGD at lr 1e-5 leaves the norm weights (1.0, tiny gradients) byte-identical between saves:
+    their updates round away in float32. That is not a tensor missing from the optimizer."""
+    from sftaudit.fixtures.train import train_plain
+
+    run = train_plain(tmp_path / "sgd-tiny-lr", steps=6, optimizer="sgd", lr=1e-5, checkpoint_every=3,
+                      profile="prod", tokenizer_cache=tmp_path / "tok")
+    verdict = audit(run)
+    assert loop09(verdict) == {}
+    assert [c["name"] for c in verdict["checkpoints"] if c["intact"]] == ["checkpoint-3", "checkpoint-6"]
