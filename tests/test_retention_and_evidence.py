@@ -50,10 +50,12 @@ def test_rollback_target_is_on_disk_and_the_deleted_one_is_named(nan_run, tmp_pa
     assert "checkpoint-10 would have been, but it is no longer on disk: restart from scratch" in out
 
 
-def record(run, steps, batch=lambda rows: rows, **options):
-    """A few real steps of the tiny model through the recorder; `batch` may break the batches."""
+def record(run, steps, batch=lambda rows: rows, break_model=lambda model: None, **options):
+    """A few real steps of the tiny model through the recorder; `batch` may break the batches,
+    `break_model` the model."""
     tok = build_tokenizer(run.parent / "tokenizer")
     model = build_model(tok)
+    break_model(model)
     rows = load_dataset()[:8]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Recorder(run, model, tok, profile="prod", **options) as rec:
@@ -88,34 +90,21 @@ def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path):
     class BrokenGenerate(Exception):
         pass
 
-    run = tmp_path / "partial"
-    with pytest.warns(UserWarning) as caught:
-        tok = build_tokenizer(tmp_path / "tokenizer")
-        model = build_model(tok)
-        calls = {"n": 0}
+    def generate_once(model):
         original = model.generate
+        calls = {"n": 0}
 
-        def generate_twice(*args, **kwargs):
+        def generate(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] > 1:
                 raise BrokenGenerate("generation exploded")
             return original(*args, **kwargs)
 
-        model.generate = generate_twice
-        rows = load_dataset()[:8]
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with Recorder(run, model, tok, profile="prod", probe_prompts=["hi"], generate_every=2,
-                      generations_per_prompt=2, max_new_tokens=4) as rec:
-            for step in range(1, 5):
-                data = collate(tok, rows)
-                rec.on_batch(step, data)
-                loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"],
-                             labels=data["labels"]).loss
-                loss.backward()
-                rec.on_backward(step, loss)
-                opt.step()
-                rec.on_step_end(step, lr=0.1)
-                opt.zero_grad()
+        model.generate = generate
+
+    with pytest.warns(UserWarning) as caught:
+        run = record(tmp_path / "partial", steps=4, break_model=generate_once, probe_prompts=["hi"],
+                     generate_every=2, generations_per_prompt=2, max_new_tokens=4)
     assert [str(w.message) for w in caught if "sftaudit" in str(w.message)] == [
         "sftaudit: generations recording failed at step 4 and was switched off (BrokenGenerate: generation "
         "exploded); further shim errors go to the run's events only"]
