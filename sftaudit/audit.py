@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import AuditContext, Finding, registered_checks
+from .checks.base import EVIDENCE
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
@@ -75,6 +76,47 @@ def evidence_coverage(con, check_errors: list[dict[str, str]]) -> dict[str, Any]
             "partial": partial, "cannot_judge": "; ".join(reasons) or None}
 
 
+# Shim components (as `shim_error` events name them) -> the evidence table each one writes.
+COMPONENT_TABLES = {"steps": "steps", "gradients": "grad_norms", "batches": "batches", "probes": "probes",
+                    "generations": "generations", "evals": "evals", "checkpoints": "checkpoints",
+                    "metrics": "metrics"}
+
+
+def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
+                   evidence: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per registered check: "ran", "partial" (a component it needs stopped mid-run), "not_run"
+    (evidence it needs was not recorded), "disabled" (by config) or "error"; with the reason and
+    the evidence it ran on."""
+    tokenizer = manifest.get("tokenizer") or {}
+    recorded = {"tokenizer": bool(tokenizer), "chat_template": bool(tokenizer.get("chat_template"))}
+    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    for table in set(EVIDENCE) - set(recorded):
+        recorded[table] = table in tables and bool(first_row(con, f'SELECT count(*) FROM "{table}"')[0])
+    stopped = {COMPONENT_TABLES.get(o["component"]): o for o in (evidence or {}).get("components_off", [])}
+    errors = {e["code"]: e["error"] for e in check_errors}
+    source = "dataset (preflight)" if manifest.get("profile") == "preflight" else manifest.get("source", "shim")
+    out = []
+    for check in registered_checks():
+        missing = [t for t in check.needs if not recorded[t]]
+        cut = [stopped[t] for t in check.needs if t in stopped]
+        if check.code in config.disabled:
+            status, reason = "disabled", "switched off in the audit config"
+        elif check.code in errors:
+            status, reason = "error", errors[check.code]
+        elif missing:
+            status, reason = "not_run", "not recorded: " + ", ".join(EVIDENCE[t] for t in missing)
+        elif cut:
+            status = "partial"
+            reason = "; ".join(f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}"
+                               for o in cut)
+        else:
+            status, reason = "ran", None
+        out.append({"code": check.code, "name": check.name, "status": status, "reason": reason,
+                    "evidence": [EVIDENCE[t] for t in check.needs if recorded[t]],
+                    "sources": [source] if status in ("ran", "partial") else []})
+    return out
+
+
 def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
     """Ingest what is new, run the checks, store findings + verdict in DuckDB; return the verdict."""
     run_dir = Path(run_dir)
@@ -95,6 +137,7 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     evidence = evidence_coverage(con, errors) if manifest.get("profile") != "preflight" else None
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
                             config.rollback_margin, evidence)
+    verdict["checks"] = check_coverage(con, manifest, config, errors, evidence)
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,

@@ -202,6 +202,9 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"  {e['code']} could not run: {e['error']}")
     for note in verdict.get("evidence", {}).get("partial", []):
         print(f"  partial evidence: {note}")
+    not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
+    if not_run:
+        print("  not run: " + "; ".join(f"{c['code']} ({c['reason']})" for c in not_run))
     print(f"verdict: {verdict_path}")
     if report:
         print(f"report:  {report}")

@@ -22,7 +22,8 @@ from sftaudit.ingest import database_path
 from sftaudit.report import write_report
 from sftaudit.report.evidence import blocks
 from sftaudit.checks import registered_checks
-from sftaudit.report.tables import CHECK_INPUTS, envelope
+from sftaudit.checks.base import EVIDENCE
+from sftaudit.report.tables import envelope
 from tests.conftest import NAN_STEP
 
 XSS_SCRIPT = "<script>window.__xss = 1</script>"
@@ -125,8 +126,8 @@ def test_checks_without_data_degrade_to_a_note(clean_report):
     assert "no data recorded for this check: no LOOP-07 statistics were stored" in html
     assert "no data recorded for this check: no LOOP-08 statistics were stored" in html
     for check in registered_checks():
-        if CHECK_INPUTS.get(check.code) in ("generations", "evals"):
-            assert f"no data recorded for this check (the run has no {CHECK_INPUTS[check.code]} records)" in html
+        if set(check.needs) & {"generations", "evals"}:
+            assert f"not run: not recorded: {EVIDENCE[check.needs[0]]}" in html, check.code
 
 
 def test_nan_report_names_first_step_cause_and_rollback(planted_report):

@@ -17,6 +17,23 @@ SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 DOC_SECTIONS = ("What it detects", "Why it matters", "Statistic", "Threshold", "Evidence")
 
+# The evidence a check may need, by table, as a reader would name it. A check whose `needs` are
+# not all recorded did not run: the verdict and the report say so, never "passed".
+EVIDENCE = {
+    "steps": "training steps (loss, learning rate)",
+    "grad_norms": "per-tensor gradient norms",
+    "batches": "batch records (labels, padding, loss per micro-batch)",
+    "samples": "rendered samples",
+    "probes": "next-token distributions on the probe prompts",
+    "generations": "generations on the probe prompts",
+    "evals": "eval-set predictions",
+    "checkpoints": "checkpoints",
+    "metrics": "logged metrics",
+    # Not tables: what the run's manifest describes.
+    "tokenizer": "the run's tokenizer",
+    "chat_template": "the tokenizer's chat template",
+}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -81,11 +98,13 @@ class Check:
 
     The class docstring documents the check in the fixed sections of DOC_SECTIONS
     (the report and the README quote it). `defaults` are the seed's thresholds; a
-    config overrides them per check code.
+    config overrides them per check code. `needs` names the EVIDENCE tables without
+    which the check cannot judge anything.
     """
 
     code: ClassVar[str]
     name: ClassVar[str]
+    needs: ClassVar[tuple[str, ...]]
     defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **overrides: Any):

@@ -43,6 +43,7 @@ class PromptTemplateConsistency(Check):
 
     code = "LOOP-01"
     name = "prompt-template consistency"
+    needs = ("chat_template",)
     defaults = {"max_samples_listed": 50}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -50,6 +50,7 @@ class SpecialTokenAlignment(Check):
 
     code = "LOOP-02"
     name = "tokenizer special-token alignment"
+    needs = ("tokenizer",)
     defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -37,6 +37,7 @@ class BatchPaddingStrategy(Check):
 
     code = "LOOP-03"
     name = "batch padding strategy"
+    needs = ("batches",)
     defaults = {"cv_threshold": 0.15, "padding_threshold": 0.6, "group_batches": 50}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

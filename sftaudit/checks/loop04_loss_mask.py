@@ -58,6 +58,7 @@ class LossMaskValidity(Check):
 
     code = "LOOP-04"
     name = "loss-mask validity"
+    needs = ("batches",)
     defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6,
                 "expect": "assistant_tokens", "assistant_turns": "all"}
 

@@ -72,6 +72,7 @@ class LogitsStability(Check):
 
     code = "LOOP-06"
     name = "logits distribution stability"
+    needs = ("probes",)
     defaults = {"max_top1_std": 0.08, "spread_window": 5, "sigma": 6.0, "min_ratio": 10.0, "min_kl": 0.02,
                 "entropy_collapse": 0.5, "window": 4}
 

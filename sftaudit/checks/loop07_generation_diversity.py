@@ -38,6 +38,7 @@ class GenerationDiversity(Check):
 
     code = "LOOP-07"
     name = "generation diversity"
+    needs = ("generations",)
     defaults = {"min_distinct_1": 0.35, "consecutive": 3, "top_ngrams": 10}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

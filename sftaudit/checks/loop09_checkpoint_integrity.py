@@ -89,6 +89,7 @@ class CheckpointIntegrity(Check):
 
     code = "LOOP-09"
     name = "checkpoint integrity"
+    needs = ("checkpoints",)
     defaults = {
         "expected_dtype": None,          # e.g. "bfloat16"; default: the checkpoint's majority dtype
         "require_resume_state": False,   # true: a checkpoint that cannot resume exactly fails

@@ -44,6 +44,7 @@ class LossDynamics(Check):
 
     code = "LOOP-10"
     name = "loss pathologies and drift"
+    needs = ("steps",)
     defaults = {"sigma_spike": 6.0, "diverge_steps": 5, "window": None, "lr_jump": 10.0, "plateau_blocks": 4,
                 "plateau_tolerance": 0.005, "gap_evals": 3, "fdr_q": 0.01, "min_volatility_ratio": 3.0,
                 "max_series_listed": 20}

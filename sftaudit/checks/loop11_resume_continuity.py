@@ -55,6 +55,7 @@ class ResumeContinuity(Check):
 
     code = "LOOP-11"
     name = "resume continuity"
+    needs = ("steps",)
     defaults = {"data_window": 50, "lr_window": 2, "lr_tolerance": 0.1, "weight_tolerance": 1e-9,
                 "loss_window": 3, "loss_jump_fraction": 0.05, "max_ids_listed": 50}
 

@@ -45,6 +45,7 @@ class GarbageSamples(Check):
 
     code = "LOOP-12"
     name = "garbage samples"
+    needs = ("samples",)
     defaults = {"byte_share": 0.5, "baseline_factor": 4.0, "max_samples_listed": 10}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -49,6 +49,7 @@ class LossNormalisation(Check):
 
     code = "LOOP-13"
     name = "loss normalisation and scale"
+    needs = ("batches",)
     defaults = {"max_weight_error": 0.01, "max_logged_error": 0.02, "first_loss_factor": 2.0, "samples_listed": 5}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

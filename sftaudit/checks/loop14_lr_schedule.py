@@ -45,6 +45,7 @@ class LRScheduleConformance(Check):
 
     code = "LOOP-14"
     name = "learning-rate schedule conformance"
+    needs = ("steps",)
     defaults = {"tolerance": 0.01}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -40,6 +40,7 @@ class TrainableSetConformance(Check):
 
     code = "LOOP-15"
     name = "trainable-set conformance"
+    needs = ("grad_norms",)
     defaults = {"min_steps": 3, "max_tensors_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -35,6 +35,7 @@ class PackingBoundaries(Check):
 
     code = "LOOP-16"
     name = "packing boundaries"
+    needs = ("batches",)
     defaults = {"rows_listed": 5}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -123,7 +123,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         histograms.append({"div": div, "step": h["step"], "reason": h["reason"]})
 
     series_divs = _series_figures(con, findings, figs)
-    checks = _checks(con, findings, verdict.get("check_errors") or [], series_divs)
+    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs)
     first = verdict["first_anomalous_step"]
     return {
         "verdict": verdict,
@@ -183,7 +183,7 @@ def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[st
     return divs
 
 
-def _checks(con, findings: list[dict[str, Any]], errors: list[dict[str, str]],
+def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], coverage: list[dict[str, Any]],
             series_divs: dict[str, str]) -> list[dict[str, Any]]:
     registered = {c.code: c for c in registered_checks()}
     codes = sorted(set(registered) | {f["code"] for f in findings} | {e["code"] for e in errors})
@@ -192,8 +192,8 @@ def _checks(con, findings: list[dict[str, Any]], errors: list[dict[str, str]],
         cls = registered.get(code)
         own = [f for f in findings if f["code"] == code]
         error = next((e["error"] for e in errors if e["code"] == code), None)
-        input_table = tables.CHECK_INPUTS.get(code)
-        no_data = input_table is not None and not tables.row_count(con, input_table)
+        covered = next((c for c in coverage if c["code"] == code), {})
+        no_data = covered.get("status") in ("not_run", "disabled")
         if error:
             status = "error"
         elif own:
@@ -204,7 +204,7 @@ def _checks(con, findings: list[dict[str, Any]], errors: list[dict[str, str]],
             "code": code, "anchor": anchor(code), "name": cls.name if cls else "(check not installed)",
             "doc": check_doc(cls) if cls else None, "defaults": dict(cls.defaults) if cls else {},
             "status": status, "error": error, "findings": own,
-            "no_data": f"no data recorded for this check (the run has no {input_table} records)" if no_data else None,
+            "no_data": f"not run: {covered['reason']}" if no_data else None,
             "series_div": series_divs.get(code),
         })
     return out

@@ -22,17 +22,6 @@ ENVELOPE_BUCKETS = 1000
 HEATMAP_BUCKETS = 250
 
 # The tables the shim fills for a check: when empty, the check had nothing to judge.
-CHECK_INPUTS = {
-    "LOOP-03": "batches",
-    "LOOP-04": "samples",
-    "LOOP-05": "steps",
-    "LOOP-06": "probes",
-    "LOOP-07": "generations",
-    "LOOP-08": "evals",
-    "LOOP-09": "checkpoints",
-}
-
-
 def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from sftaudit.audit import audit
 from sftaudit.checks import registered_checks
-from sftaudit.checks.base import DOC_SECTIONS
+from sftaudit.checks.base import DOC_SECTIONS, EVIDENCE
+from sftaudit.config import AuditConfig
 
 HERE = Path(__file__).parent
 
@@ -35,3 +36,19 @@ def test_every_check_has_its_own_test_file():
 def test_no_check_crashes_on_the_clean_and_the_failed_run(clean_run, nan_run):
     for run in (clean_run, nan_run):
         assert audit(run)["check_errors"] == []
+
+
+def test_every_check_names_the_evidence_it_needs():
+    for check in registered_checks():
+        assert check.needs and set(check.needs) <= set(EVIDENCE), check.code
+
+
+def test_coverage_says_which_checks_ran_and_why_the_others_did_not(clean_run):
+    coverage = {c["code"]: c for c in audit(clean_run)["checks"]}
+    assert set(coverage) == {c.code for c in registered_checks()}
+    # The 30-step clean run records steps and gradients but no generations or evals (dev profile).
+    assert coverage["LOOP-05"]["status"] == "ran" and coverage["LOOP-05"]["sources"] == ["shim"]
+    assert coverage["LOOP-07"] == {"code": "LOOP-07", "name": "generation diversity", "status": "not_run",
+                                   "reason": "not recorded: generations on the probe prompts", "evidence": [],
+                                   "sources": []}
+    assert audit(clean_run, AuditConfig(disabled=["LOOP-10"]))["checks"][9]["status"] == "disabled"
