@@ -1,0 +1,92 @@
+"""2-rank CPU runs (gloo, one torchrun launch: the `distributed_runs` fixture): every rank records its
+local pieces with no extra collective, the analyzer reduces them to the whole model's per-tensor
+gradient norms, and a clean run of every framework audits PASS."""
+
+import json
+
+import pytest
+
+from sftaudit.artifacts import rank_dir
+from sftaudit.audit import audit
+from sftaudit.ingest import connect, ingest
+
+CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4}  # run -> steps
+PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
+
+
+def manifests(run):
+    return [json.loads((rank_dir(run, r) / "manifest.jsonl").read_text().splitlines()[0]) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("name", CLEAN)
+def test_clean_run_passes_with_every_step_of_every_rank(distributed_runs, name):
+    run = distributed_runs / name
+    verdict = audit(run)
+    assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
+    steps = CLEAN[name]
+    assert verdict["evidence"]["ranks"] == [{"rank": r, "steps": steps, "first_step": 1, "last_step": steps}
+                                            for r in (0, 1)]
+    assert verdict["evidence"]["components_off"] == []
+    con = connect(run, read_only=True)
+    n_params = con.execute("SELECT count(*) FROM params WHERE rank = 0 AND idx IS NOT NULL").fetchall()[0][0]
+    # Every rank has the whole model's norm of every tensor at every step.
+    assert con.execute("SELECT count(*) FROM grad_norms").fetchall()[0][0] == 2 * steps * n_params
+    con.close()
+
+
+def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
+    measured = json.loads((distributed_runs / "trainer_ddp.json").read_text())
+    # Without use_cpu=True each process would train alone while torchrun reports two.
+    assert measured["num_processes"] == 2 and measured["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert {m["world_size"] for m in manifests(distributed_runs / "trainer_ddp")} == {2}
+
+
+@pytest.mark.parametrize("name", PLAIN_LOOPS)
+def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_runs, name):
+    reference = json.loads((distributed_runs / "reference.json").read_text())
+    con = connect(distributed_runs / name, read_only=True)
+    rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms").fetchall()
+    total = con.execute("SELECT step, grad_norm FROM steps WHERE rank = 1 ORDER BY step").fetchall()
+    con.close()
+    assert {t for _, _, t, _ in rows} == set(reference["1"])
+    assert max(abs(norm / reference[str(step)][tensor] - 1) for _, step, tensor, norm in rows) < 1e-5
+    for step, norm in total:  # the step's total is the whole model's on every rank, sharded or not
+        whole = sum(v * v for v in reference[str(step)].values()) ** 0.5
+        assert abs(norm / whole - 1) < 1e-5
+
+
+def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):
+    ddp, fsdp1, flat, fsdp2 = (manifests(distributed_runs / n) for n in PLAIN_LOOPS)
+    assert {m["framework"] for m in ddp} == {"plain"} and {m["framework"] for m in fsdp2} == {"fsdp2"}
+    assert {p["kind"] for m in ddp for p in m["params"]} == {"replicated"}
+    assert [p["replica"] for m in ddp for p in m["params"][:1]] == [0, 1]
+    for run in (fsdp1, flat, fsdp2):
+        assert {m["framework"] for m in run} <= {"fsdp1", "fsdp2"}
+        assert [p["name"] for p in run[0]["params"]] == [p["name"] for p in run[1]["params"]]
+        assert {p["name"] for p in run[0]["params"]} == {p["name"] for p in ddp[0]["params"]}
+        for p0, p1 in zip(run[0]["params"], run[1]["params"]):
+            # Two disjoint pieces that tile the whole tensor (an element range per rank).
+            assert p0["kind"] == p1["kind"] == "sharded" and p0["shape"] == p1["shape"]
+            assert p0["local_numel"] + p1["local_numel"] == p0["numel"]
+            assert sorted([(p0["start"], p0["stop"]), (p1["start"], p1["stop"])]) in (
+                [(0, p0["local_numel"]), (p0["local_numel"], p0["numel"])],
+                [(0, 0), (0, p0["numel"])])
+    assert any(p["local_numel"] == 0 for m in fsdp1 for p in m["params"])  # FSDP1 shards the flat parameter
+
+
+def test_fsdp2_recording_adds_no_collective_to_a_step(distributed_runs):
+    counts = json.loads((distributed_runs / "fsdp2.json").read_text())["collectives"]
+    recorded, alone = [c for c in counts if c["recorded"]], [c for c in counts if not c["recorded"]]
+    assert len(recorded) == 2 and len(alone) == 1  # steps 1-2 recorded, step 7 without the recorder
+    assert all(c["recorder"] == 0 for c in counts)
+    assert {c["total"] for c in counts} == {alone[0]["total"]} and alone[0]["total"] > 0  # FSDP2's own
+
+
+def test_a_rank_that_stopped_leaves_sharded_norms_incomplete_never_smaller(distributed_runs):
+    ingest(distributed_runs / "fsdp2_stop")
+    con = connect(distributed_runs / "fsdp2_stop", read_only=True)
+    steps = con.execute("SELECT step, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchall()
+    reduced_steps = con.execute("SELECT DISTINCT step FROM grad_norms ORDER BY step").fetchall()
+    con.close()
+    assert [s for s, n in steps if n is None] == [5, 6]  # rank 1's pieces of steps 5 and 6 are missing
+    assert reduced_steps == [(s,) for s in range(1, 5)]
