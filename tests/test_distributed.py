@@ -90,3 +90,43 @@ def test_a_rank_that_stopped_leaves_sharded_norms_incomplete_never_smaller(distr
     con.close()
     assert [s for s, n in steps if n is None] == [5, 6]  # rank 1's pieces of steps 5 and 6 are missing
     assert reduced_steps == [(s,) for s in range(1, 5)]
+
+
+def write_rank(run, rank, params, steps):
+    """A rank's artifacts as the shim writes them: a manifest with layouts, one steps record per step."""
+    folder = rank_dir(run, rank)
+    folder.mkdir(parents=True)
+    manifest = {"schema_version": 1, "seg": 0, "rank": rank, "world_size": 4, "profile": "prod", "params": params,
+                "tied": {}, "grad_norm_source": "pre_clip"}
+    (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
+    (folder / "steps.jsonl").write_text("".join(
+        json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norm": None, "grad_norms": norms}) + "\n"
+        for s, norms in steps.items()))
+
+
+def test_reduction_over_one_replica_group_with_coverage(tmp_path):
+    """HSDP on 4 ranks: two replica groups of two shards each. `w` (6 elements) is sharded 4 + 2;
+    `b` is replicated; `p` has a Partial placement (no norm can be reduced from it). At step 2 rank 1
+    (group 0) has no piece of `w`: group 0 does not cover it, and group 1 is not used instead."""
+    def params(rank):
+        start = 0 if rank % 2 == 0 else 4
+        return [{"name": "w", "shape": [6], "dtype": "float32", "numel": 6, "requires_grad": True, "kind": "sharded",
+                 "start": start, "stop": start + (4 if rank % 2 == 0 else 2), "local_numel": 4 if rank % 2 == 0 else 2,
+                 "replica": rank // 2},
+                {"name": "b", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "replicated",
+                 "start": 0, "stop": 2, "local_numel": 2, "replica": rank},
+                {"name": "p", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "partial",
+                 "start": None, "stop": None, "local_numel": 2, "replica": rank}]
+
+    run = tmp_path / "hsdp"
+    for rank in range(4):
+        shard = 3.0 if rank % 2 == 0 else 4.0
+        write_rank(run, rank, params(rank), {1: [shard, 2.0, 1.0], 2: [None if rank == 1 else shard, 2.0, 1.0]})
+    ingest(run)
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms ORDER BY step, tensor, rank").fetchall()
+    totals = con.execute("SELECT step, list(grad_norm ORDER BY rank) FROM steps GROUP BY step ORDER BY step").fetchall()
+    con.close()
+    assert rows == [(r, 1, "b", 2.0) for r in range(4)] + [(r, 1, "w", 5.0) for r in range(4)] \
+        + [(r, 2, "b", 2.0) for r in range(4)]  # w at step 2: incomplete, no row; p: never
+    assert totals == [(1, [None] * 4), (2, [None] * 4)]  # p has no reducible norm: no step total
