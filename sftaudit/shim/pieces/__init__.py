@@ -26,9 +26,8 @@ class Pieces:
     framework = "plain"
     shards_weights = False  # a forward pass needs every rank (no probing from rank 0 alone)
 
-    def __init__(self, model: torch.nn.Module, params: list[dict], tied: dict[str, str],
-                 tensors: list[torch.nn.Parameter], layout: list[dict]):
-        self.model = model
+    def __init__(self, params: list[dict], tied: dict[str, str], tensors: list[torch.nn.Parameter],
+                 layout: list[dict]):
         self.params = [{**p, **kind} for p, kind in zip(params, layout)]  # the manifest's entries
         self.tied = tied
         self._tensors = tensors

@@ -22,8 +22,8 @@ HYBRID = (HandleShardingStrategy.HYBRID_SHARD, HandleShardingStrategy._HYBRID_SH
 class FlatParamPieces(Pieces):
     framework = "fsdp1"
 
-    def __init__(self, model, params, slots, layout):
-        super().__init__(model, params, {}, [], layout)
+    def __init__(self, params, slots, layout):
+        super().__init__(params, {}, [], layout)
         self._slots = slots  # per parameter: (its FSDP handle, its index in the flat parameter)
 
     def grads(self) -> list[torch.Tensor | None]:
@@ -57,7 +57,7 @@ def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
                                "replica": replica})
             else:
                 layout.append({"kind": "sharded", "start": 0, "stop": 0, "local_numel": 0, "replica": replica})
-    return FlatParamPieces(model, params, slots, layout)
+    return FlatParamPieces(params, slots, layout)
 
 
 def _piece(handle, i: int, grad: bool) -> torch.Tensor | None:

@@ -34,7 +34,7 @@ def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
         return None
     params, tied = describe_params(model)  # a DTensor's shape and numel are the whole tensor's
     layout = [_layout(p, rank) if isinstance(p, DTensor) else whole("local", p.numel(), rank) for p in tensors]
-    result = DTensorPieces(model, params, tied, tensors, layout)
+    result = DTensorPieces(params, tied, tensors, layout)
     result.shards_weights = any(entry["kind"] == "sharded" for entry in layout)
     return result
 
