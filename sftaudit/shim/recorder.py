@@ -476,10 +476,13 @@ class Recorder:
     def _param_norms(self) -> list[float]:
         """Per-tensor weight L2 norms (of this rank's pieces) in float64 (one transfer): equal norms at
         two saves mean the tensor did not move, which is how LOOP-05 finds parameters left out of the
-        optimizer."""
+        optimizer. NaN where the rank holds none of a tensor: an empty piece says nothing about it."""
         weights = self._pieces.weights()
+        if not weights:
+            return []
         with torch.no_grad():
-            return torch.stack([w.double().norm() for w in weights]).cpu().tolist() if weights else []
+            norms = torch.stack([w.double().norm() for w in weights]).cpu().tolist()
+        return [n if w.numel() else float("nan") for n, w in zip(norms, weights)]
 
     def _param_fingerprints(self) -> list[int]:
         """Per tensor, the integer sum of the bit patterns of this rank's piece (one transfer): exact
