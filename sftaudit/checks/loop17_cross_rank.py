@@ -68,7 +68,7 @@ class CrossRankConsistency(Check):
         if not rows:
             return []
         per_rank = dict(ctx.con.execute("SELECT rank, count(*) FROM steps GROUP BY rank").fetchall())
-        incomplete = ctx.row(f"""
+        incomplete = ctx.row("""
             SELECT count(DISTINCT step), min(step) FROM grad_pieces p
             WHERE NOT EXISTS (SELECT 1 FROM grad_norms g WHERE g.rank = p.rank AND g.seg = p.seg
                               AND g.step = p.step AND g.idx = p.idx)""")
@@ -88,7 +88,7 @@ class CrossRankConsistency(Check):
         )]
 
     def _replicated_gradients(self, ctx: AuditContext) -> list[Finding]:
-        rows = ctx.con.execute(f"""
+        rows = ctx.con.execute("""
             WITH p AS (SELECT g.rank, g.step, g.tensor, g.norm FROM grad_pieces g
                        JOIN params l ON l.rank = g.rank AND l.seg = g.seg AND l.idx = g.idx
                        WHERE l.kind = 'replicated'),

@@ -158,7 +158,6 @@ class Recorder:
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         if self._pieces.shards_weights:  # a forward pass from rank 0 alone would wait for the others forever
-            self.disabled.update(("probes", "generations", "evals"))
             self._write("events", {"kind": "probe_disabled", "probe": "probes",
                                    "error": f"{self._pieces.framework} shards the weights: no probing from one rank"})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -532,7 +531,7 @@ class Recorder:
             "evals": s.eval_every and step % s.eval_every == 0 and self._eval_inputs,
         }
         due = [name for name, on in due.items() if on and name not in self.disabled]
-        if not due or self.rank != 0:
+        if not due or self.rank != 0 or self._pieces.shards_weights:
             return
         with self._probe_mode():
             for name in due:
