@@ -174,6 +174,9 @@ PIECES_SQL = """
 
 def _reduce_gradients(con: duckdb.DuckDBPyConnection, pieces: str, reduced: str) -> None:
     """`reduced` = every rank's whole-tensor norms, rebuilt from all the ranks' pieces."""
+    if not first_row(con, "SELECT count(*) FROM params WHERE coalesce(kind, 'local') <> 'local'")[0]:
+        con.execute(f"CREATE OR REPLACE TABLE {reduced} AS SELECT * FROM {pieces}")  # one process per rank: as is
+        return
     con.execute(f"""
         CREATE OR REPLACE TABLE {reduced} AS
         WITH p AS ({PIECES_SQL.format(pieces=pieces)}),
@@ -191,8 +194,7 @@ def _reduce_gradients(con: duckdb.DuckDBPyConnection, pieces: str, reduced: str)
                  GROUP BY seg, step, idx)
         SELECT p.rank, p.seg, p.step, p.idx, p.tensor, CASE WHEN p.kind = 'local' THEN p.norm ELSE w.norm END AS norm
         FROM p LEFT JOIN whole w USING (seg, step, idx)
-        WHERE p.kind = 'local' OR w.complete
-        ORDER BY p.rank, p.seg, p.step, p.idx""")
+        WHERE p.kind = 'local' OR w.complete""")
 
 
 def _reduced_step_totals(con: duckdb.DuckDBPyConnection) -> None:
