@@ -3,8 +3,16 @@ second ingest of a growing run reads only what was appended since.
 
 The database lives at ``RUN_DIR/sftaudit/audit.duckdb``. Its tables mirror the record
 kinds of `sftaudit.artifacts` (one row per record, plus a ``rank`` column), except:
-``steps.grad_norms`` is unnested into the long table ``grad_norms(step, idx, tensor,
-norm)``, and the manifest's parameter list becomes ``params``.
+``steps.grad_norms`` is unnested into the long table ``grad_pieces(step, idx, tensor,
+norm)``, and the manifest's parameter list becomes ``params`` (with each parameter's layout on
+the rank: see `sftaudit.shim.pieces`).
+
+Distributed runs are reduced here, with no torch: ``grad_norms`` holds every rank's per-tensor
+gradient norm of the *whole* tensor, as a single process records it. A ``sharded`` tensor's norm
+is the root of the sum of its pieces' squares over one replica group; a ``replicated`` one takes
+the lowest rank's value (LOOP-17 compares the other replicas); a tensor whose pieces do not cover
+all its elements (a rank missing) gets no row at that step, never a smaller norm. For sharded runs
+``steps.grad_norm`` becomes the reduced total (NULL where a tensor is incomplete).
 
 A resumed run is one timeline: when a later segment starts at step s, the earlier
 segments' records of steps >= s (the stretch the resume abandoned) move to
@@ -52,7 +60,7 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
     "metrics": {"seg": "INTEGER", "step": "BIGINT", "name": "VARCHAR", "value": "DOUBLE"},
     "checkpoints": {"seg": "INTEGER", "event": "VARCHAR", "step": "BIGINT", "path": "VARCHAR", "files": "JSON",
                     "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "param_norms": "DOUBLE[]",
-                    "time": "DOUBLE", "sha256": "JSON"},
+                    "param_fingerprints": "BIGINT[]", "time": "DOUBLE", "sha256": "JSON"},
     "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
                "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR", "param_norms": "DOUBLE[]",
                "optimizer_step": "BIGINT"},
@@ -64,6 +72,12 @@ CREATE TABLE IF NOT EXISTS manifest (rank INTEGER, seg INTEGER, run_id VARCHAR, 
     profile VARCHAR, world_size INTEGER, started DOUBLE, grad_norm_source VARCHAR, manifest JSON);
 CREATE TABLE IF NOT EXISTS params (rank INTEGER, seg INTEGER, idx INTEGER, name VARCHAR, shape INTEGER[],
     dtype VARCHAR, numel BIGINT, requires_grad BOOLEAN, tied_to VARCHAR);
+ALTER TABLE params ADD COLUMN IF NOT EXISTS kind VARCHAR;
+ALTER TABLE params ADD COLUMN IF NOT EXISTS start BIGINT;
+ALTER TABLE params ADD COLUMN IF NOT EXISTS stop BIGINT;
+ALTER TABLE params ADD COLUMN IF NOT EXISTS local_numel BIGINT;
+ALTER TABLE params ADD COLUMN IF NOT EXISTS replica INTEGER;
+CREATE TABLE IF NOT EXISTS grad_pieces (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE);
 CREATE TABLE IF NOT EXISTS grad_norms (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE);
 """
 
@@ -120,6 +134,10 @@ def ingest(run_dir: str | Path) -> dict[str, int]:
         if not first_row(con, "SELECT count(*) FROM manifest")[0]:
             raise InputError(f"{run_dir}: artifacts have no manifest record")
         _supersede_abandoned_steps(con)
+        _reduce_gradients(con, "grad_pieces", "grad_norms")
+        if first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'")[0]:
+            _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms")
+        _reduced_step_totals(con)
         con.commit()
         return added
     finally:
@@ -127,7 +145,7 @@ def ingest(run_dir: str | Path) -> dict[str, int]:
 
 
 # Tables whose rows belong to a step of the timeline (events stay: they are the run's history).
-TIMELINE_TABLES = ("steps", "grad_norms", "batches", "samples", "grad_hists", "probes", "generations", "evals",
+TIMELINE_TABLES = ("steps", "grad_pieces", "batches", "samples", "grad_hists", "probes", "generations", "evals",
                    "metrics", "checkpoints")
 
 
@@ -144,6 +162,52 @@ def _supersede_abandoned_steps(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"DELETE FROM {table} USING segment_starts s WHERE s.rank = {table}.rank "
                     f"AND s.seg > {table}.seg AND s.first_step <= {table}.step")
     con.execute("DROP TABLE segment_starts")
+
+
+# Each rank's pieces with their layout; a manifest without layouts (older artifacts) is one process.
+PIECES_SQL = """
+    SELECT g.rank, g.seg, g.step, g.idx, g.tensor, g.norm, coalesce(l.kind, 'local') AS kind, l.numel,
+           coalesce(l.local_numel, l.numel) AS local_numel, coalesce(l.replica, g.rank) AS replica
+    FROM {pieces} g LEFT JOIN params l ON l.rank = g.rank AND l.seg = g.seg AND l.idx = g.idx
+"""
+
+
+def _reduce_gradients(con: duckdb.DuckDBPyConnection, pieces: str, reduced: str) -> None:
+    """`reduced` = every rank's whole-tensor norms, rebuilt from all the ranks' pieces."""
+    if not first_row(con, "SELECT count(*) FROM params WHERE coalesce(kind, 'local') <> 'local'")[0]:
+        con.execute(f"CREATE OR REPLACE TABLE {reduced} AS SELECT * FROM {pieces}")  # one process per rank: as is
+        return
+    con.execute(f"""
+        CREATE OR REPLACE TABLE {reduced} AS
+        WITH p AS ({PIECES_SQL.format(pieces=pieces)}),
+             first_replica AS (SELECT seg, step, idx, min(replica) AS replica FROM p WHERE kind = 'sharded'
+                               GROUP BY ALL),
+             whole AS (
+                 SELECT seg, step, idx,
+                        CASE any_value(kind) WHEN 'replicated' THEN arg_min(norm, rank)
+                                             WHEN 'sharded' THEN sqrt(sum(norm * norm)) END AS norm,
+                        CASE any_value(kind) WHEN 'replicated' THEN true
+                                             WHEN 'sharded' THEN sum(local_numel) = any_value(numel)
+                                             ELSE false END AS complete  -- a Partial placement cannot be reduced
+                 FROM p LEFT JOIN first_replica f USING (seg, step, idx)
+                 WHERE p.kind IN ('replicated', 'partial') OR p.replica = f.replica
+                 GROUP BY seg, step, idx)
+        SELECT p.rank, p.seg, p.step, p.idx, p.tensor, CASE WHEN p.kind = 'local' THEN p.norm ELSE w.norm END AS norm
+        FROM p LEFT JOIN whole w USING (seg, step, idx)
+        WHERE p.kind = 'local' OR w.complete""")
+
+
+def _reduced_step_totals(con: duckdb.DuckDBPyConnection) -> None:
+    """A sharded rank recorded the norm of its own pieces: its steps' total becomes the whole
+    model's, or NULL where a tensor's pieces are incomplete."""
+    if not first_row(con, "SELECT count(*) FROM params WHERE kind IN ('sharded', 'partial')")[0]:
+        return
+    con.execute("""
+        UPDATE steps SET grad_norm = t.total FROM (
+            SELECT p.rank, p.seg, p.step,
+                   CASE WHEN count(g.norm) = count(*) THEN sqrt(sum(g.norm * g.norm)) END AS total
+            FROM grad_pieces p LEFT JOIN grad_norms g USING (rank, seg, step, idx) GROUP BY ALL) t
+        WHERE steps.rank = t.rank AND steps.seg = t.seg AND steps.step = t.step""")
 
 
 def _ingest_file(con: duckdb.DuckDBPyConnection, rank: int, kind: str, path: Path) -> int:
@@ -188,7 +252,7 @@ def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, chunk:
         if kind == "steps":
             con.execute(
                 """
-                INSERT INTO grad_norms
+                INSERT INTO grad_pieces
                 SELECT ?, s.seg, s.step, s.idx, p.name, s.norm
                 FROM (SELECT seg, step, unnest(grad_norms) AS norm,
                              generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records) s
@@ -220,11 +284,16 @@ def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, chunk: bytes) -
             [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
              m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
         )
-        rows = [(rank, seg, i, p["name"], p["shape"], p["dtype"], p["numel"], p["requires_grad"], None)
+        rows = [(rank, seg, i, p["name"], p["shape"], p["dtype"], p["numel"], p["requires_grad"], None,
+                 p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p["numel"]),
+                 p.get("replica", rank))
                 for i, p in enumerate(m.get("params", []))]
-        rows += [(rank, seg, None, alias, None, None, None, None, target) for alias, target in m.get("tied", {}).items()]
+        rows += [(rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)
+                 for alias, target in m.get("tied", {}).items()]
         if rows:
-            con.executemany("INSERT INTO params VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            con.executemany("INSERT INTO params (rank, seg, idx, name, shape, dtype, numel, requires_grad, tied_to, "
+                            "kind, start, stop, local_numel, replica) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            rows)
         n += 1
     return n
 

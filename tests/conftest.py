@@ -73,3 +73,22 @@ def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
         train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
                     resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)
     return run
+
+
+# Distributed runs (issue 14): every 2-rank scenario of sftaudit.fixtures.distributed in one torchrun
+# launch (a launch costs ~10 s of imports on 2 cores), each into DISTRIBUTED_ROOT/<name>.
+DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_ddp", "fsdp2_spike", "ddp_nan_loss",
+                         "ddp_same_samples", "fsdp2_stop", "ddp_perturb", "fsdp1_local_clip")
+
+
+@pytest.fixture(scope="session")
+def distributed_runs(tmp_path_factory) -> Path:
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("distributed")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "-m", "sftaudit.fixtures.distributed", "runs", str(root), *DISTRIBUTED_SCENARIOS],
+                   check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return root

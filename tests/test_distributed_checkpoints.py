@@ -1,11 +1,8 @@
-"""Distributed runs on CPU (gloo): a 2-rank torchrun saving with torch.distributed.checkpoint,
-a DistributedDataParallel-wrapped model, and an FSDP2 run whose recording switched itself off."""
+"""Distributed runs on CPU (gloo): a 2-rank torchrun saving with torch.distributed.checkpoint and a
+DistributedDataParallel-wrapped model."""
 
 import json
-import subprocess
-import sys
 
-import pytest
 import torch
 
 from sftaudit.artifacts import rank_dir
@@ -20,21 +17,9 @@ def gate(run, checkpoint):
     return main(["gate", str(run), "--checkpoint", str(checkpoint)])
 
 
-def distributed(*args, nproc: int | None = None) -> subprocess.CompletedProcess:
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    return subprocess.run([sys.executable, *launch, "-m", "sftaudit.fixtures.distributed", *map(str, args)],
-                          check=True, capture_output=True, text=True, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def dcp_run(tmp_path_factory):
+def test_dcp_checkpoints_of_a_two_rank_run(distributed_runs, capsys):
     """2 ranks, DDP, dcp.save every 3 steps; step 6 saves the wrapper's state dict (module.* keys)."""
-    run = tmp_path_factory.mktemp("dcp") / "dcp"
-    distributed("dcp", run, 6, nproc=2)
-    return run
-
-
-def test_dcp_checkpoints_of_a_two_rank_run(dcp_run, capsys):
+    dcp_run = distributed_runs / "dcp"
     assert sorted(p.name for p in (dcp_run / "checkpoint-3").iterdir()) == [".metadata", "__0_0.distcp",
                                                                             "__1_0.distcp"]
     verdict = audit(dcp_run)
@@ -62,20 +47,6 @@ def test_ddp_wrapped_model_is_recorded_under_the_names_its_checkpoints_have(runs
     assert names and not any(n.startswith("module.") for n in names)
     assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
     assert gate(run, "checkpoint-8") == 0
-
-
-def test_fsdp2_run_whose_recording_switched_off_cannot_be_judged(tmp_path, capsys):
-    run = tmp_path / "fsdp2"
-    training = distributed("fsdp2", run)
-    # One line about the shim in training's output, not one per component.
-    assert sum("sftaudit:" in line for line in training.stderr.splitlines()) == 1
-    assert main(["audit", str(run), "--out", str(tmp_path / "report")]) == 2
-    err = capsys.readouterr().err
-    assert "could not judge" in err and "no training step was recorded" in err and "DTensor" in err
-    verdict = json.loads((tmp_path / "report" / "verdict.json").read_text())
-    assert verdict["verdict"] == "unjudged" and verdict["evidence"]["ranks"] == [
-        {"rank": 0, "steps": 0, "first_step": None, "last_step": None}]
-    assert "COULD NOT JUDGE" in (tmp_path / "report" / "report.html").read_text()
 
 
 def test_compiled_and_wrapped_models_are_recorded_under_their_checkpoint_names(tmp_path, tokenizer_cache):

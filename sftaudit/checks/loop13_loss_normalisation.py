@@ -142,9 +142,11 @@ class LossNormalisation(Check):
             return []
         recorded = ctx.frame(
             """
-            SELECT step, sum(model_loss * loss_weight) AS objective, count(*) AS micro_batches,
-                   count(loss_weight) AS weighted
-            FROM batches WHERE rank = 0 AND model_loss IS NOT NULL GROUP BY step ORDER BY step
+            SELECT step, avg(objective) AS objective, sum(micro_batches) AS micro_batches, sum(weighted) AS weighted
+            FROM (SELECT rank, step, sum(model_loss * loss_weight) AS objective, count(*) AS micro_batches,
+                         count(loss_weight) AS weighted
+                  FROM batches WHERE model_loss IS NOT NULL GROUP BY rank, step)
+            GROUP BY step ORDER BY step  -- under DDP the Trainer logs the mean of the ranks' objectives
             """
         )
         # Only steps logged one step after the previous log: the Trainer's value is then that one step's.

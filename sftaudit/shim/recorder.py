@@ -39,7 +39,8 @@ import torch
 from .. import __version__
 from ..artifacts import GRAD_HIST_EDGES, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir, template_fingerprint
 from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
-from .describe import describe_dataset, describe_params, describe_scheduler, describe_state, jsonable, unwrap_model
+from .describe import describe_dataset, describe_scheduler, describe_state, jsonable, unwrap_model
+from .pieces import local_pieces
 from .profiles import DEFAULT_PROFILE, resolve_schedule
 from .writer import JsonlWriter, read_jsonl
 
@@ -105,8 +106,10 @@ class Recorder:
         self._segment_started = False
         self._writer = JsonlWriter(rank_dir(self.run_dir, self.rank))
         self.segment = len(read_jsonl(self._writer.folder / "manifest.jsonl"))
-        self._params = [p for _, p in model.named_parameters()]
-        self._param_info, tied = describe_params(model)
+        # Each parameter's local piece on this rank (DDP/FSDP1/FSDP2 differ only in there): every
+        # per-tensor value the recorder computes is over plain local tensors, with no collective.
+        self._pieces = local_pieces(model, self.rank, self.world_size)
+        self._param_info, tied = self._pieces.params, self._pieces.tied
         self._hashers: list[threading.Thread] = []
         self._probing = False
         self._closed = False
@@ -127,7 +130,8 @@ class Recorder:
             "instance_id": uuid.uuid4().hex,
             "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
             "model": _describe_model(model),
-            "params": self._param_info,
+            "params": self._param_info,  # with each parameter's layout on this rank (see `pieces`)
+            "framework": self._pieces.framework,
             "tied": tied,
             "grad_norm_source": grad_norm_source,
             "tokenizer": None,
@@ -144,7 +148,7 @@ class Recorder:
         with self._guard("manifest"):
             if tokenizer is not None:
                 manifest["tokenizer"] = describe_tokenizer(tokenizer)
-                manifest["marker_rows"] = _marker_rows(model, tokenizer)
+                manifest["marker_rows"] = _marker_rows(model, tokenizer) if self._pieces.framework == "plain" else None
                 self._save_tokenizer()
             if dataset is not None:
                 manifest["dataset"] = describe_dataset(dataset)
@@ -153,6 +157,9 @@ class Recorder:
                 manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
+        if self._pieces.shards_weights:  # a forward pass from rank 0 alone would wait for the others forever
+            self._write("events", {"kind": "probe_disabled", "probe": "probes",
+                                   "error": f"{self._pieces.framework} shards the weights: no probing from one rank"})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
         self._eval_inputs = self._encode_prompts([it["messages"] for it in self.eval_set])
         self._probe_batch = self._left_padded(self._probe_inputs)
@@ -261,6 +268,7 @@ class Recorder:
                 "training_state": describe_state(dict(training_state)) if training_state is not None else None,
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None,
                 "param_norms": self._param_norms(),
+                "param_fingerprints": self._param_fingerprints(),
                 "time": time.time(),
             }
             self._write("checkpoints", record)
@@ -364,10 +372,11 @@ class Recorder:
         return 0
 
     def _capture_grads(self, step: int) -> None:
-        index = [i for i, p in enumerate(self._params) if p.grad is not None]
+        all_grads = self._pieces.grads()
+        index = [i for i, g in enumerate(all_grads) if g is not None]
         if not index:
             return
-        grads = [self._params[i].grad for i in index]
+        grads = [all_grads[i] for i in index]
         self._norms = torch.stack(torch._foreach_norm(grads)).float()
         self._norm_index = index
         every = self.schedule.grad_hist_every
@@ -387,7 +396,7 @@ class Recorder:
         host = _to_host([t for _, _, t in parts])
         values = {(owner, key): v for (owner, key, _), v in zip(parts, host)}
 
-        norms: list[float | None] = [None] * len(self._params)
+        norms: list[float | None] = [None] * len(self._param_info)
         nonfinite, global_norm = {}, None
         if ("step", "norms") in values:
             host_norms = values["step", "norms"].astype(np.float64)
@@ -464,10 +473,23 @@ class Recorder:
         return 0 if "betas" in getattr(opt, "defaults", {}) else None
 
     def _param_norms(self) -> list[float]:
-        """Per-tensor weight L2 norms in float64 (one transfer): equal norms at two saves mean the
-        tensor did not move, which is how LOOP-05 finds parameters left out of the optimizer."""
+        """Per-tensor weight L2 norms (of this rank's pieces) in float64 (one transfer): equal norms at
+        two saves mean the tensor did not move, which is how LOOP-05 finds parameters left out of the
+        optimizer. NaN where the rank holds none of a tensor: an empty piece says nothing about it."""
+        weights = self._pieces.weights()
+        if not weights:
+            return []
         with torch.no_grad():
-            return torch.stack([p.detach().double().norm() for p in self._params]).cpu().tolist() if self._params else []
+            norms = torch.stack([w.double().norm() for w in weights]).cpu().tolist()
+        return [n if w.numel() else float("nan") for n, w in zip(norms, weights)]
+
+    def _param_fingerprints(self) -> list[int]:
+        """Per tensor, the integer sum of the bit patterns of this rank's piece (one transfer): exact
+        and independent of summation order, so replicas holding the same weights agree bit for bit
+        (LOOP-17 compares data-parallel replicas at each checkpoint)."""
+        weights = self._pieces.weights()
+        with torch.no_grad():
+            return torch.stack([_bit_sum(w) for w in weights]).cpu().tolist() if weights else []
 
     def _is_spike(self, global_norm: float | None) -> bool:
         ema = self._grad_norm_ema
@@ -475,8 +497,9 @@ class Recorder:
 
     def _count_nonfinite(self, bad: list[int]) -> dict[str, int]:
         counts = {}
+        grads = self._pieces.grads()
         for i in bad:  # rare path: only tensors whose norm is already non-finite
-            grad = self._params[i].grad
+            grad = grads[i]
             if grad is not None:
                 counts[self._param_info[i]["name"]] = int((~torch.isfinite(grad)).sum())
         return counts
@@ -484,9 +507,10 @@ class Recorder:
     def _write_triggered_hists(self, step: int, reason: str) -> None:
         if "grad_hists" in self.disabled:
             return
-        index = [i for i, p in enumerate(self._params) if p.grad is not None]
+        grads = self._pieces.grads()
+        index = [i for i, g in enumerate(grads) if g is not None]
         if index:
-            hist = _histograms([self._params[i].grad for i in index]).cpu().numpy()
+            hist = _histograms([grads[i] for i in index]).cpu().numpy()
             self._write_hists(step, index, hist, reason)
 
     def _write_hists(self, step: int, index: list[int], hist: Any, reason: str) -> None:
@@ -507,7 +531,7 @@ class Recorder:
             "evals": s.eval_every and step % s.eval_every == 0 and self._eval_inputs,
         }
         due = [name for name, on in due.items() if on and name not in self.disabled]
-        if not due or self.rank != 0:
+        if not due or self.rank != 0 or self._pieces.shards_weights:
             return
         with self._probe_mode():
             for name in due:
@@ -518,7 +542,7 @@ class Recorder:
     def _probe_mode(self):
         """Eval mode, no grad, and the training RNG untouched: probing must not change the run."""
         was_training = self.model.training
-        devices = [d.index for d in {p.device for p in self._params[:1]} if d.type == "cuda"]
+        devices = [self._device().index] if self._device().type == "cuda" else []
         self._probing = True
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -662,7 +686,7 @@ class Recorder:
             return str(path.resolve())
 
     def _device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
+        return next((w.device for w in self._pieces.weights()[:1]), torch.device("cpu"))
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
@@ -676,6 +700,12 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
         out.append(flat[offset:offset + n].reshape(t.shape))
         offset += n
     return out
+
+
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor's elements read as integers of their width (int64 wraps on overflow)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(bits).sum(dtype=torch.int64)
 
 
 def _histograms(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""2-rank CPU runs (gloo, one torchrun launch: the `distributed_runs` fixture): every rank records its
+local pieces with no extra collective, the analyzer reduces them to the whole model's per-tensor
+gradient norms, and a clean run of every framework audits PASS."""
+
+import json
+
+import pytest
+
+from sftaudit.artifacts import rank_dir
+from sftaudit.audit import audit
+from sftaudit.ingest import connect, ingest
+
+CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4}  # run -> steps
+PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
+
+
+def manifests(run):
+    return [json.loads((rank_dir(run, r) / "manifest.jsonl").read_text().splitlines()[0]) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("name", CLEAN)
+def test_clean_run_passes_with_every_step_of_every_rank(distributed_runs, name):
+    run = distributed_runs / name
+    verdict = audit(run)
+    assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
+    steps = CLEAN[name]
+    assert verdict["evidence"]["ranks"] == [{"rank": r, "steps": steps, "first_step": 1, "last_step": steps}
+                                            for r in (0, 1)]
+    assert verdict["evidence"]["components_off"] == []
+    con = connect(run, read_only=True)
+    n_params = con.execute("SELECT count(*) FROM params WHERE rank = 0 AND idx IS NOT NULL").fetchall()[0][0]
+    # Every rank has the whole model's norm of every tensor at every step.
+    assert con.execute("SELECT count(*) FROM grad_norms").fetchall()[0][0] == 2 * steps * n_params
+    con.close()
+
+
+def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
+    measured = json.loads((distributed_runs / "trainer_ddp.json").read_text())
+    # Without use_cpu=True each process would train alone while torchrun reports two.
+    assert measured["num_processes"] == 2 and measured["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert {m["world_size"] for m in manifests(distributed_runs / "trainer_ddp")} == {2}
+    # The reduced (post-clip) total is the Trainer's own pre-clip grad_norm clipped at max_grad_norm 1.0.
+    ingest(distributed_runs / "trainer_ddp")
+    con = connect(distributed_runs / "trainer_ddp", read_only=True)
+    pairs = con.execute("""SELECT m.value, s.grad_norm FROM metrics m JOIN steps s USING (rank, step)
+                           WHERE m.name = 'grad_norm'""").fetchall()
+    con.close()
+    assert len(pairs) == 8 and all(abs(min(logged, logged / (logged + 1e-6)) / reduced - 1) < 1e-5
+                                   for logged, reduced in pairs)
+
+
+@pytest.mark.parametrize("name", PLAIN_LOOPS)
+def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_runs, name):
+    reference = json.loads((distributed_runs / "reference.json").read_text())
+    con = connect(distributed_runs / name, read_only=True)
+    rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms").fetchall()
+    total = con.execute("SELECT step, grad_norm FROM steps WHERE rank = 1 ORDER BY step").fetchall()
+    con.close()
+    assert {t for _, _, t, _ in rows} == set(reference["1"])
+    assert max(abs(norm / reference[str(step)][tensor] - 1) for _, step, tensor, norm in rows) < 1e-5
+    for step, norm in total:  # the step's total is the whole model's on every rank, sharded or not
+        whole = sum(v * v for v in reference[str(step)].values()) ** 0.5
+        assert abs(norm / whole - 1) < 1e-5
+
+
+def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):
+    ddp, fsdp1, flat, fsdp2 = (manifests(distributed_runs / n) for n in PLAIN_LOOPS)
+    assert {m["framework"] for m in ddp} == {"plain"} and {m["framework"] for m in fsdp2} == {"fsdp2"}
+    assert {p["kind"] for m in ddp for p in m["params"]} == {"replicated"}
+    assert [p["replica"] for m in ddp for p in m["params"][:1]] == [0, 1]
+    for run in (fsdp1, flat, fsdp2):
+        assert {m["framework"] for m in run} <= {"fsdp1", "fsdp2"}
+        assert [p["name"] for p in run[0]["params"]] == [p["name"] for p in run[1]["params"]]
+        assert {p["name"] for p in run[0]["params"]} == {p["name"] for p in ddp[0]["params"]}
+        for p0, p1 in zip(run[0]["params"], run[1]["params"]):
+            # Two disjoint pieces that tile the whole tensor (an element range per rank).
+            assert p0["kind"] == p1["kind"] == "sharded" and p0["shape"] == p1["shape"]
+            assert p0["local_numel"] + p1["local_numel"] == p0["numel"]
+            assert sorted([(p0["start"], p0["stop"]), (p1["start"], p1["stop"])]) in (
+                [(0, p0["local_numel"]), (p0["local_numel"], p0["numel"])],
+                [(0, 0), (0, p0["numel"])])
+    assert any(p["local_numel"] == 0 for m in fsdp1 for p in m["params"])  # FSDP1 shards the flat parameter
+
+
+def test_fsdp2_recording_adds_no_collective_to_a_step(distributed_runs):
+    counts = json.loads((distributed_runs / "fsdp2.json").read_text())["collectives"]
+    recorded, alone = [c for c in counts if c["recorded"]], [c for c in counts if not c["recorded"]]
+    assert len(recorded) == 2 and len(alone) == 1  # steps 1-2 recorded, step 7 without the recorder
+    assert all(c["recorder"] == 0 for c in counts)
+    assert {c["total"] for c in counts} == {alone[0]["total"]} and alone[0]["total"] > 0  # FSDP2's own
+
+
+def test_a_rank_that_stopped_leaves_sharded_norms_incomplete_never_smaller(distributed_runs):
+    ingest(distributed_runs / "fsdp2_stop")
+    con = connect(distributed_runs / "fsdp2_stop", read_only=True)
+    steps = con.execute("SELECT step, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchall()
+    reduced_steps = con.execute("SELECT DISTINCT step FROM grad_norms ORDER BY step").fetchall()
+    con.close()
+    assert [s for s, n in steps if n is None] == [5, 6]  # rank 1's pieces of steps 5 and 6 are missing
+    assert reduced_steps == [(s,) for s in range(1, 5)]
+
+
+def write_rank(run, rank, params, steps):
+    """A rank's artifacts as the shim writes them: a manifest with layouts, one steps record per step."""
+    folder = rank_dir(run, rank)
+    folder.mkdir(parents=True)
+    manifest = {"schema_version": 1, "seg": 0, "rank": rank, "world_size": 4, "profile": "prod", "params": params,
+                "tied": {}, "grad_norm_source": "pre_clip"}
+    (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
+    (folder / "steps.jsonl").write_text("".join(
+        json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norm": None, "grad_norms": norms}) + "\n"
+        for s, norms in steps.items()))
+
+
+def test_reduction_over_one_replica_group_with_coverage(tmp_path):
+    """HSDP on 4 ranks: two replica groups of two shards each. `w` (6 elements) is sharded 4 + 2;
+    `b` is replicated; `p` has a Partial placement (no norm can be reduced from it). At step 2 rank 1
+    (group 0) has no piece of `w`: group 0 does not cover it, and group 1 is not used instead."""
+    def params(rank):
+        start = 0 if rank % 2 == 0 else 4
+        return [{"name": "w", "shape": [6], "dtype": "float32", "numel": 6, "requires_grad": True, "kind": "sharded",
+                 "start": start, "stop": start + (4 if rank % 2 == 0 else 2), "local_numel": 4 if rank % 2 == 0 else 2,
+                 "replica": rank // 2},
+                {"name": "b", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "replicated",
+                 "start": 0, "stop": 2, "local_numel": 2, "replica": rank},
+                {"name": "p", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "partial",
+                 "start": None, "stop": None, "local_numel": 2, "replica": rank}]
+
+    run = tmp_path / "hsdp"
+    for rank in range(4):
+        shard = 3.0 if rank % 2 == 0 else 4.0
+        write_rank(run, rank, params(rank), {1: [shard, 2.0, 1.0], 2: [None if rank == 1 else shard, 2.0, 1.0]})
+    ingest(run)
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms ORDER BY step, tensor, rank").fetchall()
+    totals = con.execute("SELECT step, list(grad_norm ORDER BY rank) FROM steps GROUP BY step ORDER BY step").fetchall()
+    con.close()
+    assert rows == [(r, 1, "b", 2.0) for r in range(4)] + [(r, 1, "w", 5.0) for r in range(4)] \
+        + [(r, 2, "b", 2.0) for r in range(4)]  # w at step 2: incomplete, no row; p: never
+    assert totals == [(1, [None] * 4), (2, [None] * 4)]  # p has no reducible norm: no step total
