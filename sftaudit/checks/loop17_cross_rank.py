@@ -48,6 +48,7 @@ class CrossRankConsistency(Check):
 
     code = "LOOP-17"
     name = "cross-rank consistency"
+    needs = ("steps",)
     defaults = {"total_norm_rtol": 1e-3, "max_ids_listed": 10, "max_tensors_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
