@@ -14,12 +14,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from plotly.offline import get_plotlyjs
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.ingest import database_path
-from sftaudit.report import write_report
+from sftaudit.report import plotly_js, write_report
 from sftaudit.report.evidence import blocks
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
@@ -113,8 +112,8 @@ def clean_report(clean_run, tmp_path_factory) -> Path:
 
 def test_clean_report_is_one_offline_file_with_plotly_inlined_once(clean_report):
     html = clean_report.read_text(encoding="utf-8")
-    assert html.count("plotly.js v") == 1  # the bundle's banner: inlined once, not per chart
-    ours = html.replace(get_plotlyjs(), "")  # (the bundle itself holds URLs in strings)
+    assert html.count("plotly.js (cartesian - minified) v") == 1  # the bundle's banner: inlined once, not per chart
+    ours = html.replace(plotly_js(), "")  # (the bundle itself holds URLs in strings)
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", ours)  # no CDN, no remote asset
     assert "PASS" in html and "No anomaly found in 30 recorded steps" in html
     assert 'id="timeline"' in html and 'id="grad-heatmap"' in html
