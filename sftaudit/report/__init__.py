@@ -145,7 +145,6 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
 
     series_divs = _series_figures(con, findings, figs)
     checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs)
-    strip = _checkpoint_strip(verdict, findings, con)
     return {
         "verdict": verdict,
         "run_info": _run_info(manifest),
@@ -153,9 +152,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         "first_causes": _first_causes(findings, verdict["first_anomalous_step"]),
         "evidence_lines": _evidence_lines(verdict, checks),
         "chain": verdict.get("first_anomaly_chain"),
-        "strip": strip,
-        "strip_dense": len(strip) > STRIP_LABELLED,
-        "failing_checkpoints": [w for w in strip if w["verdict"] == "fail" and w["anchor"]],
+        **strip_context(verdict, findings, con),
         "checks": checks,
         "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
                        "check_anchor": anchor(code)} for pid, title, code, about in BEHAVIOUR_PANELS],
@@ -172,7 +169,7 @@ def _dataset(con, verdict: dict[str, Any], manifest: dict[str, Any]) -> dict[str
     findings = [dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")))
                 for i, f in enumerate(verdict["findings"])]
     checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], {})
-    return {"verdict": verdict, **dataset_context(con, verdict, manifest, checks, findings)}
+    return {"verdict": verdict, **dataset_context(con, manifest, checks, findings)}
 
 
 def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -282,6 +279,14 @@ def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dic
     at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"]
     top = max((SEVERITY_RANK[f["severity"]] for f in at_first), default=0)
     return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
+
+
+def strip_context(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> dict[str, Any]:
+    """The strip, whether it is too dense to label each window, and the failing checkpoints
+    (listed by name under a dense strip, so every one stays visible)."""
+    strip = _checkpoint_strip(verdict, findings, con)
+    return {"strip": strip, "strip_dense": len(strip) > STRIP_LABELLED,
+            "failing_checkpoints": [w for w in strip if w["verdict"] == "fail" and w["anchor"]]}
 
 
 def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> list[dict[str, Any]]:

@@ -12,10 +12,10 @@ from . import figures, tables
 from .evidence import blocks, token_block
 
 # The run-level padding finding of LOOP-03 carries the waste and the length-grouping saving.
-PADDING_KEYS = ("real_tokens", "padded_tokens", "grouped_padded_tokens", "grouped_saving")
+PADDING_KEYS = ("value", "real_tokens", "padded_tokens", "grouped_padded_tokens", "grouped_saving")
 
 
-def dataset_context(con, verdict: dict[str, Any], manifest: dict[str, Any], checks: list[dict[str, Any]],
+def dataset_context(con, manifest: dict[str, Any], checks: list[dict[str, Any]],
                     findings: list[dict[str, Any]]) -> dict[str, Any]:
     preview = manifest.get("preview") or {}
     figs = {}
