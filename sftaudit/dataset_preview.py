@@ -78,12 +78,14 @@ def _label_view(tokenizer: Any, layout: TemplateLayout | None, batch: dict, row:
     actual = actual_labels(labels, attention)[0]
     expected = expected_labels(ids, attention, layout, tokenizer.pad_token_id)[0][0] if layout is not None else actual
     expected = np.where(expected == EITHER, actual, expected)  # collators differ there, all fine
-    shown = [int(i) for i in ids[0, :PREVIEW_TOKENS]]
+    real = int(np.flatnonzero(attention[0]).max(initial=-1)) + 1
+    shown = [int(i) for i in ids[0, :min(PREVIEW_TOKENS, real + 2)]]  # trailing padding: its first two
     tokens = _readable(tokenizer, shown)
     return {"tokens": [{"pos": j, "token": str(tokens[j]), "input_id": shown[j], "label": int(labels[0, j]),
                         "actual": CATEGORY_NAMES[actual[j]], "expected": CATEGORY_NAMES[expected[j]]}
                        for j in range(len(shown))],
-            "tokens_cut": max(0, ids.shape[1] - PREVIEW_TOKENS), "expected_known": layout is not None}
+            "tokens_cut": max(0, real - len(shown)), "padding_cut": max(0, ids.shape[1] - max(real, len(shown))),
+            "expected_known": layout is not None}
 
 
 def _readable(tokenizer: Any, ids: list[int]) -> list[str]:
