@@ -246,7 +246,7 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
 
 def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> list[str]:
     """What the verdict rests on, as the verdict records it: steps per rank, where the evidence
-    came from (recorded by the shim or imported), components switched off, checks not run."""
+    came from (recorded by the shim or imported), components switched off mid-run, checks not run."""
     evidence = verdict.get("evidence") or {}
     lines = []
     ranks = evidence.get("ranks") or []
@@ -264,9 +264,7 @@ def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> li
     sources = sorted({src for c in checks for src in c["sources"]})
     if sources:
         lines.append("evidence from: " + "; ".join(sources))
-    lines += [f"rank {o['rank']}'s {o['component']} switched off from step {o['from_step']} ({o['error']})"
-              for o in evidence.get("components_off") or []]
-    lines += list(evidence.get("partial") or [])
+    lines += list(evidence.get("partial") or [])  # components switched off mid-run (from the start: cannot_judge)
     skipped = [c["code"] for c in checks if c["coverage"] == "not_run"]
     if skipped:
         lines.append(f"{len(skipped)} check{'s' * (len(skipped) != 1)} not run for lack of evidence: "
