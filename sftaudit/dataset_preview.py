@@ -97,30 +97,34 @@ def _readable(tokenizer: Any, ids: list[int]) -> list[str]:
 
 def _marker_table(tokenizer: Any, markers: dict[str, str | None], layout: TemplateLayout | None,
                   batches: list[dict]) -> list[dict[str, Any]]:
-    """Per marker: its ids (one = atomic), and in how many attended occurrences it is trained."""
-    ids = np.concatenate([np.asarray(b["input_ids"]).reshape(-1) for b in batches]) if batches else np.zeros(0, int)
-    trained = np.concatenate([(np.asarray(b["labels"]) != IGNORE_INDEX).reshape(-1) for b in batches]) \
-        if batches else np.zeros(0, bool)
-    attended = np.concatenate([(np.asarray(b["attention_mask"]) != 0).reshape(-1) for b in batches]) \
-        if batches else np.zeros(0, bool)
-    width = int(ids.max(initial=0)) + 1
-    seen = np.bincount(ids[attended & (ids >= 0)], minlength=width)
-    seen_trained = np.bincount(ids[attended & trained & (ids >= 0)], minlength=width)
+    """Per marker: its ids (one = atomic), and in how many attended occurrences it is trained
+    (a marker of several ids: where they follow one another, trained when every one is)."""
+    pieces = {m: list(tokenizer(m, add_special_tokens=False)["input_ids"]) for m in markers}
+    atomic = np.array(sorted({p[0] for p in pieces.values() if len(p) == 1}), dtype=np.int64)
+    atomic_counts = np.zeros((2, len(atomic)), dtype=np.int64)  # occurrences, trained
+    counts = {m: [0, 0] for m, p in pieces.items() if len(p) > 1}
+    for batch in batches:  # batch by batch: the whole dataset's ids at once would double preflight's memory
+        ids = np.asarray(batch["input_ids"])
+        attended = np.asarray(batch["attention_mask"]) != 0
+        trained = np.asarray(batch["labels"]) != IGNORE_INDEX
+        hit = attended & np.isin(ids, atomic)
+        column = np.searchsorted(atomic, ids[hit])
+        atomic_counts[0] += np.bincount(column, minlength=len(atomic))
+        atomic_counts[1] += np.bincount(column[trained[hit]], minlength=len(atomic))
+        for marker in counts:
+            seq = pieces[marker]
+            at = matches(ids, seq) & attended
+            every = at.copy()
+            for j in range(len(seq)):
+                every[:, :every.shape[1] - j] &= trained[:, j:]
+            counts[marker][0] += int(at.sum())
+            counts[marker][1] += int(every.sum())
+    for i, token in enumerate(atomic.tolist()):
+        for marker in (m for m, p in pieces.items() if p == [token]):
+            counts[marker] = atomic_counts[:, i].tolist()
     turn_roles = set(layout.texts) if layout is not None else set()
-    out = []
-    for marker, role in sorted(markers.items(), key=lambda m: (m[1] in turn_roles, m[0])):
-        pieces = list(tokenizer(marker, add_special_tokens=False)["input_ids"])
-        if len(pieces) == 1:  # atomic: counted for every marker at once above
-            occurrences = int(seen[pieces[0]]) if pieces[0] < width else 0
-            trained_count = int(seen_trained[pieces[0]]) if pieces[0] < width else 0
-        else:  # several tokens: where all follow one another, trained when every one is
-            hit = np.flatnonzero(matches(ids[None, :], pieces)[0] & attended) if pieces else np.zeros(0, int)
-            every = np.ones(len(hit), bool)
-            for j in range(len(pieces)):
-                every &= trained[hit + j]
-            occurrences, trained_count = int(len(hit)), int(every.sum())
-        out.append({"marker": marker, "ids": pieces, "atomic": len(pieces) == 1,
-                    "sequence": role in turn_roles and role != "turn_end" and len(pieces) > 1,
-                    "pieces": tokenizer.convert_ids_to_tokens(pieces), "role": role,
-                    "occurrences": occurrences, "trained": trained_count})
-    return out
+    return [{"marker": marker, "ids": pieces[marker], "atomic": len(pieces[marker]) == 1,
+             "sequence": role in turn_roles and role != "turn_end" and len(pieces[marker]) > 1,
+             "pieces": tokenizer.convert_ids_to_tokens(pieces[marker]), "role": role,
+             "occurrences": counts.get(marker, [0, 0])[0], "trained": counts.get(marker, [0, 0])[1]}
+            for marker, role in sorted(markers.items(), key=lambda m: (m[1] in turn_roles, m[0]))]

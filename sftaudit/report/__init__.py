@@ -81,10 +81,10 @@ _ENV.filters["num"] = _fnum
 _ENV.filters["bytes"] = _fbytes
 _ENV.globals["checkpoint_anchor"] = checkpoint_anchor
 # Colour is never the only signal: each status has a word and an icon beside its colour.
-_ENV.globals["LABELS"] = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO", "nodata": "NO DATA",
-                          "notrun": "NOT RUN", "disabled": "OFF", "partial": "PARTIAL", "error": "COULD NOT RUN",
+_ENV.globals["LABELS"] = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO", "notrun": "NOT RUN",
+                          "disabled": "OFF", "partial": "PARTIAL", "error": "COULD NOT RUN",
                           "unjudged": "COULD NOT JUDGE"}
-_ENV.globals["ICONS"] = {"pass": "✓", "warn": "▲", "fail": "✕", "info": "i", "nodata": "–", "notrun": "–",
+_ENV.globals["ICONS"] = {"pass": "✓", "warn": "▲", "fail": "✕", "info": "i", "notrun": "–",
                          "disabled": "○", "partial": "◐", "error": "!", "unjudged": "?"}
 STRIP_LABELLED = 40  # checkpoint windows drawn with their names; more are drawn narrow and scroll
 
@@ -238,7 +238,6 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
             "why": (f"not run: {reason}" if ran in ("not_run", "disabled") else
                     f"partial evidence: {reason}" if ran == "partial" else None),
             "evidence": covered.get("evidence") or [], "sources": covered.get("sources") or [],
-            "no_data": f"not run: {reason}" if ran in ("not_run", "disabled") else None,
             "series_div": series_divs.get(code),
         })
     return out

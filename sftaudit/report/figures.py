@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 from ..artifacts import GRAD_HIST_EDGES
 
 SEVERITY_COLOURS = {"info": "#607d8b", "warn": "#ed6c02", "fail": "#c62828", "pass": "#2e7d32"}
+SEVERITY_SYMBOLS = {"info": "circle", "warn": "triangle-up", "fail": "x"}  # not colour alone
 _BASE_LAYOUT = dict(template="none", font=dict(family="system-ui, sans-serif", size=12),
                     margin=dict(l=60, r=20, t=30, b=40), hovermode="closest",
                     legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
@@ -58,7 +59,8 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
         if hits:
             fig.add_trace(go.Scatter(
                 x=[f["step"] for _, f in hits], y=[text(f["code"]) for _, f in hits], mode="markers",
-                name=f"{severity} finding", marker=dict(color=SEVERITY_COLOURS[severity], size=13, symbol="diamond",
+                name=f"{severity} finding", marker=dict(color=SEVERITY_COLOURS[severity], size=13,
+                                                        symbol=SEVERITY_SYMBOLS[severity],
                                                         line=dict(color="#fff", width=1)),
                 customdata=[f"finding-{i}" for i, _ in hits],
                 hovertext=[f"step {f['step']}: {text(_shorten(f['message']))}" for _, f in hits],
