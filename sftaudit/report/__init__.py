@@ -2,23 +2,26 @@
 
 The report only presents: it reads the stored verdict and tables, shapes them for
 display (downsampling that keeps every spike), and renders; it runs no check and
-computes no statistic. plotly.js is inlined once; every figure travels as JSON.
+computes no statistic. plotly.js (its cartesian partial bundle, vendor/README.md) is
+inlined once; every figure travels as JSON.
 """
 
 from __future__ import annotations
 
 import re
+from functools import cache
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from plotly.offline import get_plotlyjs
 
 from ..audit import stored_verdict
 from ..checks import registered_checks
 from ..checks.base import SEVERITY_RANK
 from ..ingest import connect, load_manifest
 from . import figures, tables
+from .dataset import dataset_context
 from .evidence import blocks, check_doc
 
 _ENV = jinja2.Environment(
@@ -51,8 +54,9 @@ def anchor(code: str) -> str:
     return "check-" + (re.sub(r"[^A-Za-z0-9_-]+", "-", code) or "unknown")
 
 
-def checkpoint_anchor(name: str) -> str:
-    return "ckpt-" + safe_name(name)
+def checkpoint_anchor(name: str, step: int | None = None) -> str:
+    """Names can collide (two runs' `checkpoint-500` in one folder): the step tells them apart."""
+    return "ckpt-" + safe_name(name) + ("" if step is None else f"-{step}")
 
 
 def _fnum(value: Any) -> Any:
@@ -76,6 +80,19 @@ def _fbytes(n: int | None) -> str:
 _ENV.filters["num"] = _fnum
 _ENV.filters["bytes"] = _fbytes
 _ENV.globals["checkpoint_anchor"] = checkpoint_anchor
+# Colour is never the only signal: each status has a word and an icon beside its colour.
+_ENV.globals["LABELS"] = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO", "notrun": "NOT RUN",
+                          "disabled": "OFF", "partial": "PARTIAL", "error": "COULD NOT RUN",
+                          "unjudged": "COULD NOT JUDGE"}
+_ENV.globals["ICONS"] = {"pass": "✓", "warn": "▲", "fail": "✕", "info": "i", "notrun": "–",
+                         "disabled": "○", "partial": "◐", "error": "!", "unjudged": "?"}
+STRIP_LABELLED = 40  # checkpoint windows drawn with their names; more are drawn narrow and scroll
+
+
+@cache
+def plotly_js() -> str:
+    """plotly.js with only the cartesian trace types the report draws (1.5 MB, not the full 4.8 MB)."""
+    return (files(__package__) / "vendor" / "plotly-cartesian.min.js").read_text(encoding="utf-8")
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
@@ -83,12 +100,16 @@ def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
     verdict = stored_verdict(run_dir)
     con = connect(run_dir, read_only=True)
     try:
-        context = _context(con, verdict)
+        manifest = load_manifest(con)
+        if manifest.get("profile") == "preflight":  # a dataset, not a training run
+            template, context = "dataset.html.j2", _dataset(con, verdict, manifest)
+        else:
+            template, context = "report.html.j2", _context(con, verdict)
     finally:
         con.close()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    html = _ENV.get_template("report.html.j2").render(plotly_js=get_plotlyjs(), **context)
+    html = _ENV.get_template(template).render(plotly_js=plotly_js(), **context)
     path = out_dir / "report.html"
     path.write_text(html, encoding="utf-8")
     return path
@@ -124,14 +145,14 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
 
     series_divs = _series_figures(con, findings, figs)
     checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs)
-    first = verdict["first_anomalous_step"]
     return {
         "verdict": verdict,
         "run_info": _run_info(manifest),
         "findings": findings,
-        "first_causes": _first_causes(findings, first),
+        "first_causes": _first_causes(findings, verdict["first_anomalous_step"]),
+        "evidence_lines": _evidence_lines(verdict, checks),
         "chain": verdict.get("first_anomaly_chain"),
-        "strip": _checkpoint_strip(verdict, findings, con),
+        **strip_context(verdict, findings, con),
         "checks": checks,
         "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
                        "check_anchor": anchor(code)} for pid, title, code, about in BEHAVIOUR_PANELS],
@@ -142,6 +163,13 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         "figures": figs,
         "summary": tables.run_summary(con),
     }
+
+
+def _dataset(con, verdict: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    findings = [dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")))
+                for i, f in enumerate(verdict["findings"])]
+    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], {})
+    return {"verdict": verdict, **dataset_context(con, manifest, checks, findings)}
 
 
 def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +213,8 @@ def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[st
 
 def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], coverage: list[dict[str, Any]],
             series_divs: dict[str, str]) -> list[dict[str, Any]]:
+    """Every check with its status as the verdict states it: a check that did not run, or ran on
+    partial evidence, says so (with the reason) and never shows as passing."""
     registered = {c.code: c for c in registered_checks()}
     codes = sorted(set(registered) | {f["code"] for f in findings} | {e["code"] for e in errors})
     out = []
@@ -193,21 +223,52 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
         own = [f for f in findings if f["code"] == code]
         error = next((e["error"] for e in errors if e["code"] == code), None)
         covered = next((c for c in coverage if c["code"] == code), {})
-        no_data = covered.get("status") in ("not_run", "disabled")
+        ran = covered.get("status", "ran")
         if error:
             status = "error"
         elif own:
             status = max((f["severity"] for f in own), key=SEVERITY_RANK.__getitem__)
         else:
-            status = "nodata" if no_data else "pass"
+            status = {"not_run": "notrun", "disabled": "disabled", "partial": "partial"}.get(ran, "pass")
+        reason = covered.get("reason")
         out.append({
             "code": code, "anchor": anchor(code), "name": cls.name if cls else "(check not installed)",
             "doc": check_doc(cls) if cls else None, "defaults": dict(cls.defaults) if cls else {},
-            "status": status, "error": error, "findings": own,
-            "no_data": f"not run: {covered['reason']}" if no_data else None,
+            "status": status, "error": error, "findings": own, "coverage": ran, "reason": reason,
+            "why": (f"not run: {reason}" if ran in ("not_run", "disabled") else
+                    f"partial evidence: {reason}" if ran == "partial" else None),
+            "evidence": covered.get("evidence") or [], "sources": covered.get("sources") or [],
             "series_div": series_divs.get(code),
         })
     return out
+
+
+def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> list[str]:
+    """What the verdict rests on, as the verdict records it: steps per rank, where the evidence
+    came from (recorded by the shim or imported), components switched off mid-run, checks not run."""
+    evidence = verdict.get("evidence") or {}
+    lines = []
+    ranks = evidence.get("ranks") or []
+    if ranks:
+        counts = {(r["steps"], r["first_step"], r["last_step"]) for r in ranks}
+        if len(counts) == 1:
+            n, lo, hi = counts.pop()
+            where = f" (steps {lo}..{hi})" if n else ""
+            lines.append(f"{n} step{'s' * (n != 1)} recorded{where}" +
+                         (f" on each of {len(ranks)} ranks" if len(ranks) > 1 else ""))
+        else:
+            lines.append("steps recorded per rank: " + ", ".join(
+                f"rank {r['rank']} {r['steps']}" + (f" ({r['first_step']}..{r['last_step']})" if r["steps"] else "")
+                for r in ranks))
+    sources = sorted({src for c in checks for src in c["sources"]})
+    if sources:
+        lines.append("evidence from: " + "; ".join(sources))
+    lines += list(evidence.get("partial") or [])  # components switched off mid-run (from the start: cannot_judge)
+    skipped = [c["code"] for c in checks if c["coverage"] == "not_run"]
+    if skipped:
+        lines.append(f"{len(skipped)} check{'s' * (len(skipped) != 1)} not run for lack of evidence: "
+                     + ", ".join(skipped))
+    return lines
 
 
 def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dict[str, Any]]:
@@ -217,19 +278,28 @@ def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dic
     return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
 
 
+def strip_context(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> dict[str, Any]:
+    """The strip, whether it is too dense to label each window, and the failing checkpoints
+    (listed by name under a dense strip, so every one stays visible)."""
+    strip = _checkpoint_strip(verdict, findings, con)
+    return {"strip": strip, "strip_dense": len(strip) > STRIP_LABELLED,
+            "failing_checkpoints": [w for w in strip if w["verdict"] == "fail" and w["anchor"]]}
+
+
 def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> list[dict[str, Any]]:
     """Checkpoint windows along the step axis, each as wide as the steps it covers."""
     last = tables.first_row(con, "SELECT max(step) FROM steps WHERE rank = 0")[0]
     start = 0
     windows = []
     for c in sorted(verdict["checkpoints"], key=lambda c: c["step"]):
-        windows.append({"name": c["name"], "from": start + 1, "to": c["step"], "verdict": c["verdict"],
-                        "count": len(c["findings"]), "anchor": checkpoint_anchor(c["name"])})
+        windows.append({"name": c["name"], "step": c["step"], "from": start + 1, "to": c["step"],
+                        "verdict": c["verdict"], "count": len(c["findings"]),
+                        "anchor": checkpoint_anchor(c["name"], c["step"])})
         start = c["step"]
     if last is not None and last > start:
         tail = [f for f in findings if f["checkpoint"] is None and f["step"] is not None and f["step"] > start]
         rank = max((SEVERITY_RANK[f["severity"]] for f in tail), default=0)
-        windows.append({"name": "not saved", "from": start + 1, "to": last,
+        windows.append({"name": "not saved", "step": None, "from": start + 1, "to": last,
                         "verdict": ("pass", "warn", "fail")[rank], "count": len(tail), "anchor": None})
     total = sum(w["to"] - w["from"] + 1 for w in windows) or 1
     for w in windows:

@@ -59,7 +59,7 @@ def _special(key: str, value: Any) -> dict[str, Any] | None:
     if key == "sample_ids" and isinstance(value, list):
         return {"kind": "ids", "label": "sample ids", "items": [str(v) for v in value]}
     if _is_token_list(value):
-        return _tokens(key, value)
+        return token_block(key, value)
     if key == "ngrams" and isinstance(value, list) and all(isinstance(v, dict) for v in value):
         top = max((_number(v.get("count")) for v in value), default=0) or 1
         return {"kind": "ngrams", "rows": [
@@ -78,7 +78,8 @@ def _is_token_list(value: Any) -> bool:
             and all("token" in v and "actual" in v for v in value))
 
 
-def _tokens(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+def token_block(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """A loss-mask strip: each token coloured by its class, outlined where the template expects another."""
     shown = []
     for t in tokens:
         actual, expected = str(t.get("actual")), str(t.get("expected", t.get("actual")))

@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 from ..artifacts import GRAD_HIST_EDGES
 
 SEVERITY_COLOURS = {"info": "#607d8b", "warn": "#ed6c02", "fail": "#c62828", "pass": "#2e7d32"}
+SEVERITY_SYMBOLS = {"info": "circle", "warn": "triangle-up", "fail": "x"}  # not colour alone
 _BASE_LAYOUT = dict(template="none", font=dict(family="system-ui, sans-serif", size=12),
                     margin=dict(l=60, r=20, t=30, b=40), hovermode="closest",
                     legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
@@ -58,7 +59,8 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
         if hits:
             fig.add_trace(go.Scatter(
                 x=[f["step"] for _, f in hits], y=[text(f["code"]) for _, f in hits], mode="markers",
-                name=f"{severity} finding", marker=dict(color=SEVERITY_COLOURS[severity], size=13, symbol="diamond",
+                name=f"{severity} finding", marker=dict(color=SEVERITY_COLOURS[severity], size=13,
+                                                        symbol=SEVERITY_SYMBOLS[severity],
                                                         line=dict(color="#fff", width=1)),
                 customdata=[f"finding-{i}" for i, _ in hits],
                 hovertext=[f"step {f['step']}: {text(_shorten(f['message']))}" for _, f in hits],
@@ -77,9 +79,9 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
     if lane:
         fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
                          automargin=True, row=1, col=1)
-    fig.update_yaxes(title_text="loss", row=1 + lane, col=1)
-    fig.update_yaxes(title_text="lr", exponentformat="e", row=2 + lane, col=1)
-    fig.update_yaxes(title_text="grad norm", type="log", row=3 + lane, col=1)
+    fig.update_yaxes(title_text="loss", **_autoscale(steps["loss"], steps["eval_loss"]), row=1 + lane, col=1)
+    fig.update_yaxes(title_text="lr", exponentformat="e", **_autoscale(steps["lr"]), row=2 + lane, col=1)
+    fig.update_yaxes(title_text="grad norm", **_autoscale(steps["grad_norm"]), row=3 + lane, col=1)
     fig.update_xaxes(title_text="step", row=3 + lane, col=1)
     fig.update_layout(**_BASE_LAYOUT, height=480 + 80 * lane, shapes=shapes)
     return as_json(fig)
@@ -156,6 +158,23 @@ def series_panel(code: str, series: dict[str, dict[str, Any]], finding_steps: li
     return as_json(fig)
 
 
+def _autoscale(*frames) -> dict[str, Any]:
+    """A lane's y axis fitted to its own values: log where positive values span two decades or
+    more, and a visible band around a constant (plotly's autorange draws a flat line at an
+    arbitrary place; a constant LR of 3e-3 read as 0)."""
+    values = np.concatenate([f["value"].to_numpy().astype(np.float64) for f in frames if f.height] or [np.zeros(0)])
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return {}
+    lo, hi = float(values.min()), float(values.max())
+    if lo > 0 and hi / lo >= 100:
+        return {"type": "log"}
+    if lo == hi:
+        pad = abs(lo) * 0.5 or 1.0
+        return {"type": "linear", "range": [lo - pad, hi + pad]}
+    return {"type": "linear"}
+
+
 def _vline(step: int, colour: str, dash: str, width: float = 1) -> dict[str, Any]:
     """A vertical line across every subplot (plotly's add_vline is slow with many lines and rows)."""
     return dict(type="line", xref="x", x0=step, x1=step, yref="paper", y0=0, y1=1,
@@ -164,3 +183,16 @@ def _vline(step: int, colour: str, dash: str, width: float = 1) -> dict[str, Any
 
 def _shorten(message: str, limit: int = 160) -> str:
     return message if len(message) <= limit else message[: limit - 1] + "…"
+
+
+def sample_histogram(frame, xtitle: str, colour: str) -> dict[str, Any]:
+    """Samples per bin of a per-sample count (tokens per sample, trained tokens per sample)."""
+    low, high = frame["low"].to_numpy().astype(np.int64), frame["high"].to_numpy().astype(np.int64)
+    labels = [f"{a}" if a == b else f"{a}-{b}" for a, b in zip(low.tolist(), high.tolist())]
+    fig = go.Figure(go.Bar(x=(low + high) / 2, y=frame["samples"].to_numpy().astype(np.int64),
+                           width=np.maximum(high - low + 1, 1) * 0.95, marker=dict(color=colour),
+                           customdata=labels, hovertemplate="%{customdata} tokens: %{y} samples<extra></extra>"))
+    fig.update_layout(**_BASE_LAYOUT, height=260, showlegend=False, bargap=0)
+    fig.update_xaxes(title_text=xtitle)
+    fig.update_yaxes(title_text="samples")
+    return as_json(fig)

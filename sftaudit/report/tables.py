@@ -134,3 +134,28 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "shim_errors": [e for e in events if e["kind"] == "shim_error"],
         "disabled_probes": [e for e in events if e["kind"] == "probe_disabled"],
     }
+
+
+def per_sample_histogram(con: duckdb.DuckDBPyConnection, column: str, bins: int = 40) -> pl.DataFrame:
+    """(low, high, samples) of a per-row list column of `batches` (lengths, label_tokens), in at most
+    `bins` equal-width integer bins: the counts a histogram draws."""
+    source = f"(SELECT unnest({column}) AS v FROM batches WHERE rank = 0)"
+    lo, hi = first_row(con, f"SELECT min(v), max(v) FROM {source}")
+    if lo is None:
+        return pl.DataFrame({"low": [], "high": [], "samples": []})
+    width = max(1, -(-(hi - lo + 1) // bins))
+    return con.sql(
+        f"""SELECT ? + b * ? AS low, ? + (b + 1) * ? - 1 AS high, count(*) AS samples
+            FROM (SELECT (v - ?) // ? AS b FROM {source}) GROUP BY b ORDER BY b""",
+        params=[lo, width, lo, width, lo, width]).pl()
+
+
+def dataset_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Rows collated, batches, tokens and the rows the template refused or rendered without a message."""
+    batches, rows, real, trained, padded = first_row(
+        con, """SELECT count(*), sum(rows), sum(list_sum(lengths)), sum(list_sum(label_tokens)), sum(rows * seq_len)
+                FROM batches WHERE rank = 0""")
+    failures = con.execute("SELECT kind, count(*) FROM events WHERE kind IN ('render_failed', 'content_dropped') "
+                           "GROUP BY kind").fetchall()
+    return {"batches": batches, "rows": rows or 0, "real_tokens": real or 0, "trained_tokens": trained or 0,
+            "padded_tokens": padded or 0, "failures": dict(failures)}
