@@ -1,4 +1,4 @@
-"""Command line: `sftaudit ingest|audit|report|preflight|replay|gate|demo`.
+"""Command line: `sftaudit import|ingest|audit|report|preflight|replay|gate|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -26,6 +26,10 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sftaudit", description="Audit a supervised fine-tuning run from its sftaudit artifacts.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("import", help="write artifacts for a Trainer/TRL output_dir trained without the shim "
+                                      "(audit, replay and gate import such a folder themselves)")
+    s.add_argument("run_dir", type=Path)
 
     s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
     s.add_argument("run_dir", type=Path)
@@ -88,6 +92,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CANNOT_JUDGE
 
 
+def _import(args: argparse.Namespace) -> int:
+    from .imports import import_run
+
+    done = import_run(args.run_dir)
+    resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
+    print(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
+          f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
+          + ("" if done["tokenizer"] else "; no saved tokenizer"))
+    return EXIT_PASS
+
+
+def _prepare(run_dir: Path) -> None:
+    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
+    from .imports import ensure_artifacts
+
+    ensure_artifacts(run_dir)
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
@@ -107,6 +129,7 @@ def _audit(args: argparse.Namespace) -> int:
     from .config import AuditConfig
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     verdict = audit(args.run_dir, config)
     out = _out_dir(args, verdict["run"])
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +176,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .replay import replay, to_json, to_text
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     doc = replay(args.run_dir, config)
     print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
     return _exit_code(doc["verdict"], config.strict)
@@ -163,6 +187,7 @@ def _gate(args: argparse.Namespace) -> int:
     from .gate import Policy, gate
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
@@ -190,7 +215,10 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
     if verdict.get("cannot_judge"):
         print(f"{verdict['run']}: could not judge: {verdict['cannot_judge']}", file=sys.stderr)
     print(f"{verdict['run']}: {verdict['verdict'].upper()}", end="")
-    if verdict["first_anomalous_step"] is not None:
+    window = (verdict.get("resolution") or {}).get("first_anomalous_window")
+    if window:  # imported evidence: the step is only known to lie in a logging or checkpoint window
+        print(f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}", end="")
+    elif verdict["first_anomalous_step"] is not None:
         print(f"; first anomalous step {verdict['first_anomalous_step']}", end="")
     if verdict["rollback_checkpoint"]:
         print(f"; roll back to {verdict['rollback_checkpoint']}", end="")
@@ -210,7 +238,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
+_COMMANDS = {"import": _import, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
              "replay": _replay, "gate": _gate, "demo": _demo}
 
 if __name__ == "__main__":
