@@ -1,4 +1,4 @@
-"""Command line: `sftaudit import|ingest|audit|report|preflight|replay|gate|demo`.
+"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -30,6 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import", help="write artifacts for a Trainer/TRL output_dir trained without the shim "
                                       "(audit, replay and gate import such a folder themselves)")
     s.add_argument("run_dir", type=Path)
+
+    s = sub.add_parser("probe", help="run each surviving checkpoint of a run on probe prompts and an eval set "
+                                     "(needs torch), so LOOP-06/07/08 run at checkpoint granularity")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--prompts", type=Path, required=True, help="text file: one probe prompt (user message) per line")
+    s.add_argument("--eval", type=Path, help="JSONL eval set: {id, messages, reference} per line")
+    s.add_argument("--base", type=Path, help="the base model folder: probed as step 0; PEFT adapters are applied to it")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--samples", type=int, default=4, help="sampled generations per prompt")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
     s.add_argument("run_dir", type=Path)
@@ -101,6 +111,39 @@ def _import(args: argparse.Namespace) -> int:
           f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
           + ("" if done["tokenizer"] else "; no saved tokenizer"))
     return EXIT_PASS
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .imports import ensure_artifacts
+
+    prompts = [line.strip() for line in _read(args.prompts).splitlines() if line.strip()]
+    try:
+        eval_set = [json.loads(line) for line in _read(args.eval).splitlines() if line.strip()] if args.eval else []
+    except ValueError as exc:
+        raise InputError(f"{args.eval}: not JSONL ({exc})") from None
+    if any(not isinstance(it, dict) or "messages" not in it or "reference" not in it for it in eval_set):
+        raise InputError(f"{args.eval}: each line needs messages and reference")
+    if not prompts and not eval_set:
+        raise InputError(f"{args.prompts}: no probe prompts")
+    ensure_artifacts(args.run_dir)
+    try:
+        from .shim.posthoc import probe_checkpoints
+    except ImportError as exc:
+        raise InputError(f"probing runs the checkpoints and needs the training side: pip install 'sftaudit[shim]' ({exc})") from None
+    timings = probe_checkpoints(args.run_dir, prompts, eval_set, base=args.base, progress=not args.quiet,
+                                max_new_tokens=args.max_new_tokens, generations_per_prompt=args.samples)
+    ensure_artifacts(args.run_dir)  # the manifest gains the prompts and the eval set
+    for t in timings:
+        print(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
+    print(f"{len(timings)} checkpoint(s) probed" + ("" if timings else " (all were probed before)"))
+    return EXIT_PASS
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: {exc.strerror or exc}") from None
 
 
 def _prepare(run_dir: Path) -> None:
@@ -238,7 +281,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"import": _import, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
+_COMMANDS = {"import": _import, "probe": _probe, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
              "replay": _replay, "gate": _gate, "demo": _demo}
 
 if __name__ == "__main__":

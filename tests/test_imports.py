@@ -113,3 +113,26 @@ def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path):
         assert con.execute("SELECT count(*) FROM steps WHERE step = 10").fetchone() == (1,)
     finally:
         con.close()
+
+
+def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(clean_trl_run, tmp_path, capsys):
+    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
+    then run at checkpoint granularity, on post-hoc probes."""
+    from sftaudit.fixtures import load_eval_set
+
+    run = tmp_path / "run"
+    shutil.copytree(clean_trl_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    prompts, evals = tmp_path / "prompts.txt", tmp_path / "eval.jsonl"
+    prompts.write_text("What is the capital of France?\n请介绍一下长城。\n", encoding="utf-8")
+    evals.write_text("".join(json.dumps(item) + "\n" for item in load_eval_set()[:2]), encoding="utf-8")
+    probe = ["probe", str(run), "--prompts", str(prompts), "--eval", str(evals), "--max-new-tokens", "4",
+             "--samples", "2", "--quiet"]
+    assert main(probe) == 0
+    assert "2 checkpoint(s) probed" in capsys.readouterr().out
+    assert main(probe) == 0 and "0 checkpoint(s) probed" in capsys.readouterr().out  # resumable
+    probes = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "probes.jsonl").read_text().splitlines()]
+    assert sorted({p["step"] for p in probes}) == [4, 8] and len(probes) == 4
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
+    checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
+    for code in ("LOOP-06", "LOOP-07", "LOOP-08"):
+        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]

@@ -35,9 +35,14 @@ CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
 SUMMARY_KEYS = ("train_runtime", "train_loss")
 LOGS_SOURCE = "imported logs: trainer_state.json"
 CHECKPOINTS_SOURCE = "checkpoints (weights, optimizer state)"
+PROBES_SOURCE = "post-hoc probes"
 # Where each kind of evidence of an imported run came from (the verdict's per-check provenance).
 SOURCES = {"steps": LOGS_SOURCE, "metrics": LOGS_SOURCE, "checkpoints": CHECKPOINTS_SOURCE,
-           "tokenizer": "tokenizer saved with the checkpoints", "chat_template": "tokenizer saved with the checkpoints"}
+           "tokenizer": "tokenizer saved with the checkpoints", "chat_template": "tokenizer saved with the checkpoints",
+           "probes": PROBES_SOURCE, "generations": PROBES_SOURCE, "evals": PROBES_SOURCE}
+# What `sftaudit probe` wrote (checkpoints run after the fact): kept when the logs are imported again.
+POSTHOC_FILE = "posthoc.json"
+PROBE_KINDS = ("probes", "generations", "evals")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -248,7 +253,12 @@ def _params(checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
 def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int) -> dict[str, Any]:
     model = _model(run_dir, checkpoints)
     granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")}
+    try:
+        posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        posthoc = {}
     return {
+        "probe_prompts": posthoc.get("probe_prompts", []), "eval_set": posthoc.get("eval_set", []),
         "schema_version": SCHEMA_VERSION, "seg": seg, "run_id": run_dir.resolve().name, "rank": 0, "world_size": None,
         "profile": "imported", "imported": True, "source": LOGS_SOURCE, "sources": SOURCES, "granularity": granularity,
         "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
@@ -260,11 +270,13 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
 
 
 def _write(run_dir: Path, records: dict[str, list[dict[str, Any]]]) -> None:
-    """Replace an earlier import's files (and its database: ingest is incremental by file offset)."""
+    """Replace an earlier import's files (and its database: ingest is incremental by file offset);
+    the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
-    shutil.rmtree(folder, ignore_errors=True)
+    for kind in records:
+        (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
     (artifact_root(run_dir) / DATABASE_FILE).unlink(missing_ok=True)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in records.items():
         (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
