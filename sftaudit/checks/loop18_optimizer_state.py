@@ -59,7 +59,10 @@ class OptimizerState(Check):
         the first checkpoint window holding them. Moment jump >= `moment_jump` (10x) and >=
         `moment_jump` x the median jump of all tensors: warn. Movement ratio >= `movement_jump`
         (10x) and >= `movement_jump` x the median ratio: warn. eps share >= `eps_share` (0.5) in a
-        tensor: warn. Logged gradient norm non-finite: fail at the first such logged step.
+        tensor: warn. Logged gradient norm non-finite: fail at the first such logged step. The
+        checkpoint-window findings are left to finer evidence when it exists: non-finite state when a
+        non-finite loss or gradient norm was logged or recorded, moment and movement jumps when
+        per-tensor gradient norms were recorded (LOOP-05 places those at their step).
     Evidence:
         The tensors (name or index, shape, group), their statistics, the checkpoint window
         (`resolution`: first and last step it covers), the checkpoints whose state could not be read.
@@ -76,12 +79,17 @@ class OptimizerState(Check):
         findings += [self.finding("info", f"{s.name}: optimizer state not read ({s.problem})", skipped=s.name)
                      for s in snapshots if s.problem]
         with_state = [s for s in snapshots if s.state is not None]
+        # Checkpoint windows are coarse: where per-step evidence exists, it places the event (LOOP-05 with
+        # per-tensor gradient norms, a non-finite logged loss or gradient norm) and the windows stay silent.
+        per_tensor = ctx.has_rows("grad_norms")
+        nonfinite_logged = per_tensor or ctx.scalar(
+            "SELECT count(*) FROM steps WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)") > 0
         if with_state:
             findings += self._never_updated(snapshots, with_state[-1])
-            findings += self._nonfinite(snapshots, with_state)
-            findings += self._moment_jumps(snapshots, with_state)
+            findings += [] if nonfinite_logged else self._nonfinite(snapshots, with_state)
+            findings += [] if per_tensor else self._moment_jumps(snapshots, with_state)
             findings += self._eps(with_state)
-        findings += self._movement(snapshots)
+        findings += [] if per_tensor else self._movement(snapshots)
         return findings
 
     # ------------------------------------------------------------------ the logged gradient norm

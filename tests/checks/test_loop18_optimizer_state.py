@@ -4,6 +4,7 @@ checkpoints, read statically from the checkpoints; a hostile optimizer.pt is ref
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -33,10 +34,22 @@ def test_a_tensor_the_optimizer_never_updated_is_named(tmp_path_factory, tokeniz
                                                 "reason": "no optimizer state: never had a gradient"}]
 
 
-def test_a_nan_in_the_optimizer_state_is_placed_in_its_checkpoint_window(tmp_path_factory, tokenizer_cache):
+def test_a_nan_in_the_optimizer_state_is_placed_in_its_checkpoint_window(tmp_path_factory, tokenizer_cache, tmp_path):
+    """With the NaN in the log, the log places it (logging window); without a logged grad_norm (a
+    Trainer without clipping logs none) the optimizer state still does, to its checkpoint window."""
     _, _, verdict = audited(tmp_path_factory, tokenizer_cache, "window")
+    assert not [f for f in loop18(verdict) if "optimizer state saved at" in f["message"]]
+    run = tmp_path / "run"
+    shutil.copytree(posthoc_run(tmp_path_factory, tokenizer_cache, "window"), run, ignore=shutil.ignore_patterns("sftaudit"))
+    for path in run.glob("checkpoint-*/trainer_state.json"):
+        state = json.loads(path.read_text(encoding="utf-8"))
+        for entry in state["log_history"]:
+            entry.pop("grad_norm", None)
+        path.write_text(json.dumps(state), encoding="utf-8")
+    import_run(run)
+    verdict = audit(run)
     state = [f for f in loop18(verdict) if "optimizer state saved at" in f["message"]]
-    assert len(state) == 1 and state[0]["step"] == 11
+    assert len(state) == 1 and state[0]["step"] == 11 and verdict["rollback_checkpoint"] == "checkpoint-10"
     assert state[0]["evidence"]["resolution"] == {"kind": "checkpoint window", "first_step": 11, "last_step": 15,
                                                   "from": "checkpoint-10", "to": "checkpoint-15"}
 
