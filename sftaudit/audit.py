@@ -11,6 +11,7 @@ from .checks.base import EVIDENCE
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
+from .imports.resolution import at_logging_resolution, first_window
 from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints
 from .verdict import build_verdict
 
@@ -95,6 +96,7 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
     stopped = {COMPONENT_TABLES.get(o["component"]): o for o in (evidence or {}).get("components_off", [])}
     errors = {e["code"]: e["error"] for e in check_errors}
     source = "dataset (preflight)" if manifest.get("profile") == "preflight" else manifest.get("source", "shim")
+    sources = manifest.get("sources") or {}  # an imported run: where each kind of evidence came from
     out = []
     for check in registered_checks():
         missing = [t for t in check.needs if not recorded[t]]
@@ -113,7 +115,8 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
             status, reason = "ran", None
         out.append({"code": check.code, "name": check.name, "status": status, "reason": reason,
                     "evidence": [EVIDENCE[t] for t in check.needs if recorded[t]],
-                    "sources": [source] if status in ("ran", "partial") else []})
+                    "sources": list(dict.fromkeys(sources.get(t, source) for t in check.needs))
+                    if status in ("ran", "partial") else []})
     return out
 
 
@@ -133,11 +136,14 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     manifest = load_manifest(con)
     ctx = AuditContext(con, run_dir, manifest)
     findings, errors = run_checks(ctx, config)
+    findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
     evidence = evidence_coverage(con, errors) if manifest.get("profile") != "preflight" else None
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
                             config.rollback_margin, evidence)
     verdict["checks"] = check_coverage(con, manifest, config, errors, evidence)
+    if resolution:  # an imported run: how finely its evidence places a step
+        verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,

@@ -1,4 +1,4 @@
-"""Command line: `sftaudit ingest|audit|report|preflight|replay|gate|demo`.
+"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|demo`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -26,6 +26,20 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sftaudit", description="Audit a supervised fine-tuning run from its sftaudit artifacts.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("import", help="write artifacts for a Trainer/TRL output_dir trained without the shim "
+                                      "(audit, replay and gate import such a folder themselves)")
+    s.add_argument("run_dir", type=Path)
+
+    s = sub.add_parser("probe", help="run each surviving checkpoint of a run on probe prompts and an eval set "
+                                     "(needs torch), so LOOP-06/07/08 run at checkpoint granularity")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--prompts", type=Path, required=True, help="text file: one probe prompt (user message) per line")
+    s.add_argument("--eval", type=Path, help="JSONL eval set: {id, messages, reference} per line")
+    s.add_argument("--base", type=Path, help="the base model folder: probed as step 0; PEFT adapters are applied to it")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--samples", type=int, default=4, help="sampled generations per prompt")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
     s.add_argument("run_dir", type=Path)
@@ -88,6 +102,57 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CANNOT_JUDGE
 
 
+def _import(args: argparse.Namespace) -> int:
+    from .imports import import_run
+
+    done = import_run(args.run_dir)
+    resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
+    print(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
+          f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
+          + ("" if done["tokenizer"] else "; no saved tokenizer"))
+    return EXIT_PASS
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .imports import ensure_artifacts
+
+    prompts = [line.strip() for line in _read(args.prompts).splitlines() if line.strip()]
+    try:
+        eval_set = [json.loads(line) for line in _read(args.eval).splitlines() if line.strip()] if args.eval else []
+    except ValueError as exc:
+        raise InputError(f"{args.eval}: not JSONL ({exc})") from None
+    if any(not isinstance(it, dict) or "messages" not in it or "reference" not in it for it in eval_set):
+        raise InputError(f"{args.eval}: each line needs messages and reference")
+    if not prompts and not eval_set:
+        raise InputError(f"{args.prompts}: no probe prompts")
+    ensure_artifacts(args.run_dir)
+    try:
+        from .shim.posthoc import probe_checkpoints
+    except ImportError as exc:
+        raise InputError(f"probing runs the checkpoints and needs the training side: pip install 'sftaudit[shim]' ({exc})") from None
+    timings = probe_checkpoints(args.run_dir, prompts, eval_set, base=args.base, progress=not args.quiet,
+                                max_new_tokens=args.max_new_tokens, generations_per_prompt=args.samples)
+    ensure_artifacts(args.run_dir)  # the manifest gains the prompts and the eval set
+    for t in timings:
+        print(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
+    print(f"{len(timings)} checkpoint(s) probed" + ("" if timings else " (all were probed before)"))
+    return EXIT_PASS
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: {exc.strerror or exc}") from None
+
+
+def _prepare(run_dir: Path) -> None:
+    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
+    from .imports import ensure_artifacts
+
+    ensure_artifacts(run_dir)
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
@@ -107,6 +172,7 @@ def _audit(args: argparse.Namespace) -> int:
     from .config import AuditConfig
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     verdict = audit(args.run_dir, config)
     out = _out_dir(args, verdict["run"])
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +219,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .replay import replay, to_json, to_text
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     doc = replay(args.run_dir, config)
     print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
     return _exit_code(doc["verdict"], config.strict)
@@ -163,6 +230,7 @@ def _gate(args: argparse.Namespace) -> int:
     from .gate import Policy, gate
 
     config = AuditConfig.load(args.config)
+    _prepare(args.run_dir)
     result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
@@ -190,7 +258,10 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
     if verdict.get("cannot_judge"):
         print(f"{verdict['run']}: could not judge: {verdict['cannot_judge']}", file=sys.stderr)
     print(f"{verdict['run']}: {verdict['verdict'].upper()}", end="")
-    if verdict["first_anomalous_step"] is not None:
+    window = (verdict.get("resolution") or {}).get("first_anomalous_window")
+    if window:  # imported evidence: the step is only known to lie in a logging or checkpoint window
+        print(f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}", end="")
+    elif verdict["first_anomalous_step"] is not None:
         print(f"; first anomalous step {verdict['first_anomalous_step']}", end="")
     if verdict["rollback_checkpoint"]:
         print(f"; roll back to {verdict['rollback_checkpoint']}", end="")
@@ -210,7 +281,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
         print(f"report:  {report}")
 
 
-_COMMANDS = {"ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
+_COMMANDS = {"import": _import, "probe": _probe, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
              "replay": _replay, "gate": _gate, "demo": _demo}
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Import a Hugging Face Trainer / TRL ``output_dir`` that was trained without the shim.
+
+What becomes evidence (and what does not):
+
+* ``trainer_state.json`` ``log_history`` (the newest state, plus older checkpoints' states for
+  the steps a resume abandoned): one ``steps`` record per training log (``loss`` is the Trainer's
+  mean over the logging window, ``grad_norm`` its pre-clip global norm of the window's last step,
+  ``learning_rate``), and every logged number as a ``metrics`` record (``eval_*``, ``epoch``,
+  TRL's ``entropy``, ``mean_token_accuracy``, ``num_tokens``). Granularity: ``logging_steps``.
+* ``checkpoint-N/`` folders: ``checkpoints`` records (files, resume-state outline, tokenizer
+  fingerprint), so LOOP-09 inspects them and the verdict can name a rollback checkpoint.
+* The tokenizer and chat template saved with the newest checkpoint: the manifest's tokenizer
+  and ``sftaudit/tokenizer/`` (LOOP-01/02).
+
+Per-step batches, per-tensor gradient norms and probes do not exist for such a run: the checks
+that need them do not run, and the verdict says so. ``training_args.bin`` is a pickle of
+arbitrary classes and is never loaded; the arguments that matter are in ``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from ..errors import InputError
+
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
+# Keys of the end-of-training log entry: a summary of the run, not a training step.
+SUMMARY_KEYS = ("train_runtime", "train_loss")
+LOGS_SOURCE = "imported logs: trainer_state.json"
+CHECKPOINTS_SOURCE = "checkpoints (weights, optimizer state)"
+PROBES_SOURCE = "post-hoc probes"
+# Where each kind of evidence of an imported run came from (the verdict's per-check provenance).
+SOURCES = {"steps": LOGS_SOURCE, "metrics": LOGS_SOURCE, "checkpoints": CHECKPOINTS_SOURCE,
+           "tokenizer": "tokenizer saved with the checkpoints", "chat_template": "tokenizer saved with the checkpoints",
+           "probes": PROBES_SOURCE, "generations": PROBES_SOURCE, "evals": PROBES_SOURCE}
+# What `sftaudit probe` wrote (checkpoints run after the fact): kept when the logs are imported again.
+POSTHOC_FILE = "posthoc.json"
+PROBE_KINDS = ("probes", "generations", "evals")
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """``checkpoint-N/`` folders of a Trainer output, by step."""
+    return sorted((int(m.group(1)), p) for p in run_dir.glob("checkpoint-*")
+                  if p.is_dir() and (m := CHECKPOINT_DIR.fullmatch(p.name)))
+
+
+def is_trainer_output(run_dir: str | Path) -> bool:
+    run_dir = Path(run_dir)
+    return (run_dir / TRAINER_STATE).is_file() or bool(checkpoint_dirs(run_dir))
+
+
+def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
+    """The manifest an earlier import wrote (None: no artifacts, or the shim's)."""
+    path = rank_dir(run_dir, 0) / "manifest.jsonl"
+    try:
+        first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return first if first.get("imported") else None
+
+
+def ensure_artifacts(run_dir: str | Path) -> bool:
+    """Before an audit: import a Trainer output that has no artifacts, or refresh an earlier import
+    (the run may have gone on since). Returns whether it imported. Shim artifacts are left alone."""
+    run_dir = Path(run_dir)
+    has_artifacts = any(artifact_root(run_dir).glob("rank-*"))
+    if (not has_artifacts and is_trainer_output(run_dir)) or (has_artifacts and imported_manifest(run_dir)):
+        import_run(run_dir)
+        return True
+    return False
+
+
+def import_run(run_dir: str | Path) -> dict[str, Any]:
+    """Write ``RUN_DIR/sftaudit/rank-0/*.jsonl`` from a Trainer output; returns what was imported."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: no such run directory")
+    if not is_trainer_output(run_dir):
+        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE} and no checkpoint-*/ folder)")
+    if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
+        raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
+    checkpoints = checkpoint_dirs(run_dir)
+    states = _states(run_dir, checkpoints)
+    if not states:
+        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} (in the run folder or any checkpoint)")
+    # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
+    # a checkpoint of the abandoned branch may hold a higher step).
+    newest = max(states, key=lambda s: (s["mtime"], s["global_step"], s["top_level"]))
+    timeline, abandoned, resumed_at = _timeline(newest, states)
+    if resumed_at is not None and not any(e["step"] >= resumed_at for e in timeline):
+        abandoned, resumed_at = [], None  # the abandoned steps lie beyond the run's end: nothing replaced them
+
+    records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")}
+    for seg, entries in ((0, abandoned), (0, [e for e in timeline if resumed_at is None or e["step"] < resumed_at]),
+                         (1, [e for e in timeline if resumed_at is not None and e["step"] >= resumed_at])):
+        for e in entries:
+            records["metrics"] += [{"seg": seg, "step": e["step"], "name": k, "value": float(v)} for k, v in e.items()
+                                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
+                records["steps"].append({"seg": seg, "step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"),
+                                         "grad_norm": e.get("grad_norm")})
+    abandoned_states = {s["folder"] for s in states if s["abandoned"]}
+    tokenizer, fingerprints = _tokenizer(run_dir, checkpoints)
+    for step, folder in checkpoints:
+        seg = 0 if folder in abandoned_states or resumed_at is None or step < resumed_at else 1
+        records["checkpoints"].append({
+            "seg": seg, "event": "saved", "step": step, "path": folder.name,
+            "files": [{"name": str(f.relative_to(run_dir)), "bytes": f.stat().st_size}
+                      for f in sorted(folder.rglob("*")) if f.is_file()],
+            "training_state": _resume_outline(folder), "tokenizer_fingerprint": fingerprints.get(folder),
+            "time": folder.stat().st_mtime})
+    segments = [0] + ([1] if resumed_at is not None else [])
+    for seg in segments:
+        records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg))
+        records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
+    _write(run_dir, records)
+    return {"steps": len(records["steps"]), "metrics": len(records["metrics"]), "checkpoints": len(checkpoints),
+            "logging_steps": newest["logging_steps"], "resumed_at": resumed_at,
+            "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
+            "tokenizer": tokenizer is not None}
+
+
+# ---------------------------------------------------------------------------- trainer states
+
+
+def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
+    """Every readable trainer_state.json (a truncated one is an interrupted save: LOOP-09's business)."""
+    out = []
+    for folder, top_level in [(p, False) for _, p in checkpoints] + [(run_dir, True)]:
+        path = folder / TRAINER_STATE
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            history = [e for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.append({"folder": folder, "top_level": top_level, "history": history, "mtime": path.stat().st_mtime,
+                    "global_step": int(state.get("global_step") or 0), "max_steps": state.get("max_steps"),
+                    "logging_steps": state.get("logging_steps"), "save_steps": state.get("save_steps"),
+                    "eval_steps": state.get("eval_steps"), "train_batch_size": state.get("train_batch_size"),
+                    "num_train_epochs": state.get("num_train_epochs"), "abandoned": False})
+    return out
+
+
+def _key(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
+    return entry["step"], tuple(sorted(entry))
+
+
+def _timeline(newest: dict[str, Any], states: list[dict[str, Any]]):
+    """The newest state's log history, the entries older states hold that it lost (a resume
+    restarts the log from the checkpoint it resumed from), and the first step after the resume.
+
+    An older state whose entries disagree with the newest's from some step on saw another branch
+    of the run: its entries from that step are the abandoned branch, and the run resumed there."""
+    current = {_key(e): e for e in newest["history"]}
+    abandoned: dict[tuple, dict[str, Any]] = {}
+    resumed_at = None
+    for s in states:
+        if s is newest:
+            continue
+        differing = [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
+        if not differing:
+            continue
+        s["abandoned"] = True
+        diverged = min(differing)
+        resumed_at = diverged if resumed_at is None else min(resumed_at, diverged)
+        abandoned.update({_key(e): e for e in s["history"] if e["step"] >= diverged})
+    return newest["history"], sorted(abandoned.values(), key=lambda e: e["step"]), resumed_at
+
+
+def _same(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    # json.dumps compares NaN == NaN (a NaN loss logged by both states is the same entry)
+    return a is not None and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------- checkpoints, tokenizer, manifest
+
+
+def _resume_outline(folder: Path) -> dict[str, Any]:
+    """What the folder holds for an exact resume (the same outline the shim's Trainer callback records)."""
+    names = {p.name for p in folder.iterdir()}
+    state = None
+    if TRAINER_STATE in names:
+        try:
+            state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            state = None
+    return {"step": state.get("global_step") if isinstance(state, dict) else None,
+            "epoch": state.get("epoch") if isinstance(state, dict) else None,
+            "optimizer": "optimizer.pt" in names, "scheduler": "scheduler.pt" in names,
+            "rng_states": sorted(n for n in names if n.startswith("rng_state")),
+            "trainer_state": state is not None, "training_args": "training_args.bin" in names}
+
+
+def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str]]:
+    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), and each checkpoint's fingerprint."""
+    from ..chat_template import load_tokenizer
+    from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
+
+    folders = [p for _, p in checkpoints] + [run_dir]
+    fingerprints: dict[Path, str] = {}
+    newest = None
+    for folder in folders:
+        if not (folder / "tokenizer_config.json").is_file():
+            continue
+        try:
+            tok = load_tokenizer(folder)
+        except InputError:
+            continue
+        fingerprints[folder] = tokenizer_fingerprint(tok)
+        newest = tok
+    if newest is None:
+        return None, fingerprints
+    target = artifact_root(run_dir) / TOKENIZER_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    newest.save_pretrained(str(target))
+    return describe_tokenizer(newest), fingerprints
+
+
+def _model(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict[str, Any]:
+    for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        return {"class": (config.get("architectures") or [None])[0], "config": config,
+                "tie_word_embeddings": config.get("tie_word_embeddings")}
+    return {}
+
+
+def _params(checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
+    """The tensors of the newest readable checkpoint (file order: a checkpoint does not keep the model's
+    parameter order; whether each was trainable is not on disk either)."""
+    from ..checkpoints import CheckpointError
+    from .optimizer_state import checkpoint_weights
+
+    for _, folder in reversed(checkpoints):
+        try:
+            weights = checkpoint_weights(folder)
+        except CheckpointError:
+            continue
+        return [{"name": name, "shape": list(e.shape), "dtype": e.dtype, "numel": math.prod(e.shape), "requires_grad": None}
+                for name, (_, e) in weights.items()]
+    return []
+
+
+def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int) -> dict[str, Any]:
+    model = _model(run_dir, checkpoints)
+    granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")}
+    try:
+        posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        posthoc = {}
+    return {
+        "probe_prompts": posthoc.get("probe_prompts", []), "eval_set": posthoc.get("eval_set", []),
+        "schema_version": SCHEMA_VERSION, "seg": seg, "run_id": run_dir.resolve().name, "rank": 0, "world_size": None,
+        "profile": "imported", "imported": True, "source": LOGS_SOURCE, "sources": SOURCES, "granularity": granularity,
+        "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
+        "model": model, "params": _params(checkpoints), "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
+        "config": {"max_steps": newest["max_steps"],
+                   "trainer_state": {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps", "train_batch_size",
+                                                            "num_train_epochs")}},
+    }
+
+
+def _write(run_dir: Path, records: dict[str, list[dict[str, Any]]]) -> None:
+    """Replace an earlier import's files (and its database: ingest is incremental by file offset);
+    the records `sftaudit probe` added are kept."""
+    folder = rank_dir(run_dir, 0)
+    for kind in records:
+        (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
+    (artifact_root(run_dir) / DATABASE_FILE).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind, rows in records.items():
+        (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+

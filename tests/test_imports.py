@@ -1,0 +1,138 @@
+"""Auditing runs that were never instrumented (issue 12): real Trainer / TRL runs without the callback,
+imported from what they left on disk, audited at the resolution their logs allow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from sftaudit.cli import main
+from sftaudit.imports import import_run
+
+from .checks.posthoc_runs import audited, posthoc_run
+
+
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory, tokenizer_cache):
+    return posthoc_run(tmp_path_factory, tokenizer_cache, "window")
+
+
+@pytest.fixture(scope="module")
+def clean_trl_run(tmp_path_factory, tokenizer_cache):
+    return posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl")
+
+
+def test_a_nan_inside_a_logging_window_names_the_window_and_the_checkpoint_before_it(tmp_path_factory, tokenizer_cache):
+    """logging_steps=5, NaN at step 13: the Trainer logged a finite loss and a NaN grad_norm at step 15."""
+    code, printed, verdict = audited(tmp_path_factory, tokenizer_cache, "window")
+    assert code == 1
+    assert "first anomalous logging window: steps 11-15; roll back to checkpoint-10" in printed
+    assert verdict["first_anomalous_step"] == 11 and verdict["rollback_checkpoint"] == "checkpoint-10"
+    assert verdict["resolution"]["first_anomalous_window"] == {"kind": "logging window", "first_step": 11,
+                                                               "last_step": 15}
+    assert verdict["resolution"]["logging_steps"] == 5
+    hidden = next(f for f in verdict["findings"] if f["evidence"].get("hidden_by_logging_filter"))
+    assert hidden["code"] == "LOOP-18" and hidden["severity"] == "fail" and hidden["step"] == 11
+    assert hidden["evidence"]["resolution"] == {"kind": "logging window", "first_step": 11, "last_step": 15,
+                                                "logging_steps": 5}
+    assert "steps 11-15" in hidden["message"]
+    # Provenance: each check says what it ran on; what needs the shim did not run.
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-10"]["sources"] == ["imported logs: trainer_state.json"]
+    assert checks["LOOP-18"]["sources"] == ["checkpoints (weights, optimizer state)"]
+    assert checks["LOOP-05"]["status"] == "not_run" and checks["LOOP-13"]["status"] == "not_run"
+    assert checks["LOOP-02"]["status"] == "ran"  # the tokenizer saved with the checkpoints
+    assert verdict["check_errors"] == []
+
+
+def test_with_logging_steps_1_the_step_is_exact(tmp_path_factory, tokenizer_cache):
+    code, _, verdict = audited(tmp_path_factory, tokenizer_cache, "exact")
+    assert code == 1
+    assert verdict["resolution"]["kind"] == "exact step"
+    # The first anomaly is LOOP-18's gradient-moment jump: known to the checkpoint window only.
+    assert verdict["resolution"]["first_anomalous_window"] == {"kind": "checkpoint window", "first_step": 7,
+                                                               "last_step": 12}
+    nan = next(f for f in verdict["findings"] if f["evidence"].get("hidden_by_logging_filter"))
+    assert nan["step"] == 21 and nan["evidence"]["resolution"]["kind"] == "exact step"
+    spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
+    assert spike and spike[0]["step"] == 11, spike  # the planted loss spike, at its step
+    assert verdict["check_errors"] == []
+
+
+def test_a_clean_run_without_the_shim_passes_on_what_it_saw_and_says_what_it_did_not(tmp_path_factory, tokenizer_cache,
+                                                                                      clean_trl_run):
+    code, printed, verdict = audited(tmp_path_factory, tokenizer_cache, "clean_trl")
+    assert code == 0
+    assert verdict["verdict"] == "pass" and verdict["findings"] == [], verdict["findings"]
+    not_run = {c["code"] for c in verdict["checks"] if c["status"] == "not_run"}
+    assert {"LOOP-03", "LOOP-04", "LOOP-05", "LOOP-06", "LOOP-07", "LOOP-08", "LOOP-13"} <= not_run
+    assert "not run: LOOP-03" in printed
+    # TRL's own logged metrics were imported with the Trainer's.
+    con_metrics = (clean_trl_run / "sftaudit" / "rank-0" / "metrics.jsonl").read_text(encoding="utf-8")
+    assert '"mean_token_accuracy"' in con_metrics and '"entropy"' in con_metrics
+
+
+def test_gate_and_replay_import_first(window_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    assert main(["gate", str(run), "--checkpoint", "checkpoint-10"]) == 1  # the never-updated tensor is run-wide
+    assert "LOOP-18 fail run" in capsys.readouterr().out
+    assert main(["replay", str(run), "--json"]) == 1
+    replay = json.loads(capsys.readouterr().out)
+    assert replay["first_anomalous_step"] == 11 and replay["rollback_checkpoint"]["name"] == "checkpoint-10"
+
+
+def test_import_reports_what_it_read_and_refuses_what_is_not_a_trainer_output(window_run, tmp_path, capsys):
+    assert main(["import", str(window_run)]) == 0
+    assert "imported 3 logged steps (logging_steps=5)" in capsys.readouterr().out
+    assert main(["import", str(tmp_path)]) == 2
+    assert "not a Trainer output" in capsys.readouterr().err
+
+
+def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path):
+    """The run resumed from checkpoint-5: the state of the branch that went on to step 10 disagrees
+    with the final state from step 10 on; its entries are the abandoned branch, not the timeline."""
+    run = tmp_path / "run"
+    shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    old = run / "checkpoint-10" / "trainer_state.json"
+    state = json.loads(old.read_text(encoding="utf-8"))
+    state["log_history"][1]["loss"] = 9.5  # what the abandoned branch logged at step 10
+    old.write_text(json.dumps(state), encoding="utf-8")
+    newest = run / "checkpoint-15" / "trainer_state.json"
+    newest.write_text(newest.read_text(encoding="utf-8"), encoding="utf-8")  # written last
+    done = import_run(run)
+    assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
+    from sftaudit.ingest import connect, ingest
+
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT loss FROM superseded_steps").fetchall() == [(9.5,)]
+        assert con.execute("SELECT count(*) FROM steps WHERE step = 10").fetchone() == (1,)
+    finally:
+        con.close()
+
+
+def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(clean_trl_run, tmp_path, capsys):
+    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
+    then run at checkpoint granularity, on post-hoc probes."""
+    from sftaudit.fixtures import load_eval_set
+
+    run = tmp_path / "run"
+    shutil.copytree(clean_trl_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    prompts, evals = tmp_path / "prompts.txt", tmp_path / "eval.jsonl"
+    prompts.write_text("What is the capital of France?\n请介绍一下长城。\n", encoding="utf-8")
+    evals.write_text("".join(json.dumps(item) + "\n" for item in load_eval_set()[:2]), encoding="utf-8")
+    probe = ["probe", str(run), "--prompts", str(prompts), "--eval", str(evals), "--max-new-tokens", "4",
+             "--samples", "2", "--quiet"]
+    assert main(probe) == 0
+    assert "2 checkpoint(s) probed" in capsys.readouterr().out
+    assert main(probe) == 0 and "0 checkpoint(s) probed" in capsys.readouterr().out  # resumable
+    probes = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "probes.jsonl").read_text().splitlines()]
+    assert sorted({p["step"] for p in probes}) == [4, 8] and len(probes) == 4
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
+    checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
+    for code in ("LOOP-06", "LOOP-07", "LOOP-08"):
+        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]
