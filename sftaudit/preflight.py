@@ -10,6 +10,7 @@ written into the same DuckDB tables a recorded run is ingested into, with each b
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import sys
 import time
@@ -176,7 +177,8 @@ def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, la
     texts = [rendered[i][0] for i in keep]
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
-    flat_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int64, count=int(lengths.sum()))
+    flat_ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
+                           count=int(lengths.sum()))
     row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     # +1 where an assistant span starts, -1 after it ends; the running sum marks the span tokens.
     edges = np.zeros(len(flat_ids) + 1, dtype=np.int64)

@@ -51,6 +51,37 @@ def test_renders_are_byte_equal_with_apply_chat_template(tokenizers):
     assert compared == len(CORPUS) * len(FAMILIES) * len(CLEAN_CHATS)
 
 
+def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_private_helpers(tokenizers, monkeypatch):
+    """Rows with a None-valued key or a reasoning field (which transformers aliases) render as
+    apply_chat_template renders them; so does every row when transformers lacks the private helpers
+    the fast path uses (a version-guarded import: the public render_jinja_template takes over)."""
+    from sftaudit import chat_template
+    from sftaudit.chat_template import template_fields
+    from sftaudit.fixtures import CHAT_TEMPLATE_PATH
+
+    assert chat_template._internals() != (None, None), "the installed transformers lost the fast path's helpers"
+    thinking = [{"role": "user", "content": "2+2?", "tool_calls": None},
+                {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]
+    cases = [(CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"), "llama3"), (template("Qwen-Qwen3-0.6B"), "qwen2"),
+             (template("meta-llama-Llama-3.1-8B-Instruct"), "llama3"), (template("mistralai-Mistral-7B-Instruct-v0.3"), "mistral")]
+
+    def renders():
+        out = []
+        for source, family in cases:
+            renderer = Renderer(source, tokenizer_specials(tokenizers[family]))
+            for chat in [*NO_SYSTEM, thinking]:
+                out.append((renderer.render(chat), template_fields(source)))
+                assert out[-1][0][0] == tokenizers[family].apply_chat_template(chat, tokenize=False,
+                                                                               chat_template=source)
+        return out
+
+    fast = renders()
+    assert all(spans for (_, spans), _ in fast[:len(NO_SYSTEM) + 1])  # the fixture template's generation spans
+    assert "Two and two." in fast[2 * (len(NO_SYSTEM) + 1) - 1][0][0]  # Qwen3 renders the aliased reasoning
+    monkeypatch.setattr(chat_template, "_internals", lambda: (None, None))
+    assert renders() == fast
+
+
 def outcome(render):
     """The render, or the error a template raises (a template reading `bos_token` with Qwen's tokenizer,
     which has none, fails in transformers too)."""
