@@ -169,7 +169,13 @@ def template_fields(source: str) -> TemplateFields:
         name = field_read(test)
         return {name} if name else set()
 
-    def visit(node, parent, conditional):
+    def guarded_reads(test):
+        """Fields a condition checks before it reads them further (`m.tool_calls is defined and
+        m.tool_calls | length > 0`, `m.x and m.x[0]`): those reads are optional too."""
+        checked = {field_read(t.node) for t in test.find_all(nodes.Test) if t.name in _OPTIONAL_TESTS}
+        return (checked - {None}) | truthy_reads(test)
+
+    def visit(node, parent, conditional, guarded=frozenset()):
         """Reads under an `if` or inline `x if c else y` are optional, except under a plain dispatch
         on the message's role (`if message.role == 'user'`), which every row of that role takes."""
         if isinstance(node, (nodes.If, nodes.CondExpr)):
@@ -182,12 +188,12 @@ def template_fields(source: str) -> TemplateFields:
             role_dispatch = tested == {"role"} and roles <= _CHAT_ROLES and not any(
                 n.name not in messages and n.name not in lists for n in test.find_all(nodes.Name))
             out.message_optional.update(truthy_reads(test))
-            visit(test, node, conditional)
+            visit(test, node, conditional, guarded | guarded_reads(test))
             branches = [node.expr1, node.expr2] if isinstance(node, nodes.CondExpr) else \
                 node.body + node.elif_ + node.else_
             for child in branches:
                 if child is not None:
-                    visit(child, node, conditional or not role_dispatch)
+                    visit(child, node, conditional or not role_dispatch, guarded)
             return
         name = field_read(node)
         if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get" \
@@ -197,12 +203,13 @@ def template_fields(source: str) -> TemplateFields:
                 any(op.op in ("in", "notin") and is_message(op.expr) for op in node.ops):
             out.message_optional.add(node.expr.value)
         if name is not None:
-            optional = (conditional or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
+            optional = (conditional or name in guarded
+                        or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
                         or (isinstance(parent, nodes.Filter) and parent.name in ("default", "d") and parent.node is node)
                         or isinstance(parent, (nodes.Not, nodes.And, nodes.Or, nodes.If, nodes.CondExpr)))
             (out.message_optional if optional else out.message_required).add(name)
         for child in node.iter_child_nodes():
-            visit(child, node, conditional)
+            visit(child, node, conditional, guarded)
 
     visit(ast, None, False)
     out.message_optional -= out.message_required

@@ -154,3 +154,18 @@ CLEAN_CHATS = [
      {"role": "user", "content": "把“早上好”翻译成英文。"},
      {"role": "assistant", "content": "Good morning."}],
 ]
+
+# Clean tool-calling chats (OpenAI-style `tool_calls` with dict arguments, then the tool's answer).
+TOOL_CHATS = [
+    [{"role": "user", "content": "What is the weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+     {"role": "tool", "content": "{\"temperature\": 18}"},
+     {"role": "assistant", "content": "It is 18 degrees in Paris."}],
+    [{"role": "system", "content": "你是一个天气助手。"},
+     {"role": "user", "content": "北京今天天气怎么样？"},
+     {"role": "assistant", "content": "我来查一下。", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "北京"}}}]},
+     {"role": "tool", "content": "{\"temperature\": 25}"},
+     {"role": "assistant", "content": "北京今天25度。"}],
+]

@@ -18,7 +18,7 @@ import pytest
 from sftaudit.chat_template import Renderer, TemplateLayout, tokenizer_specials
 from sftaudit.preflight import preflight
 
-from .corpus import CLEAN_CHATS, CORPUS, real_tokenizer, template
+from .corpus import CLEAN_CHATS, CORPUS, TOOL_CHATS, real_tokenizer, template
 
 FAMILIES = ("llama3", "qwen2", "mistral")
 # Templates with no marker that ends an assistant turn (the next turn's header stops generation):
@@ -138,7 +138,7 @@ def incremental_collator(tokenizer, rows, max_length=4096):
             "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids])}
 
 
-def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, **edits):
+def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, config=None, **edits):
     tokenizer = copy.deepcopy(tokenizers[family])
     tokenizer.chat_template = template(template_name)
     for key, value in edits.items():
@@ -146,7 +146,7 @@ def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=N
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(str(folder))
     data = write_rows(tmp_path / "data.jsonl", chats)
-    verdict = preflight(data, folder, tmp_path / "out", collator=collator, progress=False)
+    verdict = preflight(data, folder, tmp_path / "out", collator=collator, config=config, progress=False)
     return verdict, [(f["code"], f["severity"], f["message"]) for f in verdict["findings"] if f["severity"] != "info"]
 
 
@@ -167,6 +167,23 @@ def test_clean_chats_pass_preflight_on_real_families(tmp_path, tokenizers, famil
     verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats * 2, collator)
     assert problems == [] and verdict["check_errors"] == [], problems
     assert verdict["verdict"] == "pass"
+
+
+def test_no_released_template_requires_a_field_beyond_role_and_content():
+    """Reads of optional fields are guarded (`message.tool_calls is defined and message.tool_calls | length`),
+    so plain chats without `tool_calls` or `reasoning_content` are no LOOP-01 finding on any template."""
+    from sftaudit.chat_template import template_fields
+
+    required = {name: template_fields(template(name)).message_required - {"role", "content"} for name, _ in CORPUS}
+    assert {name: fields for name, fields in required.items() if fields} == {}
+    assert "tool_calls" in template_fields(template("Qwen-Qwen3-Coder-30B-A3B-Instruct")).message_optional
+
+
+@pytest.mark.parametrize("collator", [None, USER_COLLATOR])
+def test_clean_tool_call_chats_pass_preflight_on_qwen3_coder(tmp_path, tokenizers, collator):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "Qwen-Qwen3-Coder-30B-A3B-Instruct",
+                                      TOOL_CHATS + CLEAN_CHATS, collator)
+    assert problems == [] and verdict["check_errors"] == [] and verdict["verdict"] == "pass", problems
 
 
 def shifted_collator(start_by=0, end_by=0, mask_pad=False, bos=False):
@@ -202,6 +219,42 @@ double_bos = shifted_collator(bos=True)
 
 def codes(problems, code):
     return [(c, severity) for c, severity, _ in problems if c == code]
+
+
+def last_turn_only(tokenizer, rows, max_length=4096, only=None):
+    """The correct collator with every assistant turn but the last masked (a prompt-completion split of
+    multi-turn chats), in every row or in the rows whose id is in `only`."""
+    import numpy as np
+
+    batch = incremental_collator(tokenizer, rows, max_length)
+    trained = batch["labels"] != -100
+    turn = np.cumsum(trained & ~np.pad(trained, ((0, 0), (1, 0)))[:, :-1], axis=1)
+    chosen = np.array([only is None or row["id"] in only for row in rows])[:, None]
+    batch["labels"][trained & (turn < turn[:, -1:]) & chosen] = -100
+    return batch
+
+
+def one_earlier_answer_dropped(tokenizer, rows, max_length=4096):
+    return last_turn_only(tokenizer, rows, max_length, only={"row-1"})
+
+
+def test_last_turn_only_training_is_a_policy_to_declare(tmp_path, tokenizers):
+    """Undeclared: one LOOP-04 warn naming the policy and the config that declares it; declared: a pass.
+    A sample that drops an earlier answer while another sample trains all of its answers stays a fail."""
+    from sftaudit.config import AuditConfig
+
+    args = (tokenizers, "qwen2", "Qwen-Qwen2.5-7B-Instruct", CLEAN_CHATS)
+    verdict, problems = run_preflight(tmp_path / "undeclared", *args, "tests.test_corpus:last_turn_only")
+    (warn,) = [f for f in verdict["findings"] if f["severity"] != "info"]
+    assert verdict["verdict"] == "warn" and warn["code"] == "LOOP-04" and warn["severity"] == "warn"
+    assert warn["evidence"]["kind"] == "last_turn_only" and warn["evidence"]["sample_ids"] == ["row-1", "row-2"]
+    assert '[checks."LOOP-04"] assistant_turns = "last"' in warn["message"]
+    declared = AuditConfig(check_options={"LOOP-04": {"assistant_turns": "last"}})
+    verdict, problems = run_preflight(tmp_path / "declared", *args, "tests.test_corpus:last_turn_only", declared)
+    assert problems == [] and verdict["verdict"] == "pass", problems
+    verdict, problems = run_preflight(tmp_path / "dropped", *args, "tests.test_corpus:one_earlier_answer_dropped")
+    (fail,) = [f for f in verdict["findings"] if f["code"] == "LOOP-04" and f["severity"] == "fail"]
+    assert fail["evidence"]["kind"] == "assistant_masked" and fail["evidence"]["sample_ids"] == ["row-1"]
 
 
 def test_rows_keyed_role_fail_loop01_on_llama3(tmp_path, tokenizers):
