@@ -104,6 +104,15 @@ def _byte_level(ranks: dict[bytes, int], specials: dict[int, str], pattern: str,
     return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
 
 
+def tokenizer_cache() -> Path:
+    """Where the real tokenizers are cached between sessions, keyed by the versions that shape them."""
+    import tempfile
+    from importlib.metadata import version
+
+    return Path(tempfile.gettempdir()) / (
+        f"sftaudit-real-tokenizers-{version('quicktok-v1')}-{version('mistral-common')}-{version('transformers')}")
+
+
 def real_tokenizer(family: str, cache: Path):
     """A released family's tokenizer, saved under cache/family (built once, then loaded)."""
     from transformers import AutoTokenizer
