@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.resources
 import json
 import struct
@@ -113,8 +114,10 @@ def tokenizer_cache() -> Path:
         f"sftaudit-real-tokenizers-{version('quicktok-v1')}-{version('mistral-common')}-{version('transformers')}")
 
 
+@functools.cache
 def real_tokenizer(family: str, cache: Path):
-    """A released family's tokenizer, saved under cache/family (built once, then loaded)."""
+    """A released family's tokenizer, saved under cache/family (built once, then loaded; loaded once per
+    process: callers that change it work on a copy or set what they need)."""
     from transformers import AutoTokenizer
 
     folder = Path(cache) / family
