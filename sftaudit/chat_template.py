@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
+import jinja2.sandbox
 import jinja2.nodes as nodes
 import numpy as np
 
@@ -53,14 +54,55 @@ def template_source(chat_template: Any) -> str | None:
 # --------------------------------------------------------------------------- AST
 
 
-def _compiled(source: str) -> jinja2.Template:
-    """The template as transformers compiles it (same environment, globals, filters, `generation` tag)."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
+@functools.cache
+def _internals() -> tuple[Any, Any]:
+    """transformers' compiled chat template (the environment, globals, filters and `generation` tag
+    `apply_chat_template` uses) and its span tracker. Both are private, so a version without them
+    gives (None, None): templates are then parsed with a look-alike environment and rendered through
+    the public `render_jinja_template` (the same text, slower)."""
     try:
-        return _compile_jinja_template(source)
+        from transformers.utils.chat_template_utils import _compile_jinja_template, _render_with_assistant_indices
+    except ImportError:
+        return None, None
+    return _compile_jinja_template, _render_with_assistant_indices
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` parsed as transformers parses it (for the AST only)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+# transformers' environment options, for parsing when its own compiled template is not available.
+_PARSE_ENVIRONMENT = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+_PARSE_ENVIRONMENT.globals.update(dict.fromkeys(("raise_exception", "strftime_now")))  # its globals: not context
+
+
+def _compiled(source: str) -> jinja2.Template | None:
+    """The template as transformers compiles it (None without its private compiler); a syntax error is
+    bad input."""
+    compile_template, _ = _internals()
+    try:
+        if compile_template is None:
+            _PARSE_ENVIRONMENT.parse(source)
+            return None
+        return compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"chat template does not parse: {one_line(exc)}") from None
+
+
+def _parse(source: str) -> nodes.Template:
+    compiled = _compiled(source)
+    return (compiled.environment if compiled is not None else _PARSE_ENVIRONMENT).parse(source)
 
 
 @dataclass
@@ -74,7 +116,7 @@ class TemplateFields:
 def template_fields(source: str) -> TemplateFields:
     """Every field the template reads from a message (required unless only tested/`.get`),
     the context variables it reads, and its literal strings (for LOOP-02's markers)."""
-    ast = _compiled(source).environment.parse(source)
+    ast = _parse(source)
     lists, messages = {"messages"}, set()
     assignments = [(n.target, n.iter, True) for n in ast.find_all(nodes.For)]
     assignments += [(n.target, n.node, False) for n in ast.find_all(nodes.Assign)]
@@ -127,7 +169,13 @@ def template_fields(source: str) -> TemplateFields:
         name = field_read(test)
         return {name} if name else set()
 
-    def visit(node, parent, conditional):
+    def guarded_reads(test):
+        """Fields a condition checks before it reads them further (`m.tool_calls is defined and
+        m.tool_calls | length > 0`, `m.x and m.x[0]`): those reads are optional too."""
+        checked = {field_read(t.node) for t in test.find_all(nodes.Test) if t.name in _OPTIONAL_TESTS}
+        return (checked - {None}) | truthy_reads(test)
+
+    def visit(node, parent, conditional, guarded=frozenset()):
         """Reads under an `if` or inline `x if c else y` are optional, except under a plain dispatch
         on the message's role (`if message.role == 'user'`), which every row of that role takes."""
         if isinstance(node, (nodes.If, nodes.CondExpr)):
@@ -140,12 +188,12 @@ def template_fields(source: str) -> TemplateFields:
             role_dispatch = tested == {"role"} and roles <= _CHAT_ROLES and not any(
                 n.name not in messages and n.name not in lists for n in test.find_all(nodes.Name))
             out.message_optional.update(truthy_reads(test))
-            visit(test, node, conditional)
+            visit(test, node, conditional, guarded | guarded_reads(test))
             branches = [node.expr1, node.expr2] if isinstance(node, nodes.CondExpr) else \
                 node.body + node.elif_ + node.else_
             for child in branches:
                 if child is not None:
-                    visit(child, node, conditional or not role_dispatch)
+                    visit(child, node, conditional or not role_dispatch, guarded)
             return
         name = field_read(node)
         if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get" \
@@ -155,12 +203,13 @@ def template_fields(source: str) -> TemplateFields:
                 any(op.op in ("in", "notin") and is_message(op.expr) for op in node.ops):
             out.message_optional.add(node.expr.value)
         if name is not None:
-            optional = (conditional or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
+            optional = (conditional or name in guarded
+                        or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
                         or (isinstance(parent, nodes.Filter) and parent.name in ("default", "d") and parent.node is node)
                         or isinstance(parent, (nodes.Not, nodes.And, nodes.Or, nodes.If, nodes.CondExpr)))
             (out.message_optional if optional else out.message_required).add(name)
         for child in node.iter_child_nodes():
-            visit(child, node, conditional)
+            visit(child, node, conditional, guarded)
 
     visit(ast, None, False)
     out.message_optional -= out.message_required
@@ -171,23 +220,82 @@ def template_fields(source: str) -> TemplateFields:
 
 
 class Renderer:
-    """Render conversations exactly as `tokenizer.apply_chat_template(..., tokenize=False)` does
-    (transformers' own `render_jinja_template`), with the `{% generation %}` spans when the
-    template has them. A template that refuses a row (`raise_exception`) raises TemplateError."""
+    """Render conversations exactly as `tokenizer.apply_chat_template(..., tokenize=False)` does, with
+    the `{% generation %}` spans when the template has them. A template that refuses a row
+    (`raise_exception`) raises TemplateError.
+
+    transformers normalises every conversation before rendering (objects to dicts, keys whose value is
+    None dropped, everything rebuilt from plain JSON types, reasoning fields aliased). For a plain JSON
+    row (what a JSONL file or a `datasets` row holds) without reasoning fields all of that but the None
+    drop is the identity, so such rows go straight to transformers' compiled template; any other row
+    goes through `render_jinja_template` itself.
+    """
 
     def __init__(self, source: str, template_kwargs: dict[str, Any] | None = None):
         self.source = source
         self.kwargs = dict(template_kwargs or {})
         self.tracks_generation = bool(_GENERATION_TAG.search(source))
-        _compiled(source)  # a syntax error is bad input, reported once
+        self.template = _compiled(source)  # a syntax error is bad input, reported once
+        if not _is_json(self.kwargs):
+            self.template = None  # only render_jinja_template knows how to make such values plain
+        self.context = {"tools": None, "documents": None, **self.kwargs}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+        chat = _plain_chat(messages) if self.template is not None else None
+        if chat is None:
+            from transformers.utils.chat_template_utils import render_jinja_template
 
-        (text,), spans = render_jinja_template(
-            [_normalize_chat_messages(messages)], chat_template=self.source, add_generation_prompt=add_generation_prompt,
-            return_assistant_tokens_mask=self.tracks_generation, **self.kwargs)
-        return text, [tuple(s) for s in spans[0]] if spans else []
+            (text,), spans = render_jinja_template(
+                [_without_none(messages)], chat_template=self.source, add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=self.tracks_generation, **self.kwargs)
+            return text, [tuple(s) for s in spans[0]] if spans else []
+        if self.tracks_generation:
+            text, spans = _internals()[1](self.template, chat, None, None, add_generation_prompt, **self.kwargs)
+            return text, [tuple(s) for s in spans]
+        return self.template.render(messages=chat, add_generation_prompt=add_generation_prompt, **self.context), []
+
+
+# Message fields transformers copies into one another before rendering (reasoning_content <-> thinking).
+_REASONING_FIELDS = frozenset({"reasoning_content", "thinking", "reasoning"})
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _is_json(value: Any) -> bool:
+    """Built from JSON types only (exact types: a str subclass is not plain)."""
+    kind = type(value)
+    if kind in _JSON_SCALARS:
+        return True
+    if kind is list:
+        return all(map(_is_json, value))
+    if kind is dict:
+        return all(type(k) is str for k in value) and all(map(_is_json, value.values()))
+    return False
+
+
+def _plain_chat(messages: Any) -> list[dict] | None:
+    """The messages as transformers hands a plain JSON row to the template (keys whose value is None
+    dropped), or None when the row needs transformers' own normalisation."""
+    if type(messages) is not list:
+        return None
+    chat = []
+    for message in messages:
+        if type(message) is not dict or not _REASONING_FIELDS.isdisjoint(message):
+            return None
+        plain = {}
+        for key, value in message.items():
+            if type(key) is not str or (type(value) is not str and not _is_json(value)):
+                return None
+            if value is not None:
+                plain[key] = value
+        chat.append(plain)
+    return chat
+
+
+def _without_none(messages: Any) -> Any:
+    """apply_chat_template's first normalisation: message keys whose value is None dropped."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
 
 
 def tokenizer_specials(tokenizer: Any) -> dict[str, Any]:
@@ -356,7 +464,7 @@ def _covered(starts: np.ndarray, length: int) -> np.ndarray:
 
 
 def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayout, pad_id: int | None,
-                    last_turn_only: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                    last_turn_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Expected category (MASKED / TRAINED / PADDING / EITHER) of every position of right-aligned rows.
 
     Trained: from the end of each assistant header through the next end-of-turn marker
@@ -366,8 +474,8 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
     handled). EITHER (collators differ, all fine): whitespace tokens right after an
     end-of-turn marker, the template's eos after the last turn, and what the
     template inserts before the content (`assistant_prefix`, e.g. an empty thinking block).
-    Also returns, per role, [N, T] marks of empty turns (a header immediately followed by
-    the end-of-turn marker). Rows shorter than T are filled with -1 ids and attention 0.
+    Also returns [N, T] marks of the assistant turns before each row's last one (trained unless
+    `last_turn_only`). Rows shorter than T are filled with -1 ids and attention 0.
     """
     n, t = ids.shape
     header = layout.headers["assistant"]
@@ -382,9 +490,10 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
     np.maximum.accumulate(positions, axis=1, out=positions)
     state = np.take_along_axis(events, positions, axis=1)
     state = np.where(state == TRAINED, TRAINED, MASKED).astype(np.int8)
+    turn = np.cumsum(opens, axis=1)
+    earlier = (turn < turn[:, -1:]) & (state == TRAINED)
     if last_turn_only:
-        turn = np.cumsum(opens, axis=1)
-        state[(turn < turn[:, -1:]) & (state == TRAINED)] = MASKED
+        state[earlier] = MASKED
 
     either = np.zeros((n, t), dtype=bool)
     blank = layout.blank_ids[np.clip(ids, 0, len(layout.blank_ids) - 1)] & (ids >= 0) & (ids < len(layout.blank_ids))
@@ -410,14 +519,21 @@ def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayo
         padding |= (trailing & is_pad & (state == MASKED)) | leading
     # The template's own final eos is attended text even when the pad id is the same token.
     expected = np.where(either & (attention != 0), EITHER, np.where(padding, PADDING, state)).astype(np.int8)
+    return expected, earlier & (expected != PADDING) & (expected != EITHER)
 
+
+def empty_turns(ids: np.ndarray, layout: TemplateLayout) -> dict[str, np.ndarray]:
+    """Per role, [N, T] marks of empty turns: the role's header followed (whitespace aside) directly
+    by the end-of-turn marker."""
+    end_at = matches(ids, layout.turn_end)
+    blank = layout.blank_ids[np.clip(ids, 0, len(layout.blank_ids) - 1)] & (ids >= 0) & (ids < len(layout.blank_ids))
     empty = {}
     for role, seq in layout.headers.items():
         reach = _shift(matches(ids, seq), len(seq))
         for _ in range(3):
             reach |= _shift(reach & blank, 1)
         empty[role] = reach & end_at
-    return expected, empty
+    return empty
 
 
 def actual_labels(labels: np.ndarray, attention: np.ndarray) -> np.ndarray:

@@ -10,9 +10,11 @@ written into the same DuckDB tables a recorded run is ingested into, with each b
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +31,7 @@ from .tokenizer_info import describe_tokenizer
 
 PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
 PROGRESS_FROM = 2000  # rows: smaller datasets finish before a bar would help
+ENCODE_CHUNK = 2048  # rendered texts per tokenizer call: large enough to batch, small enough to overlap
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -101,14 +104,21 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
 
     renderer = Renderer(source, tokenizer_specials(tokenizer))
-    rendered, failures = _render(rows, ids, renderer, bar)
+    # The standard collator's tokenization runs on a worker thread, a chunk of renders at a time, while
+    # the next chunk renders (the tokenizer's Rust backend releases the GIL): both cores work.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def encode(texts):
+            return pool.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
+
+        rendered, failures, encoding_chunks = _render(rows, ids, renderer, bar, None if collator else encode)
+        encodings = [e for chunk in encoding_chunks for e in chunk.result()]
     keep = [i for i in range(len(rows)) if i in rendered]
     if collator:
         batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
     else:
         # Without `{% generation %}` markers the assistant spans come from the template's layout.
         layout = None if renderer.tracks_generation else run_layout(tokenizer)
-        batches = _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout)
+        batches = _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max_length, layout)
     bar.close()
 
     out = Path(out)
@@ -154,10 +164,13 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled or total < PROGRESS_FROM, mininterval=0.5)
 
 
-def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str, str]]]:
+def _render(rows, ids, renderer: Renderer, bar, encode=None) -> tuple[dict[int, tuple[str, list]],
+                                                                      list[tuple[str, str, str]], list]:
     """Every row rendered; the failures as (sample id, kind, message): the template refusing the row
-    (`render_failed`) or a message's content missing from its render (`content_dropped`, Z02)."""
-    rendered, failures = {}, []
+    (`render_failed`) or a message's content missing from its render (`content_dropped`, Z02). With
+    `encode`, each chunk of rendered texts (in row order) is handed to it as soon as it is complete;
+    returns what it returned, per chunk."""
+    rendered, failures, pending, chunks = {}, [], [], []
     for i, row in enumerate(rows):
         messages = row.get("messages")
         try:
@@ -174,19 +187,25 @@ def _render(rows, ids, renderer: Renderer, bar) -> tuple[dict[int, tuple[str, li
                     failures.append((ids[i], "content_dropped",
                                      f"the {m.get('role')} message's content is missing from the render"))
                     break
+            if encode is not None:
+                pending.append(text)
+                if len(pending) == ENCODE_CHUNK:
+                    chunks.append(encode(pending))
+                    pending = []
         bar.update(1)
-    return rendered, failures
+    if encode is not None and pending:
+        chunks.append(encode(pending))
+    return rendered, failures, chunks
 
 
-def _standard_batches(tokenizer, rendered, ids, keep, batch_size, max_length, layout) -> list[dict]:
+def _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max_length, layout) -> list[dict]:
     """Completion-only: labels on the template's generation spans (assistant content + end of turn),
     mapped to tokens the way transformers' `return_assistant_tokens_mask` does (char_to_token);
     without generation spans, on each assistant turn of the template's `layout` (content through
     the end-of-turn marker)."""
-    texts = [rendered[i][0] for i in keep]
-    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
-    flat_ids = np.fromiter((t for e in encodings for t in e.ids), dtype=np.int64, count=int(lengths.sum()))
+    flat_ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
+                           count=int(lengths.sum()))
     row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     # +1 where an assistant span starts, -1 after it ends; the running sum marks the span tokens.
     edges = np.zeros(len(flat_ids) + 1, dtype=np.int64)

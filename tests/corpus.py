@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.resources
 import json
 import struct
@@ -104,8 +105,19 @@ def _byte_level(ranks: dict[bytes, int], specials: dict[int, str], pattern: str,
     return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
 
 
+def tokenizer_cache() -> Path:
+    """Where the real tokenizers are cached between sessions, keyed by the versions that shape them."""
+    import tempfile
+    from importlib.metadata import version
+
+    return Path(tempfile.gettempdir()) / (
+        f"sftaudit-real-tokenizers-{version('quicktok-v1')}-{version('mistral-common')}-{version('transformers')}")
+
+
+@functools.cache
 def real_tokenizer(family: str, cache: Path):
-    """A released family's tokenizer, saved under cache/family (built once, then loaded)."""
+    """A released family's tokenizer, saved under cache/family (built once, then loaded; loaded once per
+    process: callers that change it work on a copy or set what they need)."""
     from transformers import AutoTokenizer
 
     folder = Path(cache) / family
@@ -153,4 +165,19 @@ CLEAN_CHATS = [
     [{"role": "system", "content": "你是一个乐于助人的助手。"},
      {"role": "user", "content": "把“早上好”翻译成英文。"},
      {"role": "assistant", "content": "Good morning."}],
+]
+
+# Clean tool-calling chats (OpenAI-style `tool_calls` with dict arguments, then the tool's answer).
+TOOL_CHATS = [
+    [{"role": "user", "content": "What is the weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+     {"role": "tool", "content": "{\"temperature\": 18}"},
+     {"role": "assistant", "content": "It is 18 degrees in Paris."}],
+    [{"role": "system", "content": "你是一个天气助手。"},
+     {"role": "user", "content": "北京今天天气怎么样？"},
+     {"role": "assistant", "content": "我来查一下。", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "北京"}}}]},
+     {"role": "tool", "content": "{\"temperature\": 25}"},
+     {"role": "assistant", "content": "北京今天25度。"}],
 ]

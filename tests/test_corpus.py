@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from sftaudit.chat_template import Renderer, TemplateLayout, tokenizer_specials
 from sftaudit.preflight import preflight
 
-from .corpus import CLEAN_CHATS, CORPUS, real_tokenizer, template
+from .corpus import CLEAN_CHATS, CORPUS, TOOL_CHATS, real_tokenizer, template, tokenizer_cache
 
 FAMILIES = ("llama3", "qwen2", "mistral")
 # Templates with no marker that ends an assistant turn (the next turn's header stops generation):
@@ -29,9 +27,7 @@ NO_END_OF_TURN = {"zai-org-glm-4-9b-chat", "zai-org-GLM-4-9B-0414", "zai-org-GLM
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    cache = Path(tempfile.gettempdir()) / (
-        f"sftaudit-real-tokenizers-{version('quicktok-v1')}-{version('mistral-common')}-{version('transformers')}")
-    return {family: real_tokenizer(family, cache) for family in FAMILIES}
+    return {family: real_tokenizer(family, tokenizer_cache()) for family in FAMILIES}
 
 
 def test_the_corpus_is_wide_enough():
@@ -49,6 +45,37 @@ def test_renders_are_byte_equal_with_apply_chat_template(tokenizers):
                     outcome(lambda: tokenizer.apply_chat_template(chat, tokenize=False, chat_template=source)), name
                 compared += 1
     assert compared == len(CORPUS) * len(FAMILIES) * len(CLEAN_CHATS)
+
+
+def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_private_helpers(tokenizers, monkeypatch):
+    """Rows with a None-valued key or a reasoning field (which transformers aliases) render as
+    apply_chat_template renders them; so does every row when transformers lacks the private helpers
+    the fast path uses (a version-guarded import: the public render_jinja_template takes over)."""
+    from sftaudit import chat_template
+    from sftaudit.chat_template import template_fields
+    from sftaudit.fixtures import CHAT_TEMPLATE_PATH
+
+    assert chat_template._internals() != (None, None), "the installed transformers lost the fast path's helpers"
+    thinking = [{"role": "user", "content": "2+2?", "tool_calls": None},
+                {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]
+    cases = [(CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"), "llama3"), (template("Qwen-Qwen3-0.6B"), "qwen2"),
+             (template("meta-llama-Llama-3.1-8B-Instruct"), "llama3"), (template("mistralai-Mistral-7B-Instruct-v0.3"), "mistral")]
+
+    def renders():
+        out = []
+        for source, family in cases:
+            renderer = Renderer(source, tokenizer_specials(tokenizers[family]))
+            for chat in [*NO_SYSTEM, thinking]:
+                out.append((renderer.render(chat), template_fields(source)))
+                assert out[-1][0][0] == tokenizers[family].apply_chat_template(chat, tokenize=False,
+                                                                               chat_template=source)
+        return out
+
+    fast = renders()
+    assert all(spans for (_, spans), _ in fast[:len(NO_SYSTEM) + 1])  # the fixture template's generation spans
+    assert "Two and two." in fast[2 * (len(NO_SYSTEM) + 1) - 1][0][0]  # Qwen3 renders the aliased reasoning
+    monkeypatch.setattr(chat_template, "_internals", lambda: (None, None))
+    assert renders() == fast
 
 
 def outcome(render):
@@ -107,7 +134,7 @@ def incremental_collator(tokenizer, rows, max_length=4096):
             "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids])}
 
 
-def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, **edits):
+def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, config=None, **edits):
     tokenizer = copy.deepcopy(tokenizers[family])
     tokenizer.chat_template = template(template_name)
     for key, value in edits.items():
@@ -115,7 +142,7 @@ def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=N
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(str(folder))
     data = write_rows(tmp_path / "data.jsonl", chats)
-    verdict = preflight(data, folder, tmp_path / "out", collator=collator, progress=False)
+    verdict = preflight(data, folder, tmp_path / "out", collator=collator, config=config, progress=False)
     return verdict, [(f["code"], f["severity"], f["message"]) for f in verdict["findings"] if f["severity"] != "info"]
 
 
@@ -136,6 +163,22 @@ def test_clean_chats_pass_preflight_on_real_families(tmp_path, tokenizers, famil
     verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats * 2, collator)
     assert problems == [] and verdict["check_errors"] == [], problems
     assert verdict["verdict"] == "pass"
+
+
+def test_no_released_template_requires_a_field_beyond_role_and_content():
+    """Reads of optional fields are guarded (`message.tool_calls is defined and message.tool_calls | length`),
+    so plain chats without `tool_calls` or `reasoning_content` are no LOOP-01 finding on any template."""
+    from sftaudit.chat_template import template_fields
+
+    required = {name: template_fields(template(name)).message_required - {"role", "content"} for name, _ in CORPUS}
+    assert {name: fields for name, fields in required.items() if fields} == {}
+    assert "tool_calls" in template_fields(template("Qwen-Qwen3-Coder-30B-A3B-Instruct")).message_optional
+
+
+def test_clean_tool_call_chats_pass_preflight_on_qwen3_coder(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "Qwen-Qwen3-Coder-30B-A3B-Instruct",
+                                      TOOL_CHATS + CLEAN_CHATS, USER_COLLATOR)
+    assert problems == [] and verdict["check_errors"] == [] and verdict["verdict"] == "pass", problems
 
 
 def shifted_collator(start_by=0, end_by=0, mask_pad=False, bos=False):
@@ -171,6 +214,42 @@ double_bos = shifted_collator(bos=True)
 
 def codes(problems, code):
     return [(c, severity) for c, severity, _ in problems if c == code]
+
+
+def last_turn_only(tokenizer, rows, max_length=4096, only=None):
+    """The correct collator with every assistant turn but the last masked (a prompt-completion split of
+    multi-turn chats), in every row or in the rows whose id is in `only`."""
+    import numpy as np
+
+    batch = incremental_collator(tokenizer, rows, max_length)
+    trained = batch["labels"] != -100
+    turn = np.cumsum(trained & ~np.pad(trained, ((0, 0), (1, 0)))[:, :-1], axis=1)
+    chosen = np.array([only is None or row["id"] in only for row in rows])[:, None]
+    batch["labels"][trained & (turn < turn[:, -1:]) & chosen] = -100
+    return batch
+
+
+def one_earlier_answer_dropped(tokenizer, rows, max_length=4096):
+    return last_turn_only(tokenizer, rows, max_length, only={"row-1"})
+
+
+def test_last_turn_only_training_is_a_policy_to_declare(tmp_path, tokenizers):
+    """Undeclared: one LOOP-04 warn naming the policy and the config that declares it; declared: a pass.
+    A sample that drops an earlier answer while another sample trains all of its answers stays a fail."""
+    from sftaudit.config import AuditConfig
+
+    args = (tokenizers, "qwen2", "Qwen-Qwen2.5-7B-Instruct", CLEAN_CHATS)
+    verdict, problems = run_preflight(tmp_path / "undeclared", *args, "tests.test_corpus:last_turn_only")
+    (warn,) = [f for f in verdict["findings"] if f["severity"] != "info"]
+    assert verdict["verdict"] == "warn" and warn["code"] == "LOOP-04" and warn["severity"] == "warn"
+    assert warn["evidence"]["kind"] == "last_turn_only" and warn["evidence"]["sample_ids"] == ["row-1", "row-2"]
+    assert '[checks."LOOP-04"] assistant_turns = "last"' in warn["message"]
+    declared = AuditConfig(check_options={"LOOP-04": {"assistant_turns": "last"}})
+    verdict, problems = run_preflight(tmp_path / "declared", *args, "tests.test_corpus:last_turn_only", declared)
+    assert problems == [] and verdict["verdict"] == "pass", problems
+    verdict, problems = run_preflight(tmp_path / "dropped", *args, "tests.test_corpus:one_earlier_answer_dropped")
+    (fail,) = [f for f in verdict["findings"] if f["code"] == "LOOP-04" and f["severity"] == "fail"]
+    assert fail["evidence"]["kind"] == "assistant_masked" and fail["evidence"]["sample_ids"] == ["row-1"]
 
 
 def test_rows_keyed_role_fail_loop01_on_llama3(tmp_path, tokenizers):
@@ -264,8 +343,6 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
     """Each template's layout (no generation markers) against the labels of a collator that renders turn
     by turn; families without a vocabulary here get the Llama 3 one with their markers added as specials."""
     import re
-
-    import numpy as np
 
     from sftaudit.chat_template import EITHER, actual_labels, expected_labels, template_fields
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..artifacts import template_fingerprint
-from ..chat_template import (expected_labels, first_manifest, recorded_samples, run_layout, run_tokenizer,
+from ..chat_template import (empty_turns, first_manifest, recorded_samples, run_layout, run_tokenizer,
                              sample_blocks, template_fields, template_source)
 from .base import AuditContext, Check, Finding
 
@@ -106,9 +106,8 @@ class PromptTemplateConsistency(Check):
         if layout is None or not ctx.has_rows("samples"):
             return []
         hits: dict[str, list[tuple[int, str]]] = {}
-        for part, ids, _, attention in sample_blocks(recorded_samples(ctx, source)):
-            _, empty = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
-            for role, mask in empty.items():
+        for part, ids, _, _ in sample_blocks(recorded_samples(ctx, source)):
+            for role, mask in empty_turns(ids, layout).items():
                 rows = mask.any(1).nonzero()[0]
                 hits.setdefault(role, []).extend(zip(part["step"].gather(rows).to_list(),
                                                      part["sample_id"].gather(rows).to_list()))

@@ -48,6 +48,9 @@ class LossMaskValidity(Check):
         Full-sequence loss (every attended token trained) is a configuration, not a bug: one
         warn naming it and how to switch, silenced by `expect = "all_tokens"`;
         `assistant_turns = "last"` declares that only the last assistant turn is trained.
+        Undeclared, a run in which no multi-turn sample trains any answer before its last one
+        gets one warn naming that policy and how to declare it; a sample that trains some
+        earlier answers while others are masked is a dropped answer (fail).
     Threshold:
         Any mismatched position in a row is a fail (padding confused with prompt: warn);
         the aggregate counts differing by more than 0.1% (seed) is a warn.
@@ -82,16 +85,21 @@ class LossMaskValidity(Check):
                 step=int(frame["step"].min()), kind="full_sequence_loss", configuration="all tokens trained")]
         findings += self._emptied_by_truncation(frame)
         last_turn_only = self.params["assistant_turns"] == "last"
-        hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in _ADVICE}
+        hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in [*_ADVICE, "earlier_masked"]}
         first_evidence: dict[str, list[dict]] = {}
-        counts = {k: 0 for k in _ADVICE}
-        expected_total = actual_total = 0
+        counts = dict.fromkeys(hits, 0)
+        expected_total = actual_total = earlier_total = earlier_trained_rows = 0
         for part, ids, labels, attention in sample_blocks(frame):
-            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
+            expected, earlier = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
             actual = actual_labels(labels, attention)
             expected_total += int((expected == TRAINED).sum())
             actual_total += int(((actual == TRAINED) & (expected != EITHER)).sum())
             kinds = _mismatches(expected, actual)
+            if not last_turn_only:  # answers masked in earlier turns only may be the last-turn-only policy
+                kinds["earlier_masked"] = kinds["assistant_masked"] & earlier
+                kinds["assistant_masked"] &= ~earlier
+                earlier_total += int(earlier.sum())
+                earlier_trained_rows += int((earlier & (actual == TRAINED)).any(1).sum())
             steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
             for kind, mask in kinds.items():
                 counts[kind] += int(mask.sum())
@@ -101,6 +109,15 @@ class LossMaskValidity(Check):
                     if kind not in first_evidence:
                         first_evidence[kind] = self._side_by_side(tokenizer, ids[r], labels[r], expected[r],
                                                                   actual[r], pos)
+        earlier_rows = hits.pop("earlier_masked")
+        if earlier_rows and not earlier_trained_rows:
+            # No sample trains an answer before its last: a policy, not a dropped answer; it must be declared.
+            findings.append(self._last_turn_only(earlier_rows))
+            expected_total -= earlier_total
+        elif earlier_rows:
+            hits["assistant_masked"] += earlier_rows
+            counts["assistant_masked"] += counts["earlier_masked"]
+            first_evidence.setdefault("assistant_masked", first_evidence["earlier_masked"])
         for kind, rows in hits.items():
             if rows:
                 findings.append(self._mask_finding(kind, rows, counts[kind], first_evidence[kind]))
@@ -115,6 +132,20 @@ class LossMaskValidity(Check):
                 expected_trained=expected_total, actual_trained=actual_total,
             ))
         return findings
+
+    def _last_turn_only(self, rows: list[tuple[int, str, int]]) -> Finding:
+        rows.sort(key=lambda r: r[0])
+        ids = list(dict.fromkeys(r[1] for r in rows))
+        return self.finding(
+            "warn",
+            f"only the last assistant turn of each sample is trained: the earlier answers of {len(ids)} multi-turn "
+            f"sample(s) are masked (first {ids[0]}, step {rows[0][0]}), so the model learns no answer that a "
+            f"conversation goes on from; if that is intended, declare it with [checks.\"LOOP-04\"] "
+            f"assistant_turns = \"last\", otherwise keep labels on every assistant turn (TRL: a `messages` dataset "
+            f"with assistant_only_loss=True, not a prompt-completion split)",
+            step=rows[0][0], kind="last_turn_only", configuration="last assistant turn trained",
+            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
+        )
 
     def _emptied_by_truncation(self, frame: Any) -> list[Finding]:
         """Rows cut at the longest recorded length that train no token at all (Z11)."""
