@@ -211,8 +211,10 @@ class Recorder:
     def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
         """After backward: the step's loss and per-tensor gradient L2 norms (one vectorised pass).
 
-        With gradient accumulation call it after each backward: losses are averaged and the
-        gradients read at the last call are the step's."""
+        With gradient accumulation call it after each backward: the gradients read at the last
+        call are the step's. The step's loss is the token mean of the model's returned losses
+        over the step's micro-batches (whatever share of it each backward received); when the
+        model returns no loss, the mean of the losses given here."""
         self.record_loss(step, loss)
         if self._micro and torch.is_tensor(loss) and "losses" not in self.disabled:
             with self._guard("losses"):  # the scalar backpropagated for the latest micro-batch
@@ -397,7 +399,7 @@ class Recorder:
             bad = np.flatnonzero(~np.isfinite(host_norms))
             if bad.size:
                 nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
-        loss = float(values["step", "loss"]) if ("step", "loss") in values else None
+        loss = self._window_loss(values, float(values["step", "loss"]) if ("step", "loss") in values else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
@@ -412,6 +414,23 @@ class Recorder:
             self._write_triggered_hists(step, "nonfinite" if nonfinite else "spike")
         if global_norm is not None and np.isfinite(global_norm):
             self._grad_norm_ema = global_norm if self._grad_norm_ema is None else 0.9 * self._grad_norm_ema + 0.1 * global_norm
+
+    def _window_loss(self, values: dict, recorded: float | None) -> float | None:
+        """The step's loss: the token mean of the model's own losses over the optimizer window when
+        every micro-batch returned one. With gradient accumulation what each backward receives is a
+        share of the objective (the loss / the accumulation steps, or a sum over the Trainer's
+        `num_items_in_batch`), so the mean of those is 1/GA of the trained loss. Otherwise the mean
+        of the recorded losses; a non-finite recorded loss (corrupted after the model) stays."""
+        if not self._micro or (recorded is not None and not np.isfinite(recorded)):
+            return recorded
+        if any((m["micro"], "model_loss") not in values for m in self._micro):
+            return recorded
+        n = np.array([values[m["micro"], "target_tokens"].sum() for m in self._micro], dtype=np.float64)
+        loss = np.array([values[m["micro"], "model_loss"] for m in self._micro], dtype=np.float64)
+        # The model's loss is its summed token loss / num_items_in_batch when the Trainer passes it, else / n.
+        divides_by = np.array([values.get((m["micro"], "num_items"), k) for m, k in zip(self._micro, n)], dtype=np.float64)
+        trained = n > 0  # a micro-batch without target tokens adds nothing (its own mean is 0/0)
+        return float((loss * divides_by)[trained].sum() / n[trained].sum()) if trained.any() else recorded
 
     def _write_batch(self, step: int, m: dict, values: dict) -> None:
         micro = m["micro"]
