@@ -68,3 +68,33 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
                                 "nonfinite_grads": {}, "micro_batches": 1, "tokens": 1000}) + "\n")
     (folder / "events.jsonl").write_text(json.dumps({"seg": 0, "kind": "start", "time": 0.0}) + "\n")
     return run_dir
+
+
+def recorded_loop(run_dir, tokenizer_cache, steps=1, rows=4, batch=lambda data: data, loss=None, break_model=None):
+    """A few real steps of the tiny model through the Recorder, in a loop written out as users write it:
+    `batch(data)` is what the loop hands the model (a collator's output), `loss(model, batch)` a loss computed
+    outside the model (default: the model's own), `break_model(model)` damages it before training."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok)
+    if break_model is not None:
+        with torch.no_grad():
+            break_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = load_dataset()
+    with Recorder(run_dir, model, tok, profile="prod") as rec:
+        for step in range(1, steps + 1):
+            b = batch(collate(tok, data[(step - 1) * rows:step * rows]))
+            rec.on_batch(step, b)
+            inputs = {k: v for k, v in b.items() if k != "sample_ids"}
+            value = loss(model, inputs) if loss is not None else model(**inputs, use_cache=False).loss
+            value.backward()
+            rec.on_backward(step, value)
+            opt.step()
+            rec.on_step_end(step, lr=1e-3)
+            opt.zero_grad()
+    return run_dir

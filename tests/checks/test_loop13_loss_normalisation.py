@@ -1,13 +1,14 @@
 """LOOP-13: a mean of micro-batch means (Z22), a logged loss x GA (Z23) and a NaN step the Trainer's
 logging filter hides (Z18) are found at their step; correctly normalised runs stay quiet."""
 
+import numpy as np
 import pytest
 
 from sftaudit.audit import audit
 from sftaudit.ingest import connect, ingest
 
 from ..conftest import NAN_STEP
-from .dynamics_runs import MEAN_OF_MEANS_STEP, of, run
+from .dynamics_runs import MEAN_OF_MEANS_STEP, of, recorded_loop, run
 
 HF_NAN_STEP = 4
 GA = 4
@@ -84,3 +85,23 @@ def test_clean_and_failed_plain_runs_raise_nothing(clean_run, nan_run):
     assert of(audit(clean_run), "LOOP-13") == []
     # The plain loop logs no trainer loss: a NaN step is LOOP-05's, not a hidden one.
     assert of(audit(nan_run), "LOOP-13") == [] and NAN_STEP
+
+
+def test_a_loss_computed_outside_the_model_is_skipped_saying_why(tmp_path, tokenizer_cache):
+    import torch
+
+    def token_mean_outside(model, batch):  # the model gets no labels: it returns logits only
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:])
+
+    verdict = audit(recorded_loop(tmp_path / "custom", tokenizer_cache, loss=token_mean_outside))
+    [finding] = of(verdict, "LOOP-13", ("info", "warn", "fail"))
+    assert finding["severity"] == "info"
+    assert "not judged" in finding["message"] and "custom loss" in finding["message"] and "labels" in finding["message"]
+
+
+def test_a_first_loss_far_above_a_uniform_guess_warns_at_step_1(tmp_path, tokenizer_cache):
+    verdict = audit(recorded_loop(tmp_path / "hot-head", tokenizer_cache, break_model=lambda m: m.lm_head.weight.mul_(300)))
+    [finding] = [f for f in of(verdict, "LOOP-13") if "uniform guess" in f["message"]]
+    assert (finding["severity"], finding["step"]) == ("warn", 1)
+    assert finding["evidence"]["value"] > finding["evidence"]["threshold"] == pytest.approx(2 * np.log(finding["evidence"]["vocab_size"]))
