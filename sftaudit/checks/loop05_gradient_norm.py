@@ -12,6 +12,10 @@ from .rolling import (adaptive_window, dominant_period, grad_norm_matrix, previo
 
 # Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
 LOG_SIGMA_FLOOR = np.log(1.2)
+# The log-norm sigma is the median over this many previous blocks (one volatile block must not hide a
+# broken layer); a block less than half outside warmup is no baseline.
+SIGMA_BLOCKS = 4
+MIN_BASELINE_SHARE = 0.5
 
 
 class GradientNormAnomaly(Check):
@@ -29,9 +33,11 @@ class GradientNormAnomaly(Check):
         broken layer; periodic spikes at a fixed interval point at the framework (recompilation),
         not the data; a tensor left out of the optimizer trains nothing while the loss looks fine.
     Statistic:
-        Per tensor, y = log(L2 norm); its baseline is the median and 1.4826 x MAD of y over the
-        previous block of `window` steps (default: run length / 16, between 8 and 128 steps).
-        Own-history z = (y - median) / max(sigma, log 1.2); effect size = norm / exp(median).
+        Per tensor, y = log(L2 norm); its baseline is the median of y over the previous block of
+        `window` steps (default: run length / 16, between 8 and 128 steps) and, as sigma, the median
+        of the robust sigmas (1.4826 x MAD) of the previous 4 blocks (one volatile block must not
+        hide a broken layer). Warmup steps are no baseline; a block less than half outside warmup
+        gives none. Own-history z = (y - median) / max(sigma, log 1.2); effect size = norm / exp(median).
         Across tensors (the seed's rule), each tensor's log-ratio to its baseline is compared with
         the mean + `sigma_across` std of all tensors' log-ratios at that step (raw norms differ by
         orders of magnitude between embeddings and norms, so they are not compared directly).
@@ -121,7 +127,8 @@ class GradientNormAnomaly(Check):
         first_judged = steps[0] + warmup if warmup is not None else steps[warmup_end(steps_frame["lr"].fill_null(0).to_numpy())]
         judged = steps >= first_judged
 
-        median, sigma = previous_block_stats(y, window)
+        # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline for what follows.
+        median, sigma = previous_block_stats(np.where(judged[:, None], y, np.nan), window, SIGMA_BLOCKS, MIN_BASELINE_SHARE)
         z_own = robust_z(y, median, sigma, LOG_SIGMA_FLOOR)
         log_ratio = y - median
         with np.errstate(invalid="ignore"):
@@ -185,7 +192,8 @@ class GradientNormAnomaly(Check):
             ))
 
         # The global norm: a spike shared by many tensors (a bad batch) that no single tensor stands out in.
-        g_median, g_sigma = previous_block_stats(global_y, window)
+        g_median, g_sigma = previous_block_stats(np.where(judged, global_y, np.nan), window, SIGMA_BLOCKS,
+                                                 MIN_BASELINE_SHARE)
         g_z = robust_z(global_y, g_median, g_sigma, LOG_SIGMA_FLOOR)
         with np.errstate(invalid="ignore"):
             g_flag = judged & (g_z >= self.params["sigma_own"]) & (global_y - g_median >= np.log(self.params["min_ratio"]))

@@ -8,6 +8,8 @@ from scipy import stats
 from .base import AuditContext, Check, Finding
 from .rolling import adaptive_window, grad_norm_matrix, previous_block_stats, robust_z, step_frame, warmup_end
 
+SIGMA_BLOCKS = 4  # blocks whose loss sigmas give the spike rule's dispersion (their median)
+
 
 class LossDynamics(Check):
     """Loss pathologies and rolling-window drift (seed 003 section 3.2; runs after every step).
@@ -24,8 +26,10 @@ class LossDynamics(Check):
         (over-fitting or leakage). A diverging loss after a learning-rate jump wastes every step
         after it: resume before the jump.
     Statistic:
-        Loss z = (loss - median) / max(1.4826 MAD, 1% of median) against the previous block of
-        `window` steps (run length / 16, 8..128). Learning-rate ratio lr[s] / lr[s-1] after
+        Loss z = (loss - median) / max(sigma, 1% of median): the median of the previous block of
+        `window` steps (run length / 16, 8..128); sigma, the median of the robust sigmas (1.4826
+        MAD) of the previous 4 blocks (one unusually calm block of a converged small-batch run
+        does not make ordinary batch-to-batch noise a spike). Learning-rate ratio lr[s] / lr[s-1] after
         warmup. Plateau: relative change of the block median loss over `plateau_blocks` blocks.
         Train/val: eval_loss rising at `gap_evals` consecutive evaluations while the training
         loss block median falls. Drift: two-sided Mann-Whitney U between consecutive windows of
@@ -63,7 +67,7 @@ class LossDynamics(Check):
                 + self._drift(ctx, frame, window, first))
 
     def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
-        median, sigma = previous_block_stats(loss, window)
+        median, sigma = previous_block_stats(loss, window, SIGMA_BLOCKS)
         z = robust_z(loss, median, sigma, 0.0)
         z = np.where(sigma > 0.01 * np.abs(median), z, (loss - median) / (0.01 * np.abs(median)))
         ctx.add_series(self.code, "loss robust z vs previous block", steps.tolist(), np.nan_to_num(z).tolist(),

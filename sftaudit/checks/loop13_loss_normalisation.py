@@ -29,7 +29,8 @@ class LossNormalisation(Check):
         A token's effective weight is t = w / (tokens the loss divides by); the intended weight is
         the same for every token of the window: all micro-batches of the step on one rank, and all
         ranks when the run says its loss is a token mean across ranks (the Trainer's
-        `average_tokens_across_devices`, or `token_mean_across_ranks` in the recorder's config;
+        `average_tokens_across_devices`, or `token_mean_across_ranks` in the recorder's config or
+        in this check's audit config, a declaration made after the run;
         otherwise each rank's own token mean is the objective DDP averages). Relative
         weight error = t / (token-weighted mean of t) - 1 (an overall scale is the learning rate's
         business, not this check's). Logged loss: the Trainer's `loss` metric against the recorded
@@ -50,7 +51,8 @@ class LossNormalisation(Check):
     code = "LOOP-13"
     name = "loss normalisation and scale"
     needs = ("batches",)
-    defaults = {"max_weight_error": 0.01, "max_logged_error": 0.02, "first_loss_factor": 2.0, "samples_listed": 5}
+    defaults = {"max_weight_error": 0.01, "max_logged_error": 0.02, "first_loss_factor": 2.0, "samples_listed": 5,
+                "token_mean_across_ranks": None}  # None: as the run's config says
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if not ctx.has_rows("batches"):
@@ -75,7 +77,8 @@ class LossNormalisation(Check):
 
     def _weights(self, ctx: AuditContext, micro) -> list[Finding]:
         config = ctx.manifest.get("config") or {}
-        across_ranks = bool(config.get("token_mean_across_ranks")
+        declared = self.params["token_mean_across_ranks"]
+        across_ranks = bool(declared) if declared is not None else bool(config.get("token_mean_across_ranks")
                             or (config.get("training_args") or {}).get("average_tokens_across_devices"))
         ranks = micro["rank"].to_numpy().astype(np.int64)
         steps = micro["step"].to_numpy()

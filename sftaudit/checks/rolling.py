@@ -31,11 +31,16 @@ def warmup_end(lr: np.ndarray) -> int:
     return int(stops[0]) if stops.size else lr.size - 1
 
 
-def previous_block_stats(values: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+def previous_block_stats(values: np.ndarray, window: int, sigma_blocks: int = 1,
+                         min_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per row (step) and column (series): median and robust sigma (1.4826 x MAD) of the previous block.
 
     `values` is steps x series (a 1-D array is one series). Rows of the first block get NaN (no
-    history yet). Non-finite values are ignored inside a block."""
+    history yet). Non-finite values are ignored inside a block; a block with fewer than
+    `min_share` of its values finite is no baseline (NaN). With `sigma_blocks` > 1 the sigma is
+    the median of the previous `sigma_blocks` blocks' sigmas: the level follows the latest block,
+    while the dispersion, a property of the run, comes from a longer history that one unusually
+    calm or volatile block does not set."""
     x = np.asarray(values)
     x = x if x.dtype.kind == "f" else x.astype(float)  # float32 stays float32 (half the memory traffic)
     squeeze = x.ndim == 1
@@ -52,10 +57,16 @@ def previous_block_stats(values: np.ndarray, window: int) -> tuple[np.ndarray, n
         with warnings.catch_warnings():  # an all-NaN block (a NaN stretch) has no baseline: NaN is the answer
             warnings.simplefilter("ignore", RuntimeWarning)
             med = agg(b, axis=1)
-            mad = agg(np.abs(b - med[:, None, :]), axis=1)
+            sig = MAD_TO_SIGMA * agg(np.abs(b - med[:, None, :]), axis=1)
+            if min_share > 0:
+                few = np.isfinite(b).sum(axis=1) < min_share * window
+                med[few], sig[few] = np.nan, np.nan
+            if sigma_blocks > 1:
+                history = np.concatenate([np.full((sigma_blocks - 1, k), np.nan, dtype=sig.dtype), sig])
+                sig = np.nanmedian(np.lib.stride_tricks.sliding_window_view(history, sigma_blocks, axis=0), axis=-1)
         owner = np.arange(window, n) // window - 1  # the block before each row's own block
         median[window:] = med[owner]
-        sigma[window:] = MAD_TO_SIGMA * mad[owner]
+        sigma[window:] = sig[owner]
     if squeeze:
         return median[:, 0], sigma[:, 0]
     return median, sigma

@@ -182,9 +182,10 @@ class Recorder:
         with self._guard("batches"):
             self._begin_step(step)
             input_ids = batch["input_ids"]
-            attention_mask = batch.get("attention_mask")
-            if attention_mask is None:
-                attention_mask = torch.ones_like(input_ids)
+            given = batch.get("attention_mask")
+            # A 2-D padding mask; a 4-D or block mask carries sample boundaries (varlen), not padding.
+            padding_mask = torch.is_tensor(given) and given.shape == input_ids.shape
+            attention_mask = given if padding_mask else torch.ones_like(input_ids)
             labels = batch.get("labels")
             trained = labels != IGNORE_INDEX if labels is not None else torch.zeros_like(input_ids, dtype=torch.bool)
             padding = attention_mask == 0
@@ -192,38 +193,42 @@ class Recorder:
             rows, length = input_ids.shape
             sample_ids = batch.get("sample_ids")
             keep_rows = self._rows_to_keep(step, rows)
-            parts = {
+            counts = {
                 "lengths": attention_mask.sum(1),
                 "label_tokens": trained.sum(1),
                 "target_tokens": trained[:, 1:].sum(1),  # what a causal LM's shifted loss averages over
                 "padding_trained": (trained & padding).sum(1),
-                "left_padded": padding[:, 0],
+                "left_padded": padding[:, 0].long(),
+                **self._segments(batch, input_ids, padding),
             }
+            # The per-row counts travel as one tensor: fewer pieces to convert and concatenate at the transfer.
+            parts = {"row_counts": torch.stack(list(counts.values()))}
             # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
             # row's attended tokens (padding dropped: -1) serves as its sample id.
-            parts.update(self._segments(batch, input_ids, attention_mask))
             if sample_ids is None:
-                parts["hashed_ids"] = torch.where(attention_mask.bool(), input_ids, -1)
+                parts["hashed_ids"] = input_ids.masked_fill(padding, -1)
             if keep_rows:
                 parts["input_ids"] = input_ids
                 parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
                 parts["attention_mask"] = attention_mask[:keep_rows]
             if sample_ids is not None:
                 sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
-            varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(batch.get("attention_mask"))
-                                                              and batch["attention_mask"].dim() == 4)
+            varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(given) and given.dim() == 4)
             self._micro.append({"micro": micro, "shape": [rows, length], "sample_ids": sample_ids, "varlen": varlen,
-                                "keep_rows": keep_rows, "parts": parts, **self._tokenizer_state()})
+                                "keep_rows": keep_rows, "parts": parts, "row_counts": list(counts),
+                                **self._tokenizer_state()})
 
     def on_backward(self, step: int, loss: torch.Tensor | float) -> None:
         """After backward: the step's loss and per-tensor gradient L2 norms (one vectorised pass).
 
-        With gradient accumulation call it after each backward: losses are averaged and the
-        gradients read at the last call are the step's."""
+        With gradient accumulation call it after each backward: the gradients read at the last
+        call are the step's. The step's loss is the token mean of the model's returned losses
+        over the step's micro-batches (whatever share of it each backward received); when the
+        model returns no loss, the mean of the losses given here."""
         self.record_loss(step, loss)
         if self._micro and torch.is_tensor(loss) and "losses" not in self.disabled:
             with self._guard("losses"):  # the scalar backpropagated for the latest micro-batch
-                self._micro[-1]["parts"]["backprop"] = loss.detach().float().reshape(())
+                self._micro[-1]["parts"]["backprop"] = loss.detach()
         self.record_gradients(step)
 
     def record_loss(self, step: int, loss: torch.Tensor | float) -> None:
@@ -312,13 +317,13 @@ class Recorder:
             if not torch.is_tensor(loss) or loss.numel() != 1:
                 return
             parts = self._micro[-1]["parts"]
-            parts["model_loss"] = loss.detach().float().reshape(())
+            parts["model_loss"] = loss.detach()  # converted at the step's one transfer, with everything else
             items = kwargs.get("num_items_in_batch")  # HF: the loss is then a sum over this many tokens
             if items is not None:
-                parts["num_items"] = items.detach().float().reshape(()) if torch.is_tensor(items) else torch.tensor(float(items))
+                parts["num_items"] = items.detach() if torch.is_tensor(items) else torch.tensor(float(items))
             if loss.requires_grad:
                 def weight(grad: torch.Tensor) -> None:
-                    parts["loss_weight"] = grad.detach().float().reshape(())
+                    parts["loss_weight"] = grad.detach()
                 loss.register_hook(weight)
 
     # ------------------------------------------------------------------ per step
@@ -351,14 +356,13 @@ class Recorder:
             self._template = (template, template_fingerprint(template))
         return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
 
-    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, padding: torch.Tensor) -> dict:
         """Per row: sequence starts (attended BOS tokens: a packed row holds one per sample) and, when
         the batch gives position_ids, how often they restart at 0 (LOOP-16, packing boundaries)."""
         bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
         out = {}
         if bos is not None:
-            attended = attention_mask != 0 if attention_mask.shape == input_ids.shape else torch.ones_like(input_ids, dtype=torch.bool)
-            out["bos_starts"] = ((input_ids == bos) & attended).sum(1)
+            out["bos_starts"] = (input_ids == bos).logical_and_(~padding).sum(1)
         positions = batch.get("position_ids")
         if torch.is_tensor(positions) and positions.shape[-1] == input_ids.shape[1]:
             positions = positions.reshape(-1, input_ids.shape[1]).expand(input_ids.shape[0], -1)
@@ -395,6 +399,8 @@ class Recorder:
             parts.extend((m["micro"], key, t) for key, t in m["parts"].items())
         host = _to_host([t for _, _, t in parts])
         values = {(owner, key): v for (owner, key, _), v in zip(parts, host)}
+        for m in self._micro:
+            values.update({(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])})
 
         norms: list[float | None] = [None] * len(self._param_info)
         nonfinite, global_norm = {}, None
@@ -406,7 +412,7 @@ class Recorder:
             bad = np.flatnonzero(~np.isfinite(host_norms))
             if bad.size:
                 nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
-        loss = float(values["step", "loss"]) if ("step", "loss") in values else None
+        loss = self._window_loss(values, float(values["step", "loss"]) if ("step", "loss") in values else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
@@ -421,6 +427,23 @@ class Recorder:
             self._write_triggered_hists(step, "nonfinite" if nonfinite else "spike")
         if global_norm is not None and np.isfinite(global_norm):
             self._grad_norm_ema = global_norm if self._grad_norm_ema is None else 0.9 * self._grad_norm_ema + 0.1 * global_norm
+
+    def _window_loss(self, values: dict, recorded: float | None) -> float | None:
+        """The step's loss: the token mean of the model's own losses over the optimizer window when
+        every micro-batch returned one. With gradient accumulation what each backward receives is a
+        share of the objective (the loss / the accumulation steps, or a sum over the Trainer's
+        `num_items_in_batch`), so the mean of those is 1/GA of the trained loss. Otherwise the mean
+        of the recorded losses; a non-finite recorded loss (corrupted after the model) stays."""
+        if not self._micro or (recorded is not None and not np.isfinite(recorded)):
+            return recorded
+        if any((m["micro"], "model_loss") not in values for m in self._micro):
+            return recorded
+        n = np.array([values[m["micro"], "target_tokens"].sum() for m in self._micro], dtype=np.float64)
+        loss = np.array([values[m["micro"], "model_loss"] for m in self._micro], dtype=np.float64)
+        # The model's loss is its summed token loss / num_items_in_batch when the Trainer passes it, else / n.
+        divides_by = np.array([values.get((m["micro"], "num_items"), k) for m, k in zip(self._micro, n)], dtype=np.float64)
+        trained = n > 0  # a micro-batch without target tokens adds nothing (its own mean is 0/0)
+        return float((loss * divides_by)[trained].sum() / n[trained].sum()) if trained.any() else recorded
 
     def _write_batch(self, step: int, m: dict, values: dict) -> None:
         micro = m["micro"]
@@ -693,7 +716,7 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
     """One device-to-host copy for all of a step's values (float32 holds token ids < 2**24 exactly)."""
     if not tensors:
         return []
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]).cpu().numpy()
+    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]).cpu().numpy()  # all detached already
     out, offset = [], 0
     for t in tensors:
         n = t.numel()

@@ -40,3 +40,61 @@ def of(verdict, code, severities=("warn", "fail")):
     """The verdict's findings of one check; a check that crashed (reported, not raised) fails the test."""
     assert verdict["check_errors"] == []
     return [f for f in verdict["findings"] if f["code"] == code and f["severity"] in severities]
+
+
+def recorded_series_run(run_dir, lr, loss, norms, names):
+    """A run's step records (lr, loss, per-tensor gradient norms) written as the shim writes them: for
+    statistics regressions on series recorded by longer real runs (the false-alarm sweep) than the suite
+    can afford to train."""
+    import json
+
+    import numpy as np
+
+    from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
+
+    folder = rank_dir(run_dir, 0)
+    folder.mkdir(parents=True)
+    params = [{"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names]
+    manifest = {"schema_version": SCHEMA_VERSION, "run_id": "series", "seg": 0, "rank": 0, "world_size": 1, "profile": "prod",
+                "schedule": {}, "started": 0.0, "versions": {}, "instance_id": "series", "model": {"class": "Recorded"},
+                "params": params, "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": None, "dataset": None,
+                "probe_prompts": [], "eval_set": [], "config": {}, "param_norms": None}
+    (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
+    norms = np.asarray(norms, dtype=float)
+    with open(folder / "steps.jsonl", "w") as f:
+        for i in range(len(lr)):
+            f.write(json.dumps({"seg": 0, "step": i + 1, "time": float(i), "dt": 0.1, "loss": loss[i], "lr": lr[i],
+                                "grad_norm": float(np.sqrt((norms[i] ** 2).sum())), "grad_norms": norms[i].tolist(),
+                                "nonfinite_grads": {}, "micro_batches": 1, "tokens": 1000}) + "\n")
+    (folder / "events.jsonl").write_text(json.dumps({"seg": 0, "kind": "start", "time": 0.0}) + "\n")
+    return run_dir
+
+
+def recorded_loop(run_dir, tokenizer_cache, steps=1, rows=4, batch=lambda data: data, loss=None, break_model=None):
+    """A few real steps of the tiny model through the Recorder, in a loop written out as users write it:
+    `batch(data)` is what the loop hands the model (a collator's output), `loss(model, batch)` a loss computed
+    outside the model (default: the model's own), `break_model(model)` damages it before training."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok)
+    if break_model is not None:
+        with torch.no_grad():
+            break_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = load_dataset()
+    with Recorder(run_dir, model, tok, profile="prod") as rec:
+        for step in range(1, steps + 1):
+            b = batch(collate(tok, data[(step - 1) * rows:step * rows]))
+            rec.on_batch(step, b)
+            inputs = {k: v for k, v in b.items() if k != "sample_ids"}
+            value = loss(model, inputs) if loss is not None else model(**inputs, use_cache=False).loss
+            value.backward()
+            rec.on_backward(step, value)
+            opt.step()
+            rec.on_step_end(step, lr=1e-3)
+            opt.zero_grad()
+    return run_dir

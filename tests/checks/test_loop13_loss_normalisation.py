@@ -1,23 +1,26 @@
 """LOOP-13: a mean of micro-batch means (Z22), a logged loss x GA (Z23) and a NaN step the Trainer's
 logging filter hides (Z18) are found at their step; correctly normalised runs stay quiet."""
 
+import numpy as np
 import pytest
 
 from sftaudit.audit import audit
+from sftaudit.ingest import connect, ingest
 
 from ..conftest import NAN_STEP
-from .dynamics_runs import MEAN_OF_MEANS_STEP, of, run
+from .dynamics_runs import MEAN_OF_MEANS_STEP, of, recorded_loop, run
 
 HF_NAN_STEP = 4
+GA = 4
 
 
 @pytest.fixture(scope="module")
 def trainer_run(tmp_path_factory, tokenizer_cache):
-    """A real Trainer with its default logging_nan_inf_filter, GA 2 (num_items_in_batch passed to the
+    """A real Trainer with its default logging_nan_inf_filter, GA 4 (num_items_in_batch passed to the
     model), the logged loss multiplied by GA (Z23) and a NaN loss at HF_NAN_STEP (Z18)."""
     from sftaudit.fixtures.train import train_hf
 
-    return train_hf(tmp_path_factory.mktemp("hf-loss") / "hf-loss", steps=6, grad_accum=2, batch_size=4, save_steps=100,
+    return train_hf(tmp_path_factory.mktemp("hf-loss") / "hf-loss", steps=6, grad_accum=GA, batch_size=2, save_steps=100,
                     tokenizer_cache=tokenizer_cache, probe_every=0, generate_every=0, eval_every=0,
                     faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP})
 
@@ -42,7 +45,31 @@ def test_trainer_with_accumulation_is_normalised_but_its_logged_loss_is_ga_times
     assert not [f for f in findings if "weights tokens unequally" in f["message"]]
     logged = next(f for f in findings if "logged training loss" in f["message"])
     assert (logged["severity"], logged["step"]) == ("fail", 1)
-    assert logged["evidence"]["ratio"] == pytest.approx(2.0, rel=1e-3) and "gradient-accumulation" in logged["message"]
+    assert logged["evidence"]["ratio"] == pytest.approx(GA, rel=1e-3) and "gradient-accumulation" in logged["message"]
+
+
+def test_the_step_loss_is_the_models_token_mean_over_the_accumulation_window(trainer_run, tokenizer_cache):
+    """Each micro-batch's loss is a sum over num_items_in_batch tokens (1/GA of the window's mean each): the step's
+    loss is their token mean, recomputed here from step 1's recorded rows with the untrained model."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer
+
+    ingest(trainer_run)
+    con = connect(trainer_run, read_only=True)
+    recorded = con.execute("SELECT loss FROM steps WHERE step = 1").fetchone()[0]
+    micro = con.execute("SELECT micro, list(input_ids ORDER BY row), list(labels ORDER BY row), list(attention_mask ORDER BY row) "
+                        "FROM samples WHERE step = 1 GROUP BY micro ORDER BY micro").fetchall()
+    assert len(micro) == GA
+    model = build_model(build_tokenizer(tokenizer_cache))
+    summed = tokens = 0.0
+    with torch.no_grad():
+        for _, ids, labels, mask in micro:
+            logits = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+            targets = torch.tensor(labels)[:, 1:]
+            summed += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="sum"))
+            tokens += int((targets != -100).sum())
+    assert recorded == pytest.approx(summed / tokens, rel=1e-4)
 
 
 def test_nan_hidden_by_the_trainers_logging_filter_is_found_at_its_step(trainer_run):
@@ -58,3 +85,23 @@ def test_clean_and_failed_plain_runs_raise_nothing(clean_run, nan_run):
     assert of(audit(clean_run), "LOOP-13") == []
     # The plain loop logs no trainer loss: a NaN step is LOOP-05's, not a hidden one.
     assert of(audit(nan_run), "LOOP-13") == [] and NAN_STEP
+
+
+def test_a_loss_computed_outside_the_model_is_skipped_saying_why(tmp_path, tokenizer_cache):
+    import torch
+
+    def token_mean_outside(model, batch):  # the model gets no labels: it returns logits only
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:])
+
+    verdict = audit(recorded_loop(tmp_path / "custom", tokenizer_cache, loss=token_mean_outside))
+    [finding] = of(verdict, "LOOP-13", ("info", "warn", "fail"))
+    assert finding["severity"] == "info"
+    assert "not judged" in finding["message"] and "custom loss" in finding["message"] and "labels" in finding["message"]
+
+
+def test_a_first_loss_far_above_a_uniform_guess_warns_at_step_1(tmp_path, tokenizer_cache):
+    verdict = audit(recorded_loop(tmp_path / "hot-head", tokenizer_cache, break_model=lambda m: m.lm_head.weight.mul_(300)))
+    [finding] = [f for f in of(verdict, "LOOP-13") if "uniform guess" in f["message"]]
+    assert (finding["severity"], finding["step"]) == ("warn", 1)
+    assert finding["evidence"]["value"] > finding["evidence"]["threshold"] == pytest.approx(2 * np.log(finding["evidence"]["vocab_size"]))
