@@ -63,11 +63,12 @@ def test_compiled_and_wrapped_models_are_recorded_under_their_checkpoint_names(t
     assert [p["name"] for p in manifest["params"]] == expected
 
 
-def test_per_rank_means_fail_loss_normalisation_when_the_run_is_declared_a_token_mean_across_ranks(dcp_run):
+def test_per_rank_means_fail_loss_normalisation_when_the_run_is_declared_a_token_mean_across_ranks(distributed_runs):
     """Z24: DDP averages each rank's own token mean; ranks train different token counts, so when the objective
     is declared a token mean across ranks (as the Trainer's average_tokens_across_devices does) tokens weigh unequally."""
     from sftaudit.config import AuditConfig
 
+    dcp_run = distributed_runs / "dcp"
     assert not [f for f in audit(dcp_run)["findings"] if f["code"] == "LOOP-13" and f["severity"] != "info"]
     verdict = audit(dcp_run, AuditConfig(check_options={"LOOP-13": {"token_mean_across_ranks": True}}))
     [finding] = [f for f in verdict["findings"] if f["code"] == "LOOP-13"]
