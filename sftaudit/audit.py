@@ -85,7 +85,8 @@ COMPONENT_TABLES = {"steps": "steps", "gradients": "grad_norms", "batches": "bat
 
 def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
                    evidence: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Per registered check: "ran", "partial" (a component it needs stopped mid-run), "not_run"
+    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
+    judges more finely with was not recorded), "not_run"
     (evidence it needs was not recorded), "disabled" (by config) or "error"; with the reason and
     the evidence it ran on."""
     tokenizer = manifest.get("tokenizer") or {}
@@ -100,7 +101,8 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
     out = []
     for check in registered_checks():
         missing = [t for t in check.needs if not recorded[t]]
-        cut = [stopped[t] for t in check.needs if t in stopped]
+        cut = [stopped[t] for t in check.needs + check.uses if t in stopped]
+        lacking = [t for t in check.uses if not recorded[t]]
         if check.code in config.disabled:
             status, reason = "disabled", "switched off in the audit config"
         elif check.code in errors:
@@ -111,10 +113,12 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
             status = "partial"
             reason = "; ".join(f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}"
                                for o in cut)
+        elif lacking:
+            status, reason = "partial", "not recorded: " + ", ".join(EVIDENCE[t] for t in lacking)
         else:
             status, reason = "ran", None
         out.append({"code": check.code, "name": check.name, "status": status, "reason": reason,
-                    "evidence": [EVIDENCE[t] for t in check.needs if recorded[t]],
+                    "evidence": [EVIDENCE[t] for t in check.needs + check.uses if recorded[t]],
                     "sources": list(dict.fromkeys(sources.get(t, source) for t in check.needs))
                     if status in ("ran", "partial") else []})
     return out

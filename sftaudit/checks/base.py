@@ -99,12 +99,14 @@ class Check:
     The class docstring documents the check in the fixed sections of DOC_SECTIONS
     (the report and the README quote it). `defaults` are the seed's thresholds; a
     config overrides them per check code. `needs` names the EVIDENCE tables without
-    which the check cannot judge anything.
+    which the check cannot judge anything; `uses`, the evidence it judges more finely with
+    (without it the check runs on partial evidence).
     """
 
     code: ClassVar[str]
     name: ClassVar[str]
     needs: ClassVar[tuple[str, ...]]
+    uses: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **overrides: Any):

@@ -59,6 +59,7 @@ class GradientNormAnomaly(Check):
     code = "LOOP-05"
     name = "gradient-norm anomaly"
     needs = ("steps",)
+    uses = ("grad_norms",)  # per tensor: without it, the global norm alone
     defaults = {"max_tensors_listed": 20, "sigma_across": 3.0, "sigma_own": 6.0, "min_ratio": 10.0,
                 "window": None, "warmup_steps": None, "min_periodic_spikes": 4}
 
