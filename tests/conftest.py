@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from sftaudit.fixtures.train import train_plain
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs on two workers (pyproject): one thread each
+    torch.set_num_threads(1)
 
 NAN_STEP = 13
 
@@ -83,12 +88,21 @@ DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_
 
 @pytest.fixture(scope="session")
 def distributed_runs(tmp_path_factory) -> Path:
-    import os
+    import shutil
     import subprocess
     import sys
 
-    root = tmp_path_factory.mktemp("distributed")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "sftaudit.fixtures.distributed", "runs", str(root), *DISTRIBUTED_SCENARIOS],
-                   check=True, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return root
+    from filelock import FileLock
+
+    # One launch per test session, shared by the xdist workers (their base temps share a parent):
+    # the first to get the lock trains, the other waits; each audits its own copy (one DuckDB writer).
+    session = tmp_path_factory.getbasetemp()
+    trained = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "distributed"
+    with FileLock(f"{trained}.lock"):
+        if not (trained / "done").exists():
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m", "sftaudit.fixtures.distributed", "runs", str(trained), *DISTRIBUTED_SCENARIOS],
+                           check=True, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            (trained / "done").touch()
+    return Path(shutil.copytree(trained, tmp_path_factory.mktemp("distributed") / "runs"))

@@ -52,6 +52,7 @@ def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
 @pytest.mark.parametrize("name", PLAIN_LOOPS)
 def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_runs, name):
     reference = json.loads((distributed_runs / "reference.json").read_text())
+    ingest(distributed_runs / name)
     con = connect(distributed_runs / name, read_only=True)
     rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms").fetchall()
     total = con.execute("SELECT step, grad_norm FROM steps WHERE rank = 1 ORDER BY step").fetchall()
