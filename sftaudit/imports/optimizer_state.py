@@ -76,7 +76,11 @@ def read_adam_state(path: Path) -> AdamState:
     for g in value["param_groups"]:
         if not isinstance(g, dict) or not isinstance(g.get("params"), list):
             raise CheckpointError(f"{path.name}: a parameter group without a params list")
-        betas = g.get("betas") if isinstance(g.get("betas"), (tuple, list)) else (0.9, 0.999)
+        # SGD keeps no state without momentum: an empty state there is no sign of tensors never updated.
+        if "betas" not in g:
+            settings = ", ".join(sorted(k for k in g if k != "params"))
+            raise CheckpointError(f"{path.name}: not an Adam state: its parameter groups have no betas ({settings})")
+        betas = g["betas"] if isinstance(g["betas"], (tuple, list)) else (0.9, 0.999)  # tensor betas: the defaults
         groups.append({"lr": g.get("lr"), "betas": tuple(float(b) for b in betas), "eps": float(g.get("eps") or 1e-8),
                        "weight_decay": g.get("weight_decay"), "params": [int(i) for i in g["params"]]})
     group_of = {i: k for k, g in enumerate(groups) for i in g["params"]}

@@ -137,3 +137,26 @@ def test_not_an_optimizer_state(tmp_path):
         z.writestr("archive/data.pkl", buffer.getvalue())
     with pytest.raises(CheckpointError, match="not an optimizer state dict"):
         read_adam_state(path)
+
+
+def test_sgd_state_is_not_read_as_adam_with_every_tensor_never_updated(tmp_path_factory, tokenizer_cache, tmp_path):
+    """Plain SGD (the Trainer's `optim="sgd"`) keeps no per-parameter state: the false alarm of the clean sweep's
+    Trainer/TRL SGD runs, which LOOP-18 failed as "21 tensors never updated"."""
+    import torch
+
+    run = tmp_path / "run"
+    shutil.copytree(posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl"), run,
+                    ignore=shutil.ignore_patterns("sftaudit"))
+    for path in run.glob("checkpoint-*/optimizer.pt"):
+        count = len(read_adam_state(path).indices)
+        params = [torch.nn.Parameter(torch.ones(2)) for _ in range(count)]
+        sgd = torch.optim.SGD(params, lr=0.1)
+        sum(p.sum() for p in params).backward()
+        sgd.step()
+        torch.save(sgd.state_dict(), path)
+        with pytest.raises(CheckpointError, match="not an Adam state: its parameter groups have no betas .*momentum"):
+            read_adam_state(path)
+    import_run(run)
+    verdict = audit(run)
+    assert verdict["check_errors"] == []
+    assert {f["severity"] for f in loop18(verdict)} <= {"info"}
