@@ -744,7 +744,8 @@ def _attention_inputs(module, args, kwargs, output) -> dict:
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     kind = "none" if mask is None else "padding" if torch.is_tensor(mask) and mask.dim() == 2 else "custom"
     if isinstance(output, Mapping) and hasattr(type(output), "past_key_values"):  # a transformers ModelOutput
-        cache = "cache" in output or "past_key_values" in output  # its fields are keys only when not None
+        # Its fields are keys only when not None; transformers 5 renamed past_key_values (which then warns).
+        cache = ("cache" if hasattr(type(output), "cache") else "past_key_values") in output
     else:
         cache = kwargs.get("use_cache", getattr(getattr(module, "config", None), "use_cache", None))
     return {"attention_mask_kind": kind, "cache_built": cache}

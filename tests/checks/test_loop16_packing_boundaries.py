@@ -131,3 +131,17 @@ def test_runs_recorded_without_the_mask_and_cache_keep_the_older_rule(tmp_path, 
     [finding] = of(audit(without_mask_and_cache_fields(mask, tmp_path / "old-mask")), "LOOP-16")
     assert finding["step"] == 1 and finding["evidence"]["rows"][0]["causes"] == [
         f"positions restart but {finding['evidence']['attn_implementation']} ignores them"]
+
+
+def test_trl_packing_raises_nothing(tmp_path, tokenizer_cache):
+    # TRL's SFTTrainer with packing=True: BFD-packed rows flattened padding-free, per-sample position_ids,
+    # no attention mask, and use_cache=False in its compute_loss: the samples are kept apart under sdpa.
+    from sftaudit.fixtures.train import train_hf
+
+    run_dir = train_hf(tmp_path / "trl-packing", steps=3, save_steps=100, trl=True, packing=True, batch_size=4,
+                       max_length=96, tokenizer_cache=tokenizer_cache)
+    assert of(audit(run_dir), "LOOP-16") == []
+    rows = connect(run_dir, read_only=True).execute(
+        "SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches").fetchall()
+    assert len(rows) == 3 and all(starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
+                                  for starts, resets, mask, cache in rows)
