@@ -48,9 +48,9 @@ IGNORE_INDEX = -100
 # A step whose global gradient norm exceeds this multiple of its running mean gets histograms
 # recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
 SPIKE_FACTOR = 10.0
-GENERATION_CHUNK = 32
+GENERATION_CHUNK = 32  # rows per generate() call: large eval sets are split to bound probe memory
 # Batch keys through which a loop hands the model per-sample boundaries (varlen / packed attention).
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")  # rows per generate() call: large eval sets are split to bound probe memory
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")
 
 
 class Recorder:
