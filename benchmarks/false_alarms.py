@@ -157,7 +157,7 @@ def print_tables(clean: list[dict], results: dict) -> None:
         for s in clean:
             res = results.get(s["name"], ({"findings": []}, 0))[0]
             bad = [f"{f['code']} {f['severity']} @{f['step']}" for f in res["findings"] if f["severity"] != "info"]
-            print(f"| {s['name']} | {s['path']} | {s['optimizer']} | {s['lr_schedule']} | {s['lr']:g} | {s['grad_accum']} "
+            print(f"| {s['name']} | {s['path']}{' (packing)' if s.get('packing') else ''} | {s['optimizer']} | {s['lr_schedule']} | {s['lr']:g} | {s['grad_accum']} "
                   f"| {s['seed']} | {'yes' if s['resume'] else 'no'} | {', '.join(bad) or '-'} |")
         print("\n| check | runs with warn/fail (of %d) |" % len(clean))
         print("| --- | --- |")
