@@ -7,7 +7,7 @@ from sftaudit.ingest import connect
 from .dynamics_runs import PACKED_STEP, of, recorded_loop, run
 
 
-def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs):
+def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs, tmp_path):
     run_dir = run(runs, "packed")
     [finding] = of(audit(run_dir), "LOOP-16")
     assert (finding["severity"], finding["step"]) == ("fail", PACKED_STEP)
@@ -23,6 +23,10 @@ def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs):
     con = connect(run_dir, read_only=True)
     starts = con.execute("SELECT flatten(list(bos_starts)) FROM batches WHERE step < ?", [PACKED_STEP]).fetchall()[0][0]
     assert set(starts) == {1}
+    # Under flash attention the cache does not matter, the padded mask still does.
+    [flash] = of(audit(under_flash_attention(run_dir, tmp_path / "flash")), "LOOP-16")
+    assert flash["step"] == PACKED_STEP and flash["evidence"]["rows"][0]["causes"] == [
+        "attention_mask given (with padding)", "positions do not restart"]
 
 
 def test_clean_runs_raise_nothing(clean_run, nan_run):
@@ -108,6 +112,33 @@ def test_packing_judged_as_the_real_model_attends(tmp_path, tokenizer_cache):
             assert (finding["severity"], finding["step"]) == ("fail", 1), name
             assert finding["evidence"]["rows"][0]["causes"] == [cause] and finding["evidence"]["rows"][0]["samples"] == 4
             assert cause in finding["message"]
+
+
+def under_flash_attention(run_dir, copy_dir):
+    """The run's artifacts as if its model had used flash-attention 2 (not installable on this CPU box)."""
+    import json
+    import shutil
+
+    shutil.copytree(run_dir / "sftaudit", copy_dir / "sftaudit", ignore=shutil.ignore_patterns("audit.duckdb"))
+    manifest = copy_dir / "sftaudit" / "rank-0" / "manifest.jsonl"
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for r in records:
+        r["model"]["attn_implementation"] = "flash_attention_2"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return copy_dir
+
+
+def test_flash_attention_reads_restarts_despite_a_cache_or_an_unpadded_mask(tmp_path, tokenizer_cache):
+    # transformers' flash path: varlen from cu_seq_lens or position_ids whatever the cache; an all-ones
+    # 2-D mask is dropped (flash_attention_mask), a padded one unpads by the mask and crosses the samples.
+    for name, (packed, forward, _) in PACKINGS.items():
+        run_dir = recorded_loop(tmp_path / name, tokenizer_cache, batch=packed,
+                                loss=lambda model, inputs: forward(model, inputs).loss)
+        findings = of(audit(under_flash_attention(run_dir, tmp_path / f"flash-{name}")), "LOOP-16")
+        if name == "running":
+            assert [f["evidence"]["rows"][0]["causes"] for f in findings] == [["positions do not restart"]]
+        else:
+            assert findings == [], name
 
 
 def without_mask_and_cache_fields(run_dir, copy_dir):
