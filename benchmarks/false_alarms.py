@@ -33,7 +33,8 @@ COMMON = dict(batch_size=4, max_length=96, tokenizer_cache=None)
 
 
 def sweep(steps: int) -> list[dict]:
-    """24 clean configurations covering every level of every factor (a cyclic design, not a grid)."""
+    """24 clean configurations covering every level of every factor (a cyclic design, not a grid), and
+    TRL's packing."""
     runs = []
     for i in range(24):
         runs.append({
@@ -41,6 +42,9 @@ def sweep(steps: int) -> list[dict]:
             "lr_schedule": SCHEDULES[(i // 9 + i) % 3], "lr": LRS[i % 4], "grad_accum": (1, 4)[(i // 2) % 2],
             "seed": i // 12, "resume": i % 6 == 3, "steps": steps,  # resumes: plain-loop runs
         })
+    # Real packing: TRL packs the dataset and flattens it padding-free (per-sample position_ids, no mask).
+    runs.append({"name": "clean-24", "path": "trl", "packing": True, "optimizer": "adamw", "lr_schedule": "cosine",
+                 "lr": 1e-3, "grad_accum": 1, "seed": 0, "resume": False, "steps": steps})
     return runs
 
 
@@ -98,7 +102,8 @@ def train(out: Path, spec: dict) -> Path:
             train_plain(run_dir, steps=steps, checkpoint_every=100, **loop)
     else:
         hf = dict(options, lr_schedule=spec.get("lr_schedule", "linear"), warmup_steps=spec.get("warmup_steps", 10),
-                  optimizer=HF_OPTIM[spec.get("optimizer", "adamw")], trl=spec["path"] == "trl")
+                  optimizer=HF_OPTIM[spec.get("optimizer", "adamw")], trl=spec["path"] == "trl",
+                  packing=spec.get("packing", False))
         train_hf(run_dir, steps=steps, save_steps=100, **hf)
     return run_dir
 
@@ -152,7 +157,7 @@ def print_tables(clean: list[dict], results: dict) -> None:
         for s in clean:
             res = results.get(s["name"], ({"findings": []}, 0))[0]
             bad = [f"{f['code']} {f['severity']} @{f['step']}" for f in res["findings"] if f["severity"] != "info"]
-            print(f"| {s['name']} | {s['path']} | {s['optimizer']} | {s['lr_schedule']} | {s['lr']:g} | {s['grad_accum']} "
+            print(f"| {s['name']} | {s['path']}{' (packing)' if s.get('packing') else ''} | {s['optimizer']} | {s['lr_schedule']} | {s['lr']:g} | {s['grad_accum']} "
                   f"| {s['seed']} | {'yes' if s['resume'] else 'no'} | {', '.join(bad) or '-'} |")
         print("\n| check | runs with warn/fail (of %d) |" % len(clean))
         print("| --- | --- |")

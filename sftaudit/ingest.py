@@ -45,8 +45,10 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
                 # the backpropagated objective, the HF num_items_in_batch, the scalar given to on_backward
                 "target_tokens": "INTEGER[]", "model_loss": "DOUBLE", "loss_weight": "DOUBLE", "num_items": "DOUBLE",
                 "backprop": "DOUBLE",
-                # packing (LOOP-16): attended BOS tokens and position_ids restarts per row, varlen attention given
-                "bos_starts": "INTEGER[]", "position_resets": "INTEGER[]", "varlen": "BOOLEAN"},
+                # packing (LOOP-16): attended BOS tokens and position_ids restarts per row, varlen attention given,
+                # the attention mask the model got ("none" / "padding" / "custom") and whether it built a KV cache
+                "bos_starts": "INTEGER[]", "position_resets": "INTEGER[]", "varlen": "BOOLEAN",
+                "attention_mask_kind": "VARCHAR", "cache_built": "BOOLEAN"},
     "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
                 "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
     "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",

@@ -4,32 +4,40 @@ from __future__ import annotations
 
 from .base import AuditContext, Check, Finding
 
-# Attention implementations that turn position_ids restarts into per-sample (varlen) attention.
+# Attention implementations that turn position_ids restarts or cu_seq_lens into per-sample (varlen) attention.
 VARLEN_FROM_POSITIONS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+NO_RESTART = "positions do not restart"
+MASK_GIVEN = "attention_mask given"
+CACHE_BUILT = "a KV cache was built (use_cache=True): pass use_cache=False"
 
 
 class PackingBoundaries(Check):
     """Packing boundaries (trigger point: after collate).
 
     What it detects:
-        Rows that hold several samples (packing) while causal attention runs across them: no
-        per-sample boundaries reach the model (no `cu_seq_lens`/`seq_lens`, no 4-D or block mask),
-        and the positions do not restart at each sample under a flash-attention varlen path
-        (zoo Z16). Each sample then attends to the ones packed before it.
+        Rows that hold several samples (packing) while causal attention runs across them (zoo Z16):
+        no 4-D or block mask separates them, and the positions do not restart at each sample in a
+        forward that honours the restarts. Each sample then attends to the ones packed before it.
     Why it matters:
         Later samples are conditioned on unrelated earlier text: the loss is lower than it should
-        be and the model learns to continue other people's conversations. SDPA and eager attention
-        ignore position_ids boundaries; only a varlen path or a segment mask honours them.
+        be and the model learns to continue other people's conversations. In transformers, sdpa
+        and eager attention keep restarted positions apart only when the model gets no 2-D
+        attention_mask and builds no KV cache (a training forward with use_cache=False); flash
+        attention reads the restarts or `cu_seq_lens` unless a padded 2-D mask is given.
     Statistic:
         Per row, the shim counts attended BOS tokens (one per packed sample; templates without a
         BOS token are not judged) and, when the batch gives `position_ids`, their restarts at 0;
-        per micro-batch whether varlen boundaries were given; the manifest names the attention
-        implementation. A row with k > 1 samples is contaminated unless varlen boundaries were given,
-        or its positions restart k - 1 times under a flash-attention implementation.
+        per micro-batch whether varlen keys were given, the attention mask the model got (none, a
+        2-D padding mask, a custom 4-D / block mask) and whether its forward built a KV cache; the
+        manifest names the attention implementation. A row with k > 1 samples is isolated by a
+        custom mask; under flash attention by varlen keys or k - 1 restarts, unless a 2-D mask with
+        padding was given; under other implementations by k - 1 restarts with no 2-D mask and no
+        cache. Runs recorded before the mask and cache were recorded keep the older rule: varlen
+        keys, or k - 1 restarts under flash attention.
     Threshold:
         Any contaminated row: fail at the first step with one.
     Evidence:
-        The first rows (sample ids, samples per row, position restarts), the attention
+        The first rows (sample ids, samples per row, position restarts, the causes), the attention
         implementation, the number of steps and rows affected.
     """
 
@@ -42,28 +50,48 @@ class PackingBoundaries(Check):
         if not ctx.has_rows("batches"):
             return []
         attn = (ctx.manifest.get("model") or {}).get("attn_implementation")
-        varlen_positions = attn in VARLEN_FROM_POSITIONS
+        flash = "true" if attn in VARLEN_FROM_POSITIONS else "false"
+
+        def cause(condition: str, text: str) -> str:
+            return "CASE WHEN " + condition + " THEN ['" + text.replace("'", "''") + "'] ELSE [] END"
+
+        # Runs recorded without the mask and cache: varlen keys, or restarts under flash attention.
+        old_rule = (f"CASE WHEN coalesce(varlen, false) OR ({flash} AND NOT no_restart) THEN [] "
+                    f"ELSE {cause('no_restart', NO_RESTART)} || {cause('NOT no_restart', f'positions restart but {attn} ignores them')} END")
+        flash_rule = f"{cause('mask = $$padding$$ AND padded', MASK_GIVEN + ' (with padding)')} || " \
+                     f"{cause('no_restart AND NOT coalesce(varlen, false)', NO_RESTART)}"
+        other_rule = f"{cause('no_restart', NO_RESTART)} || {cause('mask = $$padding$$', MASK_GIVEN)} || " \
+                     f"{cause('coalesce(cache_built, true)', CACHE_BUILT)}"
         rows = ctx.frame(
             f"""
-            SELECT step, micro, sample_ids[i] AS sample_id, bos_starts[i] AS samples,
-                   position_resets[i] AS resets
-            FROM (SELECT *, generate_subscripts(bos_starts, 1) AS i FROM batches
-                  WHERE rank = 0 AND bos_starts IS NOT NULL AND NOT coalesce(varlen, false))
-            WHERE bos_starts[i] > 1
-              AND NOT ({'true' if varlen_positions else 'false'} AND coalesce(position_resets[i], 0) >= bos_starts[i] - 1)
-            ORDER BY step, micro, i
+            WITH packed AS (
+                SELECT step, micro, sample_ids[i] AS sample_id, bos_starts[i] AS samples,
+                       coalesce(position_resets[i], 0) AS resets, coalesce(position_resets[i], 0) < bos_starts[i] - 1 AS no_restart,
+                       varlen, attention_mask_kind AS mask, cache_built, list_min(lengths) < seq_len AS padded, i
+                FROM (SELECT *, generate_subscripts(bos_starts, 1) AS i FROM batches
+                      WHERE rank = 0 AND bos_starts IS NOT NULL)
+                WHERE bos_starts[i] > 1),
+            judged AS (
+                SELECT *, CASE WHEN mask IS NULL THEN {old_rule}
+                               WHEN mask = 'custom' THEN []
+                               WHEN {flash} THEN {flash_rule}
+                               ELSE {other_rule} END AS causes
+                FROM packed)
+            SELECT step, micro, sample_id, samples, resets, varlen, causes FROM judged
+            WHERE len(causes) > 0 ORDER BY step, micro, i
             """
         )
         if rows.height == 0:
             return []
         first = rows.row(0, named=True)
         steps = rows["step"].n_unique()
+        ignored = " (cu_seq_lens are read by flash attention only)" if first["varlen"] and flash == "false" else ""
         return [self.finding(
             "fail",
             f"from step {first['step']} rows hold several samples ({first['samples']} in row {first['sample_id']}) that "
-            f"attend to each other: no varlen boundaries were given and the positions "
-            f"{'do not restart' if not first['resets'] else 'restart but ' + str(attn) + ' ignores them'} "
-            f"({rows.height} row(s) in {steps} step(s)); pass position_ids per sample with flash-attention varlen "
-            f"(DataCollatorWithFlattening / padding_free) or a block mask, or stop packing",
+            f"attend to each other under {attn} attention: {'; '.join(first['causes'])}{ignored} "
+            f"({rows.height} row(s) in {steps} step(s)); give each sample restarting position_ids with no 2-D "
+            f"attention_mask and use_cache=False (DataCollatorWithFlattening / TRL padding_free), a block mask, "
+            f"or stop packing",
             step=int(first["step"]), attn_implementation=attn, rows_affected=rows.height, steps_affected=steps,
-            rows=rows.head(self.params["rows_listed"]).to_dicts())]
+            rows=rows.drop("varlen").head(self.params["rows_listed"]).to_dicts())]

@@ -48,9 +48,9 @@ IGNORE_INDEX = -100
 # A step whose global gradient norm exceeds this multiple of its running mean gets histograms
 # recorded on the spot, so the evidence of a spike exists even between scheduled histograms.
 SPIKE_FACTOR = 10.0
-GENERATION_CHUNK = 32
+GENERATION_CHUNK = 32  # rows per generate() call: large eval sets are split to bound probe memory
 # Batch keys through which a loop hands the model per-sample boundaries (varlen / packed attention).
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")  # rows per generate() call: large eval sets are split to bound probe memory
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")
 
 
 class Recorder:
@@ -310,7 +310,12 @@ class Recorder:
     def _after_forward(self, module, args, kwargs, output) -> None:
         """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
         d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised."""
-        if self._probing or not module.training or not self._micro or "losses" in self.disabled:
+        if self._probing or not module.training or not self._micro:
+            return
+        if "batches" not in self.disabled:
+            with self._guard("batches"):
+                self._micro[-1].update(_attention_inputs(module, args, kwargs, output))
+        if "losses" in self.disabled:
             return
         with self._guard("losses"):
             loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -461,7 +466,7 @@ class Recorder:
             "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
             **{key: values[micro, key].astype("int64").tolist() for key in ("bos_starts", "position_resets")
                if (micro, key) in values},
-            "varlen": m["varlen"],
+            "varlen": m["varlen"], "attention_mask_kind": m.get("attention_mask_kind"), "cache_built": m.get("cache_built"),
             **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
                if (micro, key) in values},
             "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
@@ -729,6 +734,21 @@ def _bit_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of a tensor's elements read as integers of their width (int64 wraps on overflow)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.detach().contiguous().view(bits).sum(dtype=torch.int64)
+
+
+def _attention_inputs(module, args, kwargs, output) -> dict:
+    """What decides whether packed samples attend to each other in a transformers forward (LOOP-16): the
+    attention mask handed to the model ("none", a 2-D "padding" mask, or a "custom" 4-D / block mask) and
+    whether the forward built a KV cache. With a 2-D mask or a cache, sdpa and eager attention ignore
+    position_ids restarts (masking_utils only reads them when both are absent). No tensor is read."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    kind = "none" if mask is None else "padding" if torch.is_tensor(mask) and mask.dim() == 2 else "custom"
+    if isinstance(output, Mapping) and hasattr(type(output), "past_key_values"):  # a transformers ModelOutput
+        # Its fields are keys only when not None; transformers 5 renamed past_key_values (which then warns).
+        cache = ("cache" if hasattr(type(output), "cache") else "past_key_values") in output
+    else:
+        cache = kwargs.get("use_cache", getattr(getattr(module, "config", None), "use_cache", None))
+    return {"attention_mask_kind": kind, "cache_built": cache}
 
 
 def _histograms(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from sftaudit.ingest import connect
 from .dynamics_runs import PACKED_STEP, of, recorded_loop, run
 
 
-def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs):
+def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs, tmp_path):
     run_dir = run(runs, "packed")
     [finding] = of(audit(run_dir), "LOOP-16")
     assert (finding["severity"], finding["step"]) == ("fail", PACKED_STEP)
@@ -15,11 +15,18 @@ def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs):
     assert evidence["rows_affected"] == 2 * (4 - PACKED_STEP + 1) and evidence["steps_affected"] == 4 - PACKED_STEP + 1
     first = evidence["rows"][0]
     assert first["samples"] == 3 and first["sample_id"].count("+") == 2 and not first["resets"]
+    # The fixture loop hands the model its 2-D padding mask and builds a cache (config.use_cache).
+    assert first["causes"] == ["positions do not restart", "attention_mask given",
+                               "a KV cache was built (use_cache=True): pass use_cache=False"]
     assert evidence["attn_implementation"] in ("sdpa", "eager")
     # Before the fault every row held one sample.
     con = connect(run_dir, read_only=True)
     starts = con.execute("SELECT flatten(list(bos_starts)) FROM batches WHERE step < ?", [PACKED_STEP]).fetchall()[0][0]
     assert set(starts) == {1}
+    # Under flash attention the cache does not matter, the padded mask still does.
+    [flash] = of(audit(under_flash_attention(run_dir, tmp_path / "flash")), "LOOP-16")
+    assert flash["step"] == PACKED_STEP and flash["evidence"]["rows"][0]["causes"] == [
+        "attention_mask given (with padding)", "positions do not restart"]
 
 
 def test_clean_runs_raise_nothing(clean_run, nan_run):
@@ -37,15 +44,135 @@ def flattened(data, **options):
     return DataCollatorWithFlattening(**options)(features)
 
 
-def test_packing_with_per_sample_boundaries_raises_nothing_and_without_them_fails(tmp_path, tokenizer_cache):
-    # The collator's cu_seq_lens (flash-attention varlen) and per-sample position_ids: samples are kept apart.
-    varlen = recorded_loop(tmp_path / "varlen", tokenizer_cache,
-                           batch=lambda data: flattened(data, return_flash_attn_kwargs=True))
-    assert of(audit(varlen), "LOOP-16") == []
-    rows = connect(varlen, read_only=True).execute("SELECT bos_starts, position_resets, varlen FROM batches").fetchall()
-    assert all(starts == [4] and resets == [3] and given for starts, resets, given in rows)
-    # The same packed rows with neither: positions run on and attention crosses the samples.
-    crossing = recorded_loop(tmp_path / "crossing", tokenizer_cache,
-                             batch=lambda data: {k: v for k, v in flattened(data).items() if k != "position_ids"})
-    [finding] = of(audit(crossing), "LOOP-16")
-    assert (finding["severity"], finding["step"]) == ("fail", 1) and finding["evidence"]["rows"][0]["samples"] == 4
+def kept_apart(tokenizer_cache, packed, forward) -> bool:
+    """Ground truth from the real model: the packed row's last sample gets the logits it gets alone, when
+    the model is called as `forward(model, inputs)` calls it (train mode, as in the recorded loop)."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok).train()
+    clean = flattened(collate(tok, load_dataset()[:4]))
+    batch = packed(collate(tok, load_dataset()[:4]))
+    start = int((clean["position_ids"][0] == 0).nonzero()[-1])
+    with torch.no_grad():
+        together = forward(model, {k: v for k, v in batch.items() if k not in ("labels", "sample_ids")}).logits[0, start:]
+        alone = model(input_ids=batch["input_ids"][:, start:], use_cache=False).logits[0]
+    return torch.allclose(together, alone, atol=1e-5)
+
+
+def without_cache(model, inputs):
+    return model(**inputs, use_cache=False)
+
+
+def with_cache(model, inputs):  # the config's use_cache=True: the forward builds a DynamicCache
+    return model(**inputs)
+
+
+def with_flash_kwargs(data):
+    return flattened(data, return_flash_attn_kwargs=True)
+
+
+def with_ones_mask(data):
+    batch = flattened(data)
+    return {**batch, "attention_mask": batch["input_ids"].new_ones(batch["input_ids"].shape)}
+
+
+def without_positions(data):
+    return {k: v for k, v in flattened(data).items() if k != "position_ids"}
+
+
+# (packed batch, forward, the cause LOOP-16 must name or None when the samples are kept apart)
+PACKINGS = {
+    # The collator's per-sample position_ids (and cu_seq_lens, read by flash attention only), no mask, no cache.
+    "restarts": (with_flash_kwargs, without_cache, None),
+    # The same, with a cache built: masking_utils then reads no position_ids restarts.
+    "cache": (with_flash_kwargs, with_cache, "a KV cache was built (use_cache=True): pass use_cache=False"),
+    # A 2-D all-ones mask handed to the model: the restarts are ignored too.
+    "mask": (with_ones_mask, without_cache, "attention_mask given"),
+    # No position_ids: positions run on across the samples.
+    "running": (without_positions, without_cache, "positions do not restart"),
+}
+
+
+def test_packing_judged_as_the_real_model_attends(tmp_path, tokenizer_cache):
+    for name, (packed, forward, cause) in PACKINGS.items():
+        assert kept_apart(tokenizer_cache, packed, forward) == (cause is None), name  # the ground truth
+        run_dir = recorded_loop(tmp_path / name, tokenizer_cache, batch=packed,
+                                loss=lambda model, inputs: forward(model, inputs).loss)
+        findings = of(audit(run_dir), "LOOP-16")
+        if cause is None:
+            assert findings == [], name
+            rows = connect(run_dir, read_only=True).execute(
+                "SELECT bos_starts, position_resets, varlen, attention_mask_kind, cache_built FROM batches").fetchall()
+            assert rows == [([4], [3], True, "none", False)]
+        else:
+            [finding] = findings
+            assert (finding["severity"], finding["step"]) == ("fail", 1), name
+            assert finding["evidence"]["rows"][0]["causes"] == [cause] and finding["evidence"]["rows"][0]["samples"] == 4
+            assert cause in finding["message"]
+
+
+def under_flash_attention(run_dir, copy_dir):
+    """The run's artifacts as if its model had used flash-attention 2 (not installable on this CPU box)."""
+    import json
+    import shutil
+
+    shutil.copytree(run_dir / "sftaudit", copy_dir / "sftaudit", ignore=shutil.ignore_patterns("audit.duckdb"))
+    manifest = copy_dir / "sftaudit" / "rank-0" / "manifest.jsonl"
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for r in records:
+        r["model"]["attn_implementation"] = "flash_attention_2"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return copy_dir
+
+
+def test_flash_attention_reads_restarts_despite_a_cache_or_an_unpadded_mask(tmp_path, tokenizer_cache):
+    # transformers' flash path: varlen from cu_seq_lens or position_ids whatever the cache; an all-ones
+    # 2-D mask is dropped (flash_attention_mask), a padded one unpads by the mask and crosses the samples.
+    for name, (packed, forward, _) in PACKINGS.items():
+        run_dir = recorded_loop(tmp_path / name, tokenizer_cache, batch=packed,
+                                loss=lambda model, inputs: forward(model, inputs).loss)
+        findings = of(audit(under_flash_attention(run_dir, tmp_path / f"flash-{name}")), "LOOP-16")
+        if name == "running":
+            assert [f["evidence"]["rows"][0]["causes"] for f in findings] == [["positions do not restart"]]
+        else:
+            assert findings == [], name
+
+
+def without_mask_and_cache_fields(run_dir, copy_dir):
+    """The run's artifacts as a shim that did not yet record the attention mask and the cache wrote them."""
+    import json
+    import shutil
+
+    shutil.copytree(run_dir / "sftaudit", copy_dir / "sftaudit", ignore=shutil.ignore_patterns("audit.duckdb"))
+    batches = copy_dir / "sftaudit" / "rank-0" / "batches.jsonl"
+    records = [json.loads(line) for line in batches.read_text().splitlines()]
+    batches.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("attention_mask_kind", "cache_built")}) + "\n"
+                               for r in records))
+    return copy_dir
+
+
+def test_runs_recorded_without_the_mask_and_cache_keep_the_older_rule(tmp_path, tokenizer_cache):
+    # Varlen keys count as boundaries; restarts under sdpa/eager do not.
+    restarts = recorded_loop(tmp_path / "restarts", tokenizer_cache, batch=with_flash_kwargs)
+    assert of(audit(without_mask_and_cache_fields(restarts, tmp_path / "old-restarts")), "LOOP-16") == []
+    mask = recorded_loop(tmp_path / "mask", tokenizer_cache, batch=with_ones_mask)
+    [finding] = of(audit(without_mask_and_cache_fields(mask, tmp_path / "old-mask")), "LOOP-16")
+    assert finding["step"] == 1 and finding["evidence"]["rows"][0]["causes"] == [
+        f"positions restart but {finding['evidence']['attn_implementation']} ignores them"]
+
+
+def test_trl_packing_raises_nothing(tmp_path, tokenizer_cache):
+    # TRL's SFTTrainer with packing=True: BFD-packed rows flattened padding-free, per-sample position_ids,
+    # no attention mask, and use_cache=False in its compute_loss: the samples are kept apart under sdpa.
+    from sftaudit.fixtures.train import train_hf
+
+    run_dir = train_hf(tmp_path / "trl-packing", steps=3, save_steps=100, trl=True, packing=True, batch_size=4,
+                       max_length=96, tokenizer_cache=tokenizer_cache)
+    assert of(audit(run_dir), "LOOP-16") == []
+    rows = connect(run_dir, read_only=True).execute(
+        "SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches").fetchall()
+    assert len(rows) == 3 and all(starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
+                                  for starts, resets, mask, cache in rows)
