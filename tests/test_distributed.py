@@ -10,7 +10,8 @@ from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.ingest import connect, ingest
 
-CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4, "zero2": 6, "zero3": 6}  # run -> steps
+CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4, "zero1": 6, "zero2": 6,
+         "zero3": 6}  # run -> steps
 PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
 
 
@@ -64,9 +65,9 @@ def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_r
         assert abs(norm / whole - 1) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_deepspeed_zero_pieces_reduce_to_deepspeeds_own_gradients(distributed_runs, name):
-    """ZeRO-2 fragments (read after engine.backward) and ZeRO-3 partitions (read inside the ZeRO
+    """ZeRO-1/2 fragments (read after engine.backward) and ZeRO-3 partitions (read inside the ZeRO
     optimizer's step, as the Trainer's callback does) reduce to the per-tensor norms of DeepSpeed's
     own whole gradients (`safe_get_full_grad`) at every step, and to the one-process reference at
     the steps before the trajectories part (the gradients agree through step 2, then differ from the

@@ -69,7 +69,8 @@ def test_outlying_finite_local_loss_is_pinned_to_its_rank(verdict_of):
     assert 9 < found[0]["evidence"]["ratio"] < 11
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp1_flat", "fsdp2", "trainer_ddp", "zero2", "zero3", "fsdp2_spike"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp1_flat", "fsdp2", "trainer_ddp", "zero1", "zero2", "zero3",
+                                  "fsdp2_spike"])
 def test_silent_on_clean_runs(verdict_of, name):
     """fsdp2_spike's x100 is in one gradient shard: its 12 steps of losses are a clean history
     long enough for the outlying-loss rule to judge steps 9-12."""
