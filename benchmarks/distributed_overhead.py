@@ -11,12 +11,11 @@ ranks at once. Rank 0 prints the ratio of mean step times (amortised) and of med
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
+from shim_overhead import alternating_blocks  # benchmarks/ is on the path when a script there runs
 
 from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.distributed import process_group, wrap
@@ -31,32 +30,10 @@ def measure(mode: str, profile: str, steps: int, block: int, warmup: int = 5) ->
     rows = load_dataset()
     rank = dist.get_rank()
     prepared = [collate(tok, rows[(8 * i + 4 * rank) % 232:][:4], max_length=256) for i in range(16)]
-    times = {"bare": [], "shim": []}
     with tempfile.TemporaryDirectory() as run_dir:
         rec = Recorder(run_dir, model, tok, profile=profile)
-        shim_step = 0
-        for i in range(-warmup, 2 * steps):
-            shimmed = i >= 0 and (i // block) % 2 == 1
-            batch = prepared[i % len(prepared)]
-            dist.barrier()  # both ranks start the step together: the slower rank sets the step time
-            start = time.perf_counter()
-            if shimmed:
-                shim_step += 1
-                rec.on_batch(shim_step, batch)
-            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-            loss.backward()
-            if shimmed:
-                rec.on_backward(shim_step, loss)
-            opt.step()
-            if shimmed:
-                rec.on_step_end(shim_step, lr=1e-4)
-            opt.zero_grad(set_to_none=True)
-            if i >= 0:
-                times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
-        rec.close()
-    bare, shim = times["bare"], times["shim"]
-    return {"bare_ms": 1000 * statistics.median(bare), "mean_overhead": statistics.fmean(shim) / statistics.fmean(bare) - 1,
-            "median_overhead": statistics.median(shim) / statistics.median(bare) - 1, "steps": len(shim)}
+        # Both ranks start each step together: the slower rank sets the step time.
+        return alternating_blocks(model, opt, rec, prepared, steps, block, warmup, before_step=dist.barrier)
 
 
 def main() -> None:

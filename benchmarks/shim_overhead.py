@@ -17,6 +17,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -34,32 +35,43 @@ def measure(size: str, profile: str, steps: int, block: int, batch_size: int, ma
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = batches(rows, batch_size, seed=0)
     prepared = [collate(tok, next(data)[0], max_length=max_length) for _ in range(16)]
-    times = {"bare": [], "shim": []}
-    probe_steps = []  # indices into times["shim"] of the steps where a probe ran
     with tempfile.TemporaryDirectory() as run_dir:
         rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())
-        shim_step = 0
-        for i in range(-warmup, 2 * steps):  # warmup steps (i < 0) settle allocators and caches, unmeasured
-            shimmed = i >= 0 and (i // block) % 2 == 1
-            batch = prepared[i % len(prepared)]
-            start = time.perf_counter()
-            if shimmed:
-                shim_step += 1
-                rec.on_batch(shim_step, batch)
-            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-            loss.backward()
-            if shimmed:
-                rec.on_backward(shim_step, loss)
-            opt.step()
-            if shimmed:
-                rec.on_step_end(shim_step, lr=1e-4)
-            opt.zero_grad(set_to_none=True)
-            if i >= 0:
-                times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
-            if shimmed and any(every and shim_step % every == 0 for every in (
-                    rec.schedule.probe_every, rec.schedule.generate_every, rec.schedule.eval_every)):
-                probe_steps.append(len(times["shim"]) - 1)
-        rec.close()
+        return alternating_blocks(model, opt, rec, prepared, steps, block, warmup)
+
+
+def alternating_blocks(model, opt, rec: Recorder, prepared: list[dict], steps: int, block: int, warmup: int,
+                       before_step: Callable[[], None] | None = None) -> dict:
+    """Train `block` steps bare, then `block` through `rec`, and so on (`steps` per arm, after
+    `warmup` unmeasured steps that settle allocators and caches); `before_step` runs before each
+    step's clock starts (distributed_overhead.py: a barrier, so the slower rank sets the step time).
+    The recorder's step numbers continue across its blocks, so its schedule fires as in a real run."""
+    times = {"bare": [], "shim": []}
+    probe_steps = []  # indices into times["shim"] of the steps where a probe ran
+    shim_step = 0
+    for i in range(-warmup, 2 * steps):
+        shimmed = i >= 0 and (i // block) % 2 == 1
+        batch = prepared[i % len(prepared)]
+        if before_step is not None:
+            before_step()
+        start = time.perf_counter()
+        if shimmed:
+            shim_step += 1
+            rec.on_batch(shim_step, batch)
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        loss.backward()
+        if shimmed:
+            rec.on_backward(shim_step, loss)
+        opt.step()
+        if shimmed:
+            rec.on_step_end(shim_step, lr=opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        if i >= 0:
+            times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
+        if shimmed and any(every and shim_step % every == 0 for every in (
+                rec.schedule.probe_every, rec.schedule.generate_every, rec.schedule.eval_every)):
+            probe_steps.append(len(times["shim"]) - 1)
+    rec.close()
     bare, shim = times["bare"], times["shim"]
     typical = statistics.median(shim)
     return {

@@ -7,7 +7,10 @@ through a forward hook. Gradients are read in ``on_pre_optimizer_step``, after t
 Trainer clipped them: the per-tensor norms stored are post-clip
 (``grad_norm_source = "post_clip"``), while the Trainer's pre-clip total reaches
 ``on_log`` as ``grad_norm`` and is stored as the metric ``grad_norm`` (log every
-step, ``logging_steps=1``, to have it for every step). A collator may add
+step, ``logging_steps=1``, to have it for every step). Under DeepSpeed, accelerate
+runs the optimizer step inside ``backward``: the gradients are read at the start of
+the ZeRO optimizer's step instead, pre-clip (not run here: accelerate selects
+DeepSpeed only with GPUs). A collator may add
 ``sample_ids`` to the batch: the pre-hook records and removes them before the
 model sees them (set ``remove_unused_columns=False`` so the ids reach the collator).
 """
@@ -20,6 +23,7 @@ from typing import Any, Sequence
 
 from transformers import TrainerCallback
 
+from .shim.pieces.deepspeed import read_before_step, zero_optimizer
 from .shim.recorder import Recorder
 
 
@@ -37,6 +41,7 @@ class SFTAuditCallback(TrainerCallback):
         self._state = None
         self._lr: float | None = None
         self._handles: list[Any] = []
+        self._reads_in_step = False
 
     # -- lifecycle
 
@@ -51,7 +56,14 @@ class SFTAuditCallback(TrainerCallback):
         options.setdefault("optimizer", kwargs.get("optimizer"))
         options.setdefault("scheduler", lr_scheduler)
         self._state = state
-        self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="post_clip", **options)
+        # Under DeepSpeed, accelerate runs the ZeRO step (and frees the gradients) inside backward,
+        # before on_pre_optimizer_step: they are read at the start of that step instead, pre-clip.
+        zero = zero_optimizer(kwargs.get("optimizer"))
+        self.recorder = Recorder(self.run_dir or args.output_dir, model,
+                                 grad_norm_source="pre_clip" if zero else "post_clip", **options)
+        if zero is not None:
+            read_before_step(zero, lambda: self.recorder.record_gradients(self._current_step()))
+        self._reads_in_step = zero is not None
         self._handles = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -93,7 +105,8 @@ class SFTAuditCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.recorder is not None:
             self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-            self.recorder.record_gradients(self._current_step())
+            if not self._reads_in_step:
+                self.recorder.record_gradients(self._current_step())
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         # Still before zero_grad: gradients exist for histograms at a suspicious step.

@@ -83,7 +83,8 @@ def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
 # Distributed runs (issue 14): every 2-rank scenario of sftaudit.fixtures.distributed in one torchrun
 # launch (a launch costs ~10 s of imports on 2 cores), each into DISTRIBUTED_ROOT/<name>.
 DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_ddp", "fsdp2_spike", "ddp_nan_loss",
-                         "ddp_same_samples", "fsdp2_stop", "ddp_perturb", "fsdp1_local_clip")
+                         "ddp_same_samples", "fsdp2_stop", "ddp_perturb", "fsdp1_local_clip", "zero1", "zero2",
+                         "zero3", "zero2_loss_x10")
 
 
 @pytest.fixture(scope="session")

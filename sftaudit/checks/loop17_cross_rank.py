@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .base import AuditContext, Check, Finding
+from .rolling import adaptive_window, previous_block_stats, robust_z
+
+# The inter-rank loss spread's sigma is the median over this many previous blocks (as LOOP-05's).
+SIGMA_BLOCKS = 4
 
 
 class CrossRankConsistency(Check):
@@ -18,8 +24,9 @@ class CrossRankConsistency(Check):
         IterableDataset); a framework total gradient norm (the Trainer's logged `grad_norm`, a
         loop's `clip_grad_norm_` return) that is not the whole model's (zoo Z30: FSDP clipped
         with the plain `clip_grad_norm_`, which sees each rank's shards only); a non-finite local
-        loss on some ranks while the others' is finite, pinned to its rank. Per-rank token counts
-        against the loss averaging (Z24) are LOOP-13's.
+        loss on some ranks while the others' is finite, pinned to its rank; a finite local loss on
+        one rank far outside the usual spread between the ranks (a bad batch or a bad device on that
+        rank), pinned to its rank. Per-rank token counts against the loss averaging (Z24) are LOOP-13's.
     Why it matters:
         After the all-reduce every rank sees the same NaN or the same corrupted gradient; only the
         per-rank records taken before it say which rank (device, data shard) it came from. A
@@ -34,28 +41,39 @@ class CrossRankConsistency(Check):
         trained; per step and rank, |logged total / reduced total - 1|, where under post-clip
         recording (the Trainer) the reduced total is compared with
         logged x min(1, max_grad_norm / (logged + 1e-6)); the first step with a non-finite loss.
+        Outlying local loss: per step, the spread s = max over ranks of |log loss_r - median over
+        ranks of log loss| (with two ranks a cross-section cannot say which rank is off, so s is
+        judged against the run's own history of it): z = (s - median) / max(sigma, `loss_spread_floor`),
+        median and sigma (1.4826 x MAD, the median over the previous 4 blocks) of s over the
+        previous block of `window` steps (default: run length / 16, at least 8); the rank named is
+        the one whose loss is furthest (ratio) from its own median over that block.
     Threshold:
         Any rank stopping before the last recorded step: fail at the first step it missed.
         Replicated gradients differing: fail at the first step (message says "not synchronised"
         when it is step 1 of the run). Fingerprints differing at a save: fail at that save's step.
         Shared sample ids at a step: fail at the first such step. Total gradient norm off by more
         than `total_norm_rtol` (1e-3): fail at the first step. Non-finite local loss on a strict
-        subset of the ranks: fail at that step, naming the ranks.
+        subset of the ranks: fail at that step, naming the ranks. Outlying local loss: z >=
+        `loss_sigma` (6) and the rank's loss >= `loss_min_ratio` (3) times, or <= 1/3 of, its own
+        median: warn at the first such step, naming the rank and the samples it trained there.
     Evidence:
         Steps recorded per rank; the tensors, ranks and values that differ; the shared sample ids
-        (up to `max_ids_listed`); logged and reduced totals; the losses of every rank at that step.
+        (up to `max_ids_listed`); logged and reduced totals; the losses of every rank at that step;
+        for an outlying loss, its rank's baseline, the ratio, z and the sample ids it trained.
     """
 
     code = "LOOP-17"
     name = "cross-rank consistency"
     needs = ("steps",)
-    defaults = {"total_norm_rtol": 1e-3, "max_ids_listed": 10, "max_tensors_listed": 20}
+    defaults = {"total_norm_rtol": 1e-3, "max_ids_listed": 10, "max_tensors_listed": 20,
+                "loss_sigma": 6.0, "loss_min_ratio": 3.0, "loss_spread_floor": float(np.log(1.05)), "window": None}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if (ctx.scalar("SELECT count(DISTINCT rank) FROM manifest") or 0) < 2:
             return []
         return (self._stopped_ranks(ctx) + self._replicated_gradients(ctx) + self._replica_weights(ctx)
-                + self._shared_samples(ctx) + self._framework_total(ctx) + self._local_loss(ctx))
+                + self._shared_samples(ctx) + self._framework_total(ctx) + self._local_loss(ctx)
+                + self._outlying_loss(ctx))
 
     def _stopped_ranks(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -206,4 +224,44 @@ class CrossRankConsistency(Check):
             f"ranks' stayed finite: inspect the batch rank {bad[0]} trained at step {step} and its device; the "
             f"all-reduce then spread the non-finite gradient to every rank",
             step=step, ranks=bad, losses=losses,
+        )]
+
+    def _outlying_loss(self, ctx: AuditContext) -> list[Finding]:
+        rows = ctx.con.execute("""
+            SELECT step, list(rank ORDER BY rank), list(loss ORDER BY rank) FROM steps GROUP BY step
+            HAVING count(loss) = (SELECT count(DISTINCT rank) FROM manifest) AND bool_and(isfinite(loss) AND loss > 0)
+            ORDER BY step""").fetchall()
+        window = self.params["window"] or adaptive_window(len(rows))
+        if len(rows) <= window:
+            return []  # no history to judge the spread against
+        steps = np.array([r[0] for r in rows])
+        ranks = rows[0][1]
+        y = np.log(np.array([r[2] for r in rows], dtype=float))  # steps x ranks; every rank at every step
+        spread = np.abs(y - np.median(y, axis=1, keepdims=True)).max(axis=1)
+        median, sigma = previous_block_stats(spread, window, SIGMA_BLOCKS)
+        z = robust_z(spread, median, sigma, self.params["loss_spread_floor"])
+        own_median, _ = previous_block_stats(y, window)
+        off = np.abs(y - own_median)  # log ratio of each rank's loss to its own running median
+        worst = np.nanargmax(np.where(np.isnan(off), -1.0, off), axis=1)
+        effect = off[np.arange(len(rows)), worst]
+        flagged = np.flatnonzero((z >= self.params["loss_sigma"]) & (effect >= np.log(self.params["loss_min_ratio"])))
+        if not flagged.size:
+            return []
+        i = flagged[0]
+        step, rank = int(steps[i]), ranks[worst[i]]
+        loss, baseline = float(np.exp(y[i, worst[i]])), float(np.exp(own_median[i, worst[i]]))
+        ids = ctx.scalar("SELECT flatten(list(sample_ids ORDER BY micro)) FROM batches WHERE rank = ? AND step = ?",
+                         [rank, step]) or []
+        others = ", ".join(f"rank {r}'s {np.exp(v):.4g}" for j, (r, v) in enumerate(zip(ranks, y[i])) if j != worst[i])
+        return [self.finding(
+            "warn",
+            f"the local loss of rank {rank} at step {step} was {loss:.4g}, {loss / baseline:.3g}x its own running "
+            f"median ({baseline:.4g}), against {others}: far outside the usual spread between the "
+            f"ranks (z = {z[i]:.0f}); inspect the batch rank {rank} trained at step {step}"
+            + (f" (samples {', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''})" if ids else "")
+            + f" and that rank's device",
+            step=step, rank=rank, loss=loss, baseline=baseline, ratio=loss / baseline, z=float(z[i]),
+            threshold=self.params["loss_sigma"], steps_affected=int(flagged.size),
+            losses=[{"rank": r, "loss": float(np.exp(v))} for r, v in zip(ranks, y[i])],
+            sample_ids=ids[: self.params["max_ids_listed"]],
         )]

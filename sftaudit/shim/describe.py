@@ -18,10 +18,11 @@ WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module",
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DistributedDataParallel / DataParallel (also as accelerate prepares it) and
-    torch.compile: the module whose state dict the checkpoints hold."""
+    """The model inside DistributedDataParallel / DataParallel (also as accelerate prepares it), a
+    DeepSpeed engine and torch.compile: the module whose state dict the checkpoints hold."""
     while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) \
+                or type(model).__name__ == "DeepSpeedEngine":
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
             model = model._orig_mod

@@ -46,10 +46,10 @@ def whole(kind: str, numel: int, replica: int) -> dict[str, Any]:
 
 
 def local_pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces:
-    """The `Pieces` of the framework that wraps `model` (FSDP2, FSDP1, else plain/DDP)."""
-    from . import fsdp1, fsdp2, plain
+    """The `Pieces` of the framework that wraps `model` (FSDP2, FSDP1, DeepSpeed ZeRO, else plain/DDP)."""
+    from . import deepspeed, fsdp1, fsdp2, plain
 
-    for framework in (fsdp2, fsdp1):
+    for framework in (fsdp2, fsdp1, deepspeed):
         pieces = framework.pieces(model, rank, world_size)
         if pieces is not None:
             return pieces
