@@ -3,6 +3,8 @@ imported from what they left on disk, audited at the resolution their logs allow
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -118,24 +120,76 @@ def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path):
         con.close()
 
 
-def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(clean_trl_run, tmp_path, capsys):
-    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
-    then run at checkpoint granularity, on post-hoc probes."""
-    from sftaudit.fixtures import load_eval_set
+def _leaked(row: dict) -> dict:
+    """An eval item drawn from a training row: its first question, its first answer as the reference."""
+    return {"id": f"leak-{row['id']}", "messages": row["messages"][:1], "reference": row["messages"][1]["content"]}
 
-    run = tmp_path / "run"
+
+@pytest.fixture(scope="module")
+def probed_run(clean_trl_run, tmp_path_factory):
+    """The clean TRL run probed after the fact, on two prompts and an eval set of two held-out items and two
+    drawn from the training data; `sftaudit probe` run twice (resumable). Returns (run, eval items, outputs)."""
+    from sftaudit.fixtures import load_dataset, load_eval_set
+
+    tmp = tmp_path_factory.mktemp("probed")
+    run = tmp / "run"
     shutil.copytree(clean_trl_run, run, ignore=shutil.ignore_patterns("sftaudit"))
-    prompts, evals = tmp_path / "prompts.txt", tmp_path / "eval.jsonl"
+    prompts, evals = tmp / "prompts.txt", tmp / "eval.jsonl"
     prompts.write_text("What is the capital of France?\n请介绍一下长城。\n", encoding="utf-8")
-    evals.write_text("".join(json.dumps(item) + "\n" for item in load_eval_set()[:2]), encoding="utf-8")
+    items = load_eval_set()[:2] + [_leaked(r) for r in load_dataset()[3:5]]
+    evals.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
     probe = ["probe", str(run), "--prompts", str(prompts), "--eval", str(evals), "--max-new-tokens", "4",
              "--samples", "2", "--quiet"]
-    assert main(probe) == 0
-    assert "2 checkpoint(s) probed" in capsys.readouterr().out
-    assert main(probe) == 0 and "0 checkpoint(s) probed" in capsys.readouterr().out  # resumable
+    printed = []
+    for _ in range(2):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(probe) == 0
+        printed.append(out.getvalue())
+    return run, items, printed
+
+
+def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(probed_run, tmp_path):
+    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
+    then run at checkpoint granularity, on post-hoc probes."""
+    run, _, printed = probed_run
+    assert "2 checkpoint(s) probed" in printed[0]
+    assert "0 checkpoint(s) probed" in printed[1]  # resumable
     probes = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "probes.jsonl").read_text().splitlines()]
     assert sorted({p["step"] for p in probes}) == [4, 8] and len(probes) == 4
+    # Without the training data the leak cannot be seen: the eval set alone does not show it.
     assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
     checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
     for code in ("LOOP-06", "LOOP-07", "LOOP-08"):
         assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]
+    assert checks["LOOP-04"]["status"] == "not_run"
+
+
+def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run, tmp_path, capsys):
+    """`--data`: the training rows rendered with the run's saved tokenizer (the preflight path); LOOP-08 finds
+    the probed eval items among them, naming both ids, at dataset level (the run's row order is not on disk)."""
+    from sftaudit.fixtures import load_dataset
+
+    run, items, _ = probed_run
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in load_dataset()), encoding="utf-8")
+    assert main(["audit", str(run), "--data", str(data), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    leak = [f for f in verdict["findings"] if f["code"] == "LOOP-08"]
+    assert len(leak) == 1 and leak[0]["severity"] == "fail", verdict["findings"]
+    assert {x["eval_id"] for x in leak[0]["evidence"]["leaked"]} == {"leak-s0003", "leak-s0004"}
+    assert {"s0003", "s0004"} <= set(leak[0]["evidence"]["sample_ids"])
+    assert leak[0]["step"] is None and leak[0]["evidence"]["resolution"]["kind"] == "dataset"
+    assert "2 of 4 eval items (50%) also appear in the training data" in leak[0]["message"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    for code in ("LOOP-03", "LOOP-04", "LOOP-12"):
+        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["dataset (preflight path)"], checks[code]
+    for code in ("LOOP-13", "LOOP-16"):  # they judge what only the run's own batches carry
+        assert checks[code]["status"] == "not_run" and "--data" in checks[code]["reason"], checks[code]
+    assert verdict["check_errors"] == []
+    # Only the leak: the clean data renders, pads and masks cleanly.
+    assert {f["code"] for f in verdict["findings"] if f["severity"] != "info"} == {"LOOP-08"}, verdict["findings"]
+    # The dataset stays with the import: a later audit without --data still sees it.
+    capsys.readouterr()
+    assert main(["audit", str(run), "--out", str(tmp_path / "again"), "--no-report"]) == 1
+    assert "LOOP-08 fail run" in capsys.readouterr().out

@@ -1,0 +1,73 @@
+"""LLaMA-Factory's ``trainer_log.jsonl``: its training log, which survives what ``trainer_state.json`` loses.
+
+LLaMA-Factory's ``LogCallback.on_log`` (``src/llamafactory/train/callbacks.py``) appends one JSON
+object per Trainer log to ``output_dir/trainer_log.jsonl``: ``current_steps`` (the global step),
+``total_steps``, ``loss``, ``eval_loss``, ``predict_loss``, ``reward``, ``accuracy``, ``lr``,
+``epoch``, ``percentage``, ``elapsed_time``, ``remaining_time``, then ``throughput`` and
+``total_tokens`` when tokens are counted; keys whose value is None are dropped. It has no
+``grad_norm``. The file is opened in append mode and deleted at start only with
+``overwrite_output_dir``, so a resumed run appends: ``current_steps`` going back marks a restart,
+and the lines before it from that step on are the branch the resume abandoned (which the resumed
+``trainer_state.json`` no longer holds).
+
+Here each restart's lines become a log history in ``trainer_state.json``'s key names, as the
+Trainer would have held it at that point (the earlier lines up to the restart, then its own).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TRAINER_LOG = "trainer_log.jsonl"
+LOG_SOURCE = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
+# trainer_log.jsonl key -> the Trainer's log_history key
+KEYS = {"loss": "loss", "eval_loss": "eval_loss", "predict_loss": "predict_loss", "reward": "reward",
+        "accuracy": "rewards/accuracies", "lr": "learning_rate", "epoch": "epoch", "total_tokens": "num_input_tokens_seen",
+        "throughput": "throughput"}
+
+
+def log_segments(run_dir: Path) -> list[list[dict[str, Any]]]:
+    """The file's lines as log-history entries, split where ``current_steps`` goes back (a restart);
+    [] when there is no file. A line that is not JSON (a write cut short) is skipped."""
+    try:
+        lines = (run_dir / TRAINER_LOG).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    segments: list[list[dict[str, Any]]] = [[]]
+    last = None
+    for line in lines:
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            continue
+        step = raw.get("current_steps") if isinstance(raw, dict) else None
+        if not isinstance(step, int) or not any(k in raw for k in KEYS if k not in ("epoch", "lr")):
+            continue  # a prediction-progress line, or no training/eval number in it
+        if last is not None and step < last:
+            segments.append([])
+        last = step
+        segments[-1].append({"step": step} | {KEYS[k]: v for k, v in raw.items() if k in KEYS})
+    return [s for s in segments if s]
+
+
+def log_histories(segments: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Per restart, the log history the Trainer held after it: earlier lines before its first step, then its own."""
+    out = []
+    for i, seg in enumerate(segments):
+        start = seg[0]["step"]
+        earlier = [e for s in segments[:i] for e in s if e["step"] < start]
+        # Of the earlier restarts' lines, only the newest for each step: each restart overwrote what followed it.
+        kept = {}
+        for e in earlier:
+            kept[(e["step"], tuple(sorted(e)))] = e
+        out.append(sorted(kept.values(), key=lambda e: e["step"]) + seg)
+    return out
+
+
+def logging_interval(history: list[dict[str, Any]]) -> int | None:
+    """``logging_steps`` as the log shows it (the smallest gap between training logs)."""
+    steps = sorted({e["step"] for e in history if "loss" in e})
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    return min(gaps) if gaps else None
