@@ -193,3 +193,55 @@ def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run,
     capsys.readouterr()
     assert main(["audit", str(run), "--out", str(tmp_path / "again"), "--no-report"]) == 1
     assert "LOOP-08 fail run" in capsys.readouterr().out
+
+
+def test_llamafactory_trainer_log_alone_is_imported_with_its_abandoned_branch(tmp_path, capsys):
+    """A LLaMA-Factory output with only trainer_log.jsonl (a committed file in LogCallback's format): the
+    restart is where current_steps goes back, the lines it abandoned are kept aside, the spike found."""
+    from pathlib import Path
+
+    from sftaudit.ingest import connect, ingest
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "llamafactory-resumed", run)
+    done = import_run(run)
+    assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
+    assert done["abandoned_steps"] == list(range(41, 48))
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
+        assert con.execute("SELECT count(*) FROM steps").fetchone() == (60,)
+        assert con.execute("SELECT value FROM metrics WHERE name = 'eval_loss' ORDER BY step").fetchall() == [(1.5123,), (1.3987,)]
+    finally:
+        con.close()
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
+    assert spike and spike[0]["step"] == 52 and spike[0]["evidence"]["resolution"]["kind"] == "exact step", spike
+    # The folder holds the log alone: the checkpoint the run resumed from is not there to resume exactly from.
+    resume = next(f for f in verdict["findings"] if f["code"] == "LOOP-11")
+    assert resume["step"] == 41 and "no checkpoint at step 40" in resume["message"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-10"]["sources"] == ["imported logs: trainer_log.jsonl (LLaMA-Factory)"]
+    assert checks["LOOP-05"]["status"] == "not_run" and "no grad_norm" in checks["LOOP-05"]["reason"]
+    assert verdict["check_errors"] == []
+
+
+def test_llamafactory_trainer_log_adds_what_the_trainer_states_lost(window_run, tmp_path):
+    """Next to trainer_state.json, the log adds the lines of a branch a resume abandoned (the resumed state
+    reloaded its history from the checkpoint) and the lines logged after the last saved state."""
+    run = tmp_path / "run"
+    shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    lines = [{"current_steps": 5, "total_steps": 20, "loss": 7.1, "lr": 3e-3, "epoch": 0.1},
+             {"current_steps": 10, "total_steps": 20, "loss": 9.5, "lr": 2e-3, "epoch": 0.2},  # abandoned by the restart
+             {"current_steps": 10, "total_steps": 20, "loss": 6.9, "lr": 2e-3, "epoch": 0.2},
+             {"current_steps": 15, "total_steps": 20, "loss": 6.8, "lr": 1e-3, "epoch": 0.3},
+             {"current_steps": 20, "total_steps": 20, "loss": 6.7, "lr": 5e-4, "epoch": 0.4}]  # after the last save
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    done = import_run(run)
+    assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
+    assert done["steps"] == 5  # 5, 10, 15 from the states, 20 from the log, and the abandoned 10
+    steps = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["seg"], s["step"], s["loss"]) for s in steps if s["step"] in (10, 20)][0] == (0, 10, 9.5)
+    assert steps[-1]["step"] == 20 and steps[-1]["grad_norm"] is None

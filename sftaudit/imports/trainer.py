@@ -29,7 +29,7 @@ from typing import Any
 from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
 from .dataset import DATASET_KINDS, DATASET_SOURCE, DATASET_UNJUDGED, dataset_description, dataset_records, failure_events
-from .llamafactory import LOG_SOURCE, TRAINER_LOG, log_histories, log_segments, logging_interval
+from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_histories, log_segments, logging_interval
 
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
@@ -302,7 +302,7 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
         "profile": "imported", "imported": True, "source": source, "granularity": granularity,
         "sources": SOURCES | {"steps": source, "metrics": source} | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
-        "unjudged": DATASET_UNJUDGED if dataset else {},
+        "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
         "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
         "model": model, "params": _params(checkpoints), "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
         "config": {"max_steps": newest["max_steps"],
