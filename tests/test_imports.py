@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import shutil
 
 import pytest
@@ -245,3 +246,48 @@ def test_llamafactory_trainer_log_adds_what_the_trainer_states_lost(window_run, 
     steps = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text().splitlines()]
     assert [(s["seg"], s["step"], s["loss"]) for s in steps if s["step"] in (10, 20)][0] == (0, 10, 9.5)
     assert steps[-1]["step"] == 20 and steps[-1]["grad_norm"] is None
+
+
+def _loss(step: int, branch: int) -> float:
+    """A smoothly falling loss with a little deterministic noise (a branch's own)."""
+    return 2.2 * math.exp(-step / 40) + 0.9 + 0.015 * math.sin(step * 2.7 + branch)
+
+
+def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tmp_path):
+    """The Trainer's own TensorBoardCallback writes two starts of a run (crashed at step 47, resumed from
+    checkpoint-40); the import reads them with tensorboard's loader and keeps the abandoned steps 41-47."""
+    pytest.importorskip("tensorboard")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import TensorBoardCallback
+
+    from sftaudit.ingest import connect, ingest
+
+    run = tmp_path / "run"
+    args = TrainingArguments(output_dir=str(run), report_to=["tensorboard"], use_cpu=True)
+    for branch, steps in enumerate((range(1, 48), range(41, 61))):
+        callback, state = TensorBoardCallback(), TrainerState()
+        callback.on_train_begin(args, state, TrainerControl())
+        for step in steps:
+            state.global_step = step
+            loss = _loss(step, branch) * (3.0 if branch and step == 52 else 1.0)  # the resumed branch spikes at 52
+            callback.on_log(args, state, TrainerControl(), logs={"loss": loss, "grad_norm": 1.0 + 0.01 * (step % 3),
+                                                                 "learning_rate": 5e-5 * (1 - (step - 1) / 60), "epoch": step / 120})
+        callback.on_train_end(args, state, TrainerControl())
+    done = import_run(run)
+    assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
+    assert done["abandoned_steps"] == list(range(41, 48))
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
+        loss_41 = con.execute("SELECT loss FROM steps WHERE step = 41").fetchone()[0]
+        assert loss_41 == pytest.approx(_loss(41, 1), rel=1e-6)  # float32, as the callback stored it
+    finally:
+        con.close()
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
+    assert spike and spike[0]["step"] == 52, verdict["findings"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-05"]["sources"] == ["imported logs: TensorBoard event files"]
+    assert verdict["check_errors"] == []

@@ -7,12 +7,10 @@ object per Trainer log to ``output_dir/trainer_log.jsonl``: ``current_steps`` (t
 ``total_tokens`` when tokens are counted; keys whose value is None are dropped. It has no
 ``grad_norm``. The file is opened in append mode and deleted at start only with
 ``overwrite_output_dir``, so a resumed run appends: ``current_steps`` going back (or a training
-log repeating its step) marks a restart,
-and the lines before it from that step on are the branch the resume abandoned (which the resumed
-``trainer_state.json`` no longer holds).
+log repeating its step) marks a restart, and the lines before it from that step on are the branch
+the resume abandoned (which the resumed ``trainer_state.json`` no longer holds).
 
-Here each restart's lines become a log history in ``trainer_state.json``'s key names, as the
-Trainer would have held it at that point (the earlier lines up to the restart, then its own).
+Here each restart's lines become log-history entries in ``trainer_state.json``'s key names.
 """
 
 from __future__ import annotations
@@ -57,24 +55,3 @@ def log_segments(run_dir: Path) -> list[list[dict[str, Any]]]:
         last_loss = step if "loss" in raw else last_loss
         segments[-1].append({"step": step} | {KEYS[k]: v for k, v in raw.items() if k in KEYS})
     return [s for s in segments if s]
-
-
-def log_histories(segments: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """Per restart, the log history the Trainer held after it: earlier lines before its first step, then its own."""
-    out = []
-    for i, seg in enumerate(segments):
-        start = seg[0]["step"]
-        earlier = [e for s in segments[:i] for e in s if e["step"] < start]
-        # Of the earlier restarts' lines, only the newest for each step: each restart overwrote what followed it.
-        kept = {}
-        for e in earlier:
-            kept[(e["step"], tuple(sorted(e)))] = e
-        out.append(sorted(kept.values(), key=lambda e: e["step"]) + seg)
-    return out
-
-
-def logging_interval(history: list[dict[str, Any]]) -> int | None:
-    """``logging_steps`` as the log shows it (the smallest gap between training logs)."""
-    steps = sorted({e["step"] for e in history if "loss" in e})
-    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
-    return min(gaps) if gaps else None

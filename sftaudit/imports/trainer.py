@@ -29,7 +29,9 @@ from typing import Any
 from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
 from .dataset import DATASET_KINDS, DATASET_SOURCE, DATASET_UNJUDGED, dataset_description, dataset_records, failure_events
-from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_histories, log_segments, logging_interval
+from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments
+from .logs import log_histories, logging_interval
+from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
@@ -55,7 +57,8 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
 
 def is_trainer_output(run_dir: str | Path) -> bool:
     run_dir = Path(run_dir)
-    return (run_dir / TRAINER_STATE).is_file() or (run_dir / TRAINER_LOG).is_file() or bool(checkpoint_dirs(run_dir))
+    return ((run_dir / TRAINER_STATE).is_file() or (run_dir / TRAINER_LOG).is_file() or bool(checkpoint_dirs(run_dir))
+            or bool(event_files(run_dir)))
 
 
 def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
@@ -89,17 +92,23 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
     if not is_trainer_output(run_dir):
-        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG} or checkpoint-*/ folder)")
+        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
+                         "TensorBoard event file or checkpoint-*/ folder)")
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
     checkpoints = checkpoint_dirs(run_dir)
     states = _states(run_dir, checkpoints)
-    segments = log_segments(run_dir)
-    source = LOGS_SOURCE if states else LOG_SOURCE
+    # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
+    segments, log_source = log_segments(run_dir), LOG_SOURCE
+    if not segments:
+        segments, log_source = event_segments(run_dir), EVENTS_SOURCE
+    source = LOGS_SOURCE if states else log_source
     if not states:  # LLaMA-Factory's log alone: each restart's history stands in for a trainer_state.json
         states = [_log_state(run_dir, i, history) for i, history in enumerate(log_histories(segments))]
     if not states:
-        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)")
+        hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
+        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)"
+                         + hint)
     # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
     # a checkpoint of the abandoned branch may hold a higher step).
     newest = max(states, key=lambda s: (s["mtime"], s["global_step"], s["top_level"]))
@@ -132,8 +141,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
-    segments = [0] + ([1] if resumed_at is not None else [])
-    for seg in segments:
+    for seg in [0] + ([1] if resumed_at is not None else []):
         records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source))
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
@@ -165,16 +173,16 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
 
 
 def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """A restart's history from trainer_log.jsonl, shaped as `_states` shapes a trainer_state.json."""
-    return {"folder": run_dir / TRAINER_LOG, "top_level": True, "history": history, "mtime": index,
+    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json."""
+    return {"folder": run_dir / f"log-{index}", "top_level": True, "history": history, "mtime": index,
             "global_step": max(e["step"] for e in history), "max_steps": None, "logging_steps": logging_interval(history),
             "save_steps": None, "eval_steps": None, "train_batch_size": None, "num_train_epochs": None, "abandoned": False}
 
 
 def _with_log(timeline, abandoned, resumed_at, segments):
-    """What LLaMA-Factory's log adds to the trainer states: the lines a restart abandoned that no saved
+    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned that no saved
     state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
-    the last saved state (a crash before the next save). Those lines have no grad_norm."""
+    the last saved state (a crash before the next save)."""
     known = {e["step"] for e in abandoned}
     for seg, after in zip(segments, segments[1:]):
         restart = after[0]["step"]
