@@ -17,11 +17,13 @@ from .verdict import build_verdict
 
 
 def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
-    """Every registered, enabled check that has the evidence it needs; a check that crashes is reported, not fatal."""
+    """Every registered, enabled check, but those the manifest says cannot judge what was recorded (an
+    imported run's `unjudged`); a check that crashes is reported, not fatal. A check whose `needs` are
+    missing still runs: LOOP-08 judges eval-set contamination from the samples without eval predictions."""
     findings, errors = [], []
-    recorded = recorded_evidence(ctx.con, ctx.manifest)
+    unjudged = ctx.manifest.get("unjudged") or {}
     for check_cls in registered_checks():
-        if check_cls.code in config.disabled or cannot_run(check_cls, recorded, ctx.manifest):
+        if check_cls.code in config.disabled or check_cls.code in unjudged:
             continue
         try:
             check = check_cls(**config.check_options.get(check_cls.code, {}))

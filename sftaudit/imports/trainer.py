@@ -103,7 +103,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     if not segments:
         segments, log_source = event_segments(run_dir), EVENTS_SOURCE
     source = LOGS_SOURCE if states else log_source
-    if not states:  # LLaMA-Factory's log alone: each restart's history stands in for a trainer_state.json
+    if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
         states = [_log_state(run_dir, i, history) for i, history in enumerate(log_histories(segments))]
     if not states:
         hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
@@ -180,8 +180,8 @@ def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]]) -> dict
 
 
 def _with_log(timeline, abandoned, resumed_at, segments):
-    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned that no saved
-    state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
+    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned
+    that no saved state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
     the last saved state (a crash before the next save)."""
     known = {e["step"] for e in abandoned}
     for seg, after in zip(segments, segments[1:]):
