@@ -17,10 +17,13 @@ from .verdict import build_verdict
 
 
 def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
-    """Every registered, enabled check; a check that crashes is reported, not fatal."""
+    """Every registered, enabled check, but those the manifest says cannot judge what was recorded (an
+    imported run's `unjudged`); a check that crashes is reported, not fatal. A check whose `needs` are
+    missing still runs: LOOP-08 judges eval-set contamination from the samples without eval predictions."""
     findings, errors = [], []
+    unjudged = ctx.manifest.get("unjudged") or {}
     for check_cls in registered_checks():
-        if check_cls.code in config.disabled:
+        if check_cls.code in config.disabled or check_cls.code in unjudged:
             continue
         try:
             check = check_cls(**config.check_options.get(check_cls.code, {}))
@@ -83,32 +86,48 @@ COMPONENT_TABLES = {"steps": "steps", "gradients": "grad_norms", "batches": "bat
                     "metrics": "metrics"}
 
 
-def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
-                   evidence: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
-    judges more finely with was not recorded), "not_run"
-    (evidence it needs was not recorded), "disabled" (by config) or "error"; with the reason and
-    the evidence it ran on."""
+def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
+    """Per kind of evidence (`EVIDENCE`): whether the run has any."""
     tokenizer = manifest.get("tokenizer") or {}
     recorded = {"tokenizer": bool(tokenizer), "chat_template": bool(tokenizer.get("chat_template"))}
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for table in set(EVIDENCE) - set(recorded):
         recorded[table] = table in tables and bool(first_row(con, f'SELECT count(*) FROM "{table}"')[0])
+    return recorded
+
+
+def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
+    """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
+    manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
+    missing = [t for t in check.needs if not recorded[t]]
+    if missing:
+        return "not recorded: " + ", ".join(EVIDENCE[t] for t in missing)
+    return (manifest.get("unjudged") or {}).get(check.code)
+
+
+def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
+                   evidence: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
+    judges more finely with was not recorded), "not_run"
+    (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
+    "error"; with the reason and
+    the evidence it ran on."""
+    recorded = recorded_evidence(con, manifest)
     stopped = {COMPONENT_TABLES.get(o["component"]): o for o in (evidence or {}).get("components_off", [])}
     errors = {e["code"]: e["error"] for e in check_errors}
     source = "dataset (preflight)" if manifest.get("profile") == "preflight" else manifest.get("source", "shim")
     sources = manifest.get("sources") or {}  # an imported run: where each kind of evidence came from
     out = []
     for check in registered_checks():
-        missing = [t for t in check.needs if not recorded[t]]
+        unjudged = cannot_run(check, recorded, manifest)
         cut = [stopped[t] for t in check.needs + check.uses if t in stopped]
         lacking = [t for t in check.uses if not recorded[t]]
         if check.code in config.disabled:
             status, reason = "disabled", "switched off in the audit config"
         elif check.code in errors:
             status, reason = "error", errors[check.code]
-        elif missing:
-            status, reason = "not_run", "not recorded: " + ", ".join(EVIDENCE[t] for t in missing)
+        elif unjudged:
+            status, reason = "not_run", unjudged
         elif cut:
             status = "partial"
             reason = "; ".join(f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}"

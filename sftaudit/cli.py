@@ -16,6 +16,8 @@ from .errors import InputError
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
 DEFAULT_REPORTS = Path("reports")
+DATA_HELP = ("a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
+             "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import", help="write artifacts for a Trainer/TRL output_dir trained without the shim "
                                       "(audit, replay and gate import such a folder themselves)")
     s.add_argument("run_dir", type=Path)
+    s.add_argument("--data", type=Path, help=DATA_HELP)
 
     s = sub.add_parser("probe", help="run each surviving checkpoint of a run on probe prompts and an eval set "
                                      "(needs torch), so LOOP-06/07/08 run at checkpoint granularity")
@@ -46,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("audit", help="ingest, run the checks, write verdict.json and report.html")
     s.add_argument("run_dir", type=Path)
+    s.add_argument("--data", type=Path, help=DATA_HELP)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
@@ -70,11 +74,13 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("replay", help="a failed run's first anomalous step, findings, batches and how to resume")
     s.add_argument("run_dir", type=Path)
+    s.add_argument("--data", type=Path, help=DATA_HELP)
     s.add_argument("--json", action="store_true", help="print the replay as JSON")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and the rollback margin")
 
     s = sub.add_parser("gate", help="exit 0 if a checkpoint passes, 1 if it fails, 2 if it cannot be judged")
     s.add_argument("run_dir", type=Path)
+    s.add_argument("--data", type=Path, help=DATA_HELP)
     s.add_argument("--checkpoint", required=True, help="checkpoint name, step or path")
     s.add_argument("--policy", type=Path, help="TOML file: which severities and codes block")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
@@ -105,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 def _import(args: argparse.Namespace) -> int:
     from .imports import import_run
 
-    done = import_run(args.run_dir)
+    done = import_run(args.run_dir, args.data, progress=True)
     resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
     print(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
           f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
+          + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
           + ("" if done["tokenizer"] else "; no saved tokenizer"))
     return EXIT_PASS
 
@@ -146,11 +153,11 @@ def _read(path: Path) -> str:
         raise InputError(f"{path}: {exc.strerror or exc}") from None
 
 
-def _prepare(run_dir: Path) -> None:
+def _prepare(args: argparse.Namespace) -> None:
     """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
     from .imports import ensure_artifacts
 
-    ensure_artifacts(run_dir)
+    ensure_artifacts(args.run_dir, args.data)
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -172,7 +179,7 @@ def _audit(args: argparse.Namespace) -> int:
     from .config import AuditConfig
 
     config = AuditConfig.load(args.config)
-    _prepare(args.run_dir)
+    _prepare(args)
     verdict = audit(args.run_dir, config)
     out = _out_dir(args, verdict["run"])
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +226,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .replay import replay, to_json, to_text
 
     config = AuditConfig.load(args.config)
-    _prepare(args.run_dir)
+    _prepare(args)
     doc = replay(args.run_dir, config)
     print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
     return _exit_code(doc["verdict"], config.strict)
@@ -230,7 +237,7 @@ def _gate(args: argparse.Namespace) -> int:
     from .gate import Policy, gate
 
     config = AuditConfig.load(args.config)
-    _prepare(args.run_dir)
+    _prepare(args)
     result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:

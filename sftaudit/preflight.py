@@ -98,28 +98,9 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
         raise InputError(f"{tokenizer_dir}: the tokenizer has no chat template (pass --template FILE)")
     if batch_size < 1:
         raise InputError("--batch-size must be at least 1")
-    max_length = max_length or (tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else None)
     rows = load_rows(data)
-    ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
-    bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
-
-    renderer = Renderer(source, tokenizer_specials(tokenizer))
-    # The standard collator's tokenization runs on a worker thread, a chunk of renders at a time, while
-    # the next chunk renders (the tokenizer's Rust backend releases the GIL): both cores work.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        def encode(texts):
-            return pool.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
-
-        rendered, failures, encoding_chunks = _render(rows, ids, renderer, bar, None if collator else encode)
-        encodings = [e for chunk in encoding_chunks for e in chunk.result()]
-    keep = [i for i in range(len(rows)) if i in rendered]
-    if collator:
-        batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
-    else:
-        # Without `{% generation %}` markers the assistant spans come from the template's layout.
-        layout = None if renderer.tracks_generation else run_layout(tokenizer)
-        batches = _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max_length, layout)
-    bar.close()
+    ids, rendered, failures, batches, max_length = dataset_batches(tokenizer, rows, collator=collator, batch_size=batch_size,
+                                                                   max_length=max_length, progress=progress)
 
     out = Path(out)
     root = artifact_root(out)
@@ -147,6 +128,35 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
         return judge(con, out, config)
     finally:
         con.close()
+
+
+def dataset_batches(tokenizer, rows: list[dict], *, collator: str | None = None, batch_size: int = 8,
+                    max_length: int | None = None, progress: bool = True):
+    """Every row rendered with the tokenizer's chat template, tokenized and collated (by `collator`, or the
+    standard completion-only one): (sample ids, renders, render failures, batches, max_length used).
+    Also the dataset path of an imported run (`sftaudit import --data`)."""
+    max_length = max_length or (tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else None)
+    ids = [str(row.get("id", f"row-{i}")) for i, row in enumerate(rows)]
+    bar = _progress(len(rows) * (2 if collator else 1), progress)  # rendering, then the given collator
+
+    renderer = Renderer(tokenizer.chat_template, tokenizer_specials(tokenizer))
+    # The standard collator's tokenization runs on a worker thread, a chunk of renders at a time, while
+    # the next chunk renders (the tokenizer's Rust backend releases the GIL): both cores work.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def encode(texts):
+            return pool.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
+
+        rendered, failures, encoding_chunks = _render(rows, ids, renderer, bar, None if collator else encode)
+        encodings = [e for chunk in encoding_chunks for e in chunk.result()]
+    keep = [i for i in range(len(rows)) if i in rendered]
+    if collator:
+        batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
+    else:
+        # Without `{% generation %}` markers the assistant spans come from the template's layout.
+        layout = None if renderer.tracks_generation else run_layout(tokenizer)
+        batches = _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max_length, layout)
+    bar.close()
+    return ids, rendered, failures, batches, max_length
 
 
 def _layout_or_none(tokenizer):

@@ -3,7 +3,10 @@ imported from what they left on disk, audited at the resolution their logs allow
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import shutil
 
 import pytest
@@ -118,24 +121,173 @@ def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path):
         con.close()
 
 
-def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(clean_trl_run, tmp_path, capsys):
-    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
-    then run at checkpoint granularity, on post-hoc probes."""
-    from sftaudit.fixtures import load_eval_set
+def _leaked(row: dict) -> dict:
+    """An eval item drawn from a training row: its first question, its first answer as the reference."""
+    return {"id": f"leak-{row['id']}", "messages": row["messages"][:1], "reference": row["messages"][1]["content"]}
 
-    run = tmp_path / "run"
+
+@pytest.fixture(scope="module")
+def probed_run(clean_trl_run, tmp_path_factory):
+    """The clean TRL run probed after the fact, on two prompts and an eval set of two held-out items and two
+    drawn from the training data; `sftaudit probe` run twice (resumable). Returns (run, eval items, outputs)."""
+    from sftaudit.fixtures import load_dataset, load_eval_set
+
+    tmp = tmp_path_factory.mktemp("probed")
+    run = tmp / "run"
     shutil.copytree(clean_trl_run, run, ignore=shutil.ignore_patterns("sftaudit"))
-    prompts, evals = tmp_path / "prompts.txt", tmp_path / "eval.jsonl"
+    prompts, evals = tmp / "prompts.txt", tmp / "eval.jsonl"
     prompts.write_text("What is the capital of France?\n请介绍一下长城。\n", encoding="utf-8")
-    evals.write_text("".join(json.dumps(item) + "\n" for item in load_eval_set()[:2]), encoding="utf-8")
+    items = load_eval_set()[:2] + [_leaked(r) for r in load_dataset()[3:5]]
+    evals.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
     probe = ["probe", str(run), "--prompts", str(prompts), "--eval", str(evals), "--max-new-tokens", "4",
              "--samples", "2", "--quiet"]
-    assert main(probe) == 0
-    assert "2 checkpoint(s) probed" in capsys.readouterr().out
-    assert main(probe) == 0 and "0 checkpoint(s) probed" in capsys.readouterr().out  # resumable
+    printed = []
+    for _ in range(2):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(probe) == 0
+        printed.append(out.getvalue())
+    return run, items, printed
+
+
+def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(probed_run, tmp_path):
+    """`sftaudit probe`: the shim's probe code on each surviving checkpoint, resumable; LOOP-06/07/08
+    then run at checkpoint granularity, on post-hoc probes."""
+    run, _, printed = probed_run
+    assert "2 checkpoint(s) probed" in printed[0]
+    assert "0 checkpoint(s) probed" in printed[1]  # resumable
     probes = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "probes.jsonl").read_text().splitlines()]
     assert sorted({p["step"] for p in probes}) == [4, 8] and len(probes) == 4
+    # Without the training data the leak cannot be seen: the eval set alone does not show it.
     assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
     checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
     for code in ("LOOP-06", "LOOP-07", "LOOP-08"):
         assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]
+    assert checks["LOOP-04"]["status"] == "not_run"
+
+
+def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run, tmp_path, capsys):
+    """`--data`: the training rows rendered with the run's saved tokenizer (the preflight path); LOOP-08 finds
+    the probed eval items among them, naming both ids, at dataset level (the run's row order is not on disk)."""
+    from sftaudit.fixtures import load_dataset
+
+    run, items, _ = probed_run
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in load_dataset()), encoding="utf-8")
+    assert main(["audit", str(run), "--data", str(data), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    leak = [f for f in verdict["findings"] if f["code"] == "LOOP-08"]
+    assert len(leak) == 1 and leak[0]["severity"] == "fail", verdict["findings"]
+    assert {x["eval_id"] for x in leak[0]["evidence"]["leaked"]} == {"leak-s0003", "leak-s0004"}
+    assert {"s0003", "s0004"} <= set(leak[0]["evidence"]["sample_ids"])
+    assert leak[0]["step"] is None and leak[0]["evidence"]["resolution"]["kind"] == "dataset"
+    assert "2 of 4 eval items (50%) also appear in the training data" in leak[0]["message"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    for code in ("LOOP-03", "LOOP-04", "LOOP-12"):
+        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["dataset (preflight path)"], checks[code]
+    for code in ("LOOP-13", "LOOP-16"):  # they judge what only the run's own batches carry
+        assert checks[code]["status"] == "not_run" and "--data" in checks[code]["reason"], checks[code]
+    assert verdict["check_errors"] == []
+    # Only the leak: the clean data renders, pads and masks cleanly.
+    assert {f["code"] for f in verdict["findings"] if f["severity"] != "info"} == {"LOOP-08"}, verdict["findings"]
+    # The dataset stays with the import: a later audit without --data still sees it.
+    capsys.readouterr()
+    assert main(["audit", str(run), "--out", str(tmp_path / "again"), "--no-report"]) == 1
+    assert "LOOP-08 fail run" in capsys.readouterr().out
+
+
+def test_llamafactory_trainer_log_alone_is_imported_with_its_abandoned_branch(tmp_path, capsys):
+    """A LLaMA-Factory output with only trainer_log.jsonl (a committed file in LogCallback's format): the
+    restart is where current_steps goes back, the lines it abandoned are kept aside, the spike found."""
+    from pathlib import Path
+
+    from sftaudit.ingest import connect, ingest
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "llamafactory-resumed", run)
+    done = import_run(run)
+    assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
+    assert done["abandoned_steps"] == list(range(41, 48))
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
+        assert con.execute("SELECT count(*) FROM steps").fetchone() == (60,)
+        assert con.execute("SELECT value FROM metrics WHERE name = 'eval_loss' ORDER BY step").fetchall() == [(1.5123,), (1.3987,)]
+    finally:
+        con.close()
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
+    assert spike and spike[0]["step"] == 52 and spike[0]["evidence"]["resolution"]["kind"] == "exact step", spike
+    # The folder holds the log alone: the checkpoint the run resumed from is not there to resume exactly from.
+    resume = next(f for f in verdict["findings"] if f["code"] == "LOOP-11")
+    assert resume["step"] == 41 and "no checkpoint at step 40" in resume["message"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-10"]["sources"] == ["imported logs: trainer_log.jsonl (LLaMA-Factory)"]
+    assert checks["LOOP-05"]["status"] == "not_run" and "no grad_norm" in checks["LOOP-05"]["reason"]
+    assert verdict["check_errors"] == []
+
+
+def test_llamafactory_trainer_log_adds_what_the_trainer_states_lost(window_run, tmp_path):
+    """Next to trainer_state.json, the log adds the lines of a branch a resume abandoned (the resumed state
+    reloaded its history from the checkpoint) and the lines logged after the last saved state."""
+    run = tmp_path / "run"
+    shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    lines = [{"current_steps": 5, "total_steps": 20, "loss": 7.1, "lr": 3e-3, "epoch": 0.1},
+             {"current_steps": 10, "total_steps": 20, "loss": 9.5, "lr": 2e-3, "epoch": 0.2},  # abandoned by the restart
+             {"current_steps": 10, "total_steps": 20, "loss": 6.9, "lr": 2e-3, "epoch": 0.2},
+             {"current_steps": 15, "total_steps": 20, "loss": 6.8, "lr": 1e-3, "epoch": 0.3},
+             {"current_steps": 20, "total_steps": 20, "loss": 6.7, "lr": 5e-4, "epoch": 0.4}]  # after the last save
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    done = import_run(run)
+    assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
+    assert done["steps"] == 5  # 5, 10, 15 from the states, 20 from the log, and the abandoned 10
+    steps = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["seg"], s["step"], s["loss"]) for s in steps if s["step"] in (10, 20)][0] == (0, 10, 9.5)
+    assert steps[-1]["step"] == 20 and steps[-1]["grad_norm"] is None
+
+
+def _loss(step: int, branch: int) -> float:
+    """A smoothly falling loss with a little deterministic noise (a branch's own)."""
+    return 2.2 * math.exp(-step / 40) + 0.9 + 0.015 * math.sin(step * 2.7 + branch)
+
+
+def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tmp_path):
+    """The Trainer's own TensorBoardCallback writes two starts of a run (crashed at step 47, resumed from
+    checkpoint-40); the import reads them with tensorboard's loader and keeps the abandoned steps 41-47."""
+    pytest.importorskip("tensorboard")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import TensorBoardCallback
+
+    from sftaudit.ingest import connect, ingest
+
+    run = tmp_path / "run"
+    args = TrainingArguments(output_dir=str(run), report_to=["tensorboard"], use_cpu=True)
+    for branch, steps in enumerate((range(1, 48), range(41, 61))):
+        callback, state = TensorBoardCallback(), TrainerState()
+        callback.on_train_begin(args, state, TrainerControl())
+        for step in steps:
+            state.global_step = step
+            loss = _loss(step, branch) * (3.0 if branch and step == 52 else 1.0)  # the resumed branch spikes at 52
+            callback.on_log(args, state, TrainerControl(), logs={"loss": loss, "grad_norm": 1.0 + 0.01 * (step % 3),
+                                                                 "learning_rate": 5e-5 * (1 - (step - 1) / 60), "epoch": step / 120})
+        callback.on_train_end(args, state, TrainerControl())
+    done = import_run(run)
+    assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
+    assert done["abandoned_steps"] == list(range(41, 48))
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
+        loss_41 = con.execute("SELECT loss FROM steps WHERE step = 41").fetchone()[0]
+        assert loss_41 == pytest.approx(_loss(41, 1), rel=1e-6)  # float32, as the callback stored it
+    finally:
+        con.close()
+    assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 1
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
+    assert spike and spike[0]["step"] == 52, verdict["findings"]
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-05"]["sources"] == ["imported logs: TensorBoard event files"]
+    assert verdict["check_errors"] == []

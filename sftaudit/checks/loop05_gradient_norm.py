@@ -147,7 +147,8 @@ class GradientNormAnomaly(Check):
                 z_across[candidates] = (sub - mean) / np.where(spread > 0, spread, np.nan)
         with np.errstate(invalid="ignore"):
             flagged = own & (z_across >= self.params["sigma_across"])
-        largest = np.fmax.reduce(np.where(judged[:, None], log_ratio, np.nan), axis=1)
+        # initial: a run that lists no tensors (an imported log without checkpoints) has no columns to reduce
+        largest = np.fmax.reduce(np.where(judged[:, None], log_ratio, np.nan), axis=1, initial=-np.inf)
         ctx.add_series(self.code, "largest gradient norm / own running median", steps.tolist(),
                        np.nan_to_num(np.exp(largest)).tolist(), self.params["min_ratio"])
 

@@ -6,7 +6,9 @@ logged step s therefore happened somewhere in (previous logged step, s]. The fin
 the window's first step (so the rollback checkpoint is one saved before the whole window), its
 message says the window, and its evidence carries it. With ``logging_steps = 1`` the window is the
 step itself: the step is exact. Findings that carry their own resolution (a checkpoint window)
-and findings without a step are left as they are.
+and findings without a step are left as they are. Findings on the training data given with
+``--data`` (recorded at step 0: the order the run drew the rows in is not on disk) become
+dataset-level: no step, resolution "dataset".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..checks.base import Finding
+from .dataset import DATASET_SOURCE, DATASET_STEP
 
 
 def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]) -> tuple[list[Finding], dict | None]:
@@ -25,8 +28,14 @@ def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]
         return findings, None
     logging_steps = (manifest.get("granularity") or {}).get("logging_steps")
     logged = con.sql("SELECT DISTINCT step FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()["step"]
+    dataset = manifest.get("dataset")
     out = []
     for f in findings:
+        if dataset and f.step == DATASET_STEP:
+            note = f" [dataset given with --data ({dataset['data']}): the step the run trained each row at is not on disk]"
+            out.append(replace(f, step=None, message=f.message + note,
+                               evidence={**f.evidence, "resolution": {"kind": "dataset", "source": DATASET_SOURCE}}))
+            continue
         if f.step is None or f.checkpoint is not None or "resolution" in f.evidence:
             out.append(f)
             continue

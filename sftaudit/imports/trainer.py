@@ -28,6 +28,10 @@ from typing import Any
 
 from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
+from .dataset import DATASET_KINDS, DATASET_SOURCE, DATASET_UNJUDGED, dataset_description, dataset_records, failure_events
+from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments
+from .logs import log_histories, logging_interval
+from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
@@ -53,7 +57,8 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
 
 def is_trainer_output(run_dir: str | Path) -> bool:
     run_dir = Path(run_dir)
-    return (run_dir / TRAINER_STATE).is_file() or bool(checkpoint_dirs(run_dir))
+    return ((run_dir / TRAINER_STATE).is_file() or (run_dir / TRAINER_LOG).is_file() or bool(checkpoint_dirs(run_dir))
+            or bool(event_files(run_dir)))
 
 
 def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
@@ -66,34 +71,50 @@ def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
     return first if first.get("imported") else None
 
 
-def ensure_artifacts(run_dir: str | Path) -> bool:
+def ensure_artifacts(run_dir: str | Path, data: str | Path | None = None) -> bool:
     """Before an audit: import a Trainer output that has no artifacts, or refresh an earlier import
-    (the run may have gone on since). Returns whether it imported. Shim artifacts are left alone."""
+    (the run may have gone on since), with its training data when given. Returns whether it imported.
+    Shim artifacts are left alone (and `data` refused: the shim recorded the batches)."""
     run_dir = Path(run_dir)
     has_artifacts = any(artifact_root(run_dir).glob("rank-*"))
     if (not has_artifacts and is_trainer_output(run_dir)) or (has_artifacts and imported_manifest(run_dir)):
-        import_run(run_dir)
+        import_run(run_dir, data)
         return True
+    if data is not None:
+        raise InputError(f"{run_dir}: --data is for runs trained without the shim (the shim recorded this run's batches)")
     return False
 
 
-def import_run(run_dir: str | Path) -> dict[str, Any]:
-    """Write ``RUN_DIR/sftaudit/rank-0/*.jsonl`` from a Trainer output; returns what was imported."""
+def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bool = False) -> dict[str, Any]:
+    """Write ``RUN_DIR/sftaudit/rank-0/*.jsonl`` from a Trainer output (and from its training data, when
+    given: `dataset.dataset_records`); returns what was imported."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
     if not is_trainer_output(run_dir):
-        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE} and no checkpoint-*/ folder)")
+        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
+                         "TensorBoard event file or checkpoint-*/ folder)")
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
     checkpoints = checkpoint_dirs(run_dir)
     states = _states(run_dir, checkpoints)
+    # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
+    segments, log_source = log_segments(run_dir), LOG_SOURCE
+    if not segments:
+        segments, log_source = event_segments(run_dir), EVENTS_SOURCE
+    source = LOGS_SOURCE if states else log_source
+    if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
+        states = [_log_state(run_dir, i, history) for i, history in enumerate(log_histories(segments))]
     if not states:
-        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} (in the run folder or any checkpoint)")
+        hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
+        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)"
+                         + hint)
     # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
     # a checkpoint of the abandoned branch may hold a higher step).
     newest = max(states, key=lambda s: (s["mtime"], s["global_step"], s["top_level"]))
     timeline, abandoned, resumed_at = _timeline(newest, states)
+    if source == LOGS_SOURCE and segments:
+        timeline, abandoned, resumed_at = _with_log(timeline, abandoned, resumed_at, segments)
     if resumed_at is not None and not any(e["step"] >= resumed_at for e in timeline):
         abandoned, resumed_at = [], None  # the abandoned steps lie beyond the run's end: nothing replaced them
 
@@ -116,15 +137,18 @@ def import_run(run_dir: str | Path) -> dict[str, Any]:
                       for f in sorted(folder.rglob("*")) if f.is_file()],
             "training_state": _resume_outline(folder), "tokenizer_fingerprint": fingerprints.get(folder),
             "time": folder.stat().st_mtime})
-    segments = [0] + ([1] if resumed_at is not None else [])
-    for seg in segments:
-        records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg))
+    if data is not None:
+        records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
+    dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
+    records["events"] += failure_events(dataset or {})
+    for seg in [0] + ([1] if resumed_at is not None else []):
+        records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source))
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
     return {"steps": len(records["steps"]), "metrics": len(records["metrics"]), "checkpoints": len(checkpoints),
             "logging_steps": newest["logging_steps"], "resumed_at": resumed_at,
             "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
-            "tokenizer": tokenizer is not None}
+            "tokenizer": tokenizer is not None, "dataset_rows": (dataset or {}).get("rows")}
 
 
 # ---------------------------------------------------------------------------- trainer states
@@ -146,6 +170,28 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
                     "eval_steps": state.get("eval_steps"), "train_batch_size": state.get("train_batch_size"),
                     "num_train_epochs": state.get("num_train_epochs"), "abandoned": False})
     return out
+
+
+def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json."""
+    return {"folder": run_dir / f"log-{index}", "top_level": True, "history": history, "mtime": index,
+            "global_step": max(e["step"] for e in history), "max_steps": None, "logging_steps": logging_interval(history),
+            "save_steps": None, "eval_steps": None, "train_batch_size": None, "num_train_epochs": None, "abandoned": False}
+
+
+def _with_log(timeline, abandoned, resumed_at, segments):
+    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned
+    that no saved state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
+    the last saved state (a crash before the next save)."""
+    known = {e["step"] for e in abandoned}
+    for seg, after in zip(segments, segments[1:]):
+        restart = after[0]["step"]
+        lost = [e for e in seg if e["step"] >= restart and e["step"] not in known]
+        if lost:
+            abandoned = sorted(abandoned + lost, key=lambda e: e["step"])
+            resumed_at = restart if resumed_at is None else min(resumed_at, restart)
+    last = max((e["step"] for e in timeline), default=0)
+    return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumed_at
 
 
 def _key(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
@@ -250,7 +296,8 @@ def _params(checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
     return []
 
 
-def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int) -> dict[str, Any]:
+def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int,
+              dataset: dict[str, Any] | None, source: str) -> dict[str, Any]:
     model = _model(run_dir, checkpoints)
     granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")}
     try:
@@ -260,7 +307,10 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
     return {
         "probe_prompts": posthoc.get("probe_prompts", []), "eval_set": posthoc.get("eval_set", []),
         "schema_version": SCHEMA_VERSION, "seg": seg, "run_id": run_dir.resolve().name, "rank": 0, "world_size": None,
-        "profile": "imported", "imported": True, "source": LOGS_SOURCE, "sources": SOURCES, "granularity": granularity,
+        "profile": "imported", "imported": True, "source": source, "granularity": granularity,
+        "sources": SOURCES | {"steps": source, "metrics": source} | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
+        "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
+        "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
         "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
         "model": model, "params": _params(checkpoints), "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
         "config": {"max_steps": newest["max_steps"],
