@@ -38,7 +38,8 @@ class LossDynamics(Check):
     Threshold:
         Spike: z >= `sigma_spike` (6): warn; elevated for `diverge_steps` (5) steps in a row or
         through the end of the run: fail (divergence). Learning-rate jump: ratio >= `lr_jump`
-        (10x) or <= 1/`lr_jump`: warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
+        (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope of the
+        interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
         after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
         volatility ratio >= 3: info (drift is context for the other findings, not a verdict).
     Evidence:
@@ -106,7 +107,13 @@ class LossDynamics(Check):
         # Between two LRs both under 1% of the peak (the tail of a decay to 0) a ratio is not a jump.
         with np.errstate(invalid="ignore"):
             material = np.fmax(lr[1:], lr[:-1]) >= 0.01 * np.nanmax(lr) if lr.size and np.isfinite(lr).any() else np.zeros(0, bool)
-        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & material & (np.arange(1, steps.size) > first))
+        # A step that keeps the slope of the interval before it (per step, so logging windows compare) is a
+        # schedule running its course, e.g. a linear decay reaching 0 at the last step, not a jump.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slope = np.diff(lr) / np.diff(steps)
+        keeps_slope = np.abs(slope - np.r_[np.nan, slope[:-1]]) <= 0.5 * np.abs(np.r_[np.nan, slope[:-1]])
+        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & material & ~keeps_slope
+                               & (np.arange(1, steps.size) > first))
         if not jumps.size:
             return []
         i = jumps[0] + 1

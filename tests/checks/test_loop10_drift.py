@@ -69,3 +69,18 @@ def test_one_calm_block_of_a_converged_run_does_not_make_batch_noise_a_spike(tmp
     run_dir = recorded_series_run(tmp_path / "spiked", [1e-3] * steps, spiked, norms, ["lm_head.weight"])
     [finding] = of(audit(run_dir, AuditConfig(check_options={"LOOP-10": {"window": 12}})), "LOOP-10")
     assert (finding["severity"], finding["step"]) == ("warn", 62)
+
+
+def test_a_linear_decay_reaching_zero_at_the_last_step_is_no_jump(tmp_path):
+    """The Trainer's linear schedule ends at lr 0: on a short run the last step's ratio is 0 while the
+    LR before it is still above 1% of the peak. A restart of the warmup in the middle still warns."""
+    steps = 60
+    lr = [3e-4 * (1 - s / steps) for s in range(1, steps + 1)]  # lr after each step's scheduler step
+    loss = list(np.linspace(7.0, 5.0, steps))
+    norms = np.ones((steps, 1))
+    run_dir = recorded_series_run(tmp_path / "decay", lr, loss, norms, ["lm_head.weight"])
+    assert lr[-1] == 0 and not [f for f in of(audit(run_dir), "LOOP-10") if "learning rate" in f["message"]]
+    restarted = lr[:40] + [3e-4 * k / 10 for k in range(20)]  # the warmup restarting at step 41: 0 first
+    run_dir = recorded_series_run(tmp_path / "restarted", restarted, loss, norms, ["lm_head.weight"])
+    [jump] = [f for f in of(audit(run_dir), "LOOP-10") if "learning rate" in f["message"]]
+    assert (jump["severity"], jump["step"]) == ("warn", 41)
