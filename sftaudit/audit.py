@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import AuditContext, Finding, registered_checks
-from .checks.base import EVIDENCE
+from .checks.base import EVIDENCE, needed
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
@@ -17,13 +17,12 @@ from .verdict import build_verdict
 
 
 def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
-    """Every registered, enabled check, but those the manifest says cannot judge what was recorded (an
-    imported run's `unjudged`); a check that crashes is reported, not fatal. A check whose `needs` are
-    missing still runs: LOOP-08 judges eval-set contamination from the samples without eval predictions."""
+    """Every registered, enabled check that can judge what was recorded (`cannot_run`); a check that
+    crashes is reported, not fatal."""
     findings, errors = [], []
-    unjudged = ctx.manifest.get("unjudged") or {}
+    recorded = recorded_evidence(ctx.con, ctx.manifest)
     for check_cls in registered_checks():
-        if check_cls.code in config.disabled or check_cls.code in unjudged:
+        if check_cls.code in config.disabled or cannot_run(check_cls, recorded, ctx.manifest):
             continue
         try:
             check = check_cls(**config.check_options.get(check_cls.code, {}))
@@ -99,9 +98,10 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
 def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
     """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
     manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
-    missing = [t for t in check.needs if not recorded[t]]
+    alternatives = [(need,) if isinstance(need, str) else need for need in check.needs]
+    missing = [" or ".join(EVIDENCE[t] for t in need) for need in alternatives if not any(recorded[t] for t in need)]
     if missing:
-        return "not recorded: " + ", ".join(EVIDENCE[t] for t in missing)
+        return "not recorded: " + ", ".join(missing)
     return (manifest.get("unjudged") or {}).get(check.code)
 
 
@@ -120,7 +120,7 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
     out = []
     for check in registered_checks():
         unjudged = cannot_run(check, recorded, manifest)
-        cut = [stopped[t] for t in check.needs + check.uses if t in stopped]
+        cut = [stopped[t] for t in needed(check) + list(check.uses) if t in stopped]
         lacking = [t for t in check.uses if not recorded[t]]
         if check.code in config.disabled:
             status, reason = "disabled", "switched off in the audit config"
@@ -137,8 +137,8 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
         else:
             status, reason = "ran", None
         out.append({"code": check.code, "name": check.name, "status": status, "reason": reason,
-                    "evidence": [EVIDENCE[t] for t in check.needs + check.uses if recorded[t]],
-                    "sources": list(dict.fromkeys(sources.get(t, source) for t in check.needs))
+                    "evidence": [EVIDENCE[t] for t in dict.fromkeys(needed(check) + list(check.uses)) if recorded[t]],
+                    "sources": list(dict.fromkeys(sources.get(t, source) for t in needed(check) if recorded[t]))
                     if status in ("ran", "partial") else []})
     return out
 

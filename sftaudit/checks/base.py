@@ -93,19 +93,26 @@ class AuditContext:
         return bool(self.scalar(f'SELECT count(*) FROM "{table}"'))
 
 
+
+def needed(check: type[Check] | Check) -> list[str]:
+    """Every kind of evidence in the check's `needs`, alternatives spelled out."""
+    return [t for need in check.needs for t in ((need,) if isinstance(need, str) else need)]
+
+
 class Check:
     """Base class: subclasses set `code`, `name`, `defaults` and implement `run`.
 
     The class docstring documents the check in the fixed sections of DOC_SECTIONS
     (the report and the README quote it). `defaults` are the seed's thresholds; a
     config overrides them per check code. `needs` names the EVIDENCE tables without
-    which the check cannot judge anything; `uses`, the evidence it judges more finely with
-    (without it the check runs on partial evidence).
+    which the check cannot judge anything (a tuple among them: any one of those will do);
+    `uses`, the evidence it judges more finely with (without it the check runs on partial
+    evidence).
     """
 
     code: ClassVar[str]
     name: ClassVar[str]
-    needs: ClassVar[tuple[str, ...]]
+    needs: ClassVar[tuple[str | tuple[str, ...], ...]]
     uses: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
 

@@ -58,7 +58,8 @@ class EvalMetricDrift(Check):
 
     code = "LOOP-08"
     name = "eval metric drift"
-    needs = ("evals",)
+    needs = (("evals", "samples"),)  # the metrics judge eval predictions; contamination, the training samples
+    uses = ("evals", "samples")
     defaults = {"window": 5, "min_abs_r": 0.3, "min_std": 0.005, "trend_p": 0.01, "near_duplicate": 0.85,
                 "max_leaked_share": 0.05, "shingle": 3}
 
