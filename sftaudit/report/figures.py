@@ -76,14 +76,14 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
         shapes.append(_vline(first_anomalous_step, SEVERITY_COLOURS["fail"], "solid", width=2))
         fig.add_annotation(x=first_anomalous_step, y=1, xref="x", yref="paper", yanchor="bottom", xanchor="right",
                            text="first anomaly", showarrow=False, font=dict(color=SEVERITY_COLOURS["fail"]))
-    if lane:
-        fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
-                         automargin=True, row=1, col=1)
+    if lane:  # a fixed margin fits the LOOP-NN codes: automargin would draw the whole figure twice
+        fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes], row=1, col=1)
     fig.update_yaxes(title_text="loss", **_autoscale(steps["loss"], steps["eval_loss"]), row=1 + lane, col=1)
     fig.update_yaxes(title_text="lr", exponentformat="e", **_autoscale(steps["lr"]), row=2 + lane, col=1)
     fig.update_yaxes(title_text="grad norm", **_autoscale(steps["grad_norm"]), row=3 + lane, col=1)
     fig.update_xaxes(title_text="step", row=3 + lane, col=1)
     fig.update_layout(**_BASE_LAYOUT, height=480 + 80 * lane, shapes=shapes)
+    fig.update_layout(margin=dict(l=72))
     return as_json(fig)
 
 
