@@ -333,11 +333,11 @@ def test_a_metric_every_rank_recorded_alike_is_drawn_once():
 def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory, tokenizer_cache):
     """The Trainer run imported from its logs (logging_steps=5, a NaN at step 13 logged at 15): the
     report says the window the anomaly lies in, as the verdict does, not a step it cannot know."""
-    from tests.checks.posthoc_runs import audited, posthoc_run
+    from tests.checks.posthoc_runs import posthoc_run
 
-    audited(tmp_path_factory, tokenizer_cache, "window")
-    html = write_report(posthoc_run(tmp_path_factory, tokenizer_cache, "window"),
-                        tmp_path_factory.mktemp("imported-report")).read_text(encoding="utf-8")
+    out = tmp_path_factory.mktemp("imported-report")  # audited here: other tests re-import the shared run
+    assert main(["audit", str(posthoc_run(tmp_path_factory, tokenizer_cache, "window")), "--out", str(out)]) == 1
+    html = (out / "report.html").read_text(encoding="utf-8")
     top = html[html.index('id="summary"'):html.index('id="findings"')]
     assert 'First anomalous logging window <b id="first-window">steps 11-15</b>' in top
     assert "Roll back to <b>checkpoint-10</b>" in top
