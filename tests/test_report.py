@@ -284,3 +284,63 @@ def test_every_lane_autoscales_to_its_own_values():
     assert _autoscale(frame([1e-6, 1e-4, 3e-3])) == {"type": "log"}  # warmup from 1e-6 spans decades
     assert _autoscale(frame([2.0, 1.5, 0.9])) == {"type": "linear"}
     assert _autoscale(frame([0.0, 5.0, 1e3])) == {"type": "linear"}  # a zero: no log axis
+
+
+def figure_data(html: str) -> dict:
+    return json.loads(re.search(r'<script type="application/json" id="figure-data">(.*?)</script>', html, re.S).group(1))
+
+
+def ranks_report(distributed_runs: Path, folder: Path) -> Path:
+    """The report of the shared 2-rank DDP run whose rank 1 loss turns NaN at step 4."""
+    run = distributed_runs / "ddp_nan_loss"
+    audit(run)
+    return write_report(run, folder)
+
+
+@pytest.fixture(scope="module")
+def distributed_report(distributed_runs, tmp_path_factory) -> Path:
+    return ranks_report(distributed_runs, tmp_path_factory.mktemp("ranks-report"))
+
+
+def test_ranks_that_differ_get_a_line_each_and_a_non_finite_loss_names_its_rank(distributed_report, clean_report):
+    html = distributed_report.read_text(encoding="utf-8")
+    assert 'href="#ranks-section"' in html and "recorded on 2 ranks" in html
+    traces = figure_data(html)["ranks"]["data"]
+    lanes = {t.get("yaxis", "y"): set() for t in traces}
+    for t in traces:
+        lanes[t.get("yaxis", "y")].add(t["name"])
+    assert lanes == {"y": {"rank 0", "rank 1", "not finite"}, "y2": {"rank 0", "rank 1"}, "y3": {"rank 0", "rank 1"}}
+    crosses = next(t for t in traces if t["name"] == "not finite")
+    assert crosses["hovertext"][0] == "rank 1: loss nan"  # rank 1 went first, at step 4
+    assert 'id="ranks"' not in clean_report.read_text(encoding="utf-8")  # one process: no rank lanes
+
+
+def test_a_metric_every_rank_recorded_alike_is_drawn_once():
+    from sftaudit.report.tables import rank_lanes
+
+    con = duckdb.connect()
+    con.execute("""CREATE TABLE steps AS SELECT r AS rank, 0 AS seg, s AS step, 2.0 / s AS loss, 0.1 + r AS dt
+                   FROM range(2) t(r), range(1, 11) u(s)""")
+    con.execute("""CREATE TABLE batches AS SELECT r AS rank, 0 AS seg, s AS step, [50, 60] AS label_tokens
+                   FROM range(2) t(r), range(1, 11) u(s) WHERE NOT (r = 1 AND s = 7)""")
+    lanes = {lane["title"]: lane for lane in rank_lanes(con, [])}
+    assert not lanes["loss"]["per_rank"] and list(lanes["loss"]["frames"]) == [0]  # the reduced view
+    assert lanes["step time (s)"]["per_rank"] and list(lanes["step time (s)"]["frames"]) == [0, 1]
+    assert lanes["trained tokens"]["per_rank"]  # rank 1 has no batch at step 7: not alike
+    assert lanes["trained tokens"]["frames"][0]["value"].to_list() == [110.0] * 10
+
+
+def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory, tokenizer_cache):
+    """The Trainer run imported from its logs (logging_steps=5, a NaN at step 13 logged at 15): the
+    report says the window the anomaly lies in, as the verdict does, not a step it cannot know."""
+    from tests.checks.posthoc_runs import posthoc_run
+
+    out = tmp_path_factory.mktemp("imported-report")  # audited here: other tests re-import the shared run
+    assert main(["audit", str(posthoc_run(tmp_path_factory, tokenizer_cache, "window")), "--out", str(out)]) == 1
+    html = (out / "report.html").read_text(encoding="utf-8")
+    top = html[html.index('id="summary"'):html.index('id="findings"')]
+    assert 'First anomalous logging window <b id="first-window">steps 11-15</b>' in top
+    assert "Roll back to <b>checkpoint-10</b>" in top
+    assert "imported logs written every 5 steps: a finding at a logged step is known only to its logging window" in top
+    assert "First anomalous step" not in top
+    assert '<span class="where">steps 11-15 (logging window)' in html

@@ -14,7 +14,7 @@ import pytest
 from sftaudit.audit import audit
 from sftaudit.report import write_report
 from tests.conftest import NAN_STEP
-from tests.test_report import XSS_SCRIPT, plant, preflight_report
+from tests.test_report import XSS_SCRIPT, plant, preflight_report, ranks_report
 
 CHROMIUM = os.environ.get("SFTAUDIT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -78,7 +78,14 @@ def passed(browser, clean_run, tmp_path_factory):
     opened.page.close()
 
 
-@pytest.mark.parametrize("name", ["failed", "passed"])
+@pytest.fixture(scope="module")
+def two_ranks(browser, distributed_runs, tmp_path_factory):
+    opened = Opened(browser, ranks_report(distributed_runs, tmp_path_factory.mktemp("ranks-browser")))
+    yield opened
+    opened.page.close()
+
+
+@pytest.mark.parametrize("name", ["failed", "passed", "two_ranks"])
 def test_loads_offline_without_console_errors_and_draws_every_chart(name, request):
     opened = request.getfixturevalue(name)
     assert opened.errors == []
@@ -209,3 +216,9 @@ def test_prints_to_pdf_with_every_chart(name, request):
         assert opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") == "none"
     finally:
         opened.page.emulate_media(media="screen")
+
+
+def test_two_rank_run_draws_a_line_per_rank_in_each_lane(two_ranks):
+    lanes = two_ranks.page.locator("#ranks")
+    assert set(lanes.locator("g.legend text.legendtext").all_text_contents()) == {"rank 0", "rank 1", "not finite"}
+    assert lanes.locator(".scatterlayer g.trace").count() == 7  # 3 lanes x 2 ranks, and the rank-1 NaN crosses

@@ -115,10 +115,21 @@ def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
     return path
 
 
+def _findings(verdict: dict[str, Any]) -> list[dict[str, Any]]:
+    """The verdict's findings with their anchors, evidence blocks and window: the steps a finding
+    on imported logs (or between two checkpoints) can stand for, when that is more than one step."""
+    out = []
+    for i, f in enumerate(verdict["findings"]):
+        resolution = (f.get("evidence") or {}).get("resolution") or {}
+        window = (resolution if isinstance(resolution, dict) and resolution.get("last_step") is not None
+                  and resolution.get("first_step") != resolution.get("last_step") else None)
+        out.append(dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")), window=window))
+    return out
+
+
 def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
     manifest = load_manifest(con)
-    findings = [dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")))
-                for i, f in enumerate(verdict["findings"])]
+    findings = _findings(verdict)
     finding_steps = sorted({f["step"] for f in findings if f["step"] is not None})
     figs: dict[str, dict[str, Any]] = {}
 
@@ -134,6 +145,9 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
     if steps["loss"].height or findings:
         figs["timeline"] = figures.timeline(steps, verdict["findings"], verdict["checkpoints"],
                                             verdict["first_anomalous_step"])
+    lanes = tables.rank_lanes(con, finding_steps)
+    if lanes:
+        figs["ranks"] = figures.rank_lanes(lanes, finding_steps)
     matrix = tables.gradient_matrix(con)
     if matrix is not None:
         figs["grad-heatmap"] = figures.gradient_heatmap(matrix)
@@ -152,12 +166,14 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         "first_causes": _first_causes(findings, verdict["first_anomalous_step"]),
         "evidence_lines": _evidence_lines(verdict, checks),
         "chain": verdict.get("first_anomaly_chain"),
+        "first_window": (verdict.get("resolution") or {}).get("first_anomalous_window"),
         **strip_context(verdict, findings, con),
         "checks": checks,
         "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
                        "check_anchor": anchor(code)} for pid, title, code, about in BEHAVIOUR_PANELS],
         "behaviour_codes": [code for _, _, code, _ in BEHAVIOUR_PANELS],
         "histograms": histograms,
+        "rank_lanes": [{"title": lane["title"], "per_rank": lane["per_rank"]} for lane in lanes],
         "has_grad_norms": matrix is not None,
         "heatmap_width": matrix["width"] if matrix else 1,
         "figures": figs,
@@ -166,8 +182,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dataset(con, verdict: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
-    findings = [dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")))
-                for i, f in enumerate(verdict["findings"])]
+    findings = _findings(verdict)
     checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], {})
     return {"verdict": verdict, **dataset_context(con, manifest, checks, findings)}
 
@@ -263,6 +278,10 @@ def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> li
     sources = sorted({src for c in checks for src in c["sources"]})
     if sources:
         lines.append("evidence from: " + "; ".join(sources))
+    resolution = verdict.get("resolution") or {}
+    if resolution.get("kind") == "logging window":
+        lines.append(f"imported logs written every {resolution.get('logging_steps')} steps: a finding at a logged "
+                     "step is known only to its logging window")
     lines += list(evidence.get("partial") or [])  # components switched off mid-run (from the start: cannot_judge)
     skipped = [c["code"] for c in checks if c["coverage"] == "not_run"]
     if skipped:

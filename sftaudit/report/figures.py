@@ -76,14 +76,14 @@ def timeline(steps: dict[str, Any], findings: list[dict[str, Any]], checkpoints:
         shapes.append(_vline(first_anomalous_step, SEVERITY_COLOURS["fail"], "solid", width=2))
         fig.add_annotation(x=first_anomalous_step, y=1, xref="x", yref="paper", yanchor="bottom", xanchor="right",
                            text="first anomaly", showarrow=False, font=dict(color=SEVERITY_COLOURS["fail"]))
-    if lane:
-        fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes],
-                         automargin=True, row=1, col=1)
+    if lane:  # a fixed margin fits the LOOP-NN codes: automargin would draw the whole figure twice
+        fig.update_yaxes(type="category", categoryorder="array", categoryarray=[text(c) for c in codes], row=1, col=1)
     fig.update_yaxes(title_text="loss", **_autoscale(steps["loss"], steps["eval_loss"]), row=1 + lane, col=1)
     fig.update_yaxes(title_text="lr", exponentformat="e", **_autoscale(steps["lr"]), row=2 + lane, col=1)
     fig.update_yaxes(title_text="grad norm", **_autoscale(steps["grad_norm"]), row=3 + lane, col=1)
     fig.update_xaxes(title_text="step", row=3 + lane, col=1)
     fig.update_layout(**_BASE_LAYOUT, height=480 + 80 * lane, shapes=shapes)
+    fig.update_layout(margin=dict(l=72))
     return as_json(fig)
 
 
@@ -195,4 +195,42 @@ def sample_histogram(frame, xtitle: str, colour: str) -> dict[str, Any]:
     fig.update_layout(**_BASE_LAYOUT, height=260, showlegend=False, bargap=0)
     fig.update_xaxes(title_text=xtitle)
     fig.update_yaxes(title_text="samples")
+    return as_json(fig)
+
+
+RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def rank_lanes(lanes: list[dict[str, Any]], finding_steps: list[int]) -> dict[str, Any]:
+    """One lane per metric: a line per rank where the ranks differ, one line where every rank recorded
+    the same; a red cross where a rank's value is not finite (drawn at the top of its lane)."""
+    fig = make_subplots(rows=len(lanes), cols=1, shared_xaxes=True, vertical_spacing=0.06)
+    legend_shown: set[str] = set()
+    for row, lane in enumerate(lanes, start=1):
+        for rank, frame in lane["frames"].items():
+            name = f"rank {rank}" if lane["per_rank"] else f"all {len(lane['ranks'])} ranks (equal)"
+            colour = RANK_COLOURS[rank % len(RANK_COLOURS)] if lane["per_rank"] else "#555"
+            for i, seg in enumerate(sorted(set(frame["seg"].to_list()))):
+                x, y = _xy(frame.filter(frame["seg"] == seg))
+                fig.add_trace(go.Scatter(
+                    x=x, y=y, name=name, legendgroup=name, showlegend=name not in legend_shown,
+                    mode="lines+markers" if frame.height < 60 else "lines", marker=dict(size=4),
+                    line=dict(color=colour, width=1.3),
+                    hovertemplate=f"{name}: {text(lane['title'])} %{{y:.4g}}<extra>step %{{x}}</extra>"), row=row, col=1)
+                legend_shown.add(name)
+        bad = lane["nonfinite"]
+        if bad.height:
+            finite = [f["value"].max() for f in lane["frames"].values() if f.height]
+            top = max(finite) if finite else 0.0
+            fig.add_trace(go.Scatter(
+                x=bad["step"].to_numpy().astype(np.int32), y=np.full(bad.height, top, dtype=np.float32),
+                mode="markers", name="not finite", legendgroup="not finite", showlegend="not finite" not in legend_shown,
+                marker=dict(symbol="x", size=12, color=SEVERITY_COLOURS["fail"]),
+                hovertext=[f"rank {r}: {text(lane['title'])} {v}" for r, v in zip(bad["rank"], bad["value"])],
+                hovertemplate="%{hovertext}<extra>step %{x}</extra>"), row=row, col=1)
+            legend_shown.add("not finite")
+        fig.update_yaxes(title_text=text(lane["title"]), **_autoscale(*lane["frames"].values()), row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(lanes), col=1)
+    shapes = [_vline(step, SEVERITY_COLOURS["warn"], "dot") for step in finding_steps[:50]]
+    fig.update_layout(**_BASE_LAYOUT, height=120 + 170 * len(lanes), shapes=shapes)
     return as_json(fig)

@@ -159,3 +159,40 @@ def dataset_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
                            "GROUP BY kind").fetchall()
     return {"batches": batches, "rows": rows or 0, "real_tokens": real or 0, "trained_tokens": trained or 0,
             "padded_tokens": padded or 0, "failures": dict(failures)}
+
+
+# Per-rank lanes of a distributed run: (title, table, source of rank, seg, step, value).
+RANK_METRICS = (
+    ("loss", "steps", "SELECT rank, seg, step, loss AS value FROM steps"),
+    ("trained tokens", "batches",
+     "SELECT rank, seg, step, sum(list_sum(label_tokens)) AS value FROM batches GROUP BY ALL"),
+    ("step time (s)", "steps", "SELECT rank, seg, step, dt AS value FROM steps"),
+)
+
+
+def rank_lanes(con: duckdb.DuckDBPyConnection, keep_steps: list[int]) -> list[dict[str, Any]]:
+    """Each per-rank metric of a run recorded on two or more ranks: one (seg, step, value) frame per
+    rank where the ranks' values differ at some step (or a rank lacks the step), else one frame for
+    all ranks (the reduced view); plus the (rank, step, value) points that are not finite."""
+    ranks = [r for (r,) in con.execute("SELECT DISTINCT rank FROM steps ORDER BY rank").fetchall()]
+    if len(ranks) < 2:
+        return []
+    lanes = []
+    for title, table, source in RANK_METRICS:
+        if not has_table(con, table):
+            continue
+        recorded, differing = first_row(con, f"""
+            SELECT count(*) FILTER (WHERE n_values > 0),
+                   count(*) FILTER (WHERE n_values > 0 AND (n_distinct > 1 OR n_values < n_rows OR n_rows < ?))
+            FROM (SELECT seg, step, count(*) AS n_rows, count(value) AS n_values, count(DISTINCT value) AS n_distinct
+                  FROM ({source}) GROUP BY seg, step)""", [len(ranks)])
+        if not recorded:
+            continue
+        shown = ranks if differing else ranks[:1]
+        frames = {r: envelope(con, f"SELECT seg, step, value FROM ({source}) WHERE rank = ?", [r], keep_steps)
+                  for r in shown}
+        nonfinite = con.sql(f"SELECT rank, step, value FROM ({source}) WHERE NOT isfinite(value) ORDER BY step, rank"
+                            ).pl()
+        lanes.append({"title": title, "per_rank": bool(differing), "ranks": ranks, "frames": frames,
+                      "nonfinite": nonfinite})
+    return lanes
