@@ -160,7 +160,13 @@ def _supersede_abandoned_steps(con: duckdb.DuckDBPyConnection) -> None:
         abandoned = (f"FROM segment_starts s WHERE s.rank = {table}.rank AND s.seg > {table}.seg "
                      f"AND s.first_step <= {table}.step")
         con.execute(f"CREATE TABLE IF NOT EXISTS superseded_{table} AS SELECT * FROM {table} WITH NO DATA")
-        con.execute(f"INSERT INTO superseded_{table} SELECT * FROM {table} WHERE EXISTS (SELECT 1 {abandoned})")
+        # A database ingested by an older sftaudit: its superseded copy gains the newer fields too.
+        for name, dtype in con.execute(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? AND column_name "
+                "NOT IN (SELECT column_name FROM information_schema.columns WHERE table_name = ?)",
+                [table, f"superseded_{table}"]).fetchall():
+            con.execute(f'ALTER TABLE superseded_{table} ADD COLUMN "{name}" {dtype}')
+        con.execute(f"INSERT INTO superseded_{table} BY NAME SELECT * FROM {table} WHERE EXISTS (SELECT 1 {abandoned})")
         con.execute(f"DELETE FROM {table} USING segment_starts s WHERE s.rank = {table}.rank "
                     f"AND s.seg > {table}.seg AND s.first_step <= {table}.step")
     con.execute("DROP TABLE segment_starts")

@@ -36,3 +36,20 @@ def test_corrupt_line_is_skipped_and_counted(clean_run, tmp_path):
     assert ingest(run)["steps"] == 29
     con = connect(run, read_only=True)
     assert con.execute("SELECT bad_lines FROM ingest_state WHERE file LIKE '%steps.jsonl'").fetchall() == [(1,)]
+
+
+def test_a_database_ingested_by_an_older_sftaudit_gains_the_newer_fields(resumed_run, tmp_path):
+    """Re-auditing a resumed run whose audit.duckdb predates a new record field (here LOOP-16's mask and
+    cache fields): the superseded copies of the timeline tables gain it too, instead of a binder error."""
+    run = tmp_path / "run"
+    shutil.copytree(resumed_run, run, ignore=shutil.ignore_patterns("checkpoint-*"))
+    ingest(run)
+    con = connect(run)
+    for table in ("batches", "superseded_batches"):
+        con.execute(f"ALTER TABLE {table} DROP COLUMN cache_built")
+    con.close()
+    ingest(run)
+    con = connect(run, read_only=True)
+    assert con.execute("SELECT count(*) FROM superseded_batches WHERE cache_built IS NOT NULL").fetchone()[0] == 0
+    assert "cache_built" in {c for (c,) in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'superseded_batches'").fetchall()}
