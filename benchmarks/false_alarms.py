@@ -108,10 +108,13 @@ def train(out: Path, spec: dict) -> Path:
     return run_dir
 
 
-def judge(run_dir: Path) -> dict:
+def judge(run_dir: Path, spec: dict) -> dict:
     from sftaudit.audit import audit
+    from sftaudit.config import AuditConfig
 
-    verdict = audit(run_dir)
+    # TRL's packing of a `messages` dataset trains every token (its default): declared, as its user would.
+    declared = {"LOOP-04": {"expect": "all_tokens"}} if spec.get("packing") else {}
+    verdict = audit(run_dir, AuditConfig(check_options=declared))
     return {"check_errors": verdict["check_errors"],
             "findings": [{k: f[k] for k in ("code", "severity", "step", "message")} for f in verdict["findings"]]}
 
@@ -120,7 +123,7 @@ def work(args: tuple[Path, dict]) -> tuple[str, dict, float]:
     out, spec = args
     started = time.perf_counter()
     try:
-        result = judge(train(out, spec))
+        result = judge(train(out, spec), spec)
     except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others' figures
         result = {"check_errors": [{"code": "run", "error": f"{type(exc).__name__}: {exc}"}], "findings": []}
     return spec["name"], result, time.perf_counter() - started
@@ -139,7 +142,7 @@ def main() -> None:
     faults = [{"name": f"fault-{z}", **spec} for z, _, _, _, spec in FAULTS] if args.only in ("faults", "all") else []
     specs = faults + clean  # the fault table first: shorter runs
     if args.audit_only:
-        results = {s["name"]: (judge(args.out / s["name"]), 0.0) for s in specs if (args.out / s["name"]).exists()}
+        results = {s["name"]: (judge(args.out / s["name"], s), 0.0) for s in specs if (args.out / s["name"]).exists()}
     else:
         with ProcessPoolExecutor(args.workers) as pool:
             results = {name: (res, dt) for name, res, dt in pool.map(work, [(args.out, s) for s in specs])}

@@ -45,7 +45,8 @@ class LossMaskValidity(Check):
         previous turn's text (true of special-token headers). Each row is compared with
         `labels != -100`; padding trained is also counted on every batch row from the
         batch records. Aggregate: trained tokens vs the template's expected count.
-        Full-sequence loss (every attended token trained) is a configuration, not a bug: one
+        Full-sequence loss (every attended token trained, but each packed sample's first token,
+        which padding-free collators mask) is a configuration, not a bug: one
         warn naming it and how to switch, silenced by `expect = "all_tokens"`;
         `assistant_turns = "last"` declares that only the last assistant turn is trained.
         Undeclared, a run in which no multi-turn sample trains any answer before its last one
@@ -73,7 +74,7 @@ class LossMaskValidity(Check):
             return findings
         template = template_source(first_manifest(ctx).get("tokenizer", {}).get("chat_template"))
         frame = recorded_samples(ctx, template)
-        if self._all_tokens_trained(frame):
+        if self._all_tokens_trained(frame, tokenizer.bos_token_id):
             if self.params["expect"] == "all_tokens":
                 return findings
             return findings + [self.finding(
@@ -170,12 +171,14 @@ class LossMaskValidity(Check):
         )]
 
     @staticmethod
-    def _all_tokens_trained(frame: Any) -> bool:
-        """Every attended token of every recorded row carries a label (the shifted last one aside)."""
-        for _, _, labels, attention in sample_blocks(frame):
-            trained = labels != IGNORE_INDEX
+    def _all_tokens_trained(frame: Any, bos_id: int | None) -> bool:
+        """Every attended token of every recorded row carries a label, but one per sample: the shifted last
+        one, or in a packed row each sample's first (padding-free collators mask what no earlier token of
+        the same sample predicts)."""
+        for _, ids, labels, attention in sample_blocks(frame):
             real = attention != 0
-            if (real & ~trained).sum() > real.shape[0]:  # at most one masked position per row
+            samples = np.maximum(1, ((ids == bos_id) & real).sum(1)) if bos_id is not None else 1
+            if ((real & (labels == IGNORE_INDEX)).sum(1) > samples).any():
                 return False
         return frame.height > 0
 
