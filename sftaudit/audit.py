@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import AuditContext, Finding, registered_checks
-from .checks.base import EVIDENCE, needed
+from .checks.base import EVIDENCE, alternatives, needed
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
@@ -98,8 +98,7 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
 def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
     """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
     manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
-    alternatives = [(need,) if isinstance(need, str) else need for need in check.needs]
-    missing = [" or ".join(EVIDENCE[t] for t in need) for need in alternatives if not any(recorded[t] for t in need)]
+    missing = [" or ".join(EVIDENCE[t] for t in need) for need in alternatives(check) if not any(recorded[t] for t in need)]
     if missing:
         return "not recorded: " + ", ".join(missing)
     return (manifest.get("unjudged") or {}).get(check.code)

@@ -71,6 +71,16 @@ RESUMES = [(10, None), (15, "resume_restarts_warmup"), (20, "resume_fresh_weight
 
 
 @pytest.fixture(scope="session")
+def trl_packing_run(tmp_path_factory, tokenizer_cache) -> Path:
+    """TRL's SFTTrainer with packing=True on a `messages` dataset (its defaults): BFD-packed rows flattened
+    padding-free, per-sample position_ids, no attention mask, use_cache=False; every token trained."""
+    from sftaudit.fixtures.train import train_hf
+
+    return train_hf(tmp_path_factory.mktemp("trl-packing") / "run", steps=3, save_steps=100, trl=True, packing=True,
+                    batch_size=4, max_length=96, tokenizer_cache=tokenizer_cache)
+
+
+@pytest.fixture(scope="session")
 def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
     run = tmp_path_factory.mktemp("resumed") / "resumed"
     train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)

@@ -94,9 +94,14 @@ class AuditContext:
 
 
 
+def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:
+    """The check's `needs`, each as the kinds of evidence any one of which will do."""
+    return [(need,) if isinstance(need, str) else need for need in check.needs]
+
+
 def needed(check: type[Check] | Check) -> list[str]:
     """Every kind of evidence in the check's `needs`, alternatives spelled out."""
-    return [t for need in check.needs for t in ((need,) if isinstance(need, str) else need)]
+    return [t for need in alternatives(check) for t in need]
 
 
 class Check:

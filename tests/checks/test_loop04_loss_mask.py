@@ -112,3 +112,16 @@ def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
     layout = TemplateLayout.derive(build_tokenizer(tokenizer_cache), chatml)
     assert layout.texts == {"assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>",
                             "user": "<|im_start|>user\n", "system": "<|im_start|>system\n"}
+
+
+def test_trl_packing_trains_every_token_a_configuration_named_once(trl_packing_run):
+    """TRL trains every token of a packed `messages` dataset but each sample's first (nothing before it in
+    the sample predicts it; its padding-free collator masks it): one configuration warn, none once declared."""
+    from sftaudit.audit import audit
+    from sftaudit.config import AuditConfig
+
+    verdict = audit(trl_packing_run)
+    assert [(f["severity"], f["evidence"]["kind"]) for f in verdict["findings"] if f["code"] == "LOOP-04"] == [
+        ("warn", "full_sequence_loss")]
+    declared = audit(trl_packing_run, AuditConfig(check_options={"LOOP-04": {"expect": "all_tokens"}}))
+    assert [f for f in declared["findings"] if f["severity"] in ("warn", "fail")] == []

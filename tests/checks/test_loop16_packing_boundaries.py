@@ -2,7 +2,6 @@
 fail at the first packed step; unpacked rows (one BOS each) raise nothing."""
 
 from sftaudit.audit import audit
-from sftaudit.config import AuditConfig
 from sftaudit.ingest import connect
 
 from .dynamics_runs import PACKED_STEP, of, recorded_loop, run
@@ -165,21 +164,10 @@ def test_runs_recorded_without_the_mask_and_cache_keep_the_older_rule(tmp_path, 
         f"positions restart but {finding['evidence']['attn_implementation']} ignores them"]
 
 
-def test_trl_packing_raises_nothing(tmp_path, tokenizer_cache):
-    # TRL's SFTTrainer with packing=True: BFD-packed rows flattened padding-free, per-sample position_ids,
-    # no attention mask, and use_cache=False in its compute_loss: the samples are kept apart under sdpa.
-    from sftaudit.fixtures.train import train_hf
-
-    run_dir = train_hf(tmp_path / "trl-packing", steps=3, save_steps=100, trl=True, packing=True, batch_size=4,
-                       max_length=96, tokenizer_cache=tokenizer_cache)
-    verdict = audit(run_dir)
-    assert of(verdict, "LOOP-16") == []
-    # TRL trains every token of a packed `messages` dataset, each sample's first aside (nothing before it in
-    # the sample predicts it): LOOP-04 names that configuration once, and is silent once it is declared.
-    assert [(f["severity"], f["evidence"]["kind"]) for f in of(verdict, "LOOP-04")] == [("warn", "full_sequence_loss")]
-    declared = audit(run_dir, AuditConfig(check_options={"LOOP-04": {"expect": "all_tokens"}}))
-    assert [f for f in declared["findings"] if f["severity"] in ("warn", "fail")] == []
-    rows = connect(run_dir, read_only=True).execute(
+def test_trl_packing_raises_nothing(trl_packing_run):
+    # TRL's padding-free packing keeps the samples apart under sdpa: restarts, no mask, no cache.
+    assert of(audit(trl_packing_run), "LOOP-16") == []
+    rows = connect(trl_packing_run, read_only=True).execute(
         "SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches").fetchall()
     assert len(rows) == 3 and all(starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
                                   for starts, resets, mask, cache in rows)
