@@ -196,12 +196,14 @@ class Recorder:
             counts = {
                 "lengths": attention_mask.sum(1),
                 "label_tokens": trained.sum(1),
-                "target_tokens": trained[:, 1:].sum(1),  # what a causal LM's shifted loss averages over
+                # A causal LM's shifted loss averages over the labels after the first: the host
+                # subtracts this column (cheaper than summing a strided slice).
+                "first_trained": trained[:, 0],
                 "padding_trained": (trained & padding).sum(1),
-                "left_padded": padding[:, 0].long(),
+                "left_padded": padding[:, 0],
                 **self._segments(batch, input_ids, padding),
             }
-            # The per-row counts travel as one tensor: fewer pieces to convert and concatenate at the transfer.
+            # The per-row counts travel as one tensor (stack promotes the bool columns): fewer pieces at the transfer.
             parts = {"row_counts": torch.stack(list(counts.values()))}
             # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
             # row's attended tokens (padding dropped: -1) serves as its sample id.
@@ -394,8 +396,7 @@ class Recorder:
 
     def _finish_step(self, step: int, lr: float | None) -> None:
         parts: list[tuple[str, Any, torch.Tensor]] = []  # (owner, key, tensor) in pack order
-        if self._losses:
-            parts.append(("step", "loss", torch.stack(self._losses).mean()))
+        parts.extend(("loss", i, t) for i, t in enumerate(self._losses))  # averaged on the host
         if self._norms is not None:
             parts.append(("step", "norms", self._norms))
         if self._hist is not None:
@@ -406,6 +407,7 @@ class Recorder:
         values = {(owner, key): v for (owner, key, _), v in zip(parts, host)}
         for m in self._micro:
             values.update({(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])})
+            values[m["micro"], "target_tokens"] = values[m["micro"], "label_tokens"] - values[m["micro"], "first_trained"]
 
         norms: list[float | None] = [None] * len(self._param_info)
         nonfinite, global_norm = {}, None
@@ -417,7 +419,8 @@ class Recorder:
             bad = np.flatnonzero(~np.isfinite(host_norms))
             if bad.size:
                 nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
-        loss = self._window_loss(values, float(values["step", "loss"]) if ("step", "loss") in values else None)
+        losses = [values["loss", i] for i in range(len(self._losses))]
+        loss = self._window_loss(values, float(np.mean(losses, dtype=np.float64)) if losses else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
@@ -721,7 +724,8 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
     """One device-to-host copy for all of a step's values (float32 holds token ids < 2**24 exactly)."""
     if not tensors:
         return []
-    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]).cpu().numpy()  # all detached already
+    # cat promotes mixed dtypes (bool, int64, float32) to one; a single conversion follows. All detached already.
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32).cpu().numpy()
     out, offset = [], 0
     for t in tensors:
         n = t.numel()
