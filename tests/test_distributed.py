@@ -90,6 +90,25 @@ def test_deepspeed_zero_pieces_reduce_to_deepspeeds_own_gradients(distributed_ru
         assert p0["stop"] == p1["start"] or p1["stop"] == p0["start"] or 0 in (p0["local_numel"], p1["local_numel"])
 
 
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp1_flat", "fsdp2", "zero3"])
+def test_sharded_runs_probe_on_every_rank_as_ddp_does_from_rank_0(distributed_runs, name):
+    """Sharded weights: every rank runs the probes' forward and generate (synced_gpus) together and
+    rank 0 writes them. They are the DDP run's (the same weights, probed by rank 0 alone) at the
+    same steps; before, sharded runs had no probes (a forward on rank 0 alone waits forever)."""
+    def records(run, rank, kind):
+        path = distributed_runs / run / "sftaudit" / f"rank-{rank}" / f"{kind}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    for kind, text in (("probes", None), ("generations", "text"), ("evals", "prediction")):
+        ddp, sharded = records("ddp", 0, kind), records(name, 0, kind)
+        assert ddp and [r["step"] for r in sharded] == [r["step"] for r in ddp] and not records(name, 1, kind)
+        if text:
+            assert [r[text] for r in sharded] == [r[text] for r in ddp]
+        else:  # top-k probabilities (ids may swap on near-ties of the tiny model)
+            assert max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
+    assert not [e for e in records(name, 0, "events") if e["kind"] in ("shim_error", "probe_disabled")]
+
+
 def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):
     ddp, fsdp1, flat, fsdp2 = (manifests(distributed_runs / n) for n in PLAIN_LOOPS)
     assert {m["framework"] for m in ddp} == {"plain"} and {m["framework"] for m in fsdp2} == {"fsdp2"}

@@ -157,9 +157,6 @@ class Recorder:
                 manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
-        if self._pieces.shards_weights:  # a forward pass from rank 0 alone would wait for the others forever
-            self._write("events", {"kind": "probe_disabled", "probe": "probes",
-                                   "error": f"{self._pieces.framework} shards the weights: no probing from one rank"})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
         self._eval_inputs = self._encode_prompts([it["messages"] for it in self.eval_set])
         self._probe_batch = self._left_padded(self._probe_inputs)
@@ -562,12 +559,17 @@ class Recorder:
             "evals": s.eval_every and step % s.eval_every == 0 and self._eval_inputs,
         }
         due = [name for name, on in due.items() if on and name not in self.disabled]
-        if not due or self.rank != 0 or self._pieces.shards_weights:
+        # A sharded model's forward gathers its weights from every rank: then all ranks probe together
+        # (their inputs, weights and seeds are the same, so are their results) and rank 0 writes.
+        if not due or (self.rank != 0 and not self._pieces.shards_weights):
             return
         with self._probe_mode():
             for name in due:
                 with self._guard(name, step):
-                    getattr(self, f"_probe_{name}")(step)
+                    records = getattr(self, f"_probe_{name}")(step)
+                    if self.rank == 0:
+                        for record in records:
+                            self._write(name, record)
 
     @contextmanager
     def _probe_mode(self):
@@ -583,7 +585,7 @@ class Recorder:
             self.model.train(was_training)
             self._probing = False
 
-    def _probe_probes(self, step: int) -> None:
+    def _probe_probes(self, step: int) -> list[dict]:
         ids, mask = self._on_device(self._probe_batch)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the positions
         logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask, position_ids=positions)
@@ -591,35 +593,35 @@ class Recorder:
         entropy = -(logp.exp() * logp).sum(-1)
         top = logp.exp().topk(min(self.schedule.probe_top_k, logp.shape[-1]), dim=-1)
         probs, top_ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
-        for i in range(len(self._probe_inputs)):
-            self._write("probes", {"step": step, "prompt": i, "entropy": entropy[i],
-                                   "top_ids": top_ids[i], "top_probs": probs[i]})
+        return [{"step": step, "prompt": i, "entropy": entropy[i], "top_ids": top_ids[i], "top_probs": probs[i]}
+                for i in range(len(self._probe_inputs))]
 
-    def _probe_generations(self, step: int) -> None:
+    def _probe_generations(self, step: int) -> list[dict]:
         n = self.schedule.generations_per_prompt
         torch.manual_seed(0)  # the same sampling noise at every step: differences are the model's
         texts, lengths, stopped = self._generate(self._generation_batch, sample=True)
-        for r, text in enumerate(texts):
-            self._write("generations", {"step": step, "prompt": r // n, "sample": r % n, "text": text,
-                                        "new_tokens": lengths[r], "stopped": stopped[r]})
+        return [{"step": step, "prompt": r // n, "sample": r % n, "text": text, "new_tokens": lengths[r],
+                 "stopped": stopped[r]} for r, text in enumerate(texts)]
 
-    def _probe_evals(self, step: int) -> None:
+    def _probe_evals(self, step: int) -> list[dict]:
         texts, lengths, stopped = self._generate(self._eval_batch, sample=False)
-        for i, item in enumerate(self.eval_set):
-            self._write("evals", {"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[i],
-                                  "reference": item["reference"], "new_tokens": lengths[i], "stopped": stopped[i]})
+        return [{"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[i],
+                 "reference": item["reference"], "new_tokens": lengths[i], "stopped": stopped[i]}
+                for i, item in enumerate(self.eval_set)]
 
     def _generate(self, batch: tuple[torch.Tensor, torch.Tensor], sample: bool) -> tuple[list[str], list[int], list[bool]]:
         """Batched generation on left-padded prompts, in chunks so a large eval set fits in memory."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         texts, lengths, stopped = [], [], []
+        sharded = self._pieces.shards_weights
         for ids, mask in zip(*(t.split(GENERATION_CHUNK) for t in self._on_device(batch))):
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=sample, max_new_tokens=self.schedule.max_new_tokens,
-                pad_token_id=self._pad_id(), eos_token_id=eos,
-                **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
-            )[:, ids.shape[1]:].cpu()
+            with self._pieces.generation_context():
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, do_sample=sample, max_new_tokens=self.schedule.max_new_tokens,
+                    pad_token_id=self._pad_id(), eos_token_id=eos, synced_gpus=sharded,  # every rank to the last token
+                    **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
+                )[:, ids.shape[1]:].cpu()
             ended = (out == eos).any(1) if eos is not None else torch.zeros(len(out), dtype=torch.bool)
             length = torch.where(ended, (out == eos).int().argmax(1) + 1, out.shape[1]).tolist()
             texts += tok.batch_decode([row[:k] for row, k in zip(out, length)], skip_special_tokens=True)

@@ -15,6 +15,7 @@ collective. Its `layout` says how the analyzer combines the ranks' pieces (`sfta
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ class Pieces:
     """The parameters of a model that one rank holds whole (no sharding): the plain case, DDP."""
 
     framework = "plain"
-    shards_weights = False  # a forward pass needs every rank (no probing from rank 0 alone)
+    # A forward pass needs every rank (each gathers the others' shards): probes then run on all ranks.
+    shards_weights = False
 
     def __init__(self, params: list[dict], tied: dict[str, str], tensors: list[torch.nn.Parameter],
                  layout: list[dict]):
@@ -39,6 +41,10 @@ class Pieces:
     def weights(self) -> list[torch.Tensor]:
         """This rank's piece of each parameter."""
         return [p.detach() for p in self._tensors]
+
+    def generation_context(self) -> AbstractContextManager:
+        """Where the model's `generate` may run (FSDP1 must gather its root unit's weights for it)."""
+        return nullcontext()
 
 
 def whole(kind: str, numel: int, replica: int) -> dict[str, Any]:

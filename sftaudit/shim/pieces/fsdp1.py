@@ -22,15 +22,23 @@ HYBRID = (HandleShardingStrategy.HYBRID_SHARD, HandleShardingStrategy._HYBRID_SH
 class FlatParamPieces(Pieces):
     framework = "fsdp1"
 
-    def __init__(self, params, slots, layout):
+    def __init__(self, model, params, slots, layout):
         super().__init__(params, {}, [], layout)
+        self._model = model
         self._slots = slots  # per parameter: (its FSDP handle, its index in the flat parameter)
+        self.shards_weights = any(handle._sharding_strategy != HandleShardingStrategy.NO_SHARD for handle, _ in slots)
 
     def grads(self) -> list[torch.Tensor | None]:
         return [_piece(handle, i, grad=True) for handle, i in self._slots]
 
     def weights(self) -> list[torch.Tensor]:
         return [_piece(handle, i, grad=False) for handle, i in self._slots]
+
+    def generation_context(self):
+        """`generate` runs the wrapped module's forward, not the root unit's (which gathers the root's
+        own weights, the embeddings and the head): they are gathered around it. Nested units gather
+        their own in their forward."""
+        return FullyShardedDataParallel.summon_full_params(self._model, writeback=False, recurse=False)
 
 
 def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
@@ -57,7 +65,7 @@ def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
                                "replica": replica})
             else:
                 layout.append({"kind": "sharded", "start": 0, "stop": 0, "local_numel": 0, "replica": replica})
-    return FlatParamPieces(params, slots, layout)
+    return FlatParamPieces(model, params, slots, layout)
 
 
 def _piece(handle, i: int, grad: bool) -> torch.Tensor | None:
