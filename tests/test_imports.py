@@ -294,3 +294,28 @@ def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tm
     checks = {c["code"]: c for c in verdict["checks"]}
     assert checks["LOOP-05"]["sources"] == ["imported logs: TensorBoard event files"]
     assert verdict["check_errors"] == []
+
+
+def test_data_that_cannot_be_rendered_or_a_shim_run_is_one_line_and_exit_2(clean_run, tmp_path, capsys):
+    """`--data` needs the tokenizer the run saved (a LLaMA-Factory log alone has none) and a run trained
+    without the shim (the shim recorded the real batches); a missing file is named. Nothing is written."""
+    from pathlib import Path
+
+    from sftaudit.fixtures import load_dataset
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in load_dataset()[:8]), encoding="utf-8")
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "llamafactory-resumed", run)
+    shim_files = sorted(p.relative_to(clean_run) for p in clean_run.rglob("*"))
+    for args, reason in (
+        (["audit", str(run), "--data", str(data)], "--data needs the tokenizer the run saved"),
+        (["import", str(run), "--data", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["audit", str(clean_run), "--data", str(data)], "--data is for runs trained without the shim"),
+    ):
+        capsys.readouterr()
+        assert main([*args, "--out", str(tmp_path / "out")] if args[0] == "audit" else args) == 2
+        err = capsys.readouterr().err
+        assert reason in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.relative_to(clean_run) for p in clean_run.rglob("*")) == shim_files
+    assert import_run(run)["steps"] == 67  # the failed --data left the run importable as it was

@@ -91,6 +91,8 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
+    if data is not None and not Path(data).exists():  # before anything is read or written
+        raise InputError(f"{data}: no such dataset file or folder")
     if not is_trainer_output(run_dir):
         raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
                          "TensorBoard event file or checkpoint-*/ folder)")
