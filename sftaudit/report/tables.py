@@ -31,23 +31,23 @@ def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
 
 
 def envelope(con: duckdb.DuckDBPyConnection, source: str, params: list[Any], keep_steps: list[int],
-             buckets: int = ENVELOPE_BUCKETS) -> pl.DataFrame:
+             buckets: int = ENVELOPE_BUCKETS, by: str | None = None) -> pl.DataFrame:
     """(seg, step, value) of `source` for drawing: all finite points if few, else each bucket's
-    lowest and highest point, plus the points at `keep_steps`; ordered by segment and step."""
-    src = f"(SELECT seg, step, value FROM ({source}) WHERE value IS NOT NULL AND isfinite(value))"
-    n = first_row(con, f"SELECT count(*) FROM {src}", params)[0]
-    if n <= 2 * buckets:
-        return con.sql(f"SELECT * FROM {src} ORDER BY seg, step", params=params or None).pl()
+    lowest and highest point, plus the points at `keep_steps`; ordered by segment and step. With
+    `by` (a column of `source`), the same for each of its groups in one query, the column first."""
+    group = f"{by}, " if by else ""
     sql = f"""
-        WITH s AS {src},
-        span AS (SELECT min(step) AS lo, max(step) - min(step) + 1 AS width FROM s),
-        b AS (SELECT s.*, (s.step - span.lo) * {int(buckets)} // span.width AS bucket FROM s, span),
-        ranked AS (SELECT *, row_number() OVER (PARTITION BY seg, bucket ORDER BY value, step) AS low,
-                             row_number() OVER (PARTITION BY seg, bucket ORDER BY value DESC, step) AS high
+        WITH s AS (SELECT {group}seg, step, value FROM ({source}) WHERE value IS NOT NULL AND isfinite(value)),
+        span AS (SELECT {group}min(step) AS lo, max(step) - min(step) + 1 AS width, count(*) AS n
+                 FROM s {f"GROUP BY {by}" if by else ""}),
+        b AS (SELECT s.*, span.n, (s.step - span.lo) * {int(buckets)} // span.width AS bucket
+              FROM s {f"JOIN span USING ({by})" if by else ", span"}),
+        ranked AS (SELECT *, row_number() OVER (PARTITION BY {group}seg, bucket ORDER BY value, step) AS low,
+                             row_number() OVER (PARTITION BY {group}seg, bucket ORDER BY value DESC, step) AS high
                    FROM b)
-        SELECT seg, step, value FROM ranked
-        WHERE low = 1 OR high = 1 OR list_contains(?::BIGINT[], step)
-        ORDER BY seg, step
+        SELECT {group}seg, step, value FROM ranked
+        WHERE n <= {2 * int(buckets)} OR low = 1 OR high = 1 OR list_contains(?::BIGINT[], step)
+        ORDER BY {group}seg, step
     """
     return con.sql(sql, params=[*params, keep_steps]).pl()
 
@@ -189,8 +189,9 @@ def rank_lanes(con: duckdb.DuckDBPyConnection, keep_steps: list[int]) -> list[di
         if not recorded:
             continue
         shown = ranks if differing else ranks[:1]
-        frames = {r: envelope(con, f"SELECT seg, step, value FROM ({source}) WHERE rank = ?", [r], keep_steps)
-                  for r in shown}
+        every = envelope(con, f"SELECT rank, seg, step, value FROM ({source}) WHERE list_contains(?, rank)", [shown],
+                         keep_steps, by="rank")
+        frames = {r: every.filter(every["rank"] == r).drop("rank") for r in shown}
         nonfinite = con.sql(f"SELECT rank, step, value FROM ({source}) WHERE NOT isfinite(value) ORDER BY step, rank"
                             ).pl()
         lanes.append({"title": title, "per_rank": bool(differing), "ranks": ranks, "frames": frames,
