@@ -13,6 +13,7 @@ from sftaudit.ingest import connect, ingest
 CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4, "zero1": 6, "zero2": 6,
          "zero3": 6}  # run -> steps
 PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
+ZERO = ("zero1", "zero2", "zero3")  # the same too, DeepSpeed's default clipping switched off as the reference has none
 
 
 def manifests(run):
@@ -50,7 +51,7 @@ def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
                                    for logged, reduced in pairs)
 
 
-@pytest.mark.parametrize("name", PLAIN_LOOPS)
+@pytest.mark.parametrize("name", PLAIN_LOOPS + ZERO)
 def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_runs, name):
     reference = json.loads((distributed_runs / "reference.json").read_text())
     ingest(distributed_runs / name)
@@ -65,24 +66,21 @@ def test_reduced_norms_equal_one_process_on_the_concatenated_batch(distributed_r
         assert abs(norm / whole - 1) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_zero_pieces_reduce_to_deepspeeds_own_gradients(distributed_runs, name):
     """ZeRO-1/2 fragments (read after engine.backward) and ZeRO-3 partitions (read inside the ZeRO
     optimizer's step, as the Trainer's callback does) reduce to the per-tensor norms of DeepSpeed's
-    own whole gradients (`safe_get_full_grad`) at every step, and to the one-process reference at
-    the steps before the trajectories part (the gradients agree through step 2, then differ from the
-    torch loop's by up to ~0.7%: DeepSpeed's optimizer step on its flat partitions is not the loop's).
-    DeepSpeed's own total (`get_global_grad_norm`, logged) is the reduced one (LOOP-17 in the PASS)."""
+    own whole gradients (`safe_get_full_grad`) at every step (and to the one-process reference:
+    the test above). DeepSpeed's own total (`get_global_grad_norm`, logged) is the reduced one
+    (LOOP-17 in the PASS)."""
     ingest(distributed_runs / name)
     con = connect(distributed_runs / name, read_only=True)
     rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms").fetchall()
     assert con.execute("SELECT count(*) FROM metrics WHERE name = 'grad_norm'").fetchall() == [(12,)]
     con.close()
     deepspeed = json.loads((distributed_runs / f"{name}.json").read_text())["deepspeed_norms"]
-    reference = json.loads((distributed_runs / "reference.json").read_text())
-    assert {t for _, _, t, _ in rows} == set(reference["1"]) and len(rows) == 2 * 6 * len(reference["1"])
+    assert len(rows) == 2 * 6 * len(deepspeed["1"])
     assert max(abs(norm / deepspeed[str(step)][tensor] - 1) for _, step, tensor, norm in rows) < 1e-5
-    assert max(abs(norm / reference[str(step)][tensor] - 1) for _, step, tensor, norm in rows if step <= 2) < 1e-5
     layouts = manifests(distributed_runs / name)
     assert {m["framework"] for m in layouts} == {"deepspeed"}
     for p0, p1 in zip(layouts[0]["params"], layouts[1]["params"]):  # disjoint element ranges tiling the tensor
