@@ -88,6 +88,97 @@ def test_deepspeed_zero_pieces_reduce_to_deepspeeds_own_gradients(distributed_ru
         assert p0["stop"] == p1["start"] or p1["stop"] == p0["start"] or 0 in (p0["local_numel"], p1["local_numel"])
 
 
+def records(run, rank, kind):
+    path = rank_dir(run, rank) / f"{kind}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("name", ["zero2_spike", "zero3_spike"])
+def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distributed_runs, name):
+    """x100 in the whole embedding gradient at step 10 of 12, DeepSpeed's default clipping on (its update
+    is clipped). The spike's histograms are taken after the optimizer step, where ZeRO-1/2 have dropped
+    their fragments: every one written is of the rank's piece of DeepSpeed's own pre-clip gradient at
+    that step (`safe_get_full_grad`), not the clipped or the unspiked one; none is missing."""
+    import torch
+
+    from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
+    from sftaudit.shim.recorder import _histograms
+
+    run = distributed_runs / name
+    full = torch.load(run / "spiked_grads.pt", weights_only=True)
+    clip = 1.0 / (float(torch.stack([g.double().norm() for g in full.values()]).norm()) + 1e-6)
+    spiked_ranks = []
+    for rank, manifest in enumerate(manifests(run)):
+        assert not [e for e in records(run, rank, "events") if e["kind"] == "grad_hists_not_recorded"]
+        rows = [h for h in records(run, rank, "grad_hists") if h["step"] == SPIKE_AT]
+        if rows:
+            spiked_ranks.append(rank)
+        assert {h["reason"] for h in rows} <= {"spike"} and not [h for h in records(run, rank, "grad_hists")
+                                                                  if h["step"] != SPIKE_AT]
+        ranges = {p["name"]: (p["start"], p["stop"]) for p in manifest["params"]}
+        for h in rows:
+            start, stop = ranges[h["tensor"]]
+            piece = full[h["tensor"]].reshape(-1)[start:stop]
+            expected = _histograms([piece]).numpy().astype("int64")[0].tolist()
+            assert [h["zeros"], h["nonfinite"], *h["counts"]] == expected, h["tensor"]
+            if h["tensor"] == ZERO_SPIKED:  # what reading the clipped or the unspiked gradient would have written
+                assert all(_histograms([piece * k]).numpy().astype("int64")[0].tolist() != expected
+                           for k in (clip, 0.01))
+    assert spiked_ranks == ([0, 1] if name == "zero3_spike" else [0])  # the ranks holding the spiked tensor
+    assert ZERO_SPIKED in {h["tensor"] for h in records(run, 0, "grad_hists")}
+
+
+def test_a_spike_whose_gradients_deepspeed_clipped_in_place_says_no_histograms_were_taken(distributed_runs):
+    """bf16 weights with fp32 gradient accumulation: ZeRO-2 clips its accumulation buffer, which the
+    fragments are views of, in place in the optimizer step. The spike's histograms would have been
+    of the clipped gradient: an event says they were not taken, naming the step."""
+    from sftaudit.fixtures.distributed import SPIKE_AT
+
+    run = distributed_runs / "zero2_bf16_spike"
+    missing = [e for e in records(run, 0, "events") if e["kind"] == "grad_hists_not_recorded"]
+    assert [e["step"] for e in missing] == [SPIKE_AT] and "deepspeed" in missing[0]["error"]
+    assert records(run, 0, "grad_hists") == []
+    steps = [json.loads(line) for line in (rank_dir(run, 0) / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 12 and steps[SPIKE_AT - 1]["grad_norm"] > 10 * steps[SPIKE_AT - 2]["grad_norm"]
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_histograms_of_a_spike_are_never_taken_on_gradients_the_step_changed(tmp_path, tokenizer_cache, zeroed):
+    """A loop that zeroes the gradients in place before `on_step_end` (where a spike's histograms are
+    taken): the pieces no longer have the step's norms, so an event says the histograms were not
+    taken instead of histograms of zeros labelled with the spike's step."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok)
+    rows = load_dataset()[:4]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(tmp_path, model, tok, profile="prod") as rec:
+        for step in (1, 2, 3, 4):
+            batch = collate(tok, rows)
+            rec.on_batch(step, batch)
+            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"]).loss
+            loss.backward()
+            if step == 4:
+                torch._foreach_mul_([p.grad for p in model.parameters()], 100.0)
+            rec.on_backward(step, loss)
+            opt.step()
+            if zeroed:
+                opt.zero_grad(set_to_none=False)
+            rec.on_step_end(step, lr=0.01)
+            opt.zero_grad()
+    missing = [e for e in records(tmp_path, 0, "events") if e["kind"] == "grad_hists_not_recorded"]
+    hists = records(tmp_path, 0, "grad_hists")
+    if zeroed:
+        assert [e["step"] for e in missing] == [4] and "spike step" in missing[0]["error"] and hists == []
+    else:
+        assert missing == [] and {h["step"] for h in hists} == {4} and {h["reason"] for h in hists} == {"spike"}
+
+
 def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):
     ddp, fsdp1, flat, fsdp2 = (manifests(distributed_runs / n) for n in PLAIN_LOOPS)
     assert {m["framework"] for m in ddp} == {"plain"} and {m["framework"] for m in fsdp2} == {"fsdp2"}
