@@ -94,7 +94,8 @@ def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
 # launch (a launch costs ~10 s of imports on 2 cores), each into DISTRIBUTED_ROOT/<name>.
 DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_ddp", "fsdp2_spike", "ddp_nan_loss",
                          "ddp_same_samples", "fsdp2_stop", "ddp_perturb", "fsdp1_local_clip", "zero1", "zero2",
-                         "zero3", "zero2_loss_x10")
+                         "zero3", "zero2_loss_x10", "zero2_spike", "zero3_spike",
+                         "zero2_bf16_spike")
 
 
 @pytest.fixture(scope="session")

@@ -533,13 +533,22 @@ class Recorder:
         return counts
 
     def _write_triggered_hists(self, step: int, reason: str) -> None:
+        """Histograms of this step's gradient pieces, taken after the optimizer step: only when the
+        pieces still have the norms recorded for the step (an optimizer step may free, reuse or clip
+        them in place, as DeepSpeed's does); else an event saying they could not be taken."""
         if "grad_hists" in self.disabled:
             return
-        grads = self._pieces.grads()
+        grads = self._pieces.step_grads()
         index = [i for i, g in enumerate(grads) if g is not None]
-        if index:
-            hist = _histograms([grads[i] for i in index]).cpu().numpy()
-            self._write_hists(step, index, hist, reason)
+        pieces = [grads[i] for i in index]
+        if (self._norms is None or index != self._norm_index  # a rare path: one more pass and sync is fine
+                or not torch.allclose(torch.stack(torch._foreach_norm(pieces)).float(), self._norms, rtol=0, atol=0,
+                                      equal_nan=True)):
+            self._write("events", {"kind": "grad_hists_not_recorded", "step": step, "time": time.time(),
+                                   "error": f"{reason} step: its gradients were freed or changed by the optimizer "
+                                            f"step before the histograms ({self._pieces.framework})"})
+            return
+        self._write_hists(step, index, _histograms(pieces).cpu().numpy(), reason)
 
     def _write_hists(self, step: int, index: list[int], hist: Any, reason: str) -> None:
         hist = hist.reshape(len(index), -1).astype("int64")

@@ -38,6 +38,11 @@ class Pieces:
         """This rank's piece of each parameter's gradient (None: no gradient)."""
         return [p.grad for p in self._tensors]
 
+    def step_grads(self) -> list[torch.Tensor | None]:
+        """After the optimizer step (the histograms a suspicious step triggers): this step's pieces
+        as `grads` read them. Here they stay in `p.grad` until the loop zeroes them."""
+        return self.grads()
+
     def weights(self) -> list[torch.Tensor]:
         """This rank's piece of each parameter."""
         return [p.detach() for p in self._tensors]

@@ -14,6 +14,14 @@
 Under accelerate (the Trainer) the engine runs its optimizer step inside `backward`, so the
 gradients are gone by the time a callback runs: `read_before_step` reads them inside the ZeRO
 optimizer's step instead.
+
+After the optimizer step (where a suspicious step's histograms are taken) ZeRO-1/2 have dropped
+their fragments (`get_lp_grad_fragment` raises): `step_grads` hands back the fragments `grads`
+last read, which stay alive until the next forward. The step itself flattens a copy of them to
+clip and update, so they still hold the step's pre-clip gradients, except where DeepSpeed steps on
+its own fp32 accumulation buffer (bf16 with fp32 `grad_accum_dtype`) and clips it in place. ZeRO-3
+keeps its gradient partitions until the next backward. The recorder checks, on that rare path,
+that the pieces still have the norms it recorded before taking histograms of them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,16 @@ class ZeroPieces(Pieces):
         self._stage3 = stage3
         self._ranges = [(p["start"], p["stop"]) for p in self.params]
         self.shards_weights = stage3  # ZeRO-3 gathers weights in the forward: every rank must take part
+        self._read: list[torch.Tensor | None] = []  # ZeRO-1/2: the fragments last read, until the next forward
+
+    def release(self, *_) -> None:
+        self._read = []
+
+    def step_grads(self) -> list[torch.Tensor | None]:
+        if self._stage3:
+            return self.grads()
+        grads = self.grads()
+        return grads if any(g is not None for g in grads) else self._read or grads
 
     def grads(self) -> list[torch.Tensor | None]:
         if self._stage3:
@@ -46,8 +64,9 @@ class ZeroPieces(Pieces):
         if all(g is None for g in fragments):
             return fragments  # between the optimizer step and the next reduction: no gradient anywhere
         # A parameter with no fragment on this rank gets an empty piece (the other ranks hold it all).
-        return [g if g is not None or getattr(p, "_hp_mapping", True) is not None else p.detach().reshape(-1)[:0]
-                for g, p in zip(fragments, self._tensors)]
+        self._read = [g if g is not None or getattr(p, "_hp_mapping", True) is not None else p.detach().reshape(-1)[:0]
+                      for g, p in zip(fragments, self._tensors)]
+        return self._read
 
     def weights(self) -> list[torch.Tensor]:
         if self._stage3:
@@ -72,7 +91,10 @@ def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
             address = getattr(p, "_hp_mapping", None) and p._hp_mapping.lp_fragment_address
             start, stop = (address.start, address.start + address.numel) if address else (0, 0)
         layout.append({"kind": "sharded", "start": start, "stop": stop, "local_numel": stop - start, "replica": 0})
-    return ZeroPieces(params, tied, tensors, layout, stage3)
+    zero = ZeroPieces(params, tied, tensors, layout, stage3)
+    if not stage3:  # the fragments kept for `step_grads` are let go before the next step's forward
+        model.register_forward_pre_hook(zero.release)
+    return zero
 
 
 def _fragment_grad(p: torch.nn.Parameter, start: int, stop: int) -> torch.Tensor | None:
