@@ -144,29 +144,44 @@ def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distrib
     assert ZERO_SPIKED in {h["tensor"] for h in records(run, 0, "grad_hists")}
 
 
-def test_a_spike_whose_gradients_deepspeed_clipped_in_place_says_no_histograms_were_taken(distributed_runs):
+def test_a_spike_whose_gradients_deepspeed_clipped_in_place_gets_them_scaled_back(distributed_runs):
     """bf16 weights with fp32 gradient accumulation: ZeRO-2 clips its accumulation buffer, which the
-    fragments are views of, in place in the optimizer step. The spike's histograms would have been
-    of the clipped gradient: an event says they were not taken, naming the step."""
-    from sftaudit.fixtures.distributed import SPIKE_AT
+    fragments are views of, in place in the optimizer step. Every piece is then one multiple of what
+    was recorded: the recorder divides it back, so the spike's histograms are of DeepSpeed's own
+    pre-clip gradient (`safe_get_full_grad` before the step), not of the clipped one."""
+    import torch
+
+    from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
+    from sftaudit.shim.recorder import _histograms
 
     run = distributed_runs / "zero2_bf16_spike"
-    missing = [e for e in records(run, 0, "events") if e["kind"] == "grad_hists_not_recorded"]
-    assert [e["step"] for e in missing] == [SPIKE_AT] and "deepspeed" in missing[0]["error"]
-    assert records(run, 0, "grad_hists") == []
-    steps = [json.loads(line) for line in (rank_dir(run, 0) / "steps.jsonl").read_text().splitlines()]
-    assert len(steps) == 12 and steps[SPIKE_AT - 1]["grad_norm"] > 10 * steps[SPIKE_AT - 2]["grad_norm"]
+    full = torch.load(run / "spiked_grads.pt", weights_only=True)
+    clip = 1.0 / (float(torch.stack([g.double().norm() for g in full.values()]).norm()) + 1e-6)
+    assert not [e for e in records(run, 0, "events") if e["kind"] == "grad_hists_not_recorded"]
+    rows = [h for h in records(run, 0, "grad_hists") if h["step"] == SPIKE_AT]
+    assert ZERO_SPIKED in {h["tensor"] for h in rows} and {h["reason"] for h in rows} == {"spike"}
+    ranges = {p["name"]: (p["start"], p["stop"]) for p in manifests(run)[0]["params"]}
+    for h in rows:  # bins of log10|g|: a value on a bin edge may move by one once the clip is undone
+        start, stop = ranges[h["tensor"]]
+        piece = full[h["tensor"]].reshape(-1)[start:stop].float()
+        expected = _histograms([piece]).numpy().astype("int64")[0].tolist()
+        got = [h["zeros"], h["nonfinite"], *h["counts"]]
+        assert sum(abs(a - b) for a, b in zip(got, expected)) <= 2 + piece.numel() // 10_000, h["tensor"]
+        if h["tensor"] == ZERO_SPIKED:
+            assert got != _histograms([piece * clip]).numpy().astype("int64")[0].tolist()
 
 
-@pytest.mark.parametrize("zeroed", [False, True])
-def test_histograms_of_a_spike_are_never_taken_on_gradients_the_step_changed(tmp_path, tokenizer_cache, zeroed):
-    """A loop that zeroes the gradients in place before `on_step_end` (where a spike's histograms are
-    taken): the pieces no longer have the step's norms, so an event says the histograms were not
-    taken instead of histograms of zeros labelled with the spike's step."""
+@pytest.mark.parametrize("after_backward", ["kept", "clipped", "zeroed"])
+def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path, tokenizer_cache, after_backward):
+    """A spike's histograms are taken at `on_step_end`, after the optimizer step. Gradients the loop
+    clipped in place since `on_backward` (`clip_grad_norm_`: every piece times one factor) are scaled
+    back: the histograms are of the step's pre-clip gradients. Gradients it zeroed no longer have the
+    step's norms: an event says the histograms were not taken, instead of histograms of zeros."""
     import torch
 
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
     from sftaudit.shim import Recorder
+    from sftaudit.shim.recorder import _histograms
 
     tok = build_tokenizer(tokenizer_cache)
     model = build_model(tok)
@@ -181,18 +196,26 @@ def test_histograms_of_a_spike_are_never_taken_on_gradients_the_step_changed(tmp
             loss.backward()
             if step == 4:
                 torch._foreach_mul_([p.grad for p in model.parameters()], 100.0)
+                spiked = {name: _histograms([p.grad]).numpy().astype("int64")[0].tolist()
+                          for name, p in model.named_parameters()}
             rec.on_backward(step, loss)
+            if after_backward == "clipped":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            if zeroed:
+            if after_backward == "zeroed":
                 opt.zero_grad(set_to_none=False)
             rec.on_step_end(step, lr=0.01)
             opt.zero_grad()
     missing = [e for e in records(tmp_path, 0, "events") if e["kind"] == "grad_hists_not_recorded"]
     hists = records(tmp_path, 0, "grad_hists")
-    if zeroed:
+    if after_backward == "zeroed":
         assert [e["step"] for e in missing] == [4] and "spike step" in missing[0]["error"] and hists == []
-    else:
-        assert missing == [] and {h["step"] for h in hists} == {4} and {h["reason"] for h in hists} == {"spike"}
+        return
+    assert missing == [] and {h["step"] for h in hists} == {4} and {h["reason"] for h in hists} == {"spike"}
+    assert len(hists) == len(spiked)
+    for h in hists:  # bins of log10|g|: a value on a bin edge may move by one after the clip is undone
+        got = [h["zeros"], h["nonfinite"], *h["counts"]]
+        assert got[:2] == spiked[h["tensor"]][:2] and sum(abs(a - b) for a, b in zip(got, spiked[h["tensor"]])) <= 2
 
 
 def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):

@@ -525,7 +525,7 @@ class Recorder:
 
     def _count_nonfinite(self, bad: list[int]) -> dict[str, int]:
         counts = {}
-        grads = self._pieces.grads()
+        grads = self._pieces.step_grads()
         for i in bad:  # rare path: only tensors whose norm is already non-finite
             grad = grads[i]
             if grad is not None:
@@ -534,21 +534,39 @@ class Recorder:
 
     def _write_triggered_hists(self, step: int, reason: str) -> None:
         """Histograms of this step's gradient pieces, taken after the optimizer step: only when the
-        pieces still have the norms recorded for the step (an optimizer step may free, reuse or clip
-        them in place, as DeepSpeed's does); else an event saying they could not be taken."""
+        pieces still have the norms recorded for the step, or all of them one multiple of those (an
+        in-place clip: `clip_grad_norm_`, DeepSpeed's bf16 accumulation buffer), which is undone; else
+        (freed, reused, zeroed) an event saying they could not be taken."""
         if "grad_hists" in self.disabled:
             return
         grads = self._pieces.step_grads()
         index = [i for i, g in enumerate(grads) if g is not None]
         pieces = [grads[i] for i in index]
-        if (self._norms is None or index != self._norm_index  # a rare path: one more pass and sync is fine
-                or not torch.allclose(torch.stack(torch._foreach_norm(pieces)).float(), self._norms, rtol=0, atol=0,
-                                      equal_nan=True)):
+        scale = self._scale_since_recorded(pieces) if self._norms is not None and index == self._norm_index else None
+        if scale is None:
             self._write("events", {"kind": "grad_hists_not_recorded", "step": step, "time": time.time(),
                                    "error": f"{reason} step: its gradients were freed or changed by the optimizer "
                                             f"step before the histograms ({self._pieces.framework})"})
             return
+        if scale != 1.0:
+            pieces = torch._foreach_div(pieces, scale)
         self._write_hists(step, index, _histograms(pieces).cpu().numpy(), reason)
+
+    def _scale_since_recorded(self, pieces: list[torch.Tensor]) -> float | None:
+        """1.0 when the pieces' norms are the recorded ones; c when every piece was multiplied by one
+        finite c > 0 since (norms zero before stay zero); None otherwise. A rare path: one more pass
+        over the gradients and one more transfer are fine here."""
+        now = torch.stack(torch._foreach_norm(pieces)).float()
+        if torch.equal(now.nan_to_num(nan=-1.0), self._norms.nan_to_num(nan=-1.0)):  # NaN where it was NaN
+            return 1.0
+        now, then = now.double().cpu().numpy(), self._norms.double().cpu().numpy()
+        moved = np.isfinite(then) & (then > 0)
+        if not moved.any() or not np.isfinite(then[~moved]).all() or (now[~moved] != 0).any():
+            return None
+        ratios = now[moved] / then[moved]
+        scale = float(np.median(ratios))
+        uniform = np.isfinite(ratios).all() and scale > 0 and np.abs(ratios / scale - 1).max() <= 1e-4
+        return scale if uniform else None
 
     def _write_hists(self, step: int, index: list[int], hist: Any, reason: str) -> None:
         hist = hist.reshape(len(index), -1).astype("int64")
