@@ -94,19 +94,24 @@ def records(run, rank, kind):
 
 
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp1_flat", "fsdp2", "zero3"])
-def test_sharded_runs_probe_on_every_rank_as_ddp_does_from_rank_0(distributed_runs, name):
-    """Sharded weights: every rank runs the probes' forward and generate (synced_gpus) together and
-    rank 0 writes them. They are the DDP run's (the same weights, probed by rank 0 alone) at the
-    same steps; before, sharded runs had no probes (a forward on rank 0 alone waits forever)."""
+def test_sharded_runs_probe_on_every_rank_as_ddp_does(distributed_runs, name):
+    """Probe rows are split across the ranks (rank r: rows r, r + 2, ...), each rank writing its own.
+    With sharded weights every rank runs each probe's forward and generate (synced_gpus) together,
+    rank 1 on a stand-in row for the one eval item it does not hold; the records are the DDP run's
+    (the same weights and split) row for row. Before, sharded runs had no probes, and FSDP1 probed
+    from rank 0 alone, which stalled the other rank's next collective."""
     run = distributed_runs / name
-    for kind, text in (("probes", None), ("generations", "text"), ("evals", "prediction")):
-        ddp, sharded = records(distributed_runs / "ddp", 0, kind), records(run, 0, kind)
-        assert ddp and [r["step"] for r in sharded] == [r["step"] for r in ddp] and not records(run, 1, kind)
-        if text:
-            assert [r[text] for r in sharded] == [r[text] for r in ddp]
-        else:  # top-k probabilities (ids may swap on near-ties of the tiny model)
-            assert max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
-    assert not [e for e in records(run, 0, "events") if e["kind"] in ("shim_error", "probe_disabled")]
+    held = {"probes": {0: [0], 1: [1]}, "generations": {0: [0, 0], 1: [1, 1]}, "evals": {0: [0], 1: []}}
+    for kind, row, text in (("probes", "prompt", None), ("generations", "sample", "text"), ("evals", "item", "prediction")):
+        for rank in (0, 1):
+            ddp, sharded = records(distributed_runs / "ddp", rank, kind), records(run, rank, kind)
+            assert [r[row] for r in sharded if r["step"] == 6] == [r[row] for r in ddp if r["step"] == 6] == held[kind][rank]
+            assert [r["step"] for r in sharded] == [r["step"] for r in ddp]
+            if text:
+                assert [r[text] for r in sharded] == [r[text] for r in ddp]
+            else:  # top-k probabilities (ids may swap on near-ties of the tiny model)
+                assert max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
+    assert not [e for rank in (0, 1) for e in records(run, rank, "events") if e["kind"] in ("shim_error", "probe_disabled")]
 
 
 @pytest.mark.parametrize("name", ["zero2_spike", "zero3_spike"])

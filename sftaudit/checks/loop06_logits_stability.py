@@ -77,7 +77,7 @@ class LogitsStability(Check):
                 "entropy_collapse": 0.5, "window": 4}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        rows = ctx.con.execute("SELECT step, prompt, entropy, top_ids, top_probs FROM probes WHERE rank = 0 "
+        rows = ctx.con.execute("SELECT step, prompt, entropy, top_ids, top_probs FROM probes "
                                "ORDER BY step, prompt").fetchall()
         if not rows:
             return []

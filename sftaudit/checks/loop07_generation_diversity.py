@@ -42,7 +42,7 @@ class GenerationDiversity(Check):
     defaults = {"min_distinct_1": 0.35, "consecutive": 3, "top_ngrams": 10}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        rows = ctx.con.execute("SELECT step, prompt, text FROM generations WHERE rank = 0 ORDER BY step, prompt, sample").fetchall()
+        rows = ctx.con.execute("SELECT step, prompt, text FROM generations ORDER BY step, prompt, sample").fetchall()
         if not rows:
             return []
         by_step: dict[int, dict[int, list[list[str]]]] = {}

@@ -67,7 +67,7 @@ class EvalMetricDrift(Check):
         return self._metrics(ctx) + self._contamination(ctx)
 
     def _metrics(self, ctx: AuditContext) -> list[Finding]:
-        rows = ctx.con.execute("SELECT step, prediction, reference FROM evals WHERE rank = 0 ORDER BY step, item").fetchall()
+        rows = ctx.con.execute("SELECT step, prediction, reference FROM evals ORDER BY step, item").fetchall()
         if not rows:
             return []
         by_step: dict[int, tuple[list[str], list[str]]] = {}
@@ -122,7 +122,7 @@ class EvalMetricDrift(Check):
         from tokenizers import Tokenizer  # the run's own tokenizer decodes the recorded rows
 
         samples = ctx.con.execute(
-            "SELECT sample_id, arg_min(input_ids, step), min(step) FROM samples WHERE rank = 0 GROUP BY sample_id").fetchall()
+            "SELECT sample_id, arg_min(input_ids, step), min(step) FROM samples GROUP BY sample_id").fetchall()
         texts = Tokenizer.from_file(str(tokenizer_file)).decode_batch([s[1] for s in samples], skip_special_tokens=True)
         n = self.params["shingle"]
         train = [shingles(tokenize(t), n) for t in texts]
@@ -142,7 +142,7 @@ class EvalMetricDrift(Check):
             return []
         # The first step a leaked sample went through training, from every batch (not just the recorded rows).
         ids = sorted({s for leak in leaks for s in leak["training_samples"]})
-        first = ctx.scalar("SELECT min(step) FROM (SELECT step, unnest(sample_ids) AS id FROM batches WHERE rank = 0) "
+        first = ctx.scalar("SELECT min(step) FROM (SELECT step, unnest(sample_ids) AS id FROM batches) "
                            "WHERE id IN (SELECT unnest(?::VARCHAR[]))", [ids]) or min(leak["first_trained_step"] for leak in leaks)
         share = len(leaks) / len(eval_set)
         return [self.finding(

@@ -159,9 +159,13 @@ class Recorder:
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
         self._eval_inputs = self._encode_prompts([it["messages"] for it in self.eval_set])
-        self._probe_batch = self._left_padded(self._probe_inputs)
-        self._generation_batch = self._left_padded(self._probe_inputs, self.schedule.generations_per_prompt)
-        self._eval_batch = self._left_padded(self._eval_inputs)
+        per_prompt = self.schedule.generations_per_prompt
+        # Per probe kind: this rank's rows (global indices), their left-padded batch, its generate() calls.
+        self._shares = {
+            "probes": self._share(self._probe_inputs),
+            "generations": self._share([p for p in self._probe_inputs for _ in range(per_prompt)]),
+            "evals": self._share(self._eval_inputs),
+        }
         # The model's own loss per micro-batch and the weight the backpropagated objective gives it
         # (LOOP-13 recomputes the intended token mean from them).
         self._loss_hook = model.register_forward_hook(self._after_forward, with_kwargs=True)
@@ -585,18 +589,27 @@ class Recorder:
             "generations": s.generate_every and s.generations_per_prompt and step % s.generate_every == 0 and self._probe_inputs,
             "evals": s.eval_every and step % s.eval_every == 0 and self._eval_inputs,
         }
-        due = [name for name, on in due.items() if on and name not in self.disabled]
-        # A sharded model's forward gathers its weights from every rank: then all ranks probe together
-        # (their inputs, weights and seeds are the same, so are their results) and rank 0 writes.
-        if not due or (self.rank != 0 and not self._pieces.shards_weights):
+        due = [name for name, on in due.items() if on and name not in self.disabled and self._shares[name][1] is not None]
+        if not due:
             return
         with self._probe_mode():
             for name in due:
                 with self._guard(name, step):
-                    records = getattr(self, f"_probe_{name}")(step)
-                    if self.rank == 0:
-                        for record in records:
-                            self._write(name, record)
+                    for record in getattr(self, f"_probe_{name}")(step, *self._shares[name]):
+                        self._write(name, record)
+
+    def _share(self, prompts: list[list[int]]) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None, int]:
+        """This rank's rows of a probe batch: every world_size-th from its rank, so data-parallel ranks
+        probe in parallel, each writing its own rows (batch None: nothing to run). A sharded model's
+        forward gathers its weights from every rank, so there every rank runs each probe the same
+        number of times: one with no rows of its own runs row 0 and writes nothing, and generation is
+        split into as many chunks as the largest share needs. Built once: the prompts never change."""
+        rows = list(range(self.rank, len(prompts), self.world_size))
+        largest = -(-len(prompts) // self.world_size)  # rows of the largest share (ceil)
+        chunks = max(1, -(-largest // GENERATION_CHUNK))
+        if not rows and self._pieces.shards_weights and prompts:
+            return [], self._left_padded(prompts[:1]), chunks
+        return rows, self._left_padded([prompts[i] for i in rows]) if rows else None, chunks
 
     @contextmanager
     def _probe_mode(self):
@@ -612,37 +625,40 @@ class Recorder:
             self.model.train(was_training)
             self._probing = False
 
-    def _probe_probes(self, step: int) -> list[dict]:
-        ids, mask = self._on_device(self._probe_batch)
+    def _probe_probes(self, step: int, rows: list[int], batch, chunks: int) -> list[dict]:
+        ids, mask = self._on_device(batch)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the positions
         logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask, position_ids=positions)
                                  .logits[:, -1].float(), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
         top = logp.exp().topk(min(self.schedule.probe_top_k, logp.shape[-1]), dim=-1)
         probs, top_ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
-        return [{"step": step, "prompt": i, "entropy": entropy[i], "top_ids": top_ids[i], "top_probs": probs[i]}
-                for i in range(len(self._probe_inputs))]
+        return [{"step": step, "prompt": i, "entropy": entropy[k], "top_ids": top_ids[k], "top_probs": probs[k]}
+                for k, i in enumerate(rows)]
 
-    def _probe_generations(self, step: int) -> list[dict]:
+    def _probe_generations(self, step: int, rows: list[int], batch, chunks: int) -> list[dict]:
         n = self.schedule.generations_per_prompt
         torch.manual_seed(0)  # the same sampling noise at every step: differences are the model's
-        texts, lengths, stopped = self._generate(self._generation_batch, sample=True)
-        return [{"step": step, "prompt": r // n, "sample": r % n, "text": text, "new_tokens": lengths[r],
-                 "stopped": stopped[r]} for r, text in enumerate(texts)]
+        texts, lengths, stopped = self._generate(batch, chunks, sample=True)
+        return [{"step": step, "prompt": r // n, "sample": r % n, "text": texts[k], "new_tokens": lengths[k],
+                 "stopped": stopped[k]} for k, r in enumerate(rows)]
 
-    def _probe_evals(self, step: int) -> list[dict]:
-        texts, lengths, stopped = self._generate(self._eval_batch, sample=False)
-        return [{"step": step, "item": i, "id": str(item.get("id", i)), "prediction": texts[i],
-                 "reference": item["reference"], "new_tokens": lengths[i], "stopped": stopped[i]}
-                for i, item in enumerate(self.eval_set)]
+    def _probe_evals(self, step: int, rows: list[int], batch, chunks: int) -> list[dict]:
+        texts, lengths, stopped = self._generate(batch, chunks, sample=False)
+        return [{"step": step, "item": i, "id": str(self.eval_set[i].get("id", i)), "prediction": texts[k],
+                 "reference": self.eval_set[i]["reference"], "new_tokens": lengths[k], "stopped": stopped[k]}
+                for k, i in enumerate(rows)]
 
-    def _generate(self, batch: tuple[torch.Tensor, torch.Tensor], sample: bool) -> tuple[list[str], list[int], list[bool]]:
-        """Batched generation on left-padded prompts, in chunks so a large eval set fits in memory."""
+    def _generate(self, batch: tuple[torch.Tensor, torch.Tensor], chunks: int,
+                  sample: bool) -> tuple[list[str], list[int], list[bool]]:
+        """Batched generation on left-padded prompts, in `chunks` calls of at most GENERATION_CHUNK rows
+        so a large eval set fits in memory; with sharded weights every rank generates to the last rank's
+        last token (synced_gpus)."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         texts, lengths, stopped = [], [], []
         sharded = self._pieces.shards_weights
-        for ids, mask in zip(*(t.split(GENERATION_CHUNK) for t in self._on_device(batch))):
+        for ids, mask in zip(*(t.tensor_split(chunks) for t in self._on_device(batch))):
             with self._pieces.generation_context():
                 out = self.model.generate(
                     input_ids=ids, attention_mask=mask, do_sample=sample, max_new_tokens=self.schedule.max_new_tokens,
