@@ -2,7 +2,8 @@
 
 For each framework, the bench model trains in alternating blocks of `block` steps, bare and
 through the Recorder (the `prod` profile by default: what a distributed run would use), on both
-ranks at once. Rank 0 prints the ratio of mean step times (amortised) and of medians (per step).
+ranks at once. Rank 0 prints the ratio of mean step times (amortised), of medians (per step) and
+the share of the amortised overhead spent at the steps where a probe, generation or eval ran.
 By default each rank takes 8 rows of 256 tokens: two ranks train shim_overhead.py's global batch
 (16 x 256) on the same two cores; `--rows 4` halves the work per step, so the shim's fixed
 per-step cost weighs twice as much.
@@ -52,12 +53,12 @@ def main() -> None:
     args = p.parse_args()
     with process_group() as (rank, world):
         if rank == 0:
-            print(f"{'mode':<6} {'ranks':>5} {'rows':>5} {'bare step':>10} {'amortised':>10} {'per step':>9} {'steps':>6}")
+            print(f"{'mode':<6} {'ranks':>5} {'rows':>5} {'bare step':>10} {'amortised':>10} {'per step':>9} {'probe steps':>12} {'steps':>6}")
         for mode in args.modes:
             r = measure(mode, args.profile, args.steps, args.block, args.rows)
             if rank == 0:
                 print(f"{mode:<6} {world:>5} {args.rows:>5} {r['bare_ms']:>8.1f}ms {r['mean_overhead']:>+9.1%} "
-                      f"{r['median_overhead']:>+8.1%} {r['steps']:>6}", flush=True)
+                      f"{r['median_overhead']:>+8.1%} {r['probe_overhead']:>+11.1%} {r['steps']:>6}", flush=True)
 
 
 if __name__ == "__main__":
