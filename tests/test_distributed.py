@@ -3,6 +3,7 @@ local pieces with no extra collective, the analyzer reduces them to the whole mo
 gradient norms, and a clean run of every framework audits PASS."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +113,30 @@ def test_sharded_runs_probe_on_every_rank_as_ddp_does(distributed_runs, name):
             else:  # top-k probabilities (ids may swap on near-ties of the tiny model)
                 assert max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
     assert not [e for rank in (0, 1) for e in records(run, rank, "events") if e["kind"] in ("shim_error", "probe_disabled")]
+
+
+def test_an_eval_item_trained_on_rank_1_only_is_found(distributed_runs, tmp_path):
+    """LOOP-08 looks for the eval items in every rank's training samples: the clean DDP run with its eval
+    set swapped for the text of a sample only rank 1 trained (rank r trains its own rows) fails,
+    naming that sample; before, only rank 0's samples were searched and the run passed."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from sftaudit.artifacts import TOKENIZER_DIR, artifact_root
+
+    run = Path(shutil.copytree(distributed_runs / "ddp", tmp_path / "ddp", ignore=shutil.ignore_patterns("*.duckdb*")))
+    sample = records(run, 1, "samples")[0]
+    assert sample["sample_id"] not in {s["sample_id"] for s in records(run, 0, "samples")}
+    text = Tokenizer.from_file(str(artifact_root(run) / TOKENIZER_DIR / "tokenizer.json")).decode(
+        sample["input_ids"], skip_special_tokens=True)
+    manifest = rank_dir(run, 0) / "manifest.jsonl"
+    first = json.loads(manifest.read_text().splitlines()[0])
+    first["eval_set"] = [{"id": "leaked", "messages": [{"role": "user", "content": text}], "reference": text}]
+    manifest.write_text(json.dumps(first) + "\n")
+    leak = [f for f in audit(run)["findings"] if f["code"] == "LOOP-08"]
+    assert len(leak) == 1 and leak[0]["severity"] == "fail", leak
+    assert leak[0]["evidence"]["sample_ids"] == [sample["sample_id"]]
 
 
 @pytest.mark.parametrize("name", ["zero2_spike", "zero3_spike"])
