@@ -240,6 +240,12 @@ def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path,
     hists = records(tmp_path, 0, "grad_hists")
     if after_backward == "zeroed":
         assert [e["step"] for e in missing] == [4] and "spike step" in missing[0]["error"] and hists == []
+        from sftaudit.report.tables import run_summary
+
+        ingest(tmp_path)
+        con = connect(tmp_path, read_only=True)
+        assert [(e["rank"], e["step"]) for e in run_summary(con)["hists_not_taken"]] == [(0, 4)]  # the report's row
+        con.close()
         return
     assert missing == [] and {h["step"] for h in hists} == {4} and {h["reason"] for h in hists} == {"spike"}
     assert len(hists) == len(spiked)

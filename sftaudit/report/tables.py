@@ -116,7 +116,8 @@ def histogram_steps(con: duckdb.DuckDBPyConnection, finding_steps: list[int], li
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    """Steps, segments, ranks, artifact sizes, shim errors and switched-off probes."""
+    """Steps, segments, ranks, artifact sizes, shim errors, switched-off probes and the suspicious steps
+    whose histograms could not be taken."""
     steps = first_row(con, "SELECT count(*), min(step), max(step), count(DISTINCT seg) FROM steps WHERE rank = 0")
     ranks = first_row(con, "SELECT count(DISTINCT rank) FROM manifest")[0]
     span = first_row(con, "SELECT min(time), max(time) FROM events WHERE kind IN ('start', 'close')")
@@ -124,7 +125,8 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         'SELECT file, "offset", records, bad_lines FROM ingest_state ORDER BY file').fetchall()
     events = con.sql(
         """SELECT rank, seg, step, kind, probe, error FROM events
-           WHERE kind IN ('shim_error', 'probe_disabled') ORDER BY time NULLS LAST""").pl().to_dicts()
+           WHERE kind IN ('shim_error', 'probe_disabled', 'grad_hists_not_recorded') ORDER BY time NULLS LAST"""
+    ).pl().to_dicts()
     return {
         "steps_recorded": steps[0], "first_step": steps[1], "last_step": steps[2], "segments": steps[3],
         "ranks_recorded": ranks,
@@ -133,6 +135,7 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "artifact_bytes": sum(b or 0 for _, b, _, _ in artifacts),
         "shim_errors": [e for e in events if e["kind"] == "shim_error"],
         "disabled_probes": [e for e in events if e["kind"] == "probe_disabled"],
+        "hists_not_taken": [e for e in events if e["kind"] == "grad_hists_not_recorded"],
     }
 
 
