@@ -199,22 +199,29 @@ def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run,
     assert "LOOP-08 fail run" in capsys.readouterr().out
 
 
-def test_llamafactory_trainer_log_alone_is_imported_with_its_abandoned_branch(tmp_path, capsys):
-    """A LLaMA-Factory output with only trainer_log.jsonl (a committed file in LogCallback's format): the
-    restart is where current_steps goes back, the lines it abandoned are kept aside, the spike found."""
-    from pathlib import Path
-
+def _imported_with_steps_41_to_47_abandoned(run):
+    """Import and ingest a run logged at every step that crashed at step 47 and resumed from step 40: 67
+    logged steps, the abandoned 41-47 kept aside. Returns a read-only connection to its DuckDB."""
     from sftaudit.ingest import connect, ingest
 
-    run = tmp_path / "run"
-    shutil.copytree(Path(__file__).parent / "data" / "llamafactory-resumed", run)
     done = import_run(run)
     assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
     assert done["abandoned_steps"] == list(range(41, 48))
     ingest(run)
     con = connect(run, read_only=True)
+    assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
+    return con
+
+
+def test_llamafactory_trainer_log_alone_is_imported_with_its_abandoned_branch(tmp_path, capsys):
+    """A LLaMA-Factory output with only trainer_log.jsonl (a committed file in LogCallback's format): the
+    restart is where current_steps goes back, the lines it abandoned are kept aside, the spike found."""
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "llamafactory-resumed", run)
+    con = _imported_with_steps_41_to_47_abandoned(run)
     try:
-        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
         assert con.execute("SELECT count(*) FROM steps").fetchone() == (60,)
         assert con.execute("SELECT value FROM metrics WHERE name = 'eval_loss' ORDER BY step").fetchall() == [(1.5123,), (1.3987,)]
     finally:
@@ -263,8 +270,6 @@ def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tm
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from transformers.integrations import TensorBoardCallback
 
-    from sftaudit.ingest import connect, ingest
-
     run = tmp_path / "run"
     args = TrainingArguments(output_dir=str(run), report_to=["tensorboard"], use_cpu=True)
     for branch, steps in enumerate((range(1, 48), range(41, 61))):
@@ -276,13 +281,8 @@ def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tm
             callback.on_log(args, state, TrainerControl(), logs={"loss": loss, "grad_norm": 1.0 + 0.01 * (step % 3),
                                                                  "learning_rate": 5e-5 * (1 - (step - 1) / 60), "epoch": step / 120})
         callback.on_train_end(args, state, TrainerControl())
-    done = import_run(run)
-    assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41
-    assert done["abandoned_steps"] == list(range(41, 48))
-    ingest(run)
-    con = connect(run, read_only=True)
+    con = _imported_with_steps_41_to_47_abandoned(run)
     try:
-        assert con.execute("SELECT count(*), min(step), max(step) FROM superseded_steps").fetchone() == (7, 41, 47)
         loss_41 = con.execute("SELECT loss FROM steps WHERE step = 41").fetchone()[0]
         assert loss_41 == pytest.approx(_loss(41, 1), rel=1e-6)  # float32, as the callback stored it
     finally:

@@ -625,7 +625,7 @@ class Recorder:
             self.model.train(was_training)
             self._probing = False
 
-    def _probe_probes(self, step: int, rows: list[int], batch, chunks: int) -> list[dict]:
+    def _probe_probes(self, step: int, rows: list[int], batch, _chunks: int) -> list[dict]:  # one forward
         ids, mask = self._on_device(batch)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the positions
         logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask, position_ids=positions)
