@@ -423,13 +423,13 @@ class Recorder:
         losses = [values["loss", i] for i in range(len(self._losses))]
         loss = self._window_loss(values, float(np.mean(losses, dtype=np.float64)) if losses else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
+        for m in self._micro:  # before the step's own record, which marks the step complete after a kill
+            self._write_batch(step, m, values)
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
             "loss": loss, "lr": lr, "grad_norm": global_norm, "grad_norms": norms,
             "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens,
         })
-        for m in self._micro:
-            self._write_batch(step, m, values)
         if ("step", "hist") in values:
             self._write_hists(step, self._hist_index, values["step", "hist"], "scheduled")
         elif nonfinite or self._is_spike(global_norm):
