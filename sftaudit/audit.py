@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import AuditContext, Finding, registered_checks
-from .checks.base import EVIDENCE, alternatives, needed
+from .checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
@@ -18,7 +18,8 @@ from .verdict import build_verdict
 
 def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
     """Every registered, enabled check that can judge what was recorded (`cannot_run`); a check that
-    crashes is reported, not fatal."""
+    crashes is reported, not fatal (the verdict is then unjudged). A check that finds too little to
+    judge (`CannotJudge`) goes in `ctx.not_judged` with its reason."""
     findings, errors = [], []
     recorded = recorded_evidence(ctx.con, ctx.manifest)
     for check_cls in registered_checks():
@@ -30,6 +31,8 @@ def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], l
             raise InputError(str(exc)) from None
         try:
             findings += check.run(ctx)
+        except CannotJudge as exc:
+            ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
             errors.append({"code": check_cls.code, "error": f"{type(exc).__name__}: {exc}"})
     return findings, errors
@@ -52,7 +55,7 @@ def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
 ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
 
 
-def evidence_coverage(con, check_errors: list[dict[str, str]]) -> dict[str, Any]:
+def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str]) -> dict[str, Any]:
     """What the evidence covers: steps recorded per rank, shim components switched off (from which
     step, with which error), checks that could not run; and why the run cannot be judged, if so."""
     ranks = [{"rank": r, "steps": n, "first_step": lo, "last_step": hi} for r, n, lo, hi in con.execute(
@@ -75,7 +78,8 @@ def evidence_coverage(con, check_errors: list[dict[str, str]]) -> dict[str, Any]
                f"later steps are judged without it" for o in off
                if o["component"] not in ESSENTIAL_COMPONENTS or first.get(o["rank"]) is not None
                and o["from_step"] is not None and o["from_step"] > first[o["rank"]]]
-    return {"ranks": ranks, "components_off": off, "checks_not_run": [e["code"] for e in check_errors],
+    return {"ranks": ranks, "components_off": off,
+            "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
             "partial": partial, "cannot_judge": "; ".join(reasons) or None}
 
 
@@ -105,7 +109,7 @@ def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> st
 
 
 def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
-                   evidence: dict[str, Any] | None) -> list[dict[str, Any]]:
+                   evidence: dict[str, Any] | None, not_judged: dict[str, str]) -> list[dict[str, Any]]:
     """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
     judges more finely with was not recorded), "not_run"
     (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
@@ -125,8 +129,8 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
             status, reason = "disabled", "switched off in the audit config"
         elif check.code in errors:
             status, reason = "error", errors[check.code]
-        elif unjudged:
-            status, reason = "not_run", unjudged
+        elif unjudged or check.code in not_judged:
+            status, reason = "not_run", unjudged or not_judged[check.code]
         elif cut:
             status = "partial"
             reason = "; ".join(f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}"
@@ -160,10 +164,10 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     findings, errors = run_checks(ctx, config)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
-    evidence = evidence_coverage(con, errors) if manifest.get("profile") != "preflight" else None
+    evidence = evidence_coverage(con, errors, ctx.not_judged) if manifest.get("profile") != "preflight" else None
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
                             config.rollback_margin, evidence)
-    verdict["checks"] = check_coverage(con, manifest, config, errors, evidence)
+    verdict["checks"] = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
     if resolution:  # an imported run: how finely its evidence places a step
         verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")

@@ -53,7 +53,8 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
     scoped.sort(key=lambda fs: (fs[0].step is None, fs[0].step or 0, fs[0].code, -SEVERITY_RANK[fs[0].severity],
                                 fs[0].message, fs[1]))
     finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
-    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info"]
+    # Only anomalies date the run: a configuration or a risk is not "where it went wrong".
+    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.kind == "anomaly"]
     first = min(anomalous) if anomalous else None
     chain = [{"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
              for f, _ in scoped if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]
@@ -69,11 +70,14 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
                                "verdict": worst_of(upto), "intact": sound and on_disk, "sound": sound,
                                "findings": own})
 
+    # A check that raised judged nothing: a verdict without it would pass what it exists to catch.
+    reasons = [r for r in [(evidence or {}).get("cannot_judge")] if r]
+    reasons += [f"check {e['code']} failed to run ({e['error']})" for e in check_errors or []]
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,
-        "verdict": "unjudged" if evidence and evidence["cannot_judge"] else worst_of(finding_dicts),
-        "cannot_judge": evidence["cannot_judge"] if evidence else None,
+        "verdict": "unjudged" if reasons else worst_of(finding_dicts),
+        "cannot_judge": "; ".join(reasons) or None,
         "evidence": evidence or {},
         "first_anomalous_step": first,
         "first_anomaly_chain": chain,

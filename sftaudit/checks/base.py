@@ -15,6 +15,10 @@ from ..ingest import first_row
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+# What a finding is about. Only an anomaly (something went wrong at a step) sets the first anomalous
+# step, the rollback checkpoint and replay's advice; a configuration is a deliberate choice stated at
+# run scope; a risk is something that may bite later (a checkpoint that cannot resume exactly).
+KINDS = ("anomaly", "configuration", "risk")
 DOC_SECTIONS = ("What it detects", "Why it matters", "Statistic", "Threshold", "Evidence")
 
 # The evidence a check may need, by table, as a reader would name it. A check whose `needs` are
@@ -49,10 +53,13 @@ class Finding:
     step: int | None = None
     checkpoint: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    kind: str = "anomaly"
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITY_RANK:
             raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +78,7 @@ class AuditContext:
     run_dir: Path
     manifest: dict[str, Any]
     series: list[dict[str, Any]] = field(default_factory=list)
+    not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
 
     def add_series(self, code: str, name: str, steps: Any, values: Any, threshold: float | None = None) -> None:
         """A named statistic over steps (sequences or numpy/polars columns of equal length)."""
@@ -104,6 +112,11 @@ def needed(check: type[Check] | Check) -> list[str]:
     return [t for need in alternatives(check) for t in need]
 
 
+class CannotJudge(Exception):
+    """Raised by a check's `run` when the run's evidence is too little to judge (one logged point, no
+    learning rate logged): the check is `not_run` with this reason, never "ran"."""
+
+
 class Check:
     """Base class: subclasses set `code`, `name`, `defaults` and implement `run`.
 
@@ -130,9 +143,11 @@ class Check:
     def run(self, ctx: AuditContext) -> list[Finding]:
         raise NotImplementedError
 
-    def finding(self, severity: str, message: str, step: int | None = None, **evidence: Any) -> Finding:
+    def finding(self, severity: str, message: str, step: int | None = None, *, kind: str = "anomaly",
+                **evidence: Any) -> Finding:
+        """A finding of this check; `kind` is one of KINDS (anomaly by default)."""
         return Finding(self.code, severity, message, step=None if step is None else int(step),
-                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))))
+                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))), kind=kind)
 
 
 def _finite(value: Any) -> Any:
