@@ -54,7 +54,7 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
                                 fs[0].message, fs[1]))
     finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
     # Only anomalies date the run: a configuration or a risk is not "where it went wrong".
-    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.kind == "anomaly"]
+    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.category == "anomaly"]
     first = min(anomalous) if anomalous else None
     chain = [{"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
              for f, _ in scoped if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]

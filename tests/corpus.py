@@ -117,13 +117,30 @@ def tokenizer_cache() -> Path:
 @functools.cache
 def real_tokenizer(family: str, cache: Path):
     """A released family's tokenizer, saved under cache/family (built once, then loaded; loaded once per
-    process: callers that change it work on a copy or set what they need)."""
+    process: callers that change it work on a copy or set what they need). Built in a private folder and
+    renamed into place under a lock, so xdist workers and other checkouts on the machine never see a
+    half-written one."""
+    import tempfile
+
+    from filelock import FileLock
     from transformers import AutoTokenizer
 
-    folder = Path(cache) / family
-    if (folder / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(folder))
-    folder.mkdir(parents=True, exist_ok=True)
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = cache / family
+    with FileLock(str(cache / f"{family}.lock")):
+        if not (folder / "tokenizer_config.json").is_file():
+            with tempfile.TemporaryDirectory(dir=cache, prefix=f".{family}-") as scratch:
+                built = Path(scratch) / family
+                built.mkdir()
+                _build_real_tokenizer(family, built).save_pretrained(str(built))
+                built.rename(folder)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _build_real_tokenizer(family: str, folder: Path):
+    from transformers import AutoTokenizer
+
     if family == "llama3":
         ranks, specials = _quicktok("llama3")
         tok = _byte_level(ranks, {**specials, **_LLAMA31_RENAMES}, _LLAMA3_PATTERN, "<|begin_of_text|>", set(),
@@ -145,8 +162,7 @@ def real_tokenizer(family: str, cache: Path):
         (folder / "tokenizer.model").unlink()
     else:
         raise ValueError(family)
-    tok.save_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder))
+    return tok
 
 
 # Clean multi-turn chats: with and without a system prompt, English and Chinese.

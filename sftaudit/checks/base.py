@@ -15,10 +15,10 @@ from ..ingest import first_row
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
-# What a finding is about. Only an anomaly (something went wrong at a step) sets the first anomalous
+# What a finding is about (its category). Only an anomaly (something went wrong at a step) sets the first anomalous
 # step, the rollback checkpoint and replay's advice; a configuration is a deliberate choice stated at
 # run scope; a risk is something that may bite later (a checkpoint that cannot resume exactly).
-KINDS = ("anomaly", "configuration", "risk")
+CATEGORIES = ("anomaly", "configuration", "risk")
 DOC_SECTIONS = ("What it detects", "Why it matters", "Statistic", "Threshold", "Evidence")
 
 # The evidence a check may need, by table, as a reader would name it. A check whose `needs` are
@@ -53,13 +53,13 @@ class Finding:
     step: int | None = None
     checkpoint: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
-    kind: str = "anomaly"
+    category: str = "anomaly"
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITY_RANK:
             raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
+        if self.category not in CATEGORIES:
+            raise ValueError(f"category must be one of {CATEGORIES}, not {self.category!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,11 +143,11 @@ class Check:
     def run(self, ctx: AuditContext) -> list[Finding]:
         raise NotImplementedError
 
-    def finding(self, severity: str, message: str, step: int | None = None, *, kind: str = "anomaly",
+    def finding(self, severity: str, message: str, step: int | None = None, *, category: str = "anomaly",
                 **evidence: Any) -> Finding:
-        """A finding of this check; `kind` is one of KINDS (anomaly by default)."""
+        """A finding of this check; `category` is one of CATEGORIES (anomaly by default)."""
         return Finding(self.code, severity, message, step=None if step is None else int(step),
-                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))), kind=kind)
+                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))), category=category)
 
 
 def _finite(value: Any) -> Any:

@@ -132,7 +132,7 @@ class CheckpointIntegrity(Check):
 
     def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict) -> Finding:
         f = self.finding(severity, message, step=inspection.step, **evidence)
-        return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.kind)
+        return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.category)
 
     # ---------------------------------------------------------------- one checkpoint
 
