@@ -12,7 +12,7 @@ sftaudit claims to catch, as its repro describes, and reports the step it was fo
     python benchmarks/false_alarms.py --out /tmp/false-alarms          # train and audit everything
     python benchmarks/false_alarms.py --out /tmp/false-alarms --audit-only   # re-audit kept runs
 
-Runs are kept under --out (delete it to retrain); the tables print as markdown (README).
+Runs are kept under --out (delete it to retrain); the tables print as markdown (docs/benchmarks.md).
 This is a benchmark, not a test: it takes tens of minutes on 2 cores.
 """
 

@@ -121,7 +121,7 @@ class Check:
     """Base class: subclasses set `code`, `name`, `defaults` and implement `run`.
 
     The class docstring documents the check in the fixed sections of DOC_SECTIONS
-    (the report and the README quote it). `defaults` are the seed's thresholds; a
+    (the report and the generated docs pages quote it). `defaults` are the default thresholds; a
     config overrides them per check code. `needs` names the EVIDENCE tables without
     which the check cannot judge anything (a tuple among them: any one of those will do);
     `uses`, the evidence it judges more finely with (without it the check runs on partial
