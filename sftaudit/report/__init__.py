@@ -115,6 +115,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
     return path
 
 
+def report_figures(con, verdict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The training report's figures (plotly JSON by div id), for a notebook to show the same lanes."""
+    return _context(con, verdict)["figures"]
+
+
 def _findings(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     """The verdict's findings with their anchors, evidence blocks and window: the steps a finding
     on imported logs (or between two checkpoints) can stand for, when that is more than one step."""
