@@ -1,0 +1,75 @@
+"""`sftaudit diff`: where a run starts to differ from another, or from a golden file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sftaudit.diff import compare, load, profile, write_golden
+from sftaudit.errors import InputError
+from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR
+
+SCALED_FROM = 30
+
+
+@pytest.fixture(scope="module")
+def twin(runs):
+    """The clean run again, same seed: a CPU run is bit-identical."""
+    return runs("clean-twin", steps=30)
+
+
+@pytest.fixture(scope="module")
+def scaled(runs):
+    """The clean run with layer 1's down_proj gradient x100 from step SCALED_FROM."""
+    return runs("clean-scaled", steps=30, faults={"grad_scale_from": SCALED_FROM})
+
+
+@pytest.fixture(scope="module")
+def clean_profile(clean_run):
+    return profile(clean_run)
+
+
+@pytest.fixture(scope="module")
+def scaled_profile(scaled):
+    return profile(scaled)
+
+
+def test_two_same_seed_runs_are_identical(clean_profile, twin):
+    result = compare(clean_profile, profile(twin), exact=True)
+    assert result["first_divergent_step"] is None and result["tensors"] == []
+    assert [d for d in result["differences"] if not d["what"].startswith("checkpoint digest")] == [], result["differences"]
+    assert result["findings_only_in"] == {"a": [], "b": []}
+
+
+def test_a_layer_scaled_from_step_30_diverges_there_and_is_named(clean_profile, scaled_profile):
+    for mode in ({"exact": True}, {}, {"tolerance": 0.5}):
+        result = compare(clean_profile, scaled_profile, **mode)
+        assert result["first_divergent_step"] == SCALED_FROM, (mode, result["series"])
+        assert result["tensors"][0] == DEFAULT_SCALED_TENSOR, (mode, result["tensors"])
+        assert all(".layers.1." in t for t in result["tensors"]), result["tensors"]
+
+
+def test_another_chat_template_differs_in_the_template_fingerprint(clean_profile, runs):
+    other = runs("second-template", steps=6, faults={"second_template_at": 1})
+    result = compare(clean_profile, profile(other))
+    whats = {d["what"] for d in result["differences"]}
+    assert "templates trained fingerprint" in whats and "steps recorded" in whats
+
+
+def test_a_golden_file_round_trips(clean_run, clean_profile, scaled_profile, tmp_path):
+    golden = write_golden(clean_run, tmp_path / "golden.json", stride=1)
+    assert json.loads(golden.read_text())["sftaudit_golden"] == 1
+    same = compare(load(golden), clean_profile, exact=True)
+    assert same["first_divergent_step"] is None
+    moved = compare(load(golden), scaled_profile)
+    assert moved["first_divergent_step"] == SCALED_FROM and moved["tensors"][0] == DEFAULT_SCALED_TENSOR
+
+
+def test_what_cannot_be_compared_is_said_in_one_line(clean_run, tmp_path):
+    bad = tmp_path / "golden.json"
+    bad.write_text('{"not": "a golden"}')
+    with pytest.raises(InputError, match="not a golden file"):
+        load(bad)
+    with pytest.raises(InputError, match="neither a run folder nor a golden file"):
+        load(tmp_path / "missing")
