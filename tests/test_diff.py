@@ -73,3 +73,13 @@ def test_what_cannot_be_compared_is_said_in_one_line(clean_run, tmp_path):
         load(bad)
     with pytest.raises(InputError, match="neither a run folder nor a golden file"):
         load(tmp_path / "missing")
+
+
+def test_the_diff_report_names_the_step_and_escapes_names(clean_profile, scaled_profile, tmp_path):
+    from sftaudit.report import write_diff_report
+
+    result = compare(clean_profile, scaled_profile)
+    result["differences"].append({"what": "config note", "a": "<script>alert(1)</script>", "b": "x"})
+    html = write_diff_report(result, tmp_path).read_text()
+    assert f"<strong>{SCALED_FROM}</strong>" in html and DEFAULT_SCALED_TENSOR in html
+    assert "<script>alert" not in html and "&lt;script&gt;" in html

@@ -115,6 +115,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
     return path
 
 
+def write_diff_report(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """`sftaudit diff`'s result (sftaudit.diff.compare) as OUT_DIR/diff.html."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "diff.html"
+    path.write_text(_ENV.get_template("diff.html.j2").render(d=result), encoding="utf-8")
+    return path
+
+
 def report_figures(con, verdict: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The training report's figures (plotly JSON by div id), for a notebook to show the same lanes."""
     return _context(con, verdict)["figures"]
