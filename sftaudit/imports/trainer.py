@@ -371,9 +371,10 @@ def _planned_steps(newest: dict[str, Any], total_steps: int | None) -> int | Non
     if total_steps:
         return total_steps
     epochs = newest["num_train_epochs"]
-    logs = [e for e in newest["history"] if "loss" in e and isinstance(e.get("epoch"), (int, float)) and e["epoch"] > 0]
+    logs = [e for e in newest["history"] if "loss" in e and isinstance(e.get("epoch"), (int, float))
+            and 0 < e["epoch"] < MAX_PLAUSIBLE_EPOCHS]
     if isinstance(epochs, (int, float)) and 0 < epochs < MAX_PLAUSIBLE_EPOCHS and logs:
-        return round(epochs * logs[-1]["step"] / logs[-1]["epoch"])
+        return round(epochs * logs[-1]["step"] / logs[-1]["epoch"]) or None
     return None
 
 
