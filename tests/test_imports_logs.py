@@ -267,3 +267,12 @@ def test_degenerate_logs_are_imported_and_resolved_without_a_numpy_warning(tmp_p
     ours = [w for w in caught if "sftaudit" in w.filename and "/checks/" not in w.filename]
     assert ours == [], [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
     assert code in (0, 1, 2) and "SFTAUDIT_DEBUG" not in errors, errors
+
+
+def test_a_prediction_log_is_said_to_be_no_training(tmp_path):
+    """LLaMA-Factory's `do_predict`: its trainer_log.jsonl has progress lines only."""
+    run = tmp_path / "run"
+    _write_log(run, [{k: v for k, v in _line(s, 0.0, s).items() if k not in ("loss", "lr", "epoch")} for s in range(5, 51, 5)])
+    code, _, errors, _ = _audit(run, tmp_path / "out")
+    assert code == 2 and len(errors.strip().splitlines()) == 1
+    assert "10 progress line(s) without a loss or an eval number: a prediction or evaluation run" in errors, errors

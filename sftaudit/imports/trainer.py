@@ -156,6 +156,9 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
         if pointers:
             hint = f" ({len(pointers)} log file(s), {pointers[0]} first, are a {LFS_HINT})"
+        elif lines:
+            hint = (f" ({TRAINER_LOG} holds {len(lines)} progress line(s) without a loss or an eval number: "
+                    "a prediction or evaluation run, nothing was trained)")
         raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)"
                          + hint)
     # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
