@@ -276,3 +276,34 @@ def test_a_prediction_log_is_said_to_be_no_training(tmp_path):
     code, _, errors, _ = _audit(run, tmp_path / "out")
     assert code == 2 and len(errors.strip().splitlines()) == 1
     assert "10 progress line(s) without a loss or an eval number: a prediction or evaluation run" in errors, errors
+
+
+def test_tensorboard_alone_gives_the_plan_and_the_vocabulary_from_its_texts(tmp_path):
+    """The Trainer's TensorBoardCallback writes the run's arguments and the model config as text summaries;
+    a final evaluation in a writer of its own continues the run (no restart)."""
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import TensorBoardCallback
+
+    run = tmp_path / "run"
+    args = TrainingArguments(output_dir=str(run), report_to=["tensorboard"], use_cpu=True, num_train_epochs=4,
+                             logging_steps=5)
+    model = SimpleNamespace(config=LlamaConfig(vocab_size=531, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                               num_attention_heads=4))
+    callback, state = TensorBoardCallback(), TrainerState()
+    callback.on_train_begin(args, state, TrainerControl(), model=model)
+    for step in range(5, 101, 5):
+        state.global_step = step
+        callback.on_log(args, state, TrainerControl(), logs={"loss": _loss(step), "learning_rate": 1e-4, "epoch": step / 50})
+    callback.on_train_end(args, state, TrainerControl())
+    final = TensorBoardCallback()  # trainer.evaluate() after training, as a later writer
+    final.on_train_begin(args, state, TrainerControl())
+    final.on_log(args, state, TrainerControl(), logs={"eval_loss": 1.1, "epoch": 2.0})
+    final.on_train_end(args, state, TrainerControl())
+    done = import_run(run)
+    assert done["resumed_at"] is None and done["steps"] == 20
+    manifest = _manifest(run)
+    assert manifest["config"]["max_steps"] == 200 and manifest["vocab_size"] == 531  # 4 epochs x 50 steps
+    assert manifest["granularity"]["logging_steps"] == 5

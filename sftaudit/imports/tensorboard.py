@@ -33,8 +33,8 @@ def event_files(run_dir: Path) -> list[Path]:
 
 
 def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
-    """One list of log-history entries per start of the run, in start order, and the run's arguments (the
-    callback's ``args`` text summary: ``max_steps``, ``num_train_epochs``, ``logging_steps``...); ([], {}) when
+    """One list of log-history entries per start of the run, in start order, and the callback's text summaries
+    by name (``args``: ``max_steps``, ``num_train_epochs``, ``logging_steps``...; ``model_config``); ([], {}) when
     there are no event files or tensorboard is not installed. A file whose steps do not go back from the files
     before it continues their start (a final evaluation, the hparams plugin, open writers of their own); one
     that goes back is a restart (a new process, or ``trainer.train(resume_from_checkpoint=...)`` again in the
@@ -48,7 +48,7 @@ def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str,
     except ImportError:
         return [], {}
     per_file = []
-    args: dict[str, Any] = {}
+    texts: dict[str, dict[str, Any]] = {}
     for path in files:
         entries: dict[tuple[int, str], dict[str, Any]] = {}
         first_time = None
@@ -56,8 +56,8 @@ def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str,
             first_time = event.wall_time if first_time is None else first_time
             for value in event.summary.value:
                 plugin = value.metadata.plugin_data.plugin_name
-                if plugin == "text" and value.tag.startswith("args/"):
-                    args = _json_text(tensor_util.make_ndarray(value.tensor)) or args
+                if plugin == "text" and value.tag.partition("/")[0] in ("args", "model_config"):
+                    texts[value.tag.partition("/")[0]] = _json_text(tensor_util.make_ndarray(value.tensor)) or {}
                 if plugin != "scalars":
                     continue  # text (the run's args) and anything else that is not a logged number
                 # An untagged scalar ("loss", "lr": a SummaryWriter of one's own) is a training log's.
@@ -79,7 +79,7 @@ def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str,
                 starts[-1].setdefault(key, {}).update(entry)
         else:
             starts.append(dict(entries))
-    return [sorted((normalised(e) for e in s.values()), key=lambda e: e["step"]) for s in starts], args
+    return [sorted((normalised(e) for e in s.values()), key=lambda e: e["step"]) for s in starts], texts
 
 
 def _json_text(array: Any) -> dict[str, Any] | None:

@@ -146,7 +146,8 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     lines, args = read_lines(run_dir), {}
     segments, log_source = log_segments(run_dir, lines), LOG_SOURCE
     if not segments:
-        segments, args = event_segments(run_dir)
+        segments, texts = event_segments(run_dir)
+        args = texts.get("args", {}) | {"model_config": texts.get("model_config")}
         log_source = EVENTS_SOURCE
     source = LOGS_SOURCE if states else log_source
     if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
@@ -231,12 +232,12 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
 
 def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
     """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json; the run's
-    arguments where the log kept them (TensorBoard's ``args`` text)."""
+    arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
     return {"folder": run_dir / f"log-{index}", "top_level": True, "history": history, "mtime": index,
             "global_step": max(e["step"] for e in history), "max_steps": args.get("max_steps"),
             "logging_steps": logging_interval(history) or args.get("logging_steps"), "save_steps": args.get("save_steps"),
             "eval_steps": args.get("eval_steps"), "train_batch_size": args.get("per_device_train_batch_size"),
-            "num_train_epochs": args.get("num_train_epochs"), "abandoned": False}
+            "num_train_epochs": args.get("num_train_epochs"), "abandoned": False, "model_config": args.get("model_config")}
 
 
 def _with_log(timeline, abandoned, resumed_at, segments):
@@ -339,15 +340,20 @@ def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict
     return describe_tokenizer(newest), fingerprints
 
 
-def _model(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict[str, Any]:
+def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The newest config.json saved (else the one a log kept: TensorBoard's model_config text)."""
+    configs = []
     for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
         try:
-            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            configs.append(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, UnicodeDecodeError):
             continue
-        return {"class": (config.get("architectures") or [None])[0], "config": config,
-                "tie_word_embeddings": config.get("tie_word_embeddings")}
-    return {}
+    config = next((c for c in configs + [logged] if isinstance(c, dict) and c), None)
+    if config is None:
+        return {}
+    architectures = config.get("architectures")
+    return {"class": architectures[0] if isinstance(architectures, list) and architectures else None, "config": config,
+            "tie_word_embeddings": config.get("tie_word_embeddings")}
 
 
 def _params(folders: list[Path]) -> list[dict[str, Any]]:
@@ -415,7 +421,7 @@ def _logging_steps(newest: dict[str, Any]) -> int | None:
 def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int,
               dataset: dict[str, Any] | None, source: str, total_steps: int | None = None,
               pointers: list[str] | None = None) -> dict[str, Any]:
-    model = _model(run_dir, checkpoints)
+    model = _model(run_dir, checkpoints, newest.get("model_config"))
     folders = [p for _, p in reversed(checkpoints)] + [run_dir]
     params = _params([p for _, p in reversed(checkpoints)])
     granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")} | {"logging_steps": _logging_steps(newest)}
