@@ -7,14 +7,15 @@ What becomes evidence (and what does not):
   mean over the logging window, ``grad_norm`` its pre-clip global norm of the window's last step,
   ``learning_rate``), and every logged number as a ``metrics`` record (``eval_*``, ``epoch``,
   TRL's ``entropy``, ``mean_token_accuracy``, ``num_tokens``). Granularity: ``logging_steps``.
-* ``checkpoint-N/`` folders (and any other folder of the output holding a ``trainer_state.json``, such as
-  the ``last-checkpoint/`` a Hub push leaves, at its ``global_step``): ``checkpoints`` records (files, resume-state outline, tokenizer
-  fingerprint), so LOOP-09 inspects them and the verdict can name a rollback checkpoint.
+* ``checkpoint-N/`` folders (and any other folder of the output holding a ``trainer_state.json``, such
+  as the ``last-checkpoint/`` a Hub push leaves, at its ``global_step``): ``checkpoints`` records (files,
+  resume-state outline, tokenizer fingerprint), so LOOP-09 inspects them and the verdict can name a
+  rollback checkpoint.
 * The tokenizer and chat template saved with the newest checkpoint: the manifest's tokenizer
   and ``sftaudit/tokenizer/`` (LOOP-01/02).
 
 The manifest also carries the run's planned length (``config.max_steps``: the state's ``max_steps``,
-else ``num_train_epochs`` x the steps per epoch the log shows, else LLaMA-Factory's ``total_steps``) and
+else LLaMA-Factory's ``total_steps``, else ``num_train_epochs`` x the steps per epoch the log shows) and
 its vocabulary size (``vocab_size``: ``config.json``, else the embedding rows of a checkpoint's weights,
 else the saved tokenizer's length), and the log files that are Git LFS pointers (``lfs_pointers``, said
 once in ``import_notes``).
@@ -423,8 +424,9 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
               pointers: list[str] | None = None) -> dict[str, Any]:
     model = _model(run_dir, checkpoints, newest.get("model_config"))
     folders = [p for _, p in reversed(checkpoints)] + [run_dir]
-    params = _params([p for _, p in reversed(checkpoints)])
-    granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")} | {"logging_steps": _logging_steps(newest)}
+    params = _params(folders[:-1])
+    vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
+    granularity = {"logging_steps": _logging_steps(newest), "save_steps": newest["save_steps"], "eval_steps": newest["eval_steps"]}
     try:
         posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -437,11 +439,10 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
         "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
         "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
-        "model": model, "params": params, "tied": {}, "vocab_size": _vocab_size(model, params or _params([run_dir]), tokenizer, folders),
-        "lfs_pointers": pointers or [], "import_notes": _notes(pointers or []), "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
+        "model": model, "params": params, "tied": {}, "vocab_size": vocab_size, "lfs_pointers": pointers or [],
+        "import_notes": _notes(pointers or []), "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
         "config": {"max_steps": _planned_steps(newest, total_steps),
-                   "trainer_state": {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps", "train_batch_size",
-                                                            "num_train_epochs")} | {"logging_steps": granularity["logging_steps"]}},
+                   "trainer_state": granularity | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")}},
     }
 
 
