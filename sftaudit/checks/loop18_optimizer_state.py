@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoints import CheckpointError, inside_run
+from ..imports.logs import LFS_HINT, is_lfs_pointer
 from ..imports.optimizer_state import (OPTIMIZER_FILE, AdamState, checkpoint_weights, load_weight, map_names,
                                        read_adam_state)
 from ..ingest import recorded_checkpoints
@@ -38,9 +39,8 @@ class OptimizerState(Check):
         optimizer); a tensor whose recent gradient scale (from its second moment) jumped far more
         than its peers' between two checkpoints; updates dominated by Adam's eps. From the weights
         of consecutive checkpoints: a tensor that moved far more than usual, and than its peers,
-        in one checkpoint window. From the Trainer's log when no per-tensor gradients were
-        recorded: a non-finite logged gradient norm next to a finite logged loss (the Trainer's
-        `logging_nan_inf_filter` replaces a NaN loss by the running mean, so the loss curve hides it).
+        in one checkpoint window. (A non-finite loss or gradient norm in the log is the dynamics
+        checks' to find, from the log alone.)
     Why it matters:
         A run trained without the shim keeps its per-tensor evidence only here: the moments are
         running means of the last ~10 gradients (exp_avg) and ~1/(1-beta2) squared gradients
@@ -52,17 +52,18 @@ class OptimizerState(Check):
         beta2^t))); eps share = fraction of non-zero v elements with sqrt(v_hat) < eps. Between
         consecutive checkpoints A and B: moment jump = RMS_B / RMS_A per tensor; weight movement =
         |w_B - w_A| / |w_A| per tensor, and its ratio to the tensor's movement in the window before.
-        Names come from the weights saved beside the state (`sftaudit.imports.optimizer_state`);
-        entries whose name is ambiguous are listed by index and shape.
+        Names come from the weights saved beside the state (`sftaudit.imports.optimizer_state`): the
+        shape, then among same-shaped tensors their movement between checkpoints (an entry that never
+        updated is the tensor that never moved; the last one left is named by elimination); entries
+        whose name stays ambiguous are listed by index and shape.
     Threshold:
         No state or all-zero v for a trainable parameter: fail (run). Non-finite moments: fail at
         the first checkpoint window holding them. Moment jump >= `moment_jump` (10x) and >=
         `moment_jump` x the median jump of all tensors: warn. Movement ratio >= `movement_jump`
         (10x) and >= `movement_jump` x the median ratio: warn. eps share >= `eps_share` (0.5) in a
-        tensor: warn. Logged gradient norm non-finite: fail at the first such logged step. The
-        checkpoint-window findings are left to finer evidence when it exists: non-finite state when a
-        non-finite loss or gradient norm was logged or recorded, moment and movement jumps when
-        per-tensor gradient norms were recorded (LOOP-05 places those at their step).
+        tensor: warn. The checkpoint-window findings are left to finer evidence when it exists:
+        non-finite state when a non-finite loss or gradient norm was logged or recorded, moment and
+        movement jumps when per-tensor gradient norms were recorded (LOOP-05 places those at their step).
     Evidence:
         The tensors (name or index, shape, group), their statistics, the checkpoint window
         (`resolution`: first and last step it covers), the checkpoints whose state could not be read.
@@ -74,10 +75,8 @@ class OptimizerState(Check):
     defaults = {"moment_jump": 10.0, "movement_jump": 10.0, "eps_share": 0.5, "max_tensors_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        findings = self._hidden_nan(ctx)
         snapshots = self._snapshots(ctx)
-        findings += [self.finding("info", f"{s.name}: optimizer state not read ({s.problem})", skipped=s.name)
-                     for s in snapshots if s.problem]
+        findings = self._unread(snapshots)
         with_state = [s for s in snapshots if s.state is not None]
         # Checkpoint windows are coarse: where per-step evidence exists, it places the event (LOOP-05 with
         # per-tensor gradient norms, a non-finite logged loss or gradient norm) and the windows stay silent.
@@ -91,26 +90,6 @@ class OptimizerState(Check):
             findings += self._eps(with_state)
         findings += [] if per_tensor else self._movement(snapshots)
         return findings
-
-    # ------------------------------------------------------------------ the logged gradient norm
-
-    def _hidden_nan(self, ctx: AuditContext) -> list[Finding]:
-        if ctx.has_rows("grad_norms"):
-            return []  # per-tensor gradients were recorded: LOOP-05 judges them
-        row = ctx.row("SELECT step, loss FROM steps WHERE rank = 0 AND grad_norm IS NOT NULL AND NOT isfinite(grad_norm) "
-                      "ORDER BY step LIMIT 1")
-        if row is None:
-            return []
-        step, loss = row
-        n = ctx.scalar("SELECT count(*) FROM steps WHERE rank = 0 AND step >= ? AND NOT isfinite(grad_norm)", [step])
-        hidden = loss is not None and np.isfinite(loss)
-        why = (f"while the logged loss stays finite ({loss:.4g}): the Trainer's logging_nan_inf_filter replaced the "
-               f"non-finite loss by the running mean" if hidden else "and so is the logged loss")
-        return [self.finding(
-            "fail",
-            f"the gradient norm logged at step {step} is non-finite {why}; the weights are non-finite from then on "
-            f"({n} logged step(s)): resume from a checkpoint before it and find the batch or learning rate that caused it",
-            step=step, logged_loss=loss, logged_steps_nonfinite=n, hidden_by_logging_filter=hidden)]
 
     # ------------------------------------------------------------------ reading
 
@@ -128,7 +107,9 @@ class OptimizerState(Check):
                 snap.weights = checkpoint_weights(snap.folder)
             except CheckpointError:
                 pass  # LOOP-09 reports unreadable weights
-            if (snap.folder / OPTIMIZER_FILE).is_file():
+            if is_lfs_pointer(snap.folder / OPTIMIZER_FILE):
+                snap.problem = f"{OPTIMIZER_FILE} is a {LFS_HINT}"
+            elif (snap.folder / OPTIMIZER_FILE).is_file():
                 try:
                     snap.state = read_adam_state(snap.folder / OPTIMIZER_FILE)
                     snap.stats = {i: _entry_stats(e, snap.state.groups[e.group]) for i, e in snap.state.entries.items()}
@@ -152,6 +133,16 @@ class OptimizerState(Check):
             for a, b in zip(order, order[1:]):
                 b.state.names = {**{i: n for i, n in a.state.names.items() if i in b.state.indices}, **b.state.names}
         return out
+
+    def _unread(self, snapshots: list[Snapshot]) -> list[Finding]:
+        """One info per reason a state was not read, naming its checkpoints (a clone without git-lfs: all of them)."""
+        by_problem: dict[str, list[str]] = {}
+        for s in snapshots:
+            if s.problem:
+                by_problem.setdefault(s.problem, []).append(s.name)
+        return [self.finding("info", f"{names[0] if len(names) == 1 else f'{len(names)} checkpoints ({names[0]} first)'}: "
+                                     f"optimizer state not read ({problem})", skipped=names)
+                for problem, names in by_problem.items()]
 
     def _label(self, snap: Snapshot, index: int) -> str:
         name = snap.state.names.get(index) if snap.state else None
@@ -302,7 +293,7 @@ def _entry_stats(entry, group: dict[str, Any]) -> dict[str, float]:
     nonfinite = int(np.count_nonzero(~np.isfinite(v)) + np.count_nonzero(~np.isfinite(m)))
     beta2 = group["betas"][1]
     correction = 1.0 - beta2 ** max(entry.step, 1.0)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # beta2 = 1: no correction possible
         v_hat = v.astype(np.float64) / correction
         nonzero = v_hat[v_hat > 0]
         return {"rms": float(np.sqrt(v_hat.mean())) if v_hat.size else 0.0, "nonfinite": nonfinite,

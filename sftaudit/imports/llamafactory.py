@@ -29,29 +29,89 @@ KEYS = {"loss": "loss", "eval_loss": "eval_loss", "predict_loss": "predict_loss"
         "throughput": "throughput"}
 
 
-def log_segments(run_dir: Path) -> list[list[dict[str, Any]]]:
-    """The file's lines as log-history entries, split where ``current_steps`` goes back or a training
-    log repeats (a restart);
-    [] when there is no file. A line that is not JSON (a write cut short) is skipped."""
+def read_lines(run_dir: Path) -> list[dict[str, Any]]:
+    """The file's JSON object lines ([] when there is no file; a line that is not JSON, a write cut short, is
+    skipped)."""
     try:
         lines = (run_dir / TRAINER_LOG).read_text(encoding="utf-8").splitlines()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return []
-    segments: list[list[dict[str, Any]]] = [[]]
-    last = last_loss = -1
+    out = []
     for line in lines:
         try:
             raw = json.loads(line)
         except ValueError:
             continue
-        step = raw.get("current_steps") if isinstance(raw, dict) else None
+        if isinstance(raw, dict):
+            out.append(raw)
+    return out
+
+
+def planned_steps(lines: list[dict[str, Any]]) -> int | None:
+    """The run's planned length, as the log states it (``total_steps``, the newest start's)."""
+    totals = [raw["total_steps"] for raw in lines if isinstance(raw.get("total_steps"), int) and raw["total_steps"] > 0]
+    return totals[-1] if totals else None
+
+
+def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> list[list[dict[str, Any]]]:
+    """The file's lines as log-history entries, one list per (re)start of the run; [] when there is no file.
+
+    Several processes may append to the same file at once (a launcher starting the script once per GPU, each
+    rank's LogCallback writing): their lines interleave, each step logged once per writer, a step going back
+    by a line or two. A restart goes back too, but it is a new process: everything it writes comes after the
+    last line of the run it replaced. So the lines are first sorted into writers (each writer's steps go
+    forward, and so does its ``elapsed_time``), and writers whose lines interleave in the file are one run:
+    each step's line is kept once. Writers that follow one another are the restarts."""
+    lines = read_lines(run_dir) if lines is None else lines
+    writers: list[dict[str, Any]] = []  # {"lines": [(file index, raw)], "step", "loss_step", "elapsed"}
+    seen = set()
+    for index, raw in enumerate(lines):
+        step = raw.get("current_steps")
         if not isinstance(step, int) or not any(k in raw for k in KEYS if k not in ("epoch", "lr")):
             continue  # a prediction-progress line, or no training/eval number in it
-        # A restart: the step goes back, or a training log repeats one (an eval logs at a training log's step).
-        if step < last or ("loss" in raw and step <= last_loss):
-            segments.append([])
-            last_loss = -1
-        last = step
-        last_loss = step if "loss" in raw else last_loss
-        segments[-1].append({"step": step} | {KEYS[k]: v for k, v in raw.items() if k in KEYS})
-    return [s for s in segments if s]
+        text = json.dumps(raw, sort_keys=True)
+        if text in seen:
+            continue  # the same line written twice
+        seen.add(text)
+        elapsed = _seconds(raw.get("elapsed_time"))
+        # A writer this line can continue: its step goes forward (an eval logs at a training log's step) and its
+        # clock does not go back. Of those, the one it follows most closely; on a tie the one written last.
+        fits = [w for w in writers
+                if (step > w["step"] or (step == w["step"] and not ("loss" in raw and w["loss_step"] == step)))
+                and (elapsed is None or w["elapsed"] is None or elapsed >= w["elapsed"])]
+        if fits:
+            writer = max(fits, key=lambda w: (w["step"], w["lines"][-1][0]))
+        else:
+            writer = {"lines": [], "elapsed": None, "loss_step": -1}
+            writers.append(writer)
+        writer["lines"].append((index, raw))
+        writer["step"], writer["elapsed"] = step, elapsed if elapsed is not None else writer["elapsed"]
+        writer["loss_step"] = step if "loss" in raw else writer["loss_step"]
+    # Writers whose spans in the file overlap wrote at the same time: one run. Those that follow one another: restarts.
+    runs: list[list[dict[str, Any]]] = []
+    end = -1
+    for w in sorted(writers, key=lambda w: w["lines"][0][0]):
+        if w["lines"][0][0] > end:
+            runs.append([])
+        runs[-1].append(w)
+        end = max(end, w["lines"][-1][0])
+    segments = []
+    for group in runs:
+        kept: dict[tuple, dict[str, Any]] = {}
+        for index, raw in sorted((x for w in group for x in w["lines"]), key=lambda x: x[0]):
+            entry = {"step": raw["current_steps"]} | {KEYS[k]: v for k, v in raw.items() if k in KEYS}
+            kept.setdefault((entry["step"], tuple(sorted(entry))), entry)  # the first writer's line of each step
+        segments.append(sorted(kept.values(), key=lambda e: e["step"]))
+    return segments
+
+
+def _seconds(text: Any) -> float | None:
+    """LogCallback's ``elapsed_time`` (``str(timedelta)``: "H:MM:SS" or "N day(s), H:MM:SS") in seconds."""
+    if not isinstance(text, str):
+        return None
+    days, _, clock = text.rpartition(", ")
+    try:
+        h, m, s = (float(x) for x in clock.split(":"))
+        return (int(days.split()[0]) if days else 0) * 86400 + h * 3600 + m * 60 + s
+    except (ValueError, IndexError):
+        return None

@@ -1,9 +1,45 @@
 """Training logs kept per (re)start (LLaMA-Factory's trainer_log.jsonl, TensorBoard event files), as the
-log histories a ``trainer_state.json`` would have held: what the import reads when no state survives."""
+log histories a ``trainer_state.json`` would have held: what the import reads when no state survives.
+Also what every log reader shares: the key names loggers use for the Trainer's own keys, and Git LFS
+pointer files (a clone without git-lfs leaves them in place of the data)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
+# `train/...` and `eval/...` tags written back into a log history). The Trainer's own name wins when both are there.
+ALIASES = {"lr": "learning_rate", "train/learning_rate": "learning_rate", "train/lr": "learning_rate",
+           "train/loss": "loss", "train/grad_norm": "grad_norm", "grad-norm": "grad_norm", "train/epoch": "epoch",
+           "eval/loss": "eval_loss"}
+LFS_POINTER_HEAD = b"version https://git-lfs.github.com/spec/v1"
+# A pointer is three short lines (spec: version, oid, size; rarely an extension line or two).
+LFS_POINTER_MAX_BYTES = 1024
+LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
+
+
+def normalised(entry: dict[str, Any]) -> dict[str, Any]:
+    """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``)."""
+    out = {}
+    for key, value in entry.items():
+        name = ALIASES.get(key) or (f"eval_{key[5:]}" if key.startswith("eval/") else key)
+        if name != key and (name in entry or name in out):
+            out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
+            continue
+        out[name] = value
+    return out
+
+
+def is_lfs_pointer(path: Path) -> bool:
+    """Whether the file is a Git LFS pointer (a clone without git-lfs, or before `git lfs pull`)."""
+    try:
+        if path.stat().st_size > LFS_POINTER_MAX_BYTES:
+            return False
+        with path.open("rb") as f:
+            return f.read(len(LFS_POINTER_HEAD)) == LFS_POINTER_HEAD
+    except OSError:
+        return False
 
 
 def log_histories(segments: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:

@@ -10,8 +10,11 @@ optimizer: its decay group, then the no-decay group, each in ``named_parameters(
 are not saved. The analyzer has no model to ask, so the mapping is recovered from the weights: a
 state entry belongs to a saved tensor of its shape, and when several tensors share that shape, to
 the one whose movement since the previous checkpoint follows the entry's first moment (Adam moves
-a weight against its gradient's running mean). An assignment that is not clearly better than the
-alternatives is refused: such entries stay unnamed.
+a weight against its gradient's running mean). An entry whose moments are all zero (it never had a
+non-zero gradient) has no direction to follow: it belongs to the tensor of its shape that did not move
+at all, when exactly one did; and an entry left alone with a single tensor of its shape, once the others
+are named, is that tensor's (by elimination, when every tensor of the shape has an entry). An assignment
+that is not clearly better than the alternatives is refused: such entries stay unnamed.
 """
 
 from __future__ import annotations
@@ -161,20 +164,40 @@ def map_names(state: AdamState, weights: dict[str, tuple[Path, TensorEntry]],
         candidates = [c for c in candidates if c in before and before[c][1].shape == shape]
         if len(candidates) < len(entries) or not candidates:
             continue  # ambiguous and nothing to tell the tensors apart by: refuse
-        size = math.prod(shape)
-        picks = rng.choice(size, size=min(size, SAMPLE_ELEMENTS), replace=False)
-        moves = np.stack([load_weight(weights[c]).reshape(-1)[picks] - load_weight(before[c]).reshape(-1)[picks]
-                          for c in candidates])
-        firsts = np.stack([-e.exp_avg.reshape(-1)[picks] for e in entries])
-        # entries x candidates; a tensor that did not move (or went non-finite) matches nothing by movement
-        corr = np.nan_to_num(_correlations(firsts, moves), nan=0.0, posinf=0.0, neginf=0.0)
-        from scipy.optimize import linear_sum_assignment
+        complete = len(candidates) == len(entries)  # every tensor of the shape has an entry: elimination holds
+        still = [c for c in candidates if np.array_equal(load_weight(weights[c]), load_weight(before[c]), equal_nan=True)]
+        idle = [e for e in entries if not np.any(e.exp_avg) and not np.any(e.exp_avg_sq)]
+        if len(still) == 1 and len(idle) == 1:  # the entry that never updated is the tensor that never moved
+            names[idle[0].index] = still[0]
+            entries = [e for e in entries if e is not idle[0]]
+            candidates = [c for c in candidates if c != still[0]]
+        if entries:
+            names.update(_by_movement(entries, candidates, weights, before, rng))
+        left = [e for e in entries if e.index not in names]
+        unnamed = [c for c in candidates if c not in names.values()]
+        if complete and len(left) == 1 and len(unnamed) == 1:
+            names[left[0].index] = unnamed[0]
+    return names
 
-        rows, cols = linear_sum_assignment(-corr)
-        for r, c in zip(rows, cols):
-            others = np.delete(corr[r], c)
-            if corr[r, c] >= MIN_CORRELATION and (others.size == 0 or corr[r, c] - others.max() >= MIN_MARGIN):
-                names[entries[r].index] = candidates[c]
+
+def _by_movement(entries: list[MomentEntry], candidates: list[str], weights, before, rng) -> dict[int, str]:
+    """The entries whose first moment follows one candidate's movement clearly better than any other's."""
+    shape = tuple(entries[0].exp_avg.shape)
+    size = math.prod(shape)
+    picks = rng.choice(size, size=min(size, SAMPLE_ELEMENTS), replace=False)
+    moves = np.stack([load_weight(weights[c]).reshape(-1)[picks] - load_weight(before[c]).reshape(-1)[picks]
+                      for c in candidates])
+    firsts = np.stack([-e.exp_avg.reshape(-1)[picks] for e in entries])
+    # entries x candidates; a tensor that did not move (or went non-finite) matches nothing by movement
+    corr = np.nan_to_num(_correlations(firsts, moves), nan=0.0, posinf=0.0, neginf=0.0)
+    from scipy.optimize import linear_sum_assignment
+
+    names = {}
+    rows, cols = linear_sum_assignment(-corr)
+    for r, c in zip(rows, cols):
+        others = np.delete(corr[r], c)
+        if corr[r, c] >= MIN_CORRELATION and (others.size == 0 or corr[r, c] - others.max() >= MIN_MARGIN):
+            names[entries[r].index] = candidates[c]
     return names
 
 

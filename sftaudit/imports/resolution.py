@@ -53,8 +53,9 @@ def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]
         note = (f" [imported logs, logged every {logging_steps} steps: first anomalous logging window: "
                 f"steps {first}-{f.step}]")
         out.append(replace(f, step=first, message=f.message + note, evidence={**f.evidence, "resolution": resolution}))
+    notes = {"notes": manifest["import_notes"]} if manifest.get("import_notes") else {}  # what the import could not read
     return out, {"kind": "logging window" if (logging_steps or 1) > 1 else "exact step", "logging_steps": logging_steps,
-                 "source": manifest.get("source")}
+                 "source": manifest.get("source"), **notes}
 
 
 def first_window(verdict: dict[str, Any]) -> dict[str, Any] | None:

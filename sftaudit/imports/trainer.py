@@ -7,10 +7,18 @@ What becomes evidence (and what does not):
   mean over the logging window, ``grad_norm`` its pre-clip global norm of the window's last step,
   ``learning_rate``), and every logged number as a ``metrics`` record (``eval_*``, ``epoch``,
   TRL's ``entropy``, ``mean_token_accuracy``, ``num_tokens``). Granularity: ``logging_steps``.
-* ``checkpoint-N/`` folders: ``checkpoints`` records (files, resume-state outline, tokenizer
-  fingerprint), so LOOP-09 inspects them and the verdict can name a rollback checkpoint.
+* ``checkpoint-N/`` folders (and any other folder of the output holding a ``trainer_state.json``, such
+  as the ``last-checkpoint/`` a Hub push leaves, at its ``global_step``): ``checkpoints`` records (files,
+  resume-state outline, tokenizer fingerprint), so LOOP-09 inspects them and the verdict can name a
+  rollback checkpoint.
 * The tokenizer and chat template saved with the newest checkpoint: the manifest's tokenizer
   and ``sftaudit/tokenizer/`` (LOOP-01/02).
+
+The manifest also carries the run's planned length (``config.max_steps``: the state's ``max_steps``,
+else LLaMA-Factory's ``total_steps``, else ``num_train_epochs`` x the steps per epoch the log shows) and
+its vocabulary size (``vocab_size``: ``config.json``, else the embedding rows of a checkpoint's weights,
+else the saved tokenizer's length), and the log files that are Git LFS pointers (``lfs_pointers``, said
+once in ``import_notes``).
 
 Per-step batches, per-tensor gradient norms and probes do not exist for such a run: the checks
 that need them do not run, and the verdict says so. ``training_args.bin`` is a pickle of
@@ -29,12 +37,21 @@ from typing import Any
 from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
 from .dataset import DATASET_KINDS, DATASET_SOURCE, DATASET_UNJUDGED, dataset_description, dataset_records, failure_events
-from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments
-from .logs import log_histories, logging_interval
+from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
+from .logs import LFS_HINT, is_lfs_pointer, log_histories, logging_interval, normalised
 from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
 TRAINER_STATE = "trainer_state.json"
-CHECKPOINT_DIR = re.compile(r"checkpoint-(\d+)")
+CHECKPOINT_DIR = re.compile(r"(?:checkpoint|ckpt)[-_]?(\d+)")
+# Folders of an output that are never a checkpoint, whatever they hold.
+NOT_CHECKPOINTS = {"sftaudit", "runs", "wandb", ".git"}
+# Tensors whose rows are the vocabulary (input embeddings or output head), by the end of their name.
+EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "lm_head.weight", "embed_out.weight",
+                   "shared.weight")
+# A tokenizer folder that can be built whole (a tokenizer_config.json alone rebuilds a few special tokens).
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+# A planned length no run has (the Trainer's "until max_steps" sentinel for epochs is sys.maxsize).
+MAX_PLAUSIBLE_EPOCHS = 1_000_000
 # Keys of the end-of-training log entry: a summary of the run, not a training step.
 SUMMARY_KEYS = ("train_runtime", "train_loss")
 LOGS_SOURCE = "imported logs: trainer_state.json"
@@ -50,9 +67,35 @@ PROBE_KINDS = ("probes", "generations", "evals")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    """``checkpoint-N/`` folders of a Trainer output, by step."""
-    return sorted((int(m.group(1)), p) for p in run_dir.glob("checkpoint-*")
-                  if p.is_dir() and (m := CHECKPOINT_DIR.fullmatch(p.name)))
+    """The checkpoint folders of a Trainer output, by step: ``checkpoint-N/`` (also ``checkpoint_N``,
+    ``ckpt-N``) at N, and any other folder holding a ``trainer_state.json`` (``last-checkpoint/`` from a
+    Hub push, ``best_checkpoint/``...) at its ``global_step``, unless a numbered folder has that step."""
+    numbered, named = {}, {}
+    for p in run_dir.iterdir():
+        if not p.is_dir() or p.is_symlink() or p.name in NOT_CHECKPOINTS:
+            continue
+        if m := CHECKPOINT_DIR.fullmatch(p.name):
+            numbered[p] = int(m.group(1))
+        elif (step := _global_step(p / TRAINER_STATE)) is not None:
+            named[p] = step
+    taken = set(numbered.values())
+    return sorted([(s, p) for p, s in numbered.items()] + [(s, p) for p, s in named.items() if s not in taken])
+
+
+def _global_step(path: Path) -> int | None:
+    try:
+        step = json.loads(path.read_text(encoding="utf-8")).get("global_step") if path.is_file() else None
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def lfs_pointers(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[str]:
+    """The log files (trainer states, trainer_log.jsonl, event files) that are Git LFS pointers, relative to
+    the run folder. Checkpoint weights and training state are LOOP-09's to name."""
+    candidates = [run_dir / TRAINER_STATE, run_dir / TRAINER_LOG, *(p / TRAINER_STATE for _, p in checkpoints),
+                  *event_files(run_dir)]
+    return sorted(str(p.relative_to(run_dir)) for p in candidates if is_lfs_pointer(p))
 
 
 def is_trainer_output(run_dir: str | Path) -> bool:
@@ -101,14 +144,23 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     checkpoints = checkpoint_dirs(run_dir)
     states = _states(run_dir, checkpoints)
     # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
-    segments, log_source = log_segments(run_dir), LOG_SOURCE
+    lines, args = read_lines(run_dir), {}
+    segments, log_source = log_segments(run_dir, lines), LOG_SOURCE
     if not segments:
-        segments, log_source = event_segments(run_dir), EVENTS_SOURCE
+        segments, texts = event_segments(run_dir)
+        args = texts.get("args", {}) | {"model_config": texts.get("model_config")}
+        log_source = EVENTS_SOURCE
     source = LOGS_SOURCE if states else log_source
     if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
-        states = [_log_state(run_dir, i, history) for i, history in enumerate(log_histories(segments))]
+        states = [_log_state(run_dir, i, history, args) for i, history in enumerate(log_histories(segments))]
+    pointers = lfs_pointers(run_dir, checkpoints)
     if not states:
         hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
+        if pointers:
+            hint = f" ({len(pointers)} log file(s), {pointers[0]} first, are a {LFS_HINT})"
+        elif lines:
+            hint = (f" ({TRAINER_LOG} holds {len(lines)} progress line(s) without a loss or an eval number: "
+                    "a prediction or evaluation run, nothing was trained)")
         raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)"
                          + hint)
     # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
@@ -143,14 +195,19 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
+    resumed_from = _resumed_from(checkpoints, timeline, resumed_at)
     for seg in [0] + ([1] if resumed_at is not None else []):
-        records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source))
+        manifest = _manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source, planned_steps(lines), pointers)
+        if seg and resumed_from is not None:
+            manifest["config"]["resume_from"] = resumed_from
+        records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
     return {"steps": len(records["steps"]), "metrics": len(records["metrics"]), "checkpoints": len(checkpoints),
-            "logging_steps": newest["logging_steps"], "resumed_at": resumed_at,
+            "logging_steps": _logging_steps(newest), "resumed_at": resumed_at,
             "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
-            "tokenizer": tokenizer is not None, "dataset_rows": (dataset or {}).get("rows")}
+            "tokenizer": tokenizer is not None, "dataset_rows": (dataset or {}).get("rows"),
+            "notes": _notes(pointers)}
 
 
 # ---------------------------------------------------------------------------- trainer states
@@ -163,8 +220,8 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
         path = folder / TRAINER_STATE
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
-            history = [e for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)]
-        except (OSError, ValueError, KeyError, TypeError):
+            history = [normalised(e) for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)]
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
             continue
         out.append({"folder": folder, "top_level": top_level, "history": history, "mtime": path.stat().st_mtime,
                     "global_step": int(state.get("global_step") or 0), "max_steps": state.get("max_steps"),
@@ -174,11 +231,14 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
     return out
 
 
-def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json."""
+def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
+    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json; the run's
+    arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
     return {"folder": run_dir / f"log-{index}", "top_level": True, "history": history, "mtime": index,
-            "global_step": max(e["step"] for e in history), "max_steps": None, "logging_steps": logging_interval(history),
-            "save_steps": None, "eval_steps": None, "train_batch_size": None, "num_train_epochs": None, "abandoned": False}
+            "global_step": max(e["step"] for e in history), "max_steps": args.get("max_steps"),
+            "logging_steps": logging_interval(history) or args.get("logging_steps"), "save_steps": args.get("save_steps"),
+            "eval_steps": args.get("eval_steps"), "train_batch_size": args.get("per_device_train_batch_size"),
+            "num_train_epochs": args.get("num_train_epochs"), "abandoned": False, "model_config": args.get("model_config")}
 
 
 def _with_log(timeline, abandoned, resumed_at, segments):
@@ -194,6 +254,16 @@ def _with_log(timeline, abandoned, resumed_at, segments):
             resumed_at = restart if resumed_at is None else min(resumed_at, restart)
     last = max((e["step"] for e in timeline), default=0)
     return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumed_at
+
+
+def _resumed_from(checkpoints: list[tuple[int, Path]], timeline: list[dict[str, Any]], resumed_at: int | None) -> str | None:
+    """The checkpoint on disk the resume can have started from: the newest saved after the last training log
+    before the resume and before the first one after it (the logs show the restart only to their resolution)."""
+    if resumed_at is None:
+        return None
+    before = max((e["step"] for e in timeline if "loss" in e and e["step"] < resumed_at), default=0)
+    within = [p for step, p in checkpoints if before <= step < resumed_at]
+    return within[-1].name if within else None
 
 
 def _key(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
@@ -271,24 +341,29 @@ def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict
     return describe_tokenizer(newest), fingerprints
 
 
-def _model(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict[str, Any]:
+def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The newest config.json saved (else the one a log kept: TensorBoard's model_config text)."""
+    configs = []
     for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
         try:
-            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            configs.append(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, UnicodeDecodeError):
             continue
-        return {"class": (config.get("architectures") or [None])[0], "config": config,
-                "tie_word_embeddings": config.get("tie_word_embeddings")}
-    return {}
+    config = next((c for c in configs + [logged] if isinstance(c, dict) and c), None)
+    if config is None:
+        return {}
+    architectures = config.get("architectures")
+    return {"class": architectures[0] if isinstance(architectures, list) and architectures else None, "config": config,
+            "tie_word_embeddings": config.get("tie_word_embeddings")}
 
 
-def _params(checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
-    """The tensors of the newest readable checkpoint (file order: a checkpoint does not keep the model's
+def _params(folders: list[Path]) -> list[dict[str, Any]]:
+    """The tensors of the first readable folder (file order: a checkpoint does not keep the model's
     parameter order; whether each was trainable is not on disk either)."""
     from ..checkpoints import CheckpointError
     from .optimizer_state import checkpoint_weights
 
-    for _, folder in reversed(checkpoints):
+    for folder in folders:
         try:
             weights = checkpoint_weights(folder)
         except CheckpointError:
@@ -298,10 +373,60 @@ def _params(checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
     return []
 
 
+def _planned_steps(newest: dict[str, Any], total_steps: int | None) -> int | None:
+    """The run's planned length: the state's ``max_steps``, else LLaMA-Factory's ``total_steps``, else
+    ``num_train_epochs`` x the steps per epoch of its last training log (its step over its epoch)."""
+    if isinstance(newest["max_steps"], int) and newest["max_steps"] > 0:
+        return newest["max_steps"]
+    if total_steps:
+        return total_steps
+    epochs = newest["num_train_epochs"]
+    logs = [e for e in newest["history"] if "loss" in e and isinstance(e.get("epoch"), (int, float))
+            and 0 < e["epoch"] < MAX_PLAUSIBLE_EPOCHS]
+    if isinstance(epochs, (int, float)) and 0 < epochs < MAX_PLAUSIBLE_EPOCHS and logs:
+        return round(epochs * logs[-1]["step"] / logs[-1]["epoch"]) or None
+    return None
+
+
+def _vocab_size(model: dict[str, Any], params: list[dict[str, Any]], tokenizer: dict[str, Any] | None,
+                folders: list[Path]) -> int | None:
+    """The model's vocabulary: config.json's ``vocab_size`` (a multimodal model's ``text_config``), else the rows
+    of its embedding or output head in the weights, else the saved tokenizer's length (when it was saved whole)."""
+    config = model.get("config") or {}
+    for part in (config, config.get("text_config"), config.get("llm_config")):
+        size = part.get("vocab_size") if isinstance(part, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    rows = [p["shape"][0] for p in params if p["name"].endswith(EMBEDDING_NAMES) and len(p["shape"]) == 2]
+    if rows:
+        return max(rows)
+    whole = any((folder / name).is_file() for folder in folders for name in TOKENIZER_VOCAB_FILES)
+    return (tokenizer or {}).get("length") if whole else None
+
+
+def _notes(pointers: list[str]) -> list[str]:
+    """What the import could not read, said once."""
+    if not pointers:
+        return []
+    return [f"{len(pointers)} log file(s) ({pointers[0]}{', ...' if len(pointers) > 1 else ''}) are a {LFS_HINT}"]
+
+
+def _logging_steps(newest: dict[str, Any]) -> int | None:
+    """``logging_steps`` as the state says it (older states have none), else as the log shows it."""
+    steps = newest["logging_steps"]
+    if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps >= 1 and steps == int(steps):
+        return int(steps)
+    return logging_interval(newest["history"])
+
+
 def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int,
-              dataset: dict[str, Any] | None, source: str) -> dict[str, Any]:
-    model = _model(run_dir, checkpoints)
-    granularity = {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps")}
+              dataset: dict[str, Any] | None, source: str, total_steps: int | None = None,
+              pointers: list[str] | None = None) -> dict[str, Any]:
+    model = _model(run_dir, checkpoints, newest.get("model_config"))
+    folders = [p for _, p in reversed(checkpoints)] + [run_dir]
+    params = _params(folders[:-1])
+    vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
+    granularity = {"logging_steps": _logging_steps(newest), "save_steps": newest["save_steps"], "eval_steps": newest["eval_steps"]}
     try:
         posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -314,10 +439,10 @@ def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
         "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
         "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
-        "model": model, "params": _params(checkpoints), "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
-        "config": {"max_steps": newest["max_steps"],
-                   "trainer_state": {k: newest[k] for k in ("logging_steps", "save_steps", "eval_steps", "train_batch_size",
-                                                            "num_train_epochs")}},
+        "model": model, "params": params, "tied": {}, "vocab_size": vocab_size, "lfs_pointers": pointers or [],
+        "import_notes": _notes(pointers or []), "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
+        "config": {"max_steps": _planned_steps(newest, total_steps),
+                   "trainer_state": granularity | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")}},
     }
 
 
