@@ -104,6 +104,7 @@ class Recorder:
         self.disabled: set[str] = set()
         self.optimizer = optimizer
         self._segment_started = False
+        self._first_step: int | None = None  # the segment's first step: its rows are kept whole whatever the schedule
         self._writer = JsonlWriter(rank_dir(self.run_dir, self.rank))
         self.segment = len(read_jsonl(self._writer.folder / "manifest.jsonl"))
         # Each parameter's local piece on this rank (DDP/FSDP1/FSDP2 differ only in there): every
@@ -178,6 +179,7 @@ class Recorder:
             return
         if not self._segment_started:
             self._segment_started = True
+            self._first_step = step
             with self._guard("segment_start"):
                 self._record_segment_start(step)
         with self._guard("batches"):
@@ -378,10 +380,14 @@ class Recorder:
         return out
 
     def _rows_to_keep(self, step: int, rows: int) -> int:
+        """Rows kept whole as evidence: on the schedule, and every row of each segment's first step (a
+        run's start or a resume), so a data bug present from the first batch is dated there in any profile."""
+        if "samples" in self.disabled:
+            return 0
+        if step == self._first_step:
+            return rows
         every = self.schedule.samples_every
-        if every and step % every == 0 and "samples" not in self.disabled:
-            return min(rows, self.schedule.samples_per_batch)
-        return 0
+        return min(rows, self.schedule.samples_per_batch) if every and step % every == 0 else 0
 
     def _capture_grads(self, step: int) -> None:
         all_grads = self._pieces.grads()
