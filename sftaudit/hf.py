@@ -51,8 +51,10 @@ class SFTAuditCallback(TrainerCallback):
             return
         options = dict(self.options)
         options.setdefault("tokenizer", processing_class if processing_class is not None else tokenizer)
-        # max_steps as the Trainer resolved it (from epochs when args.max_steps is -1): the LR schedule's length.
-        options.setdefault("config", {"training_args": args.to_dict(), "max_steps": state.max_steps})
+        # max_steps as the Trainer resolved it (from epochs when args.max_steps is -1): the LR schedule's length,
+        # and the plan a run that stopped early fell short of.
+        options.setdefault("config", {"training_args": args.to_dict()})
+        options.setdefault("max_steps", state.max_steps)
         options.setdefault("optimizer", kwargs.get("optimizer"))
         options.setdefault("scheduler", lr_scheduler)
         self._state = state

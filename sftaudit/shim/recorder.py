@@ -70,6 +70,8 @@ class Recorder:
             resume restored its state.
         scheduler: the LR scheduler (optional): its class and state go to the manifest, so LOOP-14
             can rebuild the configured schedule and compare it with the LR recorded at every step.
+        max_steps: the run's planned length in optimizer steps (stored as the config's ``max_steps``): a run
+            whose records end before it without a ``close`` event stopped early.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Recorder:
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        max_steps: int | None = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -112,11 +115,15 @@ class Recorder:
         self._pieces = local_pieces(model, self.rank, self.world_size)
         self._param_info, tied = self._pieces.params, self._pieces.tied
         self._hashers: list[threading.Thread] = []
+        self._last_step: int | None = None  # the last step whose record was written (the close event names it)
         self._probing = False
         self._closed = False
         self._reset_step()
         self._grad_norm_ema: float | None = None
         self._template: tuple[Any, str | None] = (None, None)  # (template object, its fingerprint)
+        config = dict(config or {})
+        if max_steps is not None:
+            config["max_steps"] = int(max_steps)
 
         manifest = {
             "schema_version": SCHEMA_VERSION,
@@ -142,7 +149,7 @@ class Recorder:
                 {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
                 for i, it in enumerate(self.eval_set)
             ],
-            "config": jsonable(dict(config or {})),
+            "config": jsonable(config),
             "param_norms": None,
             "scheduler": None,
         }
@@ -155,7 +162,7 @@ class Recorder:
                 manifest["dataset"] = describe_dataset(dataset)
             manifest["param_norms"] = self._param_norms()
             if scheduler is not None:
-                manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
+                manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -296,21 +303,26 @@ class Recorder:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._write("metrics", {"step": step, "name": name, "value": float(value)})
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """The segment ended: a ``close`` event with its last recorded step (and the exception that ended
+        the loop, when one did). A run killed outright leaves none."""
         if self._closed:
             return
         self._closed = True
         self._loss_hook.remove()
         for worker in self._hashers:
             worker.join(timeout=60)
-        self._write("events", {"kind": "close", "time": time.time()})
+        record = {"kind": "close", "step": self._last_step, "time": time.time()}
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        self._write("events", record)
         self._writer.close()
 
     def __enter__(self) -> "Recorder":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
@@ -436,6 +448,7 @@ class Recorder:
             "loss": loss, "lr": lr, "grad_norm": global_norm, "grad_norms": norms,
             "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens,
         })
+        self._last_step = step
         if ("step", "hist") in values:
             self._write_hists(step, self._hist_index, values["step", "hist"], "scheduled")
         elif nonfinite or self._is_spike(global_norm):
