@@ -65,6 +65,9 @@ class Recorder:
         eval_set: items ``{"messages": [...], "reference": str}`` (optional "id") generated at eval steps.
         dataset: the training rows (list of dicts or HF dataset): their field names go to the manifest.
         grad_norm_source: what `on_backward` sees: "pre_clip" (the documented call order) or "post_clip".
+        norms_at_backward_end: read the per-tensor gradient norms at the end of each backward pass (an
+            autograd final callback, after DDP's and FSDP's own), before a loop's clipping that no hook
+            precedes (the Trainer's); `record_gradients` then records the post-clip norms beside them.
         config: any run configuration to keep in the manifest.
         optimizer: the optimizer, optional: its step count at the segment's first step shows whether a
             resume restored its state.
@@ -88,6 +91,7 @@ class Recorder:
         rank: int | None = None,
         world_size: int | None = None,
         grad_norm_source: str = "pre_clip",
+        norms_at_backward_end: bool = False,
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
@@ -101,7 +105,9 @@ class Recorder:
         self.schedule = resolve_schedule(profile, schedule)
         self.profile = profile
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.grad_norm_source = grad_norm_source
+        self.norms_at_backward_end = norms_at_backward_end
+        # Read at the end of backward, the norms are what the gradients were before any clipping.
+        self.grad_norm_source = "pre_clip" if norms_at_backward_end else grad_norm_source
         self.probe_prompts = list(probe_prompts)
         self.eval_set = [dict(item) for item in eval_set]
         self.disabled: set[str] = set()
@@ -141,7 +147,10 @@ class Recorder:
             "params": self._param_info,  # with each parameter's layout on this rank (see `pieces`)
             "framework": self._pieces.framework,
             "tied": tied,
-            "grad_norm_source": grad_norm_source,
+            "grad_norm_source": self.grad_norm_source,
+            # Where the norms were read: "on_backward" (the loop's call) or "backward_end" (the autograd callback,
+            # with each step's post-clip norms beside them in grad_norms_post_clip).
+            "grad_norm_read": "backward_end" if norms_at_backward_end else "on_backward",
             "tokenizer": None,
             "dataset": None,
             "probe_prompts": self.probe_prompts,
@@ -252,12 +261,20 @@ class Recorder:
             self._losses.append(loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss)))
 
     def record_gradients(self, step: int) -> None:
-        """Per-tensor gradient norms as the gradients stand now (and histograms on schedule)."""
+        """Per-tensor gradient norms as the gradients stand now (and histograms on schedule). With
+        `norms_at_backward_end` these are the post-clip norms, beside the pre-clip ones read at the end
+        of the last backward (when none was read there, they stand in for them, and the step says so)."""
         if self._probing or "gradients" in self.disabled:
             return
         with self._guard("gradients"):
             self._begin_step(step)
+            if self.norms_at_backward_end and self._norms is not None:
+                grads = [self._pieces.grads()[i] for i in self._norm_index]
+                if all(g is not None for g in grads):
+                    self._post_norms = torch.stack(torch._foreach_norm(grads)).float()
+                return
             self._capture_grads(step)
+            self._norms_read_now = self.norms_at_backward_end
 
     def on_step_end(self, step: int, lr: float | None = None) -> None:
         """After optimizer.step(): one host transfer, then the step's records and scheduled probes."""
@@ -332,6 +349,9 @@ class Recorder:
         if "batches" not in self.disabled:
             with self._guard("batches"):
                 self._micro[-1].update(_attention_inputs(module, args, kwargs, output))
+        if self.norms_at_backward_end and "gradients" not in self.disabled:
+            with self._guard("gradients"):
+                self._read_norms_when_backward_ends(output)
         if "losses" in self.disabled:
             return
         with self._guard("losses"):
@@ -348,6 +368,27 @@ class Recorder:
                     parts["loss_weight"] = grad.detach()
                 loss.register_hook(weight)
 
+    def _read_norms_when_backward_ends(self, output) -> None:
+        """When backward reaches this forward's output, queue a read of the gradient norms for the end of
+        that backward pass. The callback queues itself once more so that it runs after the final callbacks
+        queued during the pass (DDP's reduction, FSDP's), on the gradients the clipping will then see."""
+        get = output.get if isinstance(output, Mapping) else lambda k: getattr(output, k, None)
+        tensor = next((t for t in (get(k) for k in ("loss", "log_probs", "logits"))
+                      if torch.is_tensor(t) and t.requires_grad), None)
+        if tensor is None:
+            return
+        engine = torch.autograd.Variable._execution_engine
+
+        def at_end() -> None:
+            if "gradients" not in self.disabled and self._step is not None:
+                with self._guard("gradients"):
+                    self._capture_grads(self._step)
+
+        def started(_grad: torch.Tensor) -> None:
+            engine.queue_callback(lambda: engine.queue_callback(at_end))
+
+        tensor.register_hook(started)
+
     # ------------------------------------------------------------------ per step
 
     def _reset_step(self) -> None:
@@ -355,6 +396,8 @@ class Recorder:
         self._micro: list[dict] = []
         self._losses: list[torch.Tensor] = []
         self._norms: torch.Tensor | None = None
+        self._post_norms: torch.Tensor | None = None  # after the loop's clipping (norms_at_backward_end)
+        self._norms_read_now = False  # norms_at_backward_end, but this step's were read after clipping
         self._norm_index: list[int] = []
         self._hist: torch.Tensor | None = None
         self._hist_index: list[int] = []
@@ -418,6 +461,8 @@ class Recorder:
         parts.extend(("loss", i, t) for i, t in enumerate(self._losses))  # averaged on the host
         if self._norms is not None:
             parts.append(("step", "norms", self._norms))
+        if self._post_norms is not None:
+            parts.append(("step", "post_norms", self._post_norms))
         if self._hist is not None:
             parts.append(("step", "hist", self._hist))
         for m in self._micro:
@@ -438,6 +483,15 @@ class Recorder:
             bad = np.flatnonzero(~np.isfinite(host_norms))
             if bad.size:
                 nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
+        extra = {}
+        if ("step", "post_norms") in values:
+            post = values["step", "post_norms"].astype(np.float64)
+            post_norms: list[float | None] = [None] * len(self._param_info)
+            for i, v in zip(self._norm_index, post.tolist()):
+                post_norms[i] = v
+            extra = {"grad_norm_post_clip": float(np.sqrt(np.square(post).sum())), "grad_norms_post_clip": post_norms}
+        elif self._norms_read_now:
+            extra = {"grad_norm_source": "post_clip"}  # no backward-end read this step: the norms are post-clip
         losses = [values["loss", i] for i in range(len(self._losses))]
         loss = self._window_loss(values, float(np.mean(losses, dtype=np.float64)) if losses else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
@@ -446,7 +500,7 @@ class Recorder:
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
             "loss": loss, "lr": lr, "grad_norm": global_norm, "grad_norms": norms,
-            "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens,
+            "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens, **extra,
         })
         self._last_step = step
         if ("step", "hist") in values:
