@@ -343,7 +343,11 @@ class Recorder:
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
-        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised."""
+        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised. A loop that
+        computes its own loss from the per-token log-probabilities (TRL's fused LM head: the model's
+        `loss` then never reaches backward) gives the weight through them: with every trained token
+        weighted alike, d(objective)/d(loss) = -sum of the gradient on the trained tokens' log-probs x
+        (the tokens the loss divides by) / (the trained tokens)."""
         if self._probing or not module.training or not self._micro:
             return
         if "batches" not in self.disabled:
@@ -367,17 +371,26 @@ class Recorder:
                 def weight(grad: torch.Tensor) -> None:
                     parts["loss_weight"] = grad.detach()
                 loss.register_hook(weight)
+            log_probs = getattr(output, "log_probs", None)
+            mask = getattr(output, "label_mask", None)
+            if (torch.is_tensor(log_probs) and log_probs.requires_grad and torch.is_tensor(mask)
+                    and mask.shape == log_probs.shape):
+                trained = mask.sum().clamp(min=1)
+                divides_by = parts.get("num_items", trained)
+
+                def token_weight(grad: torch.Tensor) -> None:
+                    parts["loss_weight"] = -(grad.detach() * mask).sum() * divides_by / trained
+                log_probs.register_hook(token_weight)
 
     def _read_norms_when_backward_ends(self, output) -> None:
         """When backward reaches this forward's output, queue a read of the gradient norms for the end of
         that backward pass. The callback queues itself once more so that it runs after the final callbacks
         queued during the pass (DDP's reduction, FSDP's), on the gradients the clipping will then see."""
         get = output.get if isinstance(output, Mapping) else lambda k: getattr(output, k, None)
-        tensor = next((t for t in (get(k) for k in ("loss", "log_probs", "logits"))
-                      if torch.is_tensor(t) and t.requires_grad), None)
-        if tensor is None:
-            return
+        # Whichever of them the loop's objective was computed from (TRL's own loss uses log_probs, not loss).
+        tensors = [t for t in (get(k) for k in ("loss", "log_probs", "logits")) if torch.is_tensor(t) and t.requires_grad]
         engine = torch.autograd.Variable._execution_engine
+        queued = []
 
         def at_end() -> None:
             if "gradients" not in self.disabled and self._step is not None:
@@ -385,9 +398,12 @@ class Recorder:
                     self._capture_grads(self._step)
 
         def started(_grad: torch.Tensor) -> None:
-            engine.queue_callback(lambda: engine.queue_callback(at_end))
+            if not queued:  # once per backward pass, whichever output it reaches first
+                queued.append(True)
+                engine.queue_callback(lambda: engine.queue_callback(at_end))
 
-        tensor.register_hook(started)
+        for tensor in tensors:
+            tensor.register_hook(started)
 
     # ------------------------------------------------------------------ per step
 
