@@ -66,7 +66,8 @@ class SFTAuditCallback(TrainerCallback):
         # before on_pre_optimizer_step: they are read at the start of that step instead, pre-clip.
         zero = zero_optimizer(kwargs.get("optimizer"))
         self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="pre_clip",
-                                 norms_at_backward_end=zero is None, **options)
+                                 norms_at_backward_end=zero is None,
+                                 accumulation_steps=args.gradient_accumulation_steps, **options)
         if zero is not None:
             read_before_step(zero, lambda: self.recorder.record_gradients(self._current_step()))
         self._reads_in_step = zero is not None

@@ -68,6 +68,9 @@ class Recorder:
         norms_at_backward_end: read the per-tensor gradient norms at the end of each backward pass (an
             autograd final callback, after DDP's and FSDP's own), before a loop's clipping that no hook
             precedes (the Trainer's); `record_gradients` then records the post-clip norms beside them.
+        accumulation_steps: micro-batches per optimizer step, when known: with `norms_at_backward_end` the
+            norms are read after the window's last backward only (a shorter window, such as an epoch's last,
+            has them read after the clip: its step record says ``grad_norm_source: "post_clip"``).
         config: any run configuration to keep in the manifest.
         optimizer: the optimizer, optional: its step count at the segment's first step shows whether a
             resume restored its state.
@@ -92,6 +95,7 @@ class Recorder:
         world_size: int | None = None,
         grad_norm_source: str = "pre_clip",
         norms_at_backward_end: bool = False,
+        accumulation_steps: int = 1,
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
@@ -106,6 +110,7 @@ class Recorder:
         self.profile = profile
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.norms_at_backward_end = norms_at_backward_end
+        self.accumulation_steps = max(1, int(accumulation_steps))
         # Read at the end of backward, the norms are what the gradients were before any clipping.
         self.grad_norm_source = "pre_clip" if norms_at_backward_end else grad_norm_source
         self.probe_prompts = list(probe_prompts)
@@ -386,6 +391,8 @@ class Recorder:
         """When backward reaches this forward's output, queue a read of the gradient norms for the end of
         that backward pass. The callback queues itself once more so that it runs after the final callbacks
         queued during the pass (DDP's reduction, FSDP's), on the gradients the clipping will then see."""
+        if len(self._micro) < self.accumulation_steps:  # not the window's last backward: the clip is not next
+            return
         get = output.get if isinstance(output, Mapping) else lambda k: getattr(output, k, None)
         # Whichever of them the loop's objective was computed from (TRL's own loss uses log_probs, not loss).
         tensors = [t for t in (get(k) for k in ("loss", "log_probs", "logits")) if torch.is_tensor(t) and t.requires_grad]

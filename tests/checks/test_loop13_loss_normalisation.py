@@ -129,9 +129,16 @@ def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_a
 
 
 def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenizer_cache):
-    verdict = audit(_hf(tmp_path_factory, tokenizer_cache, "hf-ga-clean"))
+    run = _hf(tmp_path_factory, tokenizer_cache, "hf-ga-clean")
+    verdict = audit(run)
     assert of(verdict, "LOOP-13") == []
     assert [c["status"] for c in verdict["checks"] if c["code"] == "LOOP-13"] == ["ran"]
+    # With accumulation the norms are read after the window's last backward: pre-clip, as the Trainer's total
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT s.grad_norm, m.value, s.grad_norm_source FROM steps s JOIN metrics m "
+                       "ON m.step = s.step AND m.name = 'grad_norm'").fetchall()
+    con.close()
+    assert len(rows) == 4 and all(pre == pytest.approx(total, rel=1e-5) and src is None for pre, total, src in rows)
 
 
 def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_factory, tokenizer_cache):
