@@ -147,7 +147,8 @@ def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_fac
     import trl
 
     run = _hf(tmp_path_factory, tokenizer_cache, "trl-loss", trl=True, faults={"logged_loss_times_accumulation": True})
-    con = connect(run, read_only=True) if ingest(run) is not None else None
+    ingest(run)
+    con = connect(run, read_only=True)
     weights = con.execute("SELECT step, sum(loss_weight), count(loss_weight), count(*) FROM batches GROUP BY step "
                           "ORDER BY step").fetchall()
     con.close()
