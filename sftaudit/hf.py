@@ -3,11 +3,15 @@
 The Trainer hands callbacks no batch, so the callback sees each micro-batch through
 a forward pre-hook on the model (registered ``with_kwargs=True``: it sees every
 ``model(**inputs)`` call; eval-mode calls are skipped) and each micro-batch's loss
-through a forward hook. Gradients are read in ``on_pre_optimizer_step``, after the
-Trainer clipped them: the per-tensor norms stored are post-clip
-(``grad_norm_source = "post_clip"``), while the Trainer's pre-clip total reaches
-``on_log`` as ``grad_norm`` and is stored as the metric ``grad_norm`` (log every
-step, ``logging_steps=1``, to have it for every step). Under DeepSpeed, accelerate
+through a forward hook. The Trainer clips the gradients right after the last
+backward, before any callback (``on_pre_optimizer_step`` comes after the clip, in
+4.45 as in 5.x), so the per-tensor norms are read at the end of each backward pass
+(an autograd final callback queued from the forward's output: pre-clip, after DDP's
+reduction; ``grad_norm_source = "pre_clip"``, ``grad_norm_read = "backward_end"``),
+and again in ``on_pre_optimizer_step``, after the clip (``grad_norms_post_clip``,
+what the optimizer stepped with). Both reach the host in the step's one transfer.
+The Trainer's own pre-clip total reaches ``on_log`` and is stored as the metric
+``grad_norm``. Under DeepSpeed, accelerate
 runs the optimizer step inside ``backward``: the gradients are read at the start of
 the ZeRO optimizer's step instead, pre-clip (not run here: accelerate selects
 DeepSpeed only with GPUs). A collator may add
@@ -51,16 +55,19 @@ class SFTAuditCallback(TrainerCallback):
             return
         options = dict(self.options)
         options.setdefault("tokenizer", processing_class if processing_class is not None else tokenizer)
-        # max_steps as the Trainer resolved it (from epochs when args.max_steps is -1): the LR schedule's length.
-        options.setdefault("config", {"training_args": args.to_dict(), "max_steps": state.max_steps})
+        # max_steps as the Trainer resolved it (from epochs when args.max_steps is -1): the LR schedule's length,
+        # and the plan a run that stopped early fell short of.
+        options.setdefault("config", {"training_args": args.to_dict()})
+        options.setdefault("max_steps", state.max_steps)
         options.setdefault("optimizer", kwargs.get("optimizer"))
         options.setdefault("scheduler", lr_scheduler)
         self._state = state
         # Under DeepSpeed, accelerate runs the ZeRO step (and frees the gradients) inside backward,
         # before on_pre_optimizer_step: they are read at the start of that step instead, pre-clip.
         zero = zero_optimizer(kwargs.get("optimizer"))
-        self.recorder = Recorder(self.run_dir or args.output_dir, model,
-                                 grad_norm_source="pre_clip" if zero else "post_clip", **options)
+        self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="pre_clip",
+                                 norms_at_backward_end=zero is None,
+                                 accumulation_steps=args.gradient_accumulation_steps, **options)
         if zero is not None:
             read_before_step(zero, lambda: self.recorder.record_gradients(self._current_step()))
         self._reads_in_step = zero is not None
@@ -105,7 +112,7 @@ class SFTAuditCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.recorder is not None:
             self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-            if not self._reads_in_step:
+            if not self._reads_in_step:  # after the Trainer's clip: the post-clip norms
                 self.recorder.record_gradients(self._current_step())
 
     def on_optimizer_step(self, args, state, control, **kwargs):

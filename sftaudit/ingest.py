@@ -36,7 +36,10 @@ from .errors import InputError
 RECORD_COLUMNS: dict[str, dict[str, str]] = {
     "steps": {"seg": "INTEGER", "step": "BIGINT", "time": "DOUBLE", "dt": "DOUBLE", "loss": "DOUBLE",
               "lr": "DOUBLE", "grad_norm": "DOUBLE", "grad_norms": "DOUBLE[]",
-              "nonfinite_grads": "MAP(VARCHAR, BIGINT)", "micro_batches": "INTEGER", "tokens": "BIGINT"},
+              "nonfinite_grads": "MAP(VARCHAR, BIGINT)", "micro_batches": "INTEGER", "tokens": "BIGINT",
+              # under the Trainer: the norms after its clipping (grad_norms holds the pre-clip ones), and a step
+              # whose norms could only be read after the clip
+              "grad_norm_post_clip": "DOUBLE", "grad_norms_post_clip": "DOUBLE[]", "grad_norm_source": "VARCHAR"},
     "batches": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "rows": "INTEGER", "seq_len": "INTEGER",
                 "sample_ids": "VARCHAR[]", "lengths": "INTEGER[]", "label_tokens": "INTEGER[]",
                 "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER",

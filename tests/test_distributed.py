@@ -42,14 +42,15 @@ def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
     # Without use_cpu=True each process would train alone while torchrun reports two.
     assert measured["num_processes"] == 2 and measured["distributed_type"] == "DistributedType.MULTI_CPU"
     assert {m["world_size"] for m in manifests(distributed_runs / "trainer_ddp")} == {2}
-    # The reduced (post-clip) total is the Trainer's own pre-clip grad_norm clipped at max_grad_norm 1.0.
+    # Read at the end of backward, after DDP's reduction, the total is the Trainer's own pre-clip grad_norm; the
+    # post-clip one beside it is that clipped at max_grad_norm 1.0.
     ingest(distributed_runs / "trainer_ddp")
     con = connect(distributed_runs / "trainer_ddp", read_only=True)
-    pairs = con.execute("""SELECT m.value, s.grad_norm FROM metrics m JOIN steps s USING (rank, step)
+    pairs = con.execute("""SELECT m.value, s.grad_norm, s.grad_norm_post_clip FROM metrics m JOIN steps s USING (rank, step)
                            WHERE m.name = 'grad_norm'""").fetchall()
     con.close()
-    assert len(pairs) == 8 and all(abs(min(logged, logged / (logged + 1e-6)) / reduced - 1) < 1e-5
-                                   for logged, reduced in pairs)
+    assert len(pairs) == 8 and all(abs(logged / pre - 1) < 1e-5 and abs(min(logged, logged / (logged + 1e-6)) / post - 1) < 1e-5
+                                   for logged, pre, post in pairs)
 
 
 @pytest.mark.parametrize("name", PLAIN_LOOPS + ZERO)

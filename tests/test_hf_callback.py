@@ -7,9 +7,11 @@ import pytest
 from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_hf
-from sftaudit.ingest import connect
+from sftaudit.ingest import connect, ingest
 
 HF_NAN_STEP = 7
+SCALED_STEP = 11  # every gradient x1000 there, as backward computes it; the Trainer clips at max_grad_norm 1.0
+QUIET = dict(steps=14, save_steps=7, batch_size=4, max_length=64, probe_every=0, generate_every=0, eval_every=0)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,10 @@ def test_trainer_records_batches_sample_ids_and_pre_clip_norm(trainer_nan_run):
     pre_clip = con.execute("SELECT count(*) FROM metrics WHERE name = 'grad_norm'").fetchall()[0][0]
     assert pre_clip == 12
     manifest = json.loads((rank_dir(trainer_nan_run, 0) / "manifest.jsonl").read_text().splitlines()[0])
-    assert manifest["grad_norm_source"] == "post_clip"
-    assert manifest["config"]["training_args"]["max_steps"] == 12
+    # grad_norms are read at the end of backward, before the Trainer's clip; the post-clip ones beside them
+    assert (manifest["grad_norm_source"], manifest["grad_norm_read"]) == ("pre_clip", "backward_end")
+    assert manifest["config"]["training_args"]["max_steps"] == 12 and manifest["config"]["max_steps"] == 12
+    assert con.execute("SELECT count(*) FROM events WHERE kind = 'close' AND step = 12").fetchone()[0] == 1
     state = json.loads(con.execute("SELECT training_state FROM checkpoints WHERE step = 5 AND event='saved'").fetchall()[0][0])
     assert state["optimizer"] and state["scheduler"] and state["rng_states"]
 
@@ -49,3 +53,41 @@ def test_trl_sft_trainer_clean_run(tmp_path, tokenizer_cache):
     con = connect(run, read_only=True)
     assert con.execute("SELECT count(*), min(loss) > 0 FROM steps").fetchall() == [(6, True)]
     assert [c["name"] for c in verdict["checkpoints"]] == ["checkpoint-3", "checkpoint-6"]
+
+
+@pytest.fixture(scope="module")
+def trainer_grads_x1000(tmp_path_factory, tokenizer_cache):
+    return train_hf(tmp_path_factory.mktemp("hf-x1000") / "hf-x1000", faults={"grads_times_at": SCALED_STEP},
+                    tokenizer_cache=tokenizer_cache, **QUIET)
+
+
+def _norms(run):
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        return con.execute("""SELECT s.step, s.grad_norm, s.grad_norm_post_clip, m.value, s.grad_norm_source,
+                                     (SELECT sqrt(sum(norm * norm)) FROM grad_norms g WHERE g.step = s.step)
+                              FROM steps s JOIN metrics m ON m.step = s.step AND m.name = 'grad_norm'
+                              ORDER BY s.step""").fetchall()
+    finally:
+        con.close()
+
+
+def test_gradients_clipping_hid_are_recorded_pre_clip_and_found_at_their_step(trainer_grads_x1000):
+    rows = _norms(trainer_grads_x1000)
+    assert [r[0] for r in rows] == list(range(1, 15))
+    for step, pre, post, trainer_total, fallback, per_tensor_total in rows:
+        # The per-tensor norms are what the Trainer's own pre-clip total was computed from
+        assert pre == pytest.approx(trainer_total, rel=1e-5) and per_tensor_total == pytest.approx(pre, rel=1e-9)
+        assert post <= 1.0 + 1e-5 and post == pytest.approx(min(pre, 1.0), rel=1e-5) and fallback is None
+    assert rows[SCALED_STEP - 1][1] > 100 * rows[SCALED_STEP - 2][1]  # 1000x before the clip, 1.0 after
+    verdict = audit(trainer_grads_x1000)
+    assert verdict["first_anomalous_step"] == SCALED_STEP
+    [spike] = [f for f in verdict["findings"] if f["code"] == "LOOP-05"]
+    assert spike["step"] == SCALED_STEP and spike["severity"] in ("warn", "fail")
+
+
+def test_the_clean_twin_raises_no_gradient_finding(tmp_path, tokenizer_cache):
+    run = train_hf(tmp_path / "hf-clean", tokenizer_cache=tokenizer_cache, **QUIET)
+    assert [f for f in audit(run)["findings"] if f["code"] == "LOOP-05"] == []
+    assert all(r[1] == pytest.approx(r[3], rel=1e-5) for r in _norms(run))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 
 
 class LossNormalisation(Check):
@@ -15,7 +15,10 @@ class LossNormalisation(Check):
         gradient accumulation taken as the mean of micro-batch means (zoo Z22), or per-rank means
         averaged across ranks (Z24), so tokens in short micro-batches weigh more. The logged training
         loss disagreeing with the loss the model computed (Z23: logged x gradient-accumulation steps;
-        Z18: a NaN step hidden by the Trainer's `logging_nan_inf_filter`). A first loss far above
+        Z18: a NaN step hidden by the Trainer's `logging_nan_inf_filter`), at any scale: also when the
+        backpropagated objective carries the same error (transformers 4.47 with a model whose forward
+        takes no `**kwargs`, such as GPT-2, divides no loss by the accumulation steps: logged loss and
+        gradients are both GA x the token mean). A first loss far above
         ln(vocabulary), the loss of a uniform guess (a broken head or a loss scaled by mistake).
     Why it matters:
         With a mis-normalised objective, gradient accumulation is no longer a large batch: short
@@ -25,7 +28,9 @@ class LossNormalisation(Check):
     Statistic:
         Per micro-batch the shim records the model's returned loss (a mean over its shifted target
         tokens n, or a sum over `num_items_in_batch` tokens when the Trainer passes it), n, and the
-        gradient that reached that loss in backward: its weight w in the backpropagated objective.
+        gradient that reached that loss in backward: its weight w in the backpropagated objective
+        (under TRL's own loss, which never backpropagates the model's `loss`, w is read from the
+        gradient on the per-token log-probabilities it is computed from).
         A token's effective weight is t = w / (tokens the loss divides by); the intended weight is
         the same for every token of the window: all micro-batches of the step on one rank, and all
         ranks when the run says its loss is a token mean across ranks (the Trainer's
@@ -33,15 +38,18 @@ class LossNormalisation(Check):
         in this check's audit config, a declaration made after the run;
         otherwise each rank's own token mean is the objective DDP averages). Relative
         weight error = t / (token-weighted mean of t) - 1 (an overall scale is the learning rate's
-        business, not this check's). Logged loss: the Trainer's `loss` metric against the recorded
-        objective (sum of model loss x w) at the same step. First loss: the token-mean loss of the
+        business, not this check's). Logged loss: the Trainer's `loss` metric against the trained
+        loss, the token mean of the model's own per-micro-batch losses over the window (sum of model
+        loss x the tokens it divides by / the window's target tokens; over all ranks when the loss is
+        a token mean across ranks, else the mean of the ranks'), at the same step; the backpropagated
+        objective (sum of model loss x w) is set beside it. First loss: the token-mean loss of the
         first recorded step against ln(vocabulary size).
     Threshold:
         Largest |relative weight error| in a step > `max_weight_error` (1%): fail at the first such
         step. Logged loss differs from the recorded one by more than `max_logged_error` (2%, above
         the Trainer's 4-decimal rounding): fail; a non-finite recorded loss logged as finite: fail.
         First loss > `first_loss_factor` (2) x ln(vocabulary): warn. No model loss recorded (a custom
-        loss): info, the check is skipped.
+        loss), or no micro-batch weight and no logged loss to compare: not run, saying why.
     Evidence:
         Per step: the micro-batches with their token counts, weights and relative errors; the most
         over-weighted samples (ids and target tokens); the detected convention; for the logged loss
@@ -67,19 +75,21 @@ class LossNormalisation(Check):
         if micro.height == 0:
             return []
         if micro["model_loss"].null_count() == micro.height:
-            return [self.finding(
-                "info",
-                "loss normalisation not judged: the model returned no loss (a custom loss computed outside the "
-                "model), so no per-token mean was visible; pass labels to the model to have it checked")]
-        return self._weights(ctx, micro) + self._logged(ctx, micro) + self._first_loss(ctx, micro)
+            raise CannotJudge(
+                "the model returned no loss (a custom loss computed outside the model), so no per-token mean was "
+                "visible; pass labels to the model to have it checked")
+        self._judged = False
+        findings = self._weights(ctx, micro) + self._logged(ctx, micro)
+        if not self._judged:
+            raise CannotJudge(
+                "no micro-batch's loss weight was recorded (the model's loss never reached backward: the training "
+                "loop computed its own loss) and no logged training loss could be compared with the recorded one")
+        return findings + self._first_loss(ctx, micro)
 
     # ------------------------------------------------------------------ token weights
 
     def _weights(self, ctx: AuditContext, micro) -> list[Finding]:
-        config = ctx.manifest.get("config") or {}
-        declared = self.params["token_mean_across_ranks"]
-        across_ranks = bool(declared) if declared is not None else bool(config.get("token_mean_across_ranks")
-                            or (config.get("training_args") or {}).get("average_tokens_across_devices"))
+        across_ranks = self._across_ranks(ctx)
         ranks = micro["rank"].to_numpy().astype(np.int64)
         steps = micro["step"].to_numpy()
         # One optimizer window per step, or per (step, rank) when each rank normalises by its own tokens
@@ -100,6 +110,7 @@ class LossNormalisation(Check):
         ok = np.repeat(whole, np.diff(bounds))
         if not ok.any():
             return []
+        self._judged = True
         tw = np.where(ok, token_weight, 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             mean_weight = np.add.reduceat(tw * n, start) / np.add.reduceat(np.where(ok, n, 0.0), start)
@@ -143,23 +154,31 @@ class LossNormalisation(Check):
         logged = ctx.frame("SELECT step, value FROM metrics WHERE rank = 0 AND name = 'loss' ORDER BY step")
         if logged.height == 0:
             return []
+        # Per rank and step: the token mean of the model's losses (the loss that was trained, whatever share of
+        # it each backward got) and the backpropagated objective; a step counts when every micro-batch has both.
+        across = self._across_ranks(ctx)
+        trained = ("sum(token_sum) / nullif(sum(n), 0)" if across else "avg(token_sum / nullif(n, 0))")
         recorded = ctx.frame(
-            """
-            SELECT step, avg(objective) AS objective, sum(micro_batches) AS micro_batches, sum(weighted) AS weighted
-            FROM (SELECT rank, step, sum(model_loss * loss_weight) AS objective, count(*) AS micro_batches,
-                         count(loss_weight) AS weighted
-                  FROM batches WHERE model_loss IS NOT NULL GROUP BY rank, step)
-            GROUP BY step ORDER BY step  -- under DDP the Trainer logs the mean of the ranks' objectives
+            f"""
+            SELECT step, {trained} AS trained, avg(objective) AS objective,
+                   bool_and(complete) AS complete, bool_and(weighted) AS weighted
+            FROM (SELECT rank, step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) AS token_sum,
+                         sum(list_sum(target_tokens)) AS n, sum(model_loss * loss_weight) AS objective,
+                         count(model_loss) = count(*) AS complete, count(loss_weight) = count(*) AS weighted
+                  FROM batches WHERE target_tokens IS NOT NULL GROUP BY rank, step)
+            GROUP BY step ORDER BY step  -- under DDP the Trainer logs the mean of the ranks' losses
             """
         )
         # Only steps logged one step after the previous log: the Trainer's value is then that one step's.
         steps = logged["step"].to_numpy()
         single = np.diff(np.concatenate([[steps[0] - 1], steps])) == 1
-        rec = dict(zip(recorded["step"].to_list(), recorded["objective"].to_list()))
-        full = dict(zip(recorded["step"].to_list(), (recorded["weighted"] == recorded["micro_batches"]).to_list()))
+        by_step = {r["step"]: r for r in recorded.iter_rows(named=True) if r["complete"] and r["trained"] is not None}
+        pairs = [(int(s), float(v), by_step[s]) for s, v, one in zip(steps, logged["value"].to_list(), single)
+                 if one and s in by_step and v is not None]
+        if pairs:
+            self._judged = True
         findings = []
-        hidden = [(int(s), v) for s, v, one in zip(steps, logged["value"].to_list(), single)
-                  if one and full.get(s) and rec.get(s) is not None and not np.isfinite(rec[s]) and np.isfinite(v)]
+        hidden = [(s, v) for s, v, r in pairs if not np.isfinite(r["trained"]) and np.isfinite(v)]
         if hidden:
             s, v = hidden[0]
             findings.append(self.finding(
@@ -167,29 +186,49 @@ class LossNormalisation(Check):
                 f"the loss was non-finite at step {s} but the trainer logged {v:.4g} there ({len(hidden)} step(s)); "
                 f"the Trainer's logging_nan_inf_filter hides NaN steps from the logs: resume from a checkpoint "
                 f"before step {s} and find the batch that produced it",
-                step=s, logged=v, recorded=str(rec[s]), steps_hidden=[h[0] for h in hidden][:50]))
-        pairs = [(int(s), v, rec[s]) for s, v, one in zip(steps, logged["value"].to_list(), single)
-                 if one and full.get(s) and rec.get(s) is not None and np.isfinite(rec[s]) and np.isfinite(v)]
+                step=s, logged=v, recorded=str(by_step[s]["trained"]), steps_hidden=[h[0] for h in hidden][:50]))
+        pairs = [(s, v, r) for s, v, r in pairs if np.isfinite(r["trained"]) and np.isfinite(v)]
         if not pairs:
             return findings
-        s_arr, log_arr, rec_arr = (np.array(x, dtype=float) for x in zip(*pairs))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = log_arr / rec_arr
+        s_arr = np.array([p[0] for p in pairs])
+        log_arr = np.array([p[1] for p in pairs], dtype=float)
+        rec_arr = np.array([p[2]["trained"] for p in pairs], dtype=float)
+        obj_arr = np.array([p[2]["objective"] if p[2]["weighted"] and p[2]["objective"] is not None else np.nan
+                            for p in pairs], dtype=float)
         off = np.abs(log_arr - rec_arr) > self.params["max_logged_error"] * np.abs(rec_arr) + 5e-4
-        if off.any():
-            j = int(np.flatnonzero(off)[0])
-            r = float(ratio[j])
-            multiple = round(r) if r >= 1.5 and abs(r - round(r)) < 0.05 else None
-            accum = ctx.scalar("SELECT max(micro_batches) FROM steps WHERE rank = 0 AND step = ?", [int(s_arr[j])])
-            why = (f" = {multiple} x the recorded loss" + (" (the gradient-accumulation steps)" if multiple == accum else "")
-                   if multiple else f", {r:.3g}x the recorded {rec_arr[j]:.4g}")
-            findings.append(self.finding(
-                "fail",
-                f"the logged training loss at step {int(s_arr[j])} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); "
-                f"the loss curve you are reading is not the loss that was trained: fix the logging's normalisation",
-                step=int(s_arr[j]), logged=float(log_arr[j]), recorded=float(rec_arr[j]), ratio=r,
-                value=r, threshold=self.params["max_logged_error"], steps_affected=int(off.sum())))
+        if not off.any():
+            return findings
+        j = int(np.flatnonzero(off)[0])
+        step = int(s_arr[j])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = float(log_arr[j] / rec_arr[j])
+            objective_ratio = float(obj_arr[j] / rec_arr[j])
+        multiple = round(r) if r >= 1.5 and abs(r - round(r)) < 0.05 else None
+        accum = ctx.scalar("SELECT max(micro_batches) FROM steps WHERE rank = 0 AND step = ?", [step])
+        why = (f" = {multiple} x the trained loss {rec_arr[j]:.4g}" + (" (the gradient-accumulation steps)" if multiple == accum else "")
+               if multiple else f", {r:.3g}x the trained loss {rec_arr[j]:.4g}")
+        # The backpropagated objective off by the same factor: the gradients are scaled too, not only the log.
+        scaled_too = np.isfinite(objective_ratio) and abs(objective_ratio / r - 1) <= self.params["max_logged_error"]
+        fix = (f"the backpropagated objective is {objective_ratio:.3g}x it too, so the gradients are scaled and a "
+               f"gradient-accumulation window weighs micro-batches, not tokens (as transformers 4.47 does with a "
+               f"model whose forward takes no **kwargs, e.g. GPT-2: upgrade transformers, or divide each "
+               f"micro-batch's loss by the accumulation steps)" if scaled_too else
+               "the loss curve you are reading is not the loss that was trained: fix the logging's normalisation")
+        findings.append(self.finding(
+            "fail",
+            f"the logged training loss at step {step} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); {fix}",
+            step=step, logged=float(log_arr[j]), recorded=float(rec_arr[j]), ratio=r,
+            objective=float(obj_arr[j]) if np.isfinite(obj_arr[j]) else None,
+            objective_ratio=objective_ratio if np.isfinite(objective_ratio) else None, objective_scaled=bool(scaled_too),
+            value=r, threshold=self.params["max_logged_error"], steps_affected=int(off.sum())))
         return findings
+
+    def _across_ranks(self, ctx: AuditContext) -> bool:
+        """Whether the run's loss is a token mean across ranks (declared in this check's config or the run's)."""
+        config = ctx.manifest.get("config") or {}
+        declared = self.params["token_mean_across_ranks"]
+        return bool(declared) if declared is not None else bool(config.get("token_mean_across_ranks")
+                    or (config.get("training_args") or {}).get("average_tokens_across_devices"))
 
     # ------------------------------------------------------------------ first loss
 

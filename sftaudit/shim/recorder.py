@@ -65,11 +65,19 @@ class Recorder:
         eval_set: items ``{"messages": [...], "reference": str}`` (optional "id") generated at eval steps.
         dataset: the training rows (list of dicts or HF dataset): their field names go to the manifest.
         grad_norm_source: what `on_backward` sees: "pre_clip" (the documented call order) or "post_clip".
+        norms_at_backward_end: read the per-tensor gradient norms at the end of each backward pass (an
+            autograd final callback, after DDP's and FSDP's own), before a loop's clipping that no hook
+            precedes (the Trainer's); `record_gradients` then records the post-clip norms beside them.
+        accumulation_steps: micro-batches per optimizer step, when known: with `norms_at_backward_end` the
+            norms are read after the window's last backward only (a shorter window, such as an epoch's last,
+            has them read after the clip: its step record says ``grad_norm_source: "post_clip"``).
         config: any run configuration to keep in the manifest.
         optimizer: the optimizer, optional: its step count at the segment's first step shows whether a
             resume restored its state.
         scheduler: the LR scheduler (optional): its class and state go to the manifest, so LOOP-14
             can rebuild the configured schedule and compare it with the LR recorded at every step.
+        max_steps: the run's planned length in optimizer steps (stored as the config's ``max_steps``): a run
+            whose records end before it without a ``close`` event stopped early.
     """
 
     def __init__(
@@ -86,9 +94,12 @@ class Recorder:
         rank: int | None = None,
         world_size: int | None = None,
         grad_norm_source: str = "pre_clip",
+        norms_at_backward_end: bool = False,
+        accumulation_steps: int = 1,
         config: Mapping[str, Any] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        max_steps: int | None = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -98,12 +109,16 @@ class Recorder:
         self.schedule = resolve_schedule(profile, schedule)
         self.profile = profile
         self.rank, self.world_size = _rank_and_world(rank, world_size)
-        self.grad_norm_source = grad_norm_source
+        self.norms_at_backward_end = norms_at_backward_end
+        self.accumulation_steps = max(1, int(accumulation_steps))
+        # Read at the end of backward, the norms are what the gradients were before any clipping.
+        self.grad_norm_source = "pre_clip" if norms_at_backward_end else grad_norm_source
         self.probe_prompts = list(probe_prompts)
         self.eval_set = [dict(item) for item in eval_set]
         self.disabled: set[str] = set()
         self.optimizer = optimizer
         self._segment_started = False
+        self._first_step: int | None = None  # the segment's first step: its rows are kept whole whatever the schedule
         self._writer = JsonlWriter(rank_dir(self.run_dir, self.rank))
         self.segment = len(read_jsonl(self._writer.folder / "manifest.jsonl"))
         # Each parameter's local piece on this rank (DDP/FSDP1/FSDP2 differ only in there): every
@@ -111,11 +126,15 @@ class Recorder:
         self._pieces = local_pieces(model, self.rank, self.world_size)
         self._param_info, tied = self._pieces.params, self._pieces.tied
         self._hashers: list[threading.Thread] = []
+        self._last_step: int | None = None  # the last step whose record was written (the close event names it)
         self._probing = False
         self._closed = False
         self._reset_step()
         self._grad_norm_ema: float | None = None
         self._template: tuple[Any, str | None] = (None, None)  # (template object, its fingerprint)
+        config = dict(config or {})
+        if max_steps is not None:
+            config["max_steps"] = int(max_steps)
 
         manifest = {
             "schema_version": SCHEMA_VERSION,
@@ -133,7 +152,10 @@ class Recorder:
             "params": self._param_info,  # with each parameter's layout on this rank (see `pieces`)
             "framework": self._pieces.framework,
             "tied": tied,
-            "grad_norm_source": grad_norm_source,
+            "grad_norm_source": self.grad_norm_source,
+            # Where the norms were read: "on_backward" (the loop's call) or "backward_end" (the autograd callback,
+            # with each step's post-clip norms beside them in grad_norms_post_clip).
+            "grad_norm_read": "backward_end" if norms_at_backward_end else "on_backward",
             "tokenizer": None,
             "dataset": None,
             "probe_prompts": self.probe_prompts,
@@ -141,7 +163,7 @@ class Recorder:
                 {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
                 for i, it in enumerate(self.eval_set)
             ],
-            "config": jsonable(dict(config or {})),
+            "config": jsonable(config),
             "param_norms": None,
             "scheduler": None,
         }
@@ -154,7 +176,7 @@ class Recorder:
                 manifest["dataset"] = describe_dataset(dataset)
             manifest["param_norms"] = self._param_norms()
             if scheduler is not None:
-                manifest["scheduler"] = describe_scheduler(scheduler, (config or {}).get("max_steps"))
+                manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
@@ -178,6 +200,7 @@ class Recorder:
             return
         if not self._segment_started:
             self._segment_started = True
+            self._first_step = step
             with self._guard("segment_start"):
                 self._record_segment_start(step)
         with self._guard("batches"):
@@ -243,12 +266,20 @@ class Recorder:
             self._losses.append(loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss)))
 
     def record_gradients(self, step: int) -> None:
-        """Per-tensor gradient norms as the gradients stand now (and histograms on schedule)."""
+        """Per-tensor gradient norms as the gradients stand now (and histograms on schedule). With
+        `norms_at_backward_end` these are the post-clip norms, beside the pre-clip ones read at the end
+        of the last backward (when none was read there, they stand in for them, and the step says so)."""
         if self._probing or "gradients" in self.disabled:
             return
         with self._guard("gradients"):
             self._begin_step(step)
+            if self.norms_at_backward_end and self._norms is not None:
+                grads = [self._pieces.grads()[i] for i in self._norm_index]
+                if all(g is not None for g in grads):
+                    self._post_norms = torch.stack(torch._foreach_norm(grads)).float()
+                return
             self._capture_grads(step)
+            self._norms_read_now = self.norms_at_backward_end
 
     def on_step_end(self, step: int, lr: float | None = None) -> None:
         """After optimizer.step(): one host transfer, then the step's records and scheduled probes."""
@@ -294,30 +325,42 @@ class Recorder:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._write("metrics", {"step": step, "name": name, "value": float(value)})
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """The segment ended: a ``close`` event with its last recorded step (and the exception that ended
+        the loop, when one did). A run killed outright leaves none."""
         if self._closed:
             return
         self._closed = True
         self._loss_hook.remove()
         for worker in self._hashers:
             worker.join(timeout=60)
-        self._write("events", {"kind": "close", "time": time.time()})
+        record = {"kind": "close", "step": self._last_step, "time": time.time()}
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        self._write("events", record)
         self._writer.close()
 
     def __enter__(self) -> "Recorder":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         """The model's returned loss for the latest micro-batch, and (through a gradient hook on it)
-        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised."""
+        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised. A loop that
+        computes its own loss from the per-token log-probabilities (TRL's fused LM head: the model's
+        `loss` then never reaches backward) gives the weight through them: with every trained token
+        weighted alike, d(objective)/d(loss) = -sum of the gradient on the trained tokens' log-probs x
+        (the tokens the loss divides by) / (the trained tokens)."""
         if self._probing or not module.training or not self._micro:
             return
         if "batches" not in self.disabled:
             with self._guard("batches"):
                 self._micro[-1].update(_attention_inputs(module, args, kwargs, output))
+        if self.norms_at_backward_end and "gradients" not in self.disabled:
+            with self._guard("gradients"):
+                self._read_norms_when_backward_ends(output)
         if "losses" in self.disabled:
             return
         with self._guard("losses"):
@@ -333,6 +376,41 @@ class Recorder:
                 def weight(grad: torch.Tensor) -> None:
                     parts["loss_weight"] = grad.detach()
                 loss.register_hook(weight)
+            log_probs = getattr(output, "log_probs", None)
+            mask = getattr(output, "label_mask", None)
+            if (torch.is_tensor(log_probs) and log_probs.requires_grad and torch.is_tensor(mask)
+                    and mask.shape == log_probs.shape):
+                trained = mask.sum().clamp(min=1)
+                divides_by = parts.get("num_items", trained)
+
+                def token_weight(grad: torch.Tensor) -> None:
+                    parts["loss_weight"] = -(grad.detach() * mask).sum() * divides_by / trained
+                log_probs.register_hook(token_weight)
+
+    def _read_norms_when_backward_ends(self, output) -> None:
+        """When backward reaches this forward's output, queue a read of the gradient norms for the end of
+        that backward pass. The callback queues itself once more so that it runs after the final callbacks
+        queued during the pass (DDP's reduction, FSDP's), on the gradients the clipping will then see."""
+        if len(self._micro) < self.accumulation_steps:  # not the window's last backward: the clip is not next
+            return
+        get = output.get if isinstance(output, Mapping) else lambda k: getattr(output, k, None)
+        # Whichever of them the loop's objective was computed from (TRL's own loss uses log_probs, not loss).
+        tensors = [t for t in (get(k) for k in ("loss", "log_probs", "logits")) if torch.is_tensor(t) and t.requires_grad]
+        engine = torch.autograd.Variable._execution_engine
+        queued = []
+
+        def at_end() -> None:
+            if "gradients" not in self.disabled and self._step is not None:
+                with self._guard("gradients"):
+                    self._capture_grads(self._step)
+
+        def started(_grad: torch.Tensor) -> None:
+            if not queued:  # once per backward pass, whichever output it reaches first
+                queued.append(True)
+                engine.queue_callback(lambda: engine.queue_callback(at_end))
+
+        for tensor in tensors:
+            tensor.register_hook(started)
 
     # ------------------------------------------------------------------ per step
 
@@ -341,6 +419,8 @@ class Recorder:
         self._micro: list[dict] = []
         self._losses: list[torch.Tensor] = []
         self._norms: torch.Tensor | None = None
+        self._post_norms: torch.Tensor | None = None  # after the loop's clipping (norms_at_backward_end)
+        self._norms_read_now = False  # norms_at_backward_end, but this step's were read after clipping
         self._norm_index: list[int] = []
         self._hist: torch.Tensor | None = None
         self._hist_index: list[int] = []
@@ -378,10 +458,14 @@ class Recorder:
         return out
 
     def _rows_to_keep(self, step: int, rows: int) -> int:
+        """Rows kept whole as evidence: on the schedule, and every row of each segment's first step (a
+        run's start or a resume), so a data bug present from the first batch is dated there in any profile."""
+        if "samples" in self.disabled:
+            return 0
+        if step == self._first_step:
+            return rows
         every = self.schedule.samples_every
-        if every and step % every == 0 and "samples" not in self.disabled:
-            return min(rows, self.schedule.samples_per_batch)
-        return 0
+        return min(rows, self.schedule.samples_per_batch) if every and step % every == 0 else 0
 
     def _capture_grads(self, step: int) -> None:
         all_grads = self._pieces.grads()
@@ -400,6 +484,8 @@ class Recorder:
         parts.extend(("loss", i, t) for i, t in enumerate(self._losses))  # averaged on the host
         if self._norms is not None:
             parts.append(("step", "norms", self._norms))
+        if self._post_norms is not None:
+            parts.append(("step", "post_norms", self._post_norms))
         if self._hist is not None:
             parts.append(("step", "hist", self._hist))
         for m in self._micro:
@@ -420,6 +506,15 @@ class Recorder:
             bad = np.flatnonzero(~np.isfinite(host_norms))
             if bad.size:
                 nonfinite = self._count_nonfinite([self._norm_index[j] for j in bad])
+        extra = {}
+        if ("step", "post_norms") in values:
+            post = values["step", "post_norms"].astype(np.float64)
+            post_norms: list[float | None] = [None] * len(self._param_info)
+            for i, v in zip(self._norm_index, post.tolist()):
+                post_norms[i] = v
+            extra = {"grad_norm_post_clip": float(np.sqrt(np.square(post).sum())), "grad_norms_post_clip": post_norms}
+        elif self._norms_read_now:
+            extra = {"grad_norm_source": "post_clip"}  # no backward-end read this step: the norms are post-clip
         losses = [values["loss", i] for i in range(len(self._losses))]
         loss = self._window_loss(values, float(np.mean(losses, dtype=np.float64)) if losses else None)
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
@@ -428,8 +523,9 @@ class Recorder:
         self._write("steps", {
             "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
             "loss": loss, "lr": lr, "grad_norm": global_norm, "grad_norms": norms,
-            "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens,
+            "nonfinite_grads": nonfinite, "micro_batches": len(self._micro), "tokens": tokens, **extra,
         })
+        self._last_step = step
         if ("step", "hist") in values:
             self._write_hists(step, self._hist_index, values["step", "hist"], "scheduled")
         elif nonfinite or self._is_spike(global_norm):

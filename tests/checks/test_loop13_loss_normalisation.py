@@ -87,7 +87,7 @@ def test_clean_and_failed_plain_runs_raise_nothing(clean_run, nan_run):
     assert of(audit(nan_run), "LOOP-13") == [] and NAN_STEP
 
 
-def test_a_loss_computed_outside_the_model_is_skipped_saying_why(tmp_path, tokenizer_cache):
+def test_a_loss_computed_outside_the_model_is_not_run_saying_why(tmp_path, tokenizer_cache):
     import torch
 
     def token_mean_outside(model, batch):  # the model gets no labels: it returns logits only
@@ -95,9 +95,9 @@ def test_a_loss_computed_outside_the_model_is_skipped_saying_why(tmp_path, token
         return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:])
 
     verdict = audit(recorded_loop(tmp_path / "custom", tokenizer_cache, loss=token_mean_outside))
-    [finding] = of(verdict, "LOOP-13", ("info", "warn", "fail"))
-    assert finding["severity"] == "info"
-    assert "not judged" in finding["message"] and "custom loss" in finding["message"] and "labels" in finding["message"]
+    assert of(verdict, "LOOP-13", ("info", "warn", "fail")) == []
+    [status] = [c for c in verdict["checks"] if c["code"] == "LOOP-13"]
+    assert status["status"] == "not_run" and "custom loss" in status["reason"] and "labels" in status["reason"]
 
 
 def test_a_first_loss_far_above_a_uniform_guess_warns_at_step_1(tmp_path, tokenizer_cache):
@@ -105,3 +105,59 @@ def test_a_first_loss_far_above_a_uniform_guess_warns_at_step_1(tmp_path, tokeni
     [finding] = [f for f in of(verdict, "LOOP-13") if "uniform guess" in f["message"]]
     assert (finding["severity"], finding["step"]) == ("warn", 1)
     assert finding["evidence"]["value"] > finding["evidence"]["threshold"] == pytest.approx(2 * np.log(finding["evidence"]["vocab_size"]))
+
+
+def _hf(tmp_path_factory, tokenizer_cache, name, **options):
+    from sftaudit.fixtures.train import train_hf
+
+    return train_hf(tmp_path_factory.mktemp(name) / name, steps=4, grad_accum=GA, batch_size=2, save_steps=100,
+                    max_length=64, tokenizer_cache=tokenizer_cache, probe_every=0, generate_every=0, eval_every=0,
+                    **options)
+
+
+def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_agree(tmp_path_factory, tokenizer_cache):
+    """Planted: the installed Trainer made to behave as transformers 4.47 does with a model whose forward takes
+    no **kwargs (GPT-2): no num_items_in_batch, no division by GA. Each micro-batch backpropagates its own mean,
+    and the logged loss is their sum: GA x the token mean, and the gradients with it."""
+    verdict = audit(_hf(tmp_path_factory, tokenizer_cache, "hf-ga-bug", faults={"ga_loss_not_divided": True}))
+    logged = next(f for f in of(verdict, "LOOP-13") if "logged training loss" in f["message"])
+    assert (logged["severity"], logged["step"]) == ("fail", 1)
+    evidence = logged["evidence"]
+    assert evidence["ratio"] == pytest.approx(GA, rel=0.1) and evidence["objective_scaled"]
+    assert evidence["objective_ratio"] == pytest.approx(evidence["ratio"], rel=0.02)
+    assert "gradients are scaled" in logged["message"] and "GPT-2" in logged["message"]
+
+
+def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenizer_cache):
+    run = _hf(tmp_path_factory, tokenizer_cache, "hf-ga-clean")
+    verdict = audit(run)
+    assert of(verdict, "LOOP-13") == []
+    assert [c["status"] for c in verdict["checks"] if c["code"] == "LOOP-13"] == ["ran"]
+    # With accumulation the norms are read after the window's last backward: pre-clip, as the Trainer's total
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT s.grad_norm, m.value, s.grad_norm_source FROM steps s JOIN metrics m "
+                       "ON m.step = s.step AND m.name = 'grad_norm'").fetchall()
+    con.close()
+    assert len(rows) == 4 and all(pre == pytest.approx(total, rel=1e-5) and src is None for pre, total, src in rows)
+
+
+def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_factory, tokenizer_cache):
+    """TRL >= 1.15 computes the loss from its fused LM head's log-probs: the model's `loss` never reaches
+    backward. The weights come from the log-probs' gradient, so a planted logged loss x GA is still found."""
+    import trl
+
+    run = _hf(tmp_path_factory, tokenizer_cache, "trl-loss", trl=True, faults={"logged_loss_times_accumulation": True})
+    ingest(run)
+    con = connect(run, read_only=True)
+    weights = con.execute("SELECT step, sum(loss_weight), count(loss_weight), count(*) FROM batches GROUP BY step "
+                          "ORDER BY step").fetchall()
+    con.close()
+    # Every micro-batch weighted; a window's weights sum to 1 (a token mean over the window)
+    assert all(n == total == GA and w == pytest.approx(1.0, rel=1e-5) for _, w, n, total in weights), (trl.__version__, weights)
+    verdict = audit(run)
+    [status] = [c for c in verdict["checks"] if c["code"] == "LOOP-13"]
+    assert status["status"] == "ran"
+    assert not [f for f in of(verdict, "LOOP-13") if "weights tokens unequally" in f["message"]]
+    logged = next(f for f in of(verdict, "LOOP-13") if "logged training loss" in f["message"])
+    assert logged["step"] == 1 and logged["evidence"]["ratio"] == pytest.approx(GA, rel=1e-3)
+    assert not logged["evidence"]["objective_scaled"]
