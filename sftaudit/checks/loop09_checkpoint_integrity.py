@@ -11,7 +11,12 @@ from typing import Any
 
 import duckdb
 
-from ..checkpoints import TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle
+import os
+import stat
+
+from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, UnreadablePickle, inside_run,
+                           is_lfs_pointer, read_pickle)
+from ..safe_io import kind_of
 from ..ingest import recorded_checkpoints
 from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
 from .base import AuditContext, Check, Finding
@@ -41,6 +46,7 @@ class Inspection:
     digests: dict[str, str] | None = None   # None: the weights could not be read
     on_disk: bool = True
     missing_state: list[str] = field(default_factory=list)  # training-state parts no file holds
+    unread: set[str] = field(default_factory=set)  # files already reported unreadable or unsafe
 
     @property
     def passes(self) -> bool:
@@ -152,7 +158,21 @@ class CheckpointIntegrity(Check):
             out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
                                  f"rolled back to", {"path": checkpoint["path"]}))
             return out
-        key = self._cache_key(path, checkpoint)
+        files, refused = _checkpoint_files(ctx.run_dir, path)
+        if refused:
+            out.problems.append(("fail", f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
+                                 f"into the checkpoint folder)", {"files": refused}))
+            return out
+        pointers = [f for f in files if is_lfs_pointer(f)]
+        if pointers:
+            # The weights are not on disk to judge: one finding for the checkpoint, and it is not intact.
+            listed = _listed([str(f.relative_to(path)) if path.is_dir() else f.name for f in pointers], 3)
+            out.problems.append(("warn", f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
+                                 f"({listed}): run `git lfs pull` in the clone, then audit again; until then "
+                                 f"this checkpoint cannot be verified or rolled back to",
+                                 {"lfs_pointers": [f.name for f in pointers]}))
+            return out
+        key = self._cache_key(path, checkpoint, files)
         cached = _cache_get(ctx, key)
         if cached is not None:
             return cached
@@ -162,10 +182,9 @@ class CheckpointIntegrity(Check):
         _cache_put(ctx, key, out)
         return out
 
-    def _cache_key(self, path: Path, checkpoint: dict[str, Any]) -> str:
+    def _cache_key(self, path: Path, checkpoint: dict[str, Any], files: list[Path]) -> str:
         """What a checkpoint's inspection depends on: its files' paths, sizes and mtimes, the hashes
         the shim recorded, the parameters it is judged against, and this check's options."""
-        files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
         stats = [(str(f.relative_to(path.parent)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         key = [CACHE_VERSION, checkpoint["name"], checkpoint["path"], checkpoint["step"], stats,
                checkpoint.get("sha256"), checkpoint["params"], checkpoint["tied"], self.params]
@@ -192,11 +211,13 @@ class CheckpointIntegrity(Check):
         except UnsafePickle as exc:
             rel = self._rel(path, exc.file)
             out.problems.append(("fail", _unsafe_message(rel, exc.imports), {"file": rel, "imports": exc.imports}))
+            out.unread.add(exc.file.name)
             return None
         except FileError as exc:
             rel = self._rel(path, exc.file)
             out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
                                  {"file": rel}))
+            out.unread.add(exc.file.name)
             return None
         except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
@@ -317,12 +338,16 @@ class CheckpointIntegrity(Check):
         shards, DCP's non-model entries)."""
         pickles: dict[str, Any] = dict(weights.state) if weights else {}
         folder = path if path.is_dir() else None
-        read = {f.name for f in weights.files} if weights else set()
+        read = ({f.name for f in weights.files} if weights else set()) | out.unread
         for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
                         and p.name not in read) if folder else []:
             rel = f"{out.name}/{f.name}"
             try:
                 contents = read_pickle(f)
+            except UnreadablePickle as exc:
+                out.problems.append(("fail", f"{rel}: {str(exc).partition(': ')[2]}", {"file": rel,
+                                                                                   "imports": exc.imports}))
+                continue
             except CheckpointError as exc:
                 out.problems.append(("fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
                 continue
@@ -371,7 +396,7 @@ class CheckpointIntegrity(Check):
 
 
 # Bump when what an inspection holds changes: older cached results are then ignored.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
@@ -393,6 +418,46 @@ def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
                         [key, json.dumps(asdict(inspection), default=str)])
     except duckdb.Error:  # a read-only connection (a check run by hand): nothing to keep
         pass
+
+
+# A checkpoint folder holds a few dozen files; one with more entries than this is not one.
+MAX_CHECKPOINT_ENTRIES = 10_000
+
+
+def _checkpoint_files(run_dir: Path, path: Path) -> tuple[list[Path], list[str]]:
+    """The regular files of a checkpoint (the file itself, or its folder's tree), listed without
+    following symlinked folders, and why any entry was refused: a symlink resolving outside the run
+    folder (never read: `/etc/passwd`, `/`), a FIFO or device (opening one blocks or never ends)."""
+    root = Path(run_dir).resolve()
+    files, refused, todo, seen = [], [], [path], 0
+    while todo:
+        entry = todo.pop()
+        seen += 1
+        if seen > MAX_CHECKPOINT_ENTRIES:
+            refused.append(f"more than {MAX_CHECKPOINT_ENTRIES} entries under {path.name}")
+            break
+        rel = entry.name if entry == path else f"{path.name}/{entry.relative_to(path)}"
+        try:
+            target = entry.resolve()
+            mode = os.lstat(entry).st_mode
+            if stat.S_ISLNK(mode):
+                if target != root and root not in target.parents:
+                    refused.append(f"{rel} is a symlink to {target}, outside the run folder")
+                    continue
+                mode = os.stat(target).st_mode
+        except (OSError, RuntimeError) as exc:  # a dangling link, a symlink loop
+            refused.append(f"{rel} cannot be resolved ({type(exc).__name__})")
+            continue
+        if stat.S_ISREG(mode):
+            files.append(entry)
+        elif stat.S_ISDIR(mode) and not (entry != path and os.path.islink(entry)):
+            try:
+                todo.extend(sorted(entry.iterdir(), reverse=True))
+            except OSError as exc:
+                refused.append(f"{rel} cannot be listed ({exc.strerror})")
+        elif not stat.S_ISDIR(mode):
+            refused.append(f"{rel} is {kind_of(mode)}, not a regular file")
+    return sorted(files), refused
 
 
 def _listed(names: list[str], limit: int = 5) -> str:
