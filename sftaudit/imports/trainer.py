@@ -49,6 +49,10 @@ POSTHOC_FILE = "posthoc.json"
 PROBE_KINDS = ("probes", "generations", "evals")
 
 
+# Key of `_tokenizer`'s fingerprints under which the reason a saved tokenizer was refused travels.
+TOKENIZER_REFUSED = Path("<refused>")
+
+
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     """``checkpoint-N/`` folders of a Trainer output, by step."""
     return sorted((int(m.group(1)), p) for p in run_dir.glob("checkpoint-*")
@@ -98,7 +102,9 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                          "TensorBoard event file or checkpoint-*/ folder)")
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
-    checkpoints = checkpoint_dirs(run_dir)
+    every_checkpoint = checkpoint_dirs(run_dir)
+    # A checkpoint folder symlinked out of the run (to `/`) is never read: LOOP-09 reports it.
+    checkpoints = [(s, p) for s, p in every_checkpoint if p.resolve().is_relative_to(run_dir.resolve())]
     states = _states(run_dir, checkpoints)
     # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
     segments, log_source = log_segments(run_dir), LOG_SOURCE
@@ -131,7 +137,12 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                                          "grad_norm": e.get("grad_norm")})
     abandoned_states = {s["folder"] for s in states if s["abandoned"]}
     tokenizer, fingerprints = _tokenizer(run_dir, checkpoints)
-    for step, folder in checkpoints:
+    refused = fingerprints.pop(TOKENIZER_REFUSED, None) if tokenizer is None else None
+    for step, folder in every_checkpoint:
+        if (step, folder) not in checkpoints:
+            records["checkpoints"].append({"seg": 0, "event": "saved", "step": step, "path": folder.name, "files": [],
+                                           "training_state": {}, "tokenizer_fingerprint": None, "time": None})
+            continue
         seg = 0 if folder in abandoned_states or resumed_at is None or step < resumed_at else 1
         records["checkpoints"].append({
             "seg": seg, "event": "saved", "step": step, "path": folder.name,
@@ -145,6 +156,8 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     records["events"] += failure_events(dataset or {})
     for seg in [0] + ([1] if resumed_at is not None else []):
         records["manifest"].append(_manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source))
+        if refused:  # the tokenizer the run saved is not used: the checks that need it say why
+            records["manifest"][-1]["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
     return {"steps": len(records["steps"]), "metrics": len(records["metrics"]), "checkpoints": len(checkpoints),
@@ -247,8 +260,9 @@ def _resume_outline(folder: Path) -> dict[str, Any]:
 
 
 def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str]]:
-    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), and each checkpoint's fingerprint."""
-    from ..chat_template import load_tokenizer
+    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), and each checkpoint's fingerprint.
+    Without a usable one, the description is None and TOKENIZER_REFUSED says why the last one was refused."""
+    from ..chat_template import TokenizerUnusable, load_tokenizer
     from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
 
     folders = [p for _, p in checkpoints] + [run_dir]
@@ -259,6 +273,9 @@ def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict
             continue
         try:
             tok = load_tokenizer(folder)
+        except TokenizerUnusable as exc:
+            fingerprints[TOKENIZER_REFUSED] = str(exc).partition(": ")[2]
+            continue
         except InputError:
             continue
         fingerprints[folder] = tokenizer_fingerprint(tok)
