@@ -1,0 +1,58 @@
+"""Tokenizer folders that ask for code, or cannot be built whole: never loaded, never a prompt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sftaudit.tokenizer_info import TokenizerRefused, load_saved_tokenizer
+
+from .builders import audit, trainer_run, verdict
+
+
+def _evil_folder(folder, marker):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenization_evil.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]},
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    (folder / "tokenizer.json").write_text("{}")
+
+
+def test_an_auto_map_tokenizer_is_refused_naming_the_entry(tmp_path):
+    marker = tmp_path / "MARKER"
+    _evil_folder(tmp_path / "tok", marker)
+    with pytest.raises(TokenizerRefused, match="auto_map AutoTokenizer: tokenization_evil.EvilTokenizer"):
+        load_saved_tokenizer(tmp_path / "tok")
+    assert not marker.exists()
+
+
+def test_an_auto_map_tokenizer_in_a_checkpoint_is_not_a_question(tmp_path):
+    marker = tmp_path / "MARKER"
+    run = trainer_run(tmp_path)
+    _evil_folder(run / "checkpoint-20", marker)
+    done = audit(run)  # stdin is closed: a [y/N] prompt would fail the run, not wait
+    assert done.returncode in (0, 1, 2) and "Traceback" not in done.stderr, done.stderr
+    checks = {c["code"]: c for c in verdict(run)["checks"]}
+    assert checks["LOOP-02"]["status"] == "not_run"
+    assert not marker.exists()
+
+
+def test_a_tokenizer_config_alone_is_not_used(tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", "eos_token": "<eos>"}))
+    with pytest.raises(TokenizerRefused, match="cannot be built whole"):
+        load_saved_tokenizer(folder)
+    run = trainer_run(tmp_path / "r")
+    (run / "checkpoint-20" / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
+    done = audit(run)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    checks = {c["code"]: c for c in verdict(run)["checks"]}
+    assert checks["LOOP-01"]["status"] == checks["LOOP-02"]["status"] == "not_run"
+    manifest_reason = "cannot be built whole"
+    assert "(id 2)" not in done.stdout
+    from sftaudit.imports.trainer import imported_manifest
+
+    assert manifest_reason in imported_manifest(run)["unjudged"]["LOOP-02"]
