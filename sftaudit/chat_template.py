@@ -440,21 +440,31 @@ class Renderer:
     transformers normalises every conversation before rendering (objects to dicts, keys whose value is
     None dropped, everything rebuilt from plain JSON types, reasoning fields aliased). For a plain JSON
     row (what a JSONL file or a `datasets` row holds) without reasoning fields all of that but the None
-    drop is the identity, so such rows go straight to transformers' compiled template; any other row
-    goes through `render_jinja_template` itself.
+    drop is the identity, so such rows go straight to the compiled template; any other row is normalised
+    by transformers' own helpers first. Either way the template renders in the budgeted sandbox
+    (`_BudgetEnvironment`); only a transformers without those private helpers falls back to
+    `render_jinja_template` itself (constant bombs are still refused before it compiles the template).
     """
 
     def __init__(self, source: str, template_kwargs: dict[str, Any] | None = None):
         self.source = source
         self.kwargs = dict(template_kwargs or {})
         self.tracks_generation = bool(_GENERATION_TAG.search(source))
-        self.template = _compiled(source)  # a syntax error is bad input, reported once
-        if not _is_json(self.kwargs):
-            self.template = None  # only render_jinja_template knows how to make such values plain
+        self.compiled = _compiled(source)  # a syntax error is bad input, reported once
+        # Values that are not plain JSON must go through transformers' normalisation.
+        self.template = self.compiled if _is_json(self.kwargs) else None
         self.context = {"tools": None, "documents": None, **self.kwargs}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
         chat = _plain_chat(messages) if self.template is not None else None
+        context = self.context
+        if chat is None and self.compiled is not None and _normalisers() is not None:
+            plain, alias = _normalisers()  # what render_jinja_template does before it renders
+            chat = plain(_without_none(messages))
+            for message in chat:
+                if not isinstance(message, dict):
+                    raise TypeError(f"Chat messages should be dicts, but got {type(message).__name__}")
+            chat, context = alias(chat), {"tools": None, "documents": None, **plain(self.kwargs)}
         if chat is None:
             from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -464,12 +474,22 @@ class Renderer:
             return text, [tuple(s) for s in spans[0]] if spans else []
         if self.tracks_generation:  # as transformers' _render_with_assistant_indices, within the budget
             blocks, spans = [], []
-            with self.template.environment.activate_tracker(blocks, spans):
-                text = _render_budgeted(self.template, blocks, messages=chat, add_generation_prompt=add_generation_prompt,
-                                        **self.context)
+            with self.compiled.environment.activate_tracker(blocks, spans):
+                text = _render_budgeted(self.compiled, blocks, messages=chat, add_generation_prompt=add_generation_prompt,
+                                        **context)
             return text, [tuple(s) for s in spans]
-        return _render_budgeted(self.template, messages=chat, add_generation_prompt=add_generation_prompt,
-                                **self.context), []
+        return _render_budgeted(self.compiled, messages=chat, add_generation_prompt=add_generation_prompt,
+                                **context), []
+
+
+@functools.cache
+def _normalisers() -> tuple[Any, Any] | None:
+    """transformers' conversation normalisation (private: None in a version without it)."""
+    try:
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _plain_template_data
+    except ImportError:
+        return None
+    return _plain_template_data, _alias_reasoning_fields
 
 
 # Message fields transformers copies into one another before rendering (reasoning_content <-> thinking).

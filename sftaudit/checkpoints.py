@@ -123,6 +123,17 @@ def lfs_pointer(path: Path) -> None:
         raise LfsPointer(f"{path.name} is a Git LFS pointer, not the weights: run `git lfs pull`")
 
 
+def _open_checkpoint_file(path: Path):
+    """A checkpoint file opened for reading: a regular file that stays in its own folder (a symlink to
+    `/etc/passwd` or into another tree is refused, as shards outside the folder are)."""
+    if path.resolve().parent != path.parent.resolve():
+        raise CheckpointError(f"{path.name} is a symlink to {path.resolve()}, outside its checkpoint folder; not read")
+    try:
+        return open_regular(path)
+    except InputError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def inside_run(run_dir: str | Path, relative: str) -> Path:
     """`relative` resolved inside the run directory; a path that escapes it is refused."""
     root = Path(run_dir).resolve()
@@ -157,7 +168,7 @@ class TensorScan:
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
     """Validate a safetensors header against the file; the entries in file order, and the metadata."""
     lfs_pointer(path)
-    with open_regular(path) as f:
+    with _open_checkpoint_file(path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -210,7 +221,7 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
 
 def scan_safetensors(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[TensorEntry, TensorScan]]:
     """Stream every tensor once, in file order: non-finite count and a digest of its bytes."""
-    with open_regular(path) as f:
+    with _open_checkpoint_file(path) as f:
         for e in entries:
             bits, _, mask = SAFETENSORS_DTYPES[e.raw]
             f.seek(e.begin)
@@ -306,7 +317,7 @@ def read_pickle(path: Path) -> PickleContents:
     cannot walk whole is `UnreadablePickle`, which names the imports it had seen by then."""
     lfs_pointer(path)
     try:
-        with open_regular(path) as f:
+        with _open_checkpoint_file(path) as f:
             if zipfile.is_zipfile(f):
                 with zipfile.ZipFile(f) as z:
                     names = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
@@ -605,7 +616,7 @@ def scan_torch_zip(path: Path, tensors: dict[str, TensorRef]) -> dict[str, Tenso
     given to every tensor that views it."""
     scans: dict[str, TensorScan] = {}
     try:
-        with open_regular(path) as f, zipfile.ZipFile(f) as z:
+        with _open_checkpoint_file(path) as f, zipfile.ZipFile(f) as z:
             pkl = next(i.filename for i in z.infolist() if i.filename.endswith("data.pkl"))
             prefix = pkl[: -len("data.pkl")]
             by_storage: dict[str, TensorScan] = {}

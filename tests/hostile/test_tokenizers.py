@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,19 @@ def test_a_tokenizer_config_alone_is_not_used(tmp_path):
     from sftaudit.imports.trainer import imported_manifest
 
     assert manifest_reason in imported_manifest(run)["unjudged"]["LOOP-02"]
+
+
+REALRUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
+
+
+@pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")
+def test_gemma3s_real_template_gives_a_layout_with_a_whole_tokenizer(tmp_path):
+    """The template is not what broke LOOP-01/02 on the Gemma 3 run: the 22-token tokenizer rebuilt from its
+    tokenizer_config.json alone was. With a whole vocabulary the template's markers are found."""
+    from sftaudit.chat_template import TemplateLayout
+    from sftaudit.fixtures import build_tokenizer
+
+    source = (REALRUNS / "gemma3-kaggle-lfs-clone" / "checkpoint-200" / "chat_template.jinja").read_text()
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    layout = TemplateLayout.derive(tokenizer, source)
+    assert layout.texts["turn_end"] == "<end_of_turn>" and layout.texts["assistant"] == "<start_of_turn>model\n"
