@@ -48,3 +48,21 @@ def test_a_plain_template_renders_as_before():
 
     text, _ = Renderer(BASE).render([{"role": "user", "content": "hi"}])
     assert text == "<|user|>hi<|end|>"
+
+
+@pytest.mark.parametrize("bomb", ["nested ranges", "constant power"])
+def test_a_run_whose_tokenizer_carries_a_bomb_is_unjudged_naming_the_budget(tmp_path, bomb):
+    """The audit of a run whose saved tokenizer has a hostile template: exit 2 with the budget named,
+    in bounded time (it hung in CI before)."""
+    from sftaudit.fixtures import build_tokenizer
+
+    from .builders import audit, trainer_run
+
+    run = trainer_run(tmp_path)
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    tokenizer.chat_template = BOMBS[bomb] + BASE + "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    tokenizer.save_pretrained(str(run / "checkpoint-20"))
+    done = audit(run)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "chat template exceeded its render budget" in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
