@@ -454,8 +454,19 @@ class Renderer:
         # Values that are not plain JSON must go through transformers' normalisation.
         self.template = self.compiled if _is_json(self.kwargs) else None
         self.context = {"tools": None, "documents": None, **self.kwargs}
+        self.over_budget: TemplateBudget | None = None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        # A template over its budget once is refused from then on: each row would spend the whole budget.
+        if self.over_budget is not None:
+            raise self.over_budget
+        try:
+            return self._render(messages, add_generation_prompt)
+        except TemplateBudget as exc:
+            self.over_budget = exc
+            raise
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
         chat = _plain_chat(messages) if self.template is not None else None
         context = self.context
         if chat is None and self.compiled is not None and _normalisers() is not None:

@@ -42,3 +42,14 @@ def verdict(run: Path) -> dict:
 
 def findings(run: Path, code: str) -> list[dict]:
     return [f for f in verdict(run)["findings"] if f["code"] == code]
+
+
+def preflight(root: Path, tokenizer_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`sftaudit preflight` on a small clean dataset with `tokenizer_dir`, in a subprocess under the bound."""
+    data = root / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"r{i}", "messages": [
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]})
+        for i in range(20)))
+    return subprocess.run([sys.executable, "-m", "sftaudit.cli", "preflight", "--data", str(data), "--tokenizer",
+                           str(tokenizer_dir), "--out", str(root / "out"), *args], cwd=root, capture_output=True,
+                          text=True, timeout=AUDIT_BOUND_S, stdin=subprocess.DEVNULL)

@@ -66,3 +66,16 @@ def test_a_run_whose_tokenizer_carries_a_bomb_is_unjudged_naming_the_budget(tmp_
     assert done.returncode == 2, done.stdout + done.stderr
     assert "chat template exceeded its render budget" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_preflight_with_a_bomb_template_is_one_line_and_exit_2(tmp_path):
+    from sftaudit.fixtures import build_tokenizer
+
+    from .builders import preflight
+
+    build_tokenizer(tmp_path / "cache").save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "bomb.jinja").write_text(BOMBS["nested ranges"] + BASE)
+    done = preflight(tmp_path, tmp_path / "tok", "--template", str(tmp_path / "bomb.jinja"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == ["sftaudit: error: chat template exceeded its render budget "
+                                                "(over 2000000 steps)"]

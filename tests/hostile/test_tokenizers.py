@@ -75,3 +75,22 @@ def test_gemma3s_real_template_gives_a_layout_with_a_whole_tokenizer(tmp_path):
     tokenizer = build_tokenizer(tmp_path / "tok")
     layout = TemplateLayout.derive(tokenizer, source)
     assert layout.texts["turn_end"] == "<end_of_turn>" and layout.texts["assistant"] == "<start_of_turn>model\n"
+
+
+def test_preflight_refuses_an_auto_map_tokenizer_in_one_line(tmp_path):
+    from sftaudit.fixtures import build_tokenizer
+
+    from .builders import preflight
+
+    marker = tmp_path / "MARKER"
+    folder = tmp_path / "tok"
+    build_tokenizer(tmp_path / "cache").save_pretrained(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_evil.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n")
+    done = preflight(tmp_path, folder)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "auto_map AutoTokenizer: tokenization_evil.EvilTokenizer" in lines[0]
+    assert not marker.exists()
