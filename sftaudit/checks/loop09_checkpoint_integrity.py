@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,14 +13,11 @@ from typing import Any
 
 import duckdb
 
-import os
-import stat
-
 from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, UnreadablePickle, inside_run,
                            is_lfs_pointer, read_pickle)
-from ..safe_io import kind_of
 from ..ingest import recorded_checkpoints
 from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
+from ..safe_io import kind_of
 from .base import AuditContext, Check, Finding
 
 # Input-embedding names of the common architectures (a tied output head must equal it).

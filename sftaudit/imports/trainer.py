@@ -49,10 +49,6 @@ POSTHOC_FILE = "posthoc.json"
 PROBE_KINDS = ("probes", "generations", "evals")
 
 
-# Key of `_tokenizer`'s fingerprints under which the reason a saved tokenizer was refused travels.
-TOKENIZER_REFUSED = Path("<refused>")
-
-
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     """``checkpoint-N/`` folders of a Trainer output, by step."""
     return sorted((int(m.group(1)), p) for p in run_dir.glob("checkpoint-*")
@@ -136,8 +132,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                 records["steps"].append({"seg": seg, "step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"),
                                          "grad_norm": e.get("grad_norm")})
     abandoned_states = {s["folder"] for s in states if s["abandoned"]}
-    tokenizer, fingerprints = _tokenizer(run_dir, checkpoints)
-    refused = fingerprints.pop(TOKENIZER_REFUSED, None) if tokenizer is None else None
+    tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
     for step, folder in every_checkpoint:
         if (step, folder) not in checkpoints:
             records["checkpoints"].append({"seg": 0, "event": "saved", "step": step, "path": folder.name, "files": [],
@@ -259,33 +254,34 @@ def _resume_outline(folder: Path) -> dict[str, Any]:
             "trainer_state": state is not None, "training_args": "training_args.bin" in names}
 
 
-def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str]]:
-    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), and each checkpoint's fingerprint.
-    Without a usable one, the description is None and TOKENIZER_REFUSED says why the last one was refused."""
+def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str],
+                                                                            str | None]:
+    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), each checkpoint's fingerprint,
+    and, when no saved tokenizer is usable, why the last one was refused (remote code, not whole)."""
     from ..chat_template import TokenizerUnusable, load_tokenizer
     from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
 
     folders = [p for _, p in checkpoints] + [run_dir]
     fingerprints: dict[Path, str] = {}
-    newest = None
+    newest, refused = None, None
     for folder in folders:
         if not (folder / "tokenizer_config.json").is_file():
             continue
         try:
             tok = load_tokenizer(folder)
         except TokenizerUnusable as exc:
-            fingerprints[TOKENIZER_REFUSED] = str(exc).partition(": ")[2]
+            refused = str(exc).partition(": ")[2]
             continue
         except InputError:
             continue
         fingerprints[folder] = tokenizer_fingerprint(tok)
         newest = tok
     if newest is None:
-        return None, fingerprints
+        return None, fingerprints, refused
     target = artifact_root(run_dir) / TOKENIZER_DIR
     shutil.rmtree(target, ignore_errors=True)
     newest.save_pretrained(str(target))
-    return describe_tokenizer(newest), fingerprints
+    return describe_tokenizer(newest), fingerprints, None
 
 
 def _model(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> dict[str, Any]:
