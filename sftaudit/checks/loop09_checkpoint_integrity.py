@@ -62,8 +62,10 @@ class CheckpointIntegrity(Check):
         for an adapter, against its target modules and rank; wrong shapes, a stray dtype,
         non-finite values, an empty adapter or untrained lora_B, a config that ties embeddings
         the saved tensors do not; unreadable or hostile files (truncated safetensors, headers
-        pointing outside the file, pickles that would run code), files changed since they were
-        saved, an incomplete training state, and parameters identical between two consecutive
+        pointing outside the file, pickles that would run code or that a bounded static walk
+        cannot finish, storage records larger than their declared tensors, symlinks out of the
+        run folder, FIFOs and devices), Git LFS pointer files where the weights should be (a
+        clone made without git-lfs), files changed since they were saved, an incomplete training state, and parameters identical between two consecutive
         checkpoints although they had gradients.
     Why it matters:
         A rollback is only as good as the checkpoint it lands on: the seed's 5.7 (a key missing
@@ -84,12 +86,13 @@ class CheckpointIntegrity(Check):
         differing tensors, or stale parameter with a positive gradient norm fails that
         checkpoint, unless lr x gradient norm stayed under half a float32 ulp of the weight
         norm at every step in between (an update that rounds away, e.g. SGD at lr 1e-5). Missing training-state parts are one warn for the run (a fail per
-        checkpoint under `require_resume_state`); a checkpoint no longer on disk, and a path
+        checkpoint under `require_resume_state`); Git LFS pointers are one warn per checkpoint
+        (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a path
         saved at several steps, are info.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
-        `applies_to`, the imports a pickle would perform, `saves`.
+        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`.
     """
 
     code = "LOOP-09"
