@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -64,4 +66,22 @@ def test_git_lfs_pointers_are_named_once_per_checkpoint(tmp_path):
     pointers = [f for f in loop09 if "Git LFS pointer" in f["message"]]
     assert sorted(f["checkpoint"] for f in pointers) == ["checkpoint-10", "checkpoint-20"]
     assert all("git lfs pull" in f["message"] and f["severity"] == "warn" for f in pointers)
+    assert not any("hostile header" in f["message"] or "opcode" in f["message"] for f in loop09)
+
+
+REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),
+                Path("absent"))
+
+
+@pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")
+def test_the_real_lfs_clone_gets_one_pointer_finding_per_checkpoint(tmp_path):
+    run = tmp_path / "gemma3-kaggle-lfs-clone"
+    shutil.copytree(REALRUNS / run.name, run)
+    for p in [run, *run.rglob("*")]:
+        p.chmod(p.stat().st_mode | 0o200)
+    done = audit(run)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    loop09 = findings(run, "LOOP-09")
+    checkpoints = sorted(p.name for p in run.glob("checkpoint-*"))
+    assert sorted(f["checkpoint"] for f in loop09 if "Git LFS pointer" in f["message"]) == checkpoints
     assert not any("hostile header" in f["message"] or "opcode" in f["message"] for f in loop09)
