@@ -22,8 +22,10 @@ import hashlib
 import io
 import json
 import math
+import os
 import pickletools
 import struct
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, one_line
+from .safe_io import open_regular
 
 # The safetensors library's own cap on the header; anything larger is hostile or broken.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -96,6 +99,41 @@ class CheckpointError(InputError):
     """A checkpoint file that cannot be read safely (truncated, hostile header, bad archive)."""
 
 
+class LfsPointer(CheckpointError):
+    """A Git LFS pointer file where the weights should be (a clone made without git-lfs)."""
+
+
+# The first line of every Git LFS pointer file (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
+LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
+_LFS_POINTER_MAX_BYTES = 1024  # the spec: pointer files are under 1024 bytes
+
+
+def is_lfs_pointer(path: Path) -> bool:
+    """A small regular file that starts as a Git LFS pointer does (nothing else is read)."""
+    try:
+        with open_regular(path, max_bytes=_LFS_POINTER_MAX_BYTES) as f:
+            return f.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX
+    except (InputError, OSError):
+        return False
+
+
+def lfs_pointer(path: Path) -> None:
+    """Raise `LfsPointer` before anything parses a pointer file as weights or a pickle."""
+    if is_lfs_pointer(path):
+        raise LfsPointer(f"{path.name} is a Git LFS pointer, not the weights: run `git lfs pull`")
+
+
+def _open_checkpoint_file(path: Path):
+    """A checkpoint file opened for reading: a regular file that stays in its own folder (a symlink to
+    `/etc/passwd` or into another tree is refused, as shards outside the folder are)."""
+    if path.resolve().parent != path.parent.resolve():
+        raise CheckpointError(f"{path.name} is a symlink to {path.resolve()}, outside its checkpoint folder; not read")
+    try:
+        return open_regular(path)
+    except InputError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def inside_run(run_dir: str | Path, relative: str) -> Path:
     """`relative` resolved inside the run directory; a path that escapes it is refused."""
     root = Path(run_dir).resolve()
@@ -129,8 +167,9 @@ class TensorScan:
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
     """Validate a safetensors header against the file; the entries in file order, and the metadata."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    lfs_pointer(path)
+    with _open_checkpoint_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise CheckpointError(f"{path.name}: {size} bytes, too short for a safetensors header")
@@ -182,7 +221,7 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
 
 def scan_safetensors(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[TensorEntry, TensorScan]]:
     """Stream every tensor once, in file order: non-finite count and a digest of its bytes."""
-    with open(path, "rb") as f:
+    with _open_checkpoint_file(path) as f:
         for e in entries:
             bits, _, mask = SAFETENSORS_DTYPES[e.raw]
             f.seek(e.begin)
@@ -250,6 +289,7 @@ class TensorRef:
     dtype: str
     shape: tuple[int, ...]
     storage: str        # the storage record's key in the archive
+    storage_numel: int | None = None  # elements of that storage, as the pickle declares them
 
 
 @dataclass
@@ -267,59 +307,106 @@ _MARK = object()
 # Protocol 0-2 pickles name Python 3's modules by their Python 2 names (as pickle itself maps them).
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 _LEGACY_TORCH_MAGIC = 0x1950A86A20F9469CFC6C
+_SCALARS = (str, int, float, bool, bytes, type(None), Global)
 
 
 def read_pickle(path: Path) -> PickleContents:
-    """The structure of a torch.save file or bare pickle, rebuilt without executing anything."""
+    """The structure of a torch.save file or bare pickle, rebuilt without executing anything.
+
+    The walk is bounded (opcodes, seconds, nesting depth, size of the rebuilt structure); a pickle it
+    cannot walk whole is `UnreadablePickle`, which names the imports it had seen by then."""
+    lfs_pointer(path)
     try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as z:
-                names = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
-                if len(names) != 1:
-                    raise CheckpointError(f"{path.name}: a zip archive without exactly one data.pkl")
-                if names[0].file_size > MAX_PICKLE_BYTES:
-                    raise CheckpointError(f"{path.name}: its pickle is {names[0].file_size} bytes, too large to inspect")
-                data = z.read(names[0])
-        else:
-            if path.stat().st_size > MAX_PICKLE_BYTES:
-                raise CheckpointError(f"{path.name}: {path.stat().st_size} bytes, too large to inspect as a pickle")
-            data = path.read_bytes()
-        return _walk(data)
-    except CheckpointError:
-        raise
-    except (OSError, zipfile.BadZipFile, ValueError, IndexError, KeyError, TypeError, EOFError) as exc:
-        raise CheckpointError(f"{path.name}: not a readable pickle ({type(exc).__name__}: {exc})") from None
-
-
-def _walk(data: bytes) -> PickleContents:
-    """Symbolic pickle machine: containers and scalars are rebuilt, imports and calls recorded."""
+        with _open_checkpoint_file(path) as f:
+            if zipfile.is_zipfile(f):
+                with zipfile.ZipFile(f) as z:
+                    names = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
+                    if len(names) != 1:
+                        raise CheckpointError(f"{path.name}: a zip archive without exactly one data.pkl")
+                    if names[0].file_size > MAX_PICKLE_BYTES:
+                        raise CheckpointError(f"{path.name}: its pickle is {names[0].file_size} bytes, too large "
+                                              f"to inspect")
+                    data = z.read(names[0])
+            else:
+                f.seek(0)
+                data = f.read(MAX_PICKLE_BYTES + 1)
+                if len(data) > MAX_PICKLE_BYTES:
+                    raise CheckpointError(f"{path.name}: over {MAX_PICKLE_BYTES} bytes, too large to inspect as a "
+                                          f"pickle")
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{path.name}: not a readable file ({type(exc).__name__}: {one_line(exc)})") from None
     seen: set[str] = set()
+    try:
+        return _walk(data, seen)
+    except _Unwalkable as exc:
+        why = str(exc)
+    except (ValueError, IndexError, KeyError, TypeError, EOFError, AttributeError, RecursionError,
+            MemoryError, OverflowError) as exc:
+        why = f"{type(exc).__name__}: {one_line(exc, 120)}"
+    raise UnreadablePickle(path, why, sorted(seen))
+
+
+class UnreadablePickle(CheckpointError):
+    """A pickle the static walk could not finish: refuse to load it (it may hide anything)."""
+
+    def __init__(self, path: Path, why: str, seen: list[str]):
+        unsafe = [g for g in seen if g not in SAFE_GLOBALS and not any(fnmatch.fnmatchcase(g, p) for p in
+                                                                       TRAINER_GLOBALS)]
+        also = f"; before that it asked to import {', '.join(unsafe[:3])}" if unsafe else ""
+        super().__init__(f"{path.name}: unreadable pickle ({why}): refuse to load{also}")
+        self.imports = unsafe
+
+
+class _Unwalkable(Exception):
+    """The walk stopped on a budget or a shape no torch.save writes."""
+
+
+# Budgets of one walk: far above what any state dict, optimizer or RNG pickle needs (their tensors
+# live in storage records, not in the pickle).
+MAX_PICKLE_OPS = 5_000_000
+MAX_PICKLE_SECONDS = 60.0
+MAX_PICKLE_DEPTH = 200
+MAX_PICKLE_NODES = 5_000_000  # values of the rebuilt structure, a shared one counted each time it recurs
+
+
+def _walk(data: bytes, seen: set[str]) -> PickleContents:
+    """Symbolic pickle machine: containers and scalars are rebuilt, imports and calls recorded."""
     stream = io.BytesIO(data)
-    value = _walk_one(stream, seen)
-    if isinstance(value, int) and value == _LEGACY_TORCH_MAGIC:
+    budget = [MAX_PICKLE_OPS, time.monotonic() + MAX_PICKLE_SECONDS]
+    value = _walk_one(stream, seen, budget)
+    if type(value) is int and value == _LEGACY_TORCH_MAGIC:
         for _ in range(3):  # a legacy torch.save file: protocol, sys info, then the object
-            value = _walk_one(stream, seen)
+            value = _walk_one(stream, seen, budget)
+    _check_shape(value)
     return PickleContents(value, seen)
 
 
-def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
+def _walk_one(stream: io.BytesIO, seen: set[str], budget: list) -> Any:
     stack: list[Any] = []
+    marks: list[int] = []  # stack heights at each MARK (as pickle's own metastack: no search)
     memo: dict[int, Any] = {}
 
     def pop_mark() -> list[Any]:
-        i = len(stack) - 1 - stack[::-1].index(_MARK)
-        items = stack[i + 1:]
+        if not marks:
+            raise _Unwalkable("an opcode needs a MARK that was never pushed")
+        i = marks.pop()
+        items = stack[i:]
         del stack[i:]
         return items
 
     for op, arg, _ in pickletools.genops(stream):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unwalkable(f"more than {MAX_PICKLE_OPS} opcodes")
+        if not budget[0] % 65536 and time.monotonic() > budget[1]:
+            raise _Unwalkable(f"walk took over {MAX_PICKLE_SECONDS:.0f} s")
         name = op.name
         if name in ("PROTO", "FRAME"):
             continue
         if name == "STOP":
             return stack.pop() if stack else None
         if name == "MARK":
-            stack.append(_MARK)
+            marks.append(len(stack))
         elif name in ("EMPTY_DICT",):
             stack.append({})
         elif name in ("EMPTY_LIST",):
@@ -330,6 +417,8 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
             stack.append(())
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
+            if len(stack) < n:
+                raise _Unwalkable(f"{name} on a stack of {len(stack)}")
             items = tuple(stack[-n:])
             del stack[-n:]
             stack.append(items)
@@ -341,7 +430,7 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
             items = pop_mark()
             stack.append(_as_dict(items))
         elif name == "FROZENSET":
-            stack.append(frozenset(_hashable(v) for v in pop_mark()))
+            stack.append(frozenset(_key(v) for v in pop_mark()))
         elif name == "APPEND":
             v = stack.pop()
             if isinstance(stack[-1], list):
@@ -353,11 +442,11 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
         elif name == "ADDITEMS":
             items = pop_mark()
             if isinstance(stack[-1], set):
-                stack[-1].update(_hashable(v) for v in items)
+                stack[-1].update(_key(v) for v in items)
         elif name == "SETITEM":
             v, k = stack.pop(), stack.pop()
             if isinstance(stack[-1], dict):
-                stack[-1][_hashable(k)] = v
+                stack[-1][_key(k)] = v
         elif name == "SETITEMS":
             items = pop_mark()
             if isinstance(stack[-1], dict):
@@ -372,7 +461,9 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
                 stack.append(g)
         elif name == "STACK_GLOBAL":
             attr, module = stack.pop(), stack.pop()
-            g = Global(str(module), str(attr))
+            if type(module) is not str or type(attr) is not str:
+                raise _Unwalkable("STACK_GLOBAL with a name that is not a string")
+            g = Global(module, attr)
             seen.add(str(g))
             stack.append(g)
         elif name in ("REDUCE", "NEWOBJ"):
@@ -400,7 +491,10 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
         elif name in ("PERSID", "BINPID", "BINPERSID"):
             stack.append(("persistent", stack.pop() if name == "BINPERSID" else arg))
         elif name == "POP":
-            stack.pop()
+            if stack:
+                stack.pop()
+            else:
+                pop_mark()  # POP of a bare MARK drops the mark, as pickle does
         elif name == "POP_MARK":
             pop_mark()
         elif name == "DUP":
@@ -418,19 +512,60 @@ def _walk_one(stream: io.BytesIO, seen: set[str]) -> Any:
                 stack.append(b"")
         else:  # every remaining opcode pushes its decoded argument (ints, floats, strings, bytes)
             stack.append(arg)
-    raise CheckpointError("pickle ended without STOP")
+    raise _Unwalkable("the pickle ends without STOP")
 
 
-def _hashable(v: Any) -> Any:
-    try:
-        hash(v)
+def _key(v: Any) -> Any:
+    """A dict key or set member as the walk keeps it: scalars (and flat tuples of them) as they are,
+    anything else as a placeholder string. Never `repr` or `hash` of an untrusted structure: a deeply
+    nested one raises RecursionError, a shared one takes exponential time."""
+    if type(v) in _SCALARS or (type(v) is tuple and len(v) <= 16 and all(type(x) in _SCALARS for x in v)):
         return v
-    except TypeError:
-        return repr(v)
+    return f"<unhashable {type(v).__name__} key>"
 
 
 def _as_dict(items: list[Any]) -> dict:
-    return {_hashable(k): v for k, v in zip(items[::2], items[1::2])}
+    return {_key(k): v for k, v in zip(items[::2], items[1::2])}
+
+
+def _children(node: Any) -> Any:
+    if type(node) is dict:
+        return node.values()
+    if type(node) in (list, tuple, set, frozenset):
+        return node
+    if type(node) is Call:
+        return (node.func, node.args, node.state)
+    return None
+
+
+def _check_shape(value: Any) -> None:
+    """Refuse a rebuilt structure that a plain recursive reader of it could not handle: nested deeper
+    than MAX_PICKLE_DEPTH, larger than MAX_PICKLE_NODES once shared parts are counted each time
+    (a list of itself twice, 60 times over), or holding itself. Iterative, each value visited once."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (depth, expanded size)
+    open_: set[int] = set()
+    todo: list[tuple[Any, bool]] = [(value, False)]
+    while todo:
+        node, finished = todo.pop()
+        children = _children(node)
+        if children is None:
+            continue
+        i = id(node)
+        if finished:
+            open_.discard(i)
+            inner = [done.get(id(c), (0, 1)) for c in children]
+            depth, size = 1 + max((d for d, _ in inner), default=0), 1 + sum(s for _, s in inner)
+            if depth > MAX_PICKLE_DEPTH:
+                raise _Unwalkable(f"nested deeper than {MAX_PICKLE_DEPTH} levels")
+            if size > MAX_PICKLE_NODES:
+                raise _Unwalkable(f"shared references expand to over {MAX_PICKLE_NODES} values")
+            done[i] = (depth, size)
+        elif i not in done:
+            if i in open_:
+                raise _Unwalkable("a structure that contains itself")
+            open_.add(i)
+            todo.append((node, True))
+            todo.extend((c, False) for c in children)
 
 
 def _call(func: Any, args: Any) -> Any:
@@ -447,7 +582,9 @@ def _call(func: Any, args: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 3:
             kind = pid[1]
             dtype = TORCH_STORAGES.get(kind.name, ("unknown",))[0] if isinstance(kind, Global) else "unknown"
-            return TensorRef(dtype, tuple(args[2]) if isinstance(args[2], (tuple, list)) else (), str(pid[2]))
+            key = pid[2] if type(pid[2]) in (str, int) else ""
+            numel = pid[4] if len(pid) >= 5 and type(pid[4]) is int else None
+            return TensorRef(dtype, tuple(args[2]) if isinstance(args[2], (tuple, list)) else (), str(key), numel)
         return TensorRef(dtype, tuple(args[2]) if isinstance(args[2], (tuple, list)) else (), "")
     if name.startswith("torch._utils._rebuild_parameter") and args:
         return args[0]
@@ -479,18 +616,35 @@ def scan_torch_zip(path: Path, tensors: dict[str, TensorRef]) -> dict[str, Tenso
     given to every tensor that views it."""
     scans: dict[str, TensorScan] = {}
     try:
-        with zipfile.ZipFile(path) as z:
+        with _open_checkpoint_file(path) as f, zipfile.ZipFile(f) as z:
             pkl = next(i.filename for i in z.infolist() if i.filename.endswith("data.pkl"))
             prefix = pkl[: -len("data.pkl")]
             by_storage: dict[str, TensorScan] = {}
             for name, ref in tensors.items():
                 if ref.storage not in by_storage:
                     bits, mask = _BITS_BY_TORCH_DTYPE.get(ref.dtype, ("u1", None))
-                    by_storage[ref.storage] = _scan_stream(z.open(f"{prefix}data/{ref.storage}"), bits, mask)
+                    record = z.getinfo(f"{prefix}data/{ref.storage}")
+                    _check_storage_size(path, ref, record)
+                    by_storage[ref.storage] = _scan_stream(z.open(record), bits, mask)
                 scans[name] = by_storage[ref.storage]
     except (OSError, KeyError, StopIteration, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path.name}: tensor data unreadable ({type(exc).__name__}: {exc})") from None
     return scans
+
+
+def _check_storage_size(path: Path, ref: TensorRef, record: zipfile.ZipInfo) -> None:
+    """Before a storage record is decompressed: its size must be what the pickle declares for it
+    (elements x element size), and a view must fit in it. A record claiming more (a zip64 entry that
+    inflates to 64 GB behind a small tensor) is hostile."""
+    item = np.dtype(_BITS_BY_TORCH_DTYPE.get(ref.dtype, ("u1", None))[0]).itemsize
+    declared = ref.storage_numel * item if ref.storage_numel is not None else None
+    if declared is None or record.file_size != declared:
+        raise CheckpointError(f"{path.name}: storage record {ref.storage} holds {record.file_size} bytes but the "
+                              f"pickle declares {declared if declared is not None else 'no size'} for it "
+                              f"({ref.dtype} x {ref.storage_numel}); refusing to decompress it (hostile or corrupt)")
+    if record.compress_type != zipfile.ZIP_STORED and record.file_size > 1100 * max(record.compress_size, 1):
+        raise CheckpointError(f"{path.name}: storage record {ref.storage} claims to inflate {record.compress_size} "
+                              f"bytes to {record.file_size}, more than deflate can; refusing to decompress it")
 
 
 def _scan_stream(stream: Any, bits: str, mask: int | None) -> TensorScan:

@@ -27,7 +27,7 @@ from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, expected_labels, re
 from .config import AuditConfig
 from .dataset_preview import dataset_preview
 from .errors import InputError, one_line
-from .tokenizer_info import describe_tokenizer
+from .tokenizer_info import TokenizerRefused, describe_tokenizer, load_saved_tokenizer
 
 PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
 PROGRESS_FROM = 2000  # rows: smaller datasets finish before a bar would help
@@ -78,14 +78,14 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
               collator: str | None = None, batch_size: int = 8, max_length: int | None = None,
               config: AuditConfig | None = None, progress: bool = True) -> dict[str, Any]:
     """Render, tokenize, collate and check every sample; returns the verdict (stored under `out`)."""
-    from transformers import AutoTokenizer
-
     from .audit import judge
     from .checks import registered_checks
     from .ingest import connect, create_tables
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer = load_saved_tokenizer(tokenizer_dir)
+    except TokenizerRefused as exc:
+        raise InputError(f"{tokenizer_dir}: {exc}") from None
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"{tokenizer_dir}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
     if template is not None:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
+
+from .errors import InputError
+from .safe_io import read_text
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -46,3 +50,53 @@ def describe_tokenizer(tokenizer: Any) -> dict[str, Any]:
         "truncation_side": getattr(tokenizer, "truncation_side", None),
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
+
+
+# ---------------------------------------------------------------------------- loading a saved tokenizer
+
+# Files any one of which holds a whole vocabulary (fast tokenizer, SentencePiece, BPE/WordPiece vocab,
+# tiktoken). Without one, transformers still builds a tokenizer, from the special tokens of
+# tokenizer_config.json alone (a few dozen tokens): its ids are wrong, so it is not used.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model",
+               "spm.model", "vocab.json", "vocab.txt", "vocab.model", "tokenizer.tiktoken", "qwen.tiktoken")
+_CONFIG_LIMIT = 64 * 1024 * 1024
+
+
+class TokenizerRefused(ValueError):
+    """A saved tokenizer that sftaudit will not load: it asks for code from its folder, or it cannot be
+    built whole from the files there."""
+
+
+def refusal(folder: str | Path) -> str | None:
+    """Why the tokenizer saved in `folder` must not be loaded (None: it may be)."""
+    folder = Path(folder)
+    for name, keys in (("tokenizer_config.json", None), ("config.json", ("AutoTokenizer",))):
+        try:
+            config = json.loads(read_text(folder / name, max_bytes=_CONFIG_LIMIT)) if (folder / name).exists() else None
+        except (InputError, ValueError):
+            config = None
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if isinstance(auto_map, dict) and auto_map:
+            entries = {k: v for k, v in auto_map.items() if keys is None or k in keys}
+            if entries:
+                key, value = next(iter(entries.items()))
+                shown = " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+                return (f"the tokenizer asks for code from its folder ({name} auto_map {key}: {shown}); sftaudit "
+                        f"never runs code from a run folder (trust_remote_code=False), so it was not loaded")
+    if not any((folder / name).is_file() for name in VOCAB_FILES):
+        present = sorted(p.name for p in folder.iterdir() if p.is_file())[:6] if folder.is_dir() else []
+        return (f"the tokenizer cannot be built whole: {folder.name}/ has no tokenizer.json or vocabulary file "
+                f"(tokenizer.model, vocab.json, vocab.txt, ...), only {', '.join(present) or 'nothing'}; save the "
+                f"tokenizer with the checkpoint (tokenizer.save_pretrained) to judge it")
+    return None
+
+
+def load_saved_tokenizer(folder: str | Path) -> Any:
+    """A tokenizer from its saved files: never code from the folder, never a prompt, never a partial one.
+    Raises TokenizerRefused with the reason, or what transformers raises."""
+    reason = refusal(folder)
+    if reason is not None:
+        raise TokenizerRefused(reason)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)

@@ -31,7 +31,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 # Modules both halves import: they must need neither torch nor the analyzer's libraries.
-SHARED = ("artifacts", "tokenizer_info", "errors")
+SHARED = ("artifacts", "tokenizer_info", "errors", "safe_io")
 
 
 def test_shim_never_imports_the_analyzer():

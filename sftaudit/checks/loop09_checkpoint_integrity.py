@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,9 +13,11 @@ from typing import Any
 
 import duckdb
 
-from ..checkpoints import TRAINER_GLOBALS, CheckpointError, PickleContents, inside_run, read_pickle
+from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, UnreadablePickle, inside_run,
+                           is_lfs_pointer, read_pickle)
 from ..ingest import recorded_checkpoints
 from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
+from ..safe_io import kind_of
 from .base import AuditContext, Check, Finding
 
 # Input-embedding names of the common architectures (a tied output head must equal it).
@@ -41,6 +45,7 @@ class Inspection:
     digests: dict[str, str] | None = None   # None: the weights could not be read
     on_disk: bool = True
     missing_state: list[str] = field(default_factory=list)  # training-state parts no file holds
+    unread: set[str] = field(default_factory=set)  # files already reported unreadable or unsafe
 
     @property
     def passes(self) -> bool:
@@ -57,8 +62,10 @@ class CheckpointIntegrity(Check):
         for an adapter, against its target modules and rank; wrong shapes, a stray dtype,
         non-finite values, an empty adapter or untrained lora_B, a config that ties embeddings
         the saved tensors do not; unreadable or hostile files (truncated safetensors, headers
-        pointing outside the file, pickles that would run code), files changed since they were
-        saved, an incomplete training state, and parameters identical between two consecutive
+        pointing outside the file, pickles that would run code or that a bounded static walk
+        cannot finish, storage records larger than their declared tensors, symlinks out of the
+        run folder, FIFOs and devices), Git LFS pointer files where the weights should be (a
+        clone made without git-lfs), files changed since they were saved, an incomplete training state, and parameters identical between two consecutive
         checkpoints although they had gradients.
     Why it matters:
         A rollback is only as good as the checkpoint it lands on: the seed's 5.7 (a key missing
@@ -79,12 +86,13 @@ class CheckpointIntegrity(Check):
         differing tensors, or stale parameter with a positive gradient norm fails that
         checkpoint, unless lr x gradient norm stayed under half a float32 ulp of the weight
         norm at every step in between (an update that rounds away, e.g. SGD at lr 1e-5). Missing training-state parts are one warn for the run (a fail per
-        checkpoint under `require_resume_state`); a checkpoint no longer on disk, and a path
+        checkpoint under `require_resume_state`); Git LFS pointers are one warn per checkpoint
+        (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a path
         saved at several steps, are info.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
-        `applies_to`, the imports a pickle would perform, `saves`.
+        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`.
     """
 
     code = "LOOP-09"
@@ -152,7 +160,21 @@ class CheckpointIntegrity(Check):
             out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
                                  f"rolled back to", {"path": checkpoint["path"]}))
             return out
-        key = self._cache_key(path, checkpoint)
+        files, refused = _checkpoint_files(ctx.run_dir, path)
+        if refused:
+            out.problems.append(("fail", f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
+                                 f"into the checkpoint folder)", {"files": refused}))
+            return out
+        pointers = [f for f in files if is_lfs_pointer(f)]
+        if pointers:
+            # The weights are not on disk to judge: one finding for the checkpoint, and it is not intact.
+            listed = _listed([str(f.relative_to(path)) if path.is_dir() else f.name for f in pointers], 3)
+            out.problems.append(("warn", f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
+                                 f"({listed}): run `git lfs pull` in the clone, then audit again; until then "
+                                 f"this checkpoint cannot be verified or rolled back to",
+                                 {"lfs_pointers": [f.name for f in pointers]}))
+            return out
+        key = self._cache_key(path, checkpoint, files)
         cached = _cache_get(ctx, key)
         if cached is not None:
             return cached
@@ -162,10 +184,9 @@ class CheckpointIntegrity(Check):
         _cache_put(ctx, key, out)
         return out
 
-    def _cache_key(self, path: Path, checkpoint: dict[str, Any]) -> str:
+    def _cache_key(self, path: Path, checkpoint: dict[str, Any], files: list[Path]) -> str:
         """What a checkpoint's inspection depends on: its files' paths, sizes and mtimes, the hashes
         the shim recorded, the parameters it is judged against, and this check's options."""
-        files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
         stats = [(str(f.relative_to(path.parent)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         key = [CACHE_VERSION, checkpoint["name"], checkpoint["path"], checkpoint["step"], stats,
                checkpoint.get("sha256"), checkpoint["params"], checkpoint["tied"], self.params]
@@ -192,11 +213,13 @@ class CheckpointIntegrity(Check):
         except UnsafePickle as exc:
             rel = self._rel(path, exc.file)
             out.problems.append(("fail", _unsafe_message(rel, exc.imports), {"file": rel, "imports": exc.imports}))
+            out.unread.add(exc.file.name)
             return None
         except FileError as exc:
             rel = self._rel(path, exc.file)
             out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
                                  {"file": rel}))
+            out.unread.add(exc.file.name)
             return None
         except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
@@ -317,12 +340,16 @@ class CheckpointIntegrity(Check):
         shards, DCP's non-model entries)."""
         pickles: dict[str, Any] = dict(weights.state) if weights else {}
         folder = path if path.is_dir() else None
-        read = {f.name for f in weights.files} if weights else set()
+        read = ({f.name for f in weights.files} if weights else set()) | out.unread
         for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
                         and p.name not in read) if folder else []:
             rel = f"{out.name}/{f.name}"
             try:
                 contents = read_pickle(f)
+            except UnreadablePickle as exc:
+                out.problems.append(("fail", f"{rel}: {str(exc).partition(': ')[2]}", {"file": rel,
+                                                                                   "imports": exc.imports}))
+                continue
             except CheckpointError as exc:
                 out.problems.append(("fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
                 continue
@@ -371,7 +398,7 @@ class CheckpointIntegrity(Check):
 
 
 # Bump when what an inspection holds changes: older cached results are then ignored.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
@@ -393,6 +420,46 @@ def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
                         [key, json.dumps(asdict(inspection), default=str)])
     except duckdb.Error:  # a read-only connection (a check run by hand): nothing to keep
         pass
+
+
+# A checkpoint folder holds a few dozen files; one with more entries than this is not one.
+MAX_CHECKPOINT_ENTRIES = 10_000
+
+
+def _checkpoint_files(run_dir: Path, path: Path) -> tuple[list[Path], list[str]]:
+    """The regular files of a checkpoint (the file itself, or its folder's tree), listed without
+    following symlinked folders, and why any entry was refused: a symlink resolving outside the run
+    folder (never read: `/etc/passwd`, `/`), a FIFO or device (opening one blocks or never ends)."""
+    root = Path(run_dir).resolve()
+    files, refused, todo, seen = [], [], [path], 0
+    while todo:
+        entry = todo.pop()
+        seen += 1
+        if seen > MAX_CHECKPOINT_ENTRIES:
+            refused.append(f"more than {MAX_CHECKPOINT_ENTRIES} entries under {path.name}")
+            break
+        rel = entry.name if entry == path else f"{path.name}/{entry.relative_to(path)}"
+        try:
+            target = entry.resolve()
+            mode = os.lstat(entry).st_mode
+            if stat.S_ISLNK(mode):
+                if target != root and root not in target.parents:
+                    refused.append(f"{rel} is a symlink to {target}, outside the run folder")
+                    continue
+                mode = os.stat(target).st_mode
+        except (OSError, RuntimeError) as exc:  # a dangling link, a symlink loop
+            refused.append(f"{rel} cannot be resolved ({type(exc).__name__})")
+            continue
+        if stat.S_ISREG(mode):
+            files.append(entry)
+        elif stat.S_ISDIR(mode) and not (entry != path and os.path.islink(entry)):
+            try:
+                todo.extend(sorted(entry.iterdir(), reverse=True))
+            except OSError as exc:
+                refused.append(f"{rel} cannot be listed ({exc.strerror})")
+        elif not stat.S_ISDIR(mode):
+            refused.append(f"{rel} is {kind_of(mode)}, not a regular file")
+    return sorted(files), refused
 
 
 def _listed(names: list[str], limit: int = 5) -> str:

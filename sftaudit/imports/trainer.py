@@ -141,7 +141,9 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                          "TensorBoard event file or checkpoint-*/ folder)")
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
-    checkpoints = checkpoint_dirs(run_dir)
+    every_checkpoint = checkpoint_dirs(run_dir)
+    # A checkpoint folder symlinked out of the run (to `/`) is never read: LOOP-09 reports it.
+    checkpoints = [(s, p) for s, p in every_checkpoint if p.resolve().is_relative_to(run_dir.resolve())]
     states = _states(run_dir, checkpoints)
     # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
     lines, args = read_lines(run_dir), {}
@@ -182,8 +184,12 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                 records["steps"].append({"seg": seg, "step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"),
                                          "grad_norm": e.get("grad_norm")})
     abandoned_states = {s["folder"] for s in states if s["abandoned"]}
-    tokenizer, fingerprints = _tokenizer(run_dir, checkpoints)
-    for step, folder in checkpoints:
+    tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
+    for step, folder in every_checkpoint:
+        if (step, folder) not in checkpoints:
+            records["checkpoints"].append({"seg": 0, "event": "saved", "step": step, "path": folder.name, "files": [],
+                                           "training_state": {}, "tokenizer_fingerprint": None, "time": None})
+            continue
         seg = 0 if folder in abandoned_states or resumed_at is None or step < resumed_at else 1
         records["checkpoints"].append({
             "seg": seg, "event": "saved", "step": step, "path": folder.name,
@@ -200,6 +206,8 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         manifest = _manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source, planned_steps(lines), pointers)
         if seg and resumed_from is not None:
             manifest["config"]["resume_from"] = resumed_from
+        if refused:  # the tokenizer the run saved is not used: the checks that need it say why
+            manifest["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
         records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
@@ -316,29 +324,34 @@ def _resume_outline(folder: Path) -> dict[str, Any]:
             "trainer_state": state is not None, "training_args": "training_args.bin" in names}
 
 
-def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str]]:
-    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), and each checkpoint's fingerprint."""
-    from ..chat_template import load_tokenizer
+def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str],
+                                                                            str | None]:
+    """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), each checkpoint's fingerprint,
+    and, when no saved tokenizer is usable, why the last one was refused (remote code, not whole)."""
+    from ..chat_template import TokenizerUnusable, load_tokenizer
     from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
 
     folders = [p for _, p in checkpoints] + [run_dir]
     fingerprints: dict[Path, str] = {}
-    newest = None
+    newest, refused = None, None
     for folder in folders:
         if not (folder / "tokenizer_config.json").is_file():
             continue
         try:
             tok = load_tokenizer(folder)
+        except TokenizerUnusable as exc:
+            refused = str(exc).partition(": ")[2]
+            continue
         except InputError:
             continue
         fingerprints[folder] = tokenizer_fingerprint(tok)
         newest = tok
     if newest is None:
-        return None, fingerprints
+        return None, fingerprints, refused
     target = artifact_root(run_dir) / TOKENIZER_DIR
     shutil.rmtree(target, ignore_errors=True)
     newest.save_pretrained(str(target))
-    return describe_tokenizer(newest), fingerprints
+    return describe_tokenizer(newest), fingerprints, None
 
 
 def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str, Any] | None = None) -> dict[str, Any]:

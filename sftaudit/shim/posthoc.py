@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
+from ..tokenizer_info import load_saved_tokenizer
 from .writer import read_jsonl
 
 POSTHOC_FILE = "posthoc.json"
@@ -57,11 +58,9 @@ def probe_checkpoints(run_dir: str | Path, prompts: Sequence[str], eval_set: Seq
 
 
 def _tokenizer(run_dir: Path, targets: list[tuple[int, Path]]) -> Any:
-    from transformers import AutoTokenizer
-
     for path in [run_dir / ARTIFACT_DIR / TOKENIZER_DIR] + [p for _, p in reversed(targets)]:
         if (path / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(str(path))
+            return load_saved_tokenizer(path)  # raises TokenizerRefused: remote code, or not whole
     raise ValueError(f"{run_dir}: no saved tokenizer to render the probe prompts with")
 
 
@@ -75,9 +74,10 @@ def _load_model(path: Path, base: str | Path | None) -> Any:
             raise ValueError(f"{path.name} holds a PEFT adapter: give the base model with --base")
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(path))
+        base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, trust_remote_code=False)
+        model = PeftModel.from_pretrained(base_model, str(path))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)
     return model.eval()
 
 
