@@ -20,11 +20,13 @@ def loop09(verdict):
     return {f["checkpoint"]: f for f in verdict["findings"] if f["code"] == "LOOP-09" and f["checkpoint"]}
 
 
-def resume_warn(verdict):
-    """The one run-level warn naming the checkpoints that cannot resume exactly."""
-    warns = [f for f in verdict["findings"] if f["code"] == "LOOP-09" and f["checkpoint"] is None]
-    assert len(warns) <= 1 and all(f["severity"] == "warn" and f["step"] is None for f in warns)
-    return warns[0]["evidence"]["missing_state"] if warns else {}
+def resume_risk(verdict, category="risk"):
+    """The one run-level info naming the checkpoints that cannot resume exactly (a risk, or a
+    configuration for weights-only saves): what each part is missing from."""
+    found = [f for f in verdict["findings"] if f["code"] == "LOOP-09" and f["checkpoint"] is None]
+    assert len(found) <= 1 and all((f["severity"], f["category"], f["step"]) == ("info", category, None)
+                                   for f in found), found
+    return found[0]["evidence"]["missing_state"] if found else {}
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +39,13 @@ def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
     # checkpoint-2 is sound, its weights saved with torch.save: read statically, it passes.
     assert (checkpoint_fault_run / "checkpoint-2" / "pytorch_model.bin").is_file()
     # param_left_out from step 17: identical at checkpoint-18 (vs 16) and checkpoint-20 (vs 18).
-    # checkpoint-16 lacks its RNG states: a resume-state warn for the run, not a fail of its own.
+    # checkpoint-16 lacks its RNG states: a resume risk for the run (info), not a fail of its own.
     assert sorted(found, key=lambda n: int(n.split("-")[1])) == [
         f"checkpoint-{s}" for s in (4, 6, 8, 10, 12, 14, 18, 20)]
     assert {f["severity"] for f in found.values()} == {"fail"}
     assert all(f["step"] == int(name.split("-")[1]) for name, f in found.items())
     verdicts = {c["name"]: c["verdict"] for c in faulty["checkpoints"]}
-    assert verdicts["checkpoint-2"] == "pass" and verdicts["checkpoint-16"] == "warn"
+    assert verdicts["checkpoint-2"] == "pass" and verdicts["checkpoint-16"] == "pass"
     assert all(v == "fail" for name, v in verdicts.items() if name not in ("checkpoint-2", "checkpoint-16"))
     # File faults are not training anomalies; the parameter left out of the optimizer from step 17
     # is one, and LOOP-05 names it from the gradients and weight norms at that step.
@@ -86,7 +88,7 @@ def test_code_running_pickle_is_named_and_never_run(faulty, checkpoint_fault_run
 
 def test_missing_rng_state_and_parameter_left_out_of_the_optimizer(faulty):
     found = loop09(faulty)
-    assert resume_warn(faulty) == {"rng_states": ["checkpoint-16"]}
+    assert resume_risk(faulty) == {"rng_states": ["checkpoint-16"]}
     for name, previous in (("checkpoint-18", "checkpoint-16"), ("checkpoint-20", "checkpoint-18")):
         stale = found[name]["evidence"]
         assert [t["tensor"] for t in stale["tensors"]] == [LEFT_OUT_TENSOR]
@@ -115,12 +117,12 @@ def test_trainer_checkpoints(hf_checkpoint_fault_run):
     found = loop09(verdict)
     assert set(found) == {"checkpoint-10"}
     assert found["checkpoint-10"]["evidence"]["tensors"][0]["tensor"] == NAN_TENSOR
-    assert resume_warn(verdict) == {"rng_states": [f"checkpoint-{HF_CHECKPOINT_FAULTS['ckpt_no_rng']}"]}
+    assert resume_risk(verdict) == {"rng_states": [f"checkpoint-{HF_CHECKPOINT_FAULTS['ckpt_no_rng']}"]}
 
 
 def test_clean_run_checkpoints_pass(clean_run):
     verdict = audit(clean_run)
-    assert loop09(verdict) == {} and resume_warn(verdict) == {}
+    assert loop09(verdict) == {} and resume_risk(verdict) == {}
     assert all(c["intact"] for c in verdict["checkpoints"]) and len(verdict["checkpoints"]) == 3
 
 
