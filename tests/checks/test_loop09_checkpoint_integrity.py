@@ -150,3 +150,85 @@ def test_updates_that_round_away_are_not_stale(tmp_path):
     verdict = audit(run)
     assert loop09(verdict) == {}
     assert [c["name"] for c in verdict["checkpoints"] if c["intact"]] == ["checkpoint-3", "checkpoint-6"]
+
+
+# ---------------------------------------------------------------- training state: wherever saved, what the run has
+
+
+def step_folder_loop(run, steps=4, every=2, state=("step", "optimizer", "rng_states", "data_position"),
+                     scheduler=False, weights="step-{step}/model.safetensors"):
+    """A plain loop through the recorder (AdamW, a warmup LambdaLR only with `scheduler`) that saves
+    `weights` (``step-N/model.safetensors``) and, beside it, ``trainer.pt`` holding the `state` parts;
+    the recorder gets the weight file's path."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+    from sftaudit.fixtures.layouts import untied_state_dict
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(run.parent / "tokenizer")
+    model = build_model(tok)
+    rows = load_dataset()[:8]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)) if scheduler else None
+    with Recorder(run, model, tok, profile="prod", scheduler=sched) as rec:
+        for step in range(1, steps + 1):
+            data = collate(tok, rows)
+            rec.on_batch(step, data)
+            loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], labels=data["labels"]).loss
+            loss.backward()
+            rec.on_backward(step, loss)
+            opt.step()
+            if sched:
+                sched.step()
+            rec.on_step_end(step, lr=opt.param_groups[0]["lr"])
+            opt.zero_grad()
+            if step % every == 0:
+                path = run / weights.format(step=step)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_file(untied_state_dict(model), str(path))
+                full = {"step": step, "optimizer": opt.state_dict(), "data_position": {"epoch": 0, "position": step},
+                        "rng_states": {"python": random.getstate(), "numpy": np.random.get_state(),
+                                       "torch": torch.get_rng_state()},
+                        **({"scheduler": sched.state_dict()} if sched else {})}
+                torch.save({k: v for k, v in full.items() if k in state or k == "scheduler" and scheduler
+                            and "scheduler" in state}, path.parent / "trainer.pt")
+                rec.on_checkpoint(step, path)
+    return run
+
+
+def test_training_state_beside_a_weight_file_is_read(tmp_path):
+    """step-N/model.safetensors next to trainer.pt (step, optimizer, RNG, data position), no scheduler in
+    the run: the checkpoints resume exactly and LOOP-09 says nothing (it once demanded all six parts)."""
+    verdict = audit(step_folder_loop(tmp_path / "beside"))
+    assert [c["name"] for c in verdict["checkpoints"]] == ["step-2", "step-4"]
+    assert [f for f in verdict["findings"] if f["code"] == "LOOP-09"] == []
+
+
+def test_a_part_missing_beside_the_weights_is_one_risk(tmp_path):
+    run = step_folder_loop(tmp_path / "no-rng", state=("step", "optimizer", "data_position"))
+    assert resume_risk(audit(run)) == {"rng_states": ["step-2", "step-4"]}  # not the scheduler the run never had
+
+
+def test_a_scheduler_is_demanded_where_the_run_had_one(tmp_path):
+    run = step_folder_loop(tmp_path / "sched", scheduler=True, state=("step", "optimizer", "rng_states",
+                                                                      "data_position"))
+    assert resume_risk(audit(run)) == {"scheduler": ["step-2", "step-4"]}
+    twin = step_folder_loop(tmp_path / "sched-saved", scheduler=True,
+                            state=("step", "optimizer", "rng_states", "data_position", "scheduler"))
+    assert resume_risk(audit(twin)) == {}
+
+
+def test_state_in_a_folder_shared_by_several_checkpoints_is_not_theirs(tmp_path):
+    """ckpts/model-N.safetensors for every save, one ckpts/trainer.pt overwritten each time: that state
+    belongs to no one save (it is the last one's), so these are weights-only saves."""
+    run = step_folder_loop(tmp_path / "shared", weights="ckpts/model-{step}.safetensors")
+    verdict = audit(run)
+    assert resume_risk(verdict, category="configuration") == {
+        part: ["model-2.safetensors", "model-4.safetensors"] for part in ("step", "optimizer", "rng_states", "data_position")}
+    [stated] = [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
+    assert stated["message"].startswith("2 checkpoint(s) are weights-only saves (model-2.safetensors, model-4.safetensors)")
