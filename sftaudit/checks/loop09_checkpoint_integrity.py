@@ -74,7 +74,8 @@ class CheckpointIntegrity(Check):
         dtype per checkpoint (or `expected_dtype`); count of elements whose exponent bits are all
         set, streamed in bounded chunks; sha256 against the shim's record of the last save to
         that path; training-state parts found by reading the state pickles statically (never
-        unpickled), in the checkpoint's folder or beside a weight file in its own folder; blake2b digest per tensor, compared between consecutive checkpoints, joined
+        unpickled), in the checkpoint's folder or beside a weight file in its own folder; blake2b
+        digest per tensor, compared between consecutive checkpoints, joined
         with the gradient norms recorded in between. Results are cached by the files' paths,
         sizes and mtimes and the recorded hashes.
     Threshold:
