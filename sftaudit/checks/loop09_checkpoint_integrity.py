@@ -134,31 +134,34 @@ class CheckpointIntegrity(Check):
                 f"{i.name} cannot resume exactly: its training state lacks {', '.join(lacking[i.name])}; save "
                 f"them with the weights"), {"missing_state": lacking[i.name]}, category="risk")
                 for i in inspections if i.name in lacking]
-        names = list(lacking)
-        by_part: dict[str, list[str]] = {}
-        for name, parts in lacking.items():
-            for part in parts:
-                by_part.setdefault(part, []).append(name)
-        evidence = {"missing_state": by_part, "applies_to": names}
         read = [i for i in inspections if i.state_found is not None]
-        if not any("optimizer" in i.state_found for i in read):
-            parts = list(by_part)
+        # Weights-only saves: the run keeps no optimizer state anywhere, and these hold weights (a
+        # checkpoint whose weights cannot be read is no weights-only save: its other gaps are a risk).
+        saved_none = not any("optimizer" in i.state_found for i in read)
+        weights_only = [i.name for i in read if saved_none and i.digests is not None and i.name in lacking]
+        findings = []
+        if weights_only:
+            by_part = _by_part({n: lacking[n] for n in weights_only})
             restarts = [what for part, what in (("optimizer", "the optimizer's moments"), ("scheduler", "the "
                         "learning-rate schedule"), ("data_position", "the data order")) if part in by_part]
             trainer = " (the Trainer: save_only_model=False)" if any(i.trainer for i in read) else ""
-            return [self.finding("info", (
-                f"{len(names)} checkpoint(s) are weights-only saves ({_listed(names)}): they lack "
-                f"{', '.join(parts)}. They serve evaluation and shipping; a run resumed from one restarts "
+            findings.append(self.finding("info", (
+                f"{len(weights_only)} checkpoint(s) are weights-only saves ({_listed(weights_only)}): they lack "
+                f"{', '.join(by_part)}. They serve evaluation and shipping; a run resumed from one restarts "
                 f"{_and(restarts)}. To resume exactly, save the training state with the weights{trainer}"),
-                category="configuration", **evidence)]
-        by_checkpoints: dict[tuple[str, ...], list[str]] = {}  # parts missing from the same checkpoints
-        for part, ns in by_part.items():
-            by_checkpoints.setdefault(tuple(ns), []).append(part)
-        parts = "; ".join(f"{', '.join(ps)} ({_listed(list(ns))})" for ns, ps in by_checkpoints.items())
-        return [self.finding("info", (
-            f"{len(names)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
-            f"with the weights, or set require_resume_state = true to fail such checkpoints"),
-            category="risk", **evidence)]
+                category="configuration", missing_state=by_part, applies_to=weights_only))
+        others = [n for n in lacking if n not in weights_only]
+        if others:
+            by_part = _by_part({n: lacking[n] for n in others})
+            by_checkpoints: dict[tuple[str, ...], list[str]] = {}  # parts missing from the same checkpoints
+            for part, ns in by_part.items():
+                by_checkpoints.setdefault(tuple(ns), []).append(part)
+            parts = "; ".join(f"{', '.join(ps)} ({_listed(list(ns))})" for ns, ps in by_checkpoints.items())
+            findings.append(self.finding("info", (
+                f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
+                f"with the weights, or set require_resume_state = true to fail such checkpoints"),
+                category="risk", missing_state=by_part, applies_to=others))
+        return findings
 
     def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict,
                  category: str = "anomaly") -> Finding:
@@ -428,6 +431,15 @@ def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
 
 def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Checkpoint -> missing parts, turned into part -> the checkpoints missing it."""
+    out: dict[str, list[str]] = {}
+    for name, parts in lacking.items():
+        for part in parts:
+            out.setdefault(part, []).append(name)
+    return out
 
 
 def _and(items: list[str]) -> str:

@@ -1,9 +1,11 @@
 """LOOP-09: each planted checkpoint fault fails exactly its checkpoint, in a plain loop and a Trainer run;
 the clean run's checkpoints pass."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +235,22 @@ def test_state_in_a_folder_shared_by_several_checkpoints_is_not_theirs(tmp_path)
         part: names for part in ("step", "optimizer", "rng_states", "data_position")}
     [stated] = [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
     assert stated["message"].startswith(f"2 checkpoint(s) are weights-only saves ({', '.join(names)})")
+
+
+REAL_RUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
+
+
+@pytest.mark.skipif(not (REAL_RUNS / "tiny-gpt2-as-checkpoint").is_dir(), reason="no real runs here")
+def test_a_released_trainer_checkpoint_resumes_exactly(tmp_path):
+    """A Trainer checkpoint as published (weights, optimizer.pt, scheduler.pt, rng_state.pth,
+    trainer_state.json; no training_args.bin, no collator state): nothing is missing."""
+    import json
+
+    from sftaudit.cli import main
+
+    run = tmp_path / "tiny-gpt2"
+    shutil.copytree(REAL_RUNS / "tiny-gpt2-as-checkpoint", run)
+    assert main(["audit", str(run), "--no-report", "--out", str(tmp_path / "out")]) == 0  # imported as it lies
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    assert [c["name"] for c in verdict["checkpoints"]] == ["checkpoint-250"]
+    assert [f for f in verdict["findings"] if f["code"] == "LOOP-09"] == []
