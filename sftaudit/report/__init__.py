@@ -306,8 +306,9 @@ def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> li
 
 def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dict[str, Any]]:
     """The most severe findings at the first anomalous step: the one-sentence cause at the top."""
+    # As the verdict dates the run: anomalies about the run (a checkpoint's own finding is about that file).
     at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"
-                and f["category"] == "anomaly"]
+                and f["category"] == "anomaly" and f.get("scope", "run") == "run"]
     top = max((SEVERITY_RANK[f["severity"]] for f in at_first), default=0)
     return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
 
