@@ -184,11 +184,11 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
 
 def _store_series(con, series: list[dict[str, Any]]) -> None:
     con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
-                   threshold DOUBLE)""")
+                   threshold DOUBLE, sole_condition BOOLEAN)""")
     for s in series:
         con.execute(
-            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?",
-            [s["code"], s["name"], s["steps"], s["values"], s["threshold"]],
+            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?, ?",
+            [s["code"], s["name"], s["steps"], s["values"], s["threshold"], s["sole_condition"]],
         )
 
 

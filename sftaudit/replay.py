@@ -1,8 +1,9 @@
 """`sftaudit replay RUN_DIR`: for a failed or diverged run, where it went wrong and how to resume.
 
 The run is audited (a run killed mid-step audits: the torn last record is skipped). The
-replay holds the first anomalous step, the chain of findings from the rollback checkpoint
-to `window` steps after the anomaly, the sample ids of every batch from the rollback
+replay holds the first anomalous step, the chain of anomalies from the rollback checkpoint
+to `window` steps after the anomaly, the run's configuration findings (what to change, not
+batches to skip), the sample ids of every batch from the rollback
 checkpoint to the anomaly (to inspect or skip), the rollback checkpoint, and the command
 to resume from it: the training loop's own ``resume_command`` (recorder config, a template
 with ``{checkpoint}``) or, for a Trainer run, the recorded command line with
@@ -30,13 +31,12 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
     out: dict[str, Any] = {"run": verdict["run"], "verdict": verdict["verdict"], "first_anomalous_step": first,
                            "rollback_checkpoint": None, "rollback_margin": verdict["rollback_margin"],
                            "rollback_deleted": verdict["rollback_deleted"],
-                           "chain": [], "batches": [], "resume": None}
+                           "chain": [], "batches": [], "resume": None, "configuration": configuration(verdict)}
     if first is None:
         return out
     rollback = next((c for c in verdict["checkpoints"] if c["name"] == verdict["rollback_checkpoint"]), None)
     since = rollback["step"] if rollback else 0
-    out["chain"] = [f for f in verdict["findings"]
-                    if f["scope"] == "run" and f["step"] is not None and since < f["step"] <= first + window]
+    out["chain"] = chain(verdict, since, first + window)
     con = connect(run_dir, read_only=True)
     try:
         rows = con.execute(
@@ -53,6 +53,19 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
         skip = [b["step"] for b in out["batches"]]
         out["resume"] = {"resume_from_checkpoint": path, "skip_steps": skip, **resume_command(manifest, path, skip)}
     return out
+
+
+def chain(verdict: dict[str, Any], since: int, until: int) -> list[dict[str, Any]]:
+    """The anomalies after step `since` up to `until`: what went wrong around the first one (a
+    configuration or a risk is no bad step, and skipping batches does not undo it)."""
+    return [f for f in verdict["findings"] if f["scope"] == "run" and f["step"] is not None
+            and f.get("category", "anomaly") == "anomaly" and since < f["step"] <= until]
+
+
+def configuration(verdict: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's configuration findings: what to change in the setup, not batches to skip."""
+    return [{k: f[k] for k in ("code", "severity", "step", "message")} for f in verdict["findings"]
+            if f.get("category") == "configuration"]
 
 
 def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = ()) -> dict[str, str | None]:
@@ -76,11 +89,15 @@ def to_json(doc: dict[str, Any]) -> str:
 
 
 def to_text(doc: dict[str, Any]) -> str:
+    changes = [f"  {f['code']} {f['severity']}: {f['message']}" for f in doc.get("configuration") or []]
+    if changes:
+        changes.insert(0, "configuration to change (no bad step: rolling back or skipping batches does not fix it):")
     if doc["first_anomalous_step"] is None:
-        return f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay"
+        return "\n".join([f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay", *changes])
     lines = [f"{doc['run']}: {doc['verdict'].upper()}; first anomalous step {doc['first_anomalous_step']}"]
     lines.append("findings:")
     lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
+    lines += changes
     rb = doc["rollback_checkpoint"]
     deleted = f"; {doc['rollback_deleted']} would have been, but it is no longer on disk" \
         if doc.get("rollback_deleted") else ""

@@ -152,3 +152,42 @@ def test_a_trainer_run_resumed_from_the_named_checkpoint_audits_pass(trl, tmp_pa
     after = audit(run)
     assert after["verdict"] == "pass", after["findings"]
     assert timeline(run) == ([(0, 1, 6), (1, 7, 8)], [(0, 7, 8)])
+
+
+# ---------------------------------------------------------------- only anomalies are replayed
+
+
+def test_configuration_findings_are_changes_not_batches_to_skip():
+    """A last-turn-only setup found from step 1 (a configuration) and a NaN at step 13 (an anomaly): the
+    rollback and the chain are the anomaly's; the configuration is listed as what to change."""
+    from sftaudit.replay import chain, configuration, to_text
+
+    checkpoints = [{"name": f"checkpoint-{s}", "step": s, "path": f"checkpoint-{s}"} for s in (5, 10, 15)]
+    setup = Finding("LOOP-04", "warn", "only the last turn is trained", step=1, category="configuration")
+    findings = [setup, Finding("LOOP-05", "fail", "nan", step=13)]
+    verdict = build_verdict("r", findings, checkpoints)
+    assert verdict["first_anomalous_step"] == 13 and verdict["rollback_checkpoint"] == "checkpoint-10"
+    assert [f["code"] for f in chain(verdict, 0, 23)] == ["LOOP-05"]
+    assert configuration(verdict) == [{"code": "LOOP-04", "severity": "warn", "step": 1,
+                                       "message": "only the last turn is trained"}]
+    # Without the anomaly nothing is rolled back or skipped; the change is still named.
+    alone = build_verdict("r", [setup], checkpoints)
+    assert alone["first_anomalous_step"] is None and alone["rollback_checkpoint"] is None
+    doc = {"run": "r", "verdict": alone["verdict"], "first_anomalous_step": None, "configuration": configuration(alone)}
+    assert to_text(doc).splitlines() == [
+        "r: WARN; no anomalous step, nothing to replay",
+        "configuration to change (no bad step: rolling back or skipping batches does not fix it):",
+        "  LOOP-04 warn: only the last turn is trained"]
+
+
+def test_replay_of_a_run_saving_weights_only(tmp_path, tokenizer_cache):
+    from sftaudit.fixtures import layouts
+    from sftaudit.fixtures.train import train_plain
+
+    run = train_plain(tmp_path / "weights-only", steps=8, checkpoint_every=4, profile="prod", faults={"nan_at": 6},
+                      saver=layouts.step_folder_weights(), tokenizer_cache=tokenizer_cache)
+    doc = replay(run)
+    assert doc["first_anomalous_step"] == 6 and doc["rollback_checkpoint"]["name"] == "step-4"
+    assert doc["chain"] and all(f["category"] == "anomaly" for f in doc["chain"])
+    [saves] = doc["configuration"]
+    assert saves["code"] == "LOOP-09" and "weights-only saves (step-4, step-8)" in saves["message"]

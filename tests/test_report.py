@@ -61,7 +61,7 @@ PLANTED = [
                                 "counts": [5, 40, 3]},
                   "p_value": 1e-6, "effect_size": 3.2, "windows": [[1, 5], [6, 10]]}},
 ]
-PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08) for step in (10, 20)]
+PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08, False) for step in (10, 20)]
 PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {XSS_SCRIPT}"}
 
 
@@ -91,7 +91,7 @@ def plant(audited_run: Path, dest: Path) -> Path:
                                           {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT}]
         con.execute("DELETE FROM audit_verdict")
         con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
-        con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?)", PLANTED_SERIES)
+        con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?, ?)", PLANTED_SERIES)
     finally:
         con.close()
     return dest
@@ -344,3 +344,107 @@ def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory,
     assert "imported logs written every 5 steps: a finding at a logged step is known only to its logging window" in top
     assert "First anomalous step" not in top
     assert '<span class="where">steps 11-15 (logging window)' in html
+
+
+# ---------------------------------------------------------------- nothing unsaved or unjudged is green
+
+WEIGHTS_ONLY = {"code": "LOOP-09", "severity": "info", "step": None, "checkpoint": None, "category": "configuration",
+                "message": "2 checkpoint(s) are weights-only saves (checkpoint-10, checkpoint-20): they lack optimizer",
+                "evidence": {"applies_to": ["checkpoint-10", "checkpoint-20"]}}
+NO_RNG = {"code": "LOOP-09", "severity": "info", "step": None, "checkpoint": None, "category": "risk",
+          "message": "1 checkpoint(s) cannot resume exactly, their training state lacks rng_states (checkpoint-10)",
+          "evidence": {"applies_to": ["checkpoint-10"]}}
+
+
+def plant_unjudged(audited_run: Path, dest: Path) -> Path:
+    """A copy of the clean run's audited file as a run that could not be judged would store it: a check
+    raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
+    happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
+    shutil.copytree(database_path(audited_run).parent, dest / "sftaudit",
+                    ignore=shutil.ignore_patterns("*.jsonl", "tokenizer"))
+    con = duckdb.connect(str(database_path(dest)))
+    try:
+        verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
+        verdict["checkpoints"] = [c for c in verdict["checkpoints"] if c["step"] <= 20]
+        verdict["findings"] += [dict(WEIGHTS_ONLY, scope="run"), dict(NO_RNG, scope="run")]
+        verdict["check_errors"] = [{"code": "LOOP-08", "error": "ValueError: a planted failure"}]
+        verdict["verdict"], verdict["cannot_judge"] = "unjudged", "check LOOP-08 failed to run"
+        for c in verdict["checks"]:
+            if c["code"] in ("LOOP-07", "LOOP-08"):
+                c["status"], c["reason"] = ("partial", "generations stopped at step 20") if c["code"] == "LOOP-07" \
+                    else ("error", "ValueError: a planted failure")
+        con.execute("DELETE FROM audit_verdict")
+        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+    finally:
+        con.close()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def unjudged_report(clean_run, tmp_path_factory) -> Path:
+    audit(clean_run)
+    run = plant_unjudged(clean_run, tmp_path_factory.mktemp("unjudged") / "unjudged-run")
+    return write_report(run, run.parent / "report")
+
+
+def test_nothing_unsaved_or_unjudged_is_green(unjudged_report):
+    html = unjudged_report.read_text(encoding="utf-8")
+    strip = html[html.index('id="checkpoint-strip"'):html.index('class="strip-axis"')]
+    windows = re.findall(r'class="win (\w+(?: \w+)?)"', strip)
+    # The saved windows are not judged (the run could not be); the steps after the last save are not saved.
+    assert windows == ["unjudged", "unjudged", "unsaved unsaved"]
+    assert "steps 21-30 after the last checkpoint: NOT SAVED" in strip
+    assert "pass" not in windows and "the hatched end was never saved" in html
+    assert re.search(r'<span class="badge big unjudged" id="verdict">COULD NOT JUDGE</span>', html)
+    tiles = dict(re.findall(r'<a class="tile" href="#check-(LOOP-\d+)"[^>]*><span class="icon (\w+)"', html))
+    assert (tiles["LOOP-07"], tiles["LOOP-08"]) == ("partial", "error")
+    run_section = html[html.index('id="run"'):]
+    assert run_section.count('<span class="badge unjudged">? could not judge</span>') == 2
+
+
+def test_configuration_is_listed_apart_and_risks_are_marked(unjudged_report, planted_report):
+    html = unjudged_report.read_text(encoding="utf-8")
+    listed = html[html.index('id="findings-table"'):html.index('id="configuration-table"')]
+    configuration = html[html.index('id="configuration-table"'):].split("</table>")[0]
+    assert WEIGHTS_ONLY["message"] in configuration and WEIGHTS_ONLY["message"] not in listed
+    assert NO_RNG["message"] in listed and ">risk</span>" in listed and "the whole run" in configuration
+    # A run without configuration findings has no such section.
+    assert 'id="configuration-table"' not in planted_report.read_text(encoding="utf-8")
+
+
+def test_a_statistic_of_one_point_is_a_value_and_thresholds_say_if_they_fire_alone(tmp_path):
+    """LOOP-07/08 recorded at one eval: values, not a chart on an axis around one point. A threshold that
+    alone fires the check is red; one condition of several is grey and says so."""
+    from sftaudit.checks import AuditContext
+    from sftaudit.audit import _store_series
+    from sftaudit.report import _series_figures
+    from sftaudit.report.figures import CONDITION_COLOUR, SEVERITY_COLOURS
+
+    ctx = AuditContext(duckdb.connect(), tmp_path, {})
+    ctx.add_series("LOOP-05", "ratio", [1, 2, 3], [1.0, 48.0, 2.0], threshold=10)
+    ctx.add_series("LOOP-10", "z", [1, 2, 3], [0.0, 7.0, 1.0], threshold=6, sole_condition=True)
+    ctx.add_series("LOOP-08", "ROUGE-L", [50], [0.02])
+    ctx.add_series("LOOP-07", "distinct-1", [50], [0.85], threshold=0.35)
+    _store_series(ctx.con, ctx.series)
+    figs: dict = {}
+    divs, values = _series_figures(ctx.con, [], figs)
+    assert set(divs) == {"LOOP-05", "LOOP-10"}  # no chart for LOOP-07/08
+    assert values == {"LOOP-07": [{"name": "distinct-1", "step": 50, "value": 0.85, "threshold": 0.35,
+                                   "sole_condition": False}],
+                      "LOOP-08": [{"name": "ROUGE-L", "step": 50, "value": 0.02, "threshold": None,
+                                   "sole_condition": False}]}
+    lines = {code: (figs[div]["layout"]["shapes"][-1]["line"]["color"], figs[div]["layout"]["annotations"][-1]["text"])
+             for code, div in divs.items()}
+    assert lines == {"LOOP-05": (CONDITION_COLOUR, "threshold 10, one condition of several"),
+                     "LOOP-10": (SEVERITY_COLOURS["fail"], "threshold 6")}
+
+
+def test_the_clean_reports_gradient_threshold_is_one_condition_of_several(clean_report):
+    """The clean run's largest/median gradient ratio crosses 10 without a finding: LOOP-05 also needs the
+    tensor to stand out against the others, so its line is labelled one condition of several."""
+    html = clean_report.read_text(encoding="utf-8")
+    assert "grey one is one condition of several" in html
+    assert 'id="series-check-LOOP-05"' in html
+    spec = figure_data(html)["series-check-LOOP-05"]
+    assert [a["text"] for a in spec["layout"]["annotations"] if "threshold" in a["text"]] == [
+        "threshold 10, one condition of several"]

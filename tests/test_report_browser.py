@@ -14,7 +14,7 @@ import pytest
 from sftaudit.audit import audit
 from sftaudit.report import write_report
 from tests.conftest import NAN_STEP
-from tests.test_report import XSS_SCRIPT, plant, preflight_report, ranks_report
+from tests.test_report import XSS_SCRIPT, plant, plant_unjudged, preflight_report, ranks_report
 
 CHROMIUM = os.environ.get("SFTAUDIT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -222,3 +222,31 @@ def test_two_rank_run_draws_a_line_per_rank_in_each_lane(two_ranks):
     lanes = two_ranks.page.locator("#ranks")
     assert set(lanes.locator("g.legend text.legendtext").all_text_contents()) == {"rank 0", "rank 1", "not finite"}
     assert lanes.locator(".scatterlayer g.trace").count() == 7  # 3 lanes x 2 ranks, and the rank-1 NaN crosses
+
+
+@pytest.fixture(scope="module")
+def unjudged(browser, clean_run, tmp_path_factory):
+    audit(clean_run)
+    run = plant_unjudged(clean_run, tmp_path_factory.mktemp("unjudged-browser") / "unjudged-run")
+    opened = Opened(browser, write_report(run, run.parent / "report"))
+    yield opened
+    opened.page.close()
+
+
+GREEN = "rgb(46, 125, 50)"  # --pass
+
+
+def test_nothing_unsaved_unjudged_or_not_run_is_drawn_green(unjudged, passed):
+    """As painted: the checkpoint strip of a run that could not be judged (and the steps it never saved),
+    the verdict, and the badges of checks that did not run, ran on partial evidence or raised."""
+    colours = """sel => Array.from(document.querySelectorAll(sel)).map(e => {
+                     const s = getComputedStyle(e); return [s.backgroundColor, s.color]; })"""
+    page = unjudged.page
+    painted = {sel: page.evaluate(colours, sel) for sel in (
+        "#checkpoint-strip .win", "#verdict", ".tile .icon.notrun, .tile .icon.partial, .tile .icon.error",
+        ".check > h3 .badge.notrun, .check > h3 .badge.partial, .check > h3 .badge.error", "#run .badge")}
+    assert len(painted["#checkpoint-strip .win"]) == 3 and len(painted[".tile .icon.notrun, .tile .icon.partial, "
+                                                                      ".tile .icon.error"]) >= 2
+    assert all(GREEN not in pair for pairs in painted.values() for pair in pairs), painted
+    # The same strip of a judged run is green where it passed: the colour still means something.
+    assert {bg for bg, _ in passed.page.evaluate(colours, "#checkpoint-strip .win")} == {GREEN}

@@ -80,12 +80,16 @@ class AuditContext:
     series: list[dict[str, Any]] = field(default_factory=list)
     not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
 
-    def add_series(self, code: str, name: str, steps: Any, values: Any, threshold: float | None = None) -> None:
-        """A named statistic over steps (sequences or numpy/polars columns of equal length)."""
+    def add_series(self, code: str, name: str, steps: Any, values: Any, threshold: float | None = None,
+                   sole_condition: bool = False) -> None:
+        """A named statistic over steps (sequences or numpy/polars columns of equal length).
+        `sole_condition`: crossing `threshold` alone fires the check (else the report labels the line
+        as one condition of several)."""
         steps, values = list(steps), list(values)
         if len(steps) != len(values):
             raise ValueError(f"{code} series {name!r}: {len(steps)} steps but {len(values)} values")
-        self.series.append({"code": code, "name": name, "steps": steps, "values": values, "threshold": threshold})
+        self.series.append({"code": code, "name": name, "steps": steps, "values": values, "threshold": threshold,
+                            "sole_condition": sole_condition})
 
     def frame(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
         return self.con.sql(sql, params=params or None).pl()

@@ -33,6 +33,8 @@ STATE_KEYS = {
     "collator": ("collator", "collator_config"),
 }
 RNG_PARTS = {"python": ("python",), "numpy": ("numpy",), "torch": ("torch", "cpu")}
+# Parts every exact resume needs; the scheduler and the collator's state only where the run has them.
+ALWAYS_NEEDED = ("step", "optimizer", "rng_states", "data_position")
 
 
 @dataclass
@@ -44,7 +46,9 @@ class Inspection:
     problems: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     digests: dict[str, str] | None = None   # None: the weights could not be read
     on_disk: bool = True
-    missing_state: list[str] = field(default_factory=list)  # training-state parts no file holds
+    state_found: list[str] | None = None  # training-state parts its files hold (None: not read)
+    rng_missing: list[str] = field(default_factory=list)  # RNG streams its RNG state lacks
+    trainer: bool = False  # a Trainer save (trainer_state.json beside the weights)
     unread: set[str] = field(default_factory=set)  # files already reported unreadable or unsafe
 
     @property
@@ -77,7 +81,8 @@ class CheckpointIntegrity(Check):
         dtype per checkpoint (or `expected_dtype`); count of elements whose exponent bits are all
         set, streamed in bounded chunks; sha256 against the shim's record of the last save to
         that path; training-state parts found by reading the state pickles statically (never
-        unpickled); blake2b digest per tensor, compared between consecutive checkpoints, joined
+        unpickled), in the checkpoint's folder or beside a weight file in its own folder; blake2b
+        digest per tensor, compared between consecutive checkpoints, joined
         with the gradient norms recorded in between. Results are cached by the files' paths,
         sizes and mtimes and the recorded hashes.
     Threshold:
@@ -85,10 +90,16 @@ class CheckpointIntegrity(Check):
         pickle, unreadable or changed file, empty or untrained adapter, tied config with
         differing tensors, or stale parameter with a positive gradient norm fails that
         checkpoint, unless lr x gradient norm stayed under half a float32 ulp of the weight
-        norm at every step in between (an update that rounds away, e.g. SGD at lr 1e-5). Missing training-state parts are one warn for the run (a fail per
-        checkpoint under `require_resume_state`); Git LFS pointers are one warn per checkpoint
-        (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a path
-        saved at several steps, are info.
+        norm at every step in between (an update that rounds away, e.g. SGD at lr 1e-5). Training
+        state: the parts every exact resume needs (step, optimizer, RNG states, data position), the
+        scheduler when the run had one (the shim's manifest, a saved scheduler state or a learning
+        rate that changed), the collator's state when a checkpoint saved any. Checkpoints of a run
+        that saves no optimizer state anywhere are weights-only saves: one info for the run
+        (a configuration); other missing parts: one info for the run (a risk; LOOP-11 says when a
+        resume from such a checkpoint broke); a fail per checkpoint under `require_resume_state`.
+        Git LFS pointers are one warn per
+        checkpoint (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a
+        path saved at several steps, are info.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
@@ -113,33 +124,57 @@ class CheckpointIntegrity(Check):
             f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
             f"overwrote the one before, only step {c['step']}'s is on disk"), {"saves": c["saves"]})
             for i, c in zip(inspections, checkpoints) if len(c["saves"]) > 1]
-        findings += self._resume_state(inspections)
+        findings += self._resume_state(ctx, inspections)
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
         return findings
 
-    def _resume_state(self, inspections: list[Inspection]) -> list[Finding]:
-        """One run-level warn naming each missing training-state part and the checkpoints lacking it
-        (a fail per checkpoint instead under `require_resume_state`)."""
-        lacking: dict[str, list[str]] = {}
-        for i in inspections:
-            for part in i.missing_state:
-                lacking.setdefault(part, []).append(i.name)
-        if not lacking or self.params["require_resume_state"]:
+    def _resume_state(self, ctx: AuditContext, inspections: list[Inspection]) -> list[Finding]:
+        """What the checkpoints lack to resume exactly, stated once for the run: weights-only saves (no
+        checkpoint holds optimizer state) are a configuration, other gaps a risk; both info (nothing is
+        wrong until someone resumes: LOOP-11 judges the resumes). Under `require_resume_state` each
+        checkpoint lacking a part fails instead."""
+        lacking = missing_state(ctx, inspections)
+        if not lacking:
             return []
-        names = sorted({n for ns in lacking.values() for n in ns}, key=[i.name for i in inspections].index)
-        by_checkpoints: dict[tuple[str, ...], list[str]] = {}  # parts missing from the same checkpoints
-        for part, ns in lacking.items():
-            by_checkpoints.setdefault(tuple(ns), []).append(part)
-        parts = "; ".join(f"{', '.join(ps)} ({_listed(list(ns))})" for ns, ps in by_checkpoints.items())
-        return [self.finding("warn", (
-            f"{len(names)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
-            f"with the weights, or set require_resume_state = true to fail such checkpoints"),
-            missing_state=lacking, applies_to=names)]
+        if self.params["require_resume_state"]:
+            return [self._finding(i, "fail", (
+                f"{i.name} cannot resume exactly: its training state lacks {', '.join(lacking[i.name])}; save "
+                f"them with the weights"), {"missing_state": lacking[i.name]}, category="risk")
+                for i in inspections if i.name in lacking]
+        read = [i for i in inspections if i.state_found is not None]
+        # Weights-only saves: the run keeps no optimizer state anywhere, and these hold weights (a
+        # checkpoint whose weights cannot be read is no weights-only save: its other gaps are a risk).
+        saved_none = not any("optimizer" in i.state_found for i in read)
+        weights_only = [i.name for i in read if saved_none and i.digests is not None and i.name in lacking]
+        findings = []
+        if weights_only:
+            by_part = _by_part({n: lacking[n] for n in weights_only})
+            restarts = [what for part, what in (("optimizer", "the optimizer's moments"), ("scheduler", "the "
+                        "learning-rate schedule"), ("data_position", "the data order")) if part in by_part]
+            trainer = " (the Trainer: save_only_model=False)" if any(i.trainer for i in read) else ""
+            findings.append(self.finding("info", (
+                f"{len(weights_only)} checkpoint(s) are weights-only saves ({_listed(weights_only)}): they lack "
+                f"{', '.join(by_part)}. They serve evaluation and shipping; a run resumed from one restarts "
+                f"{_and(restarts)}. To resume exactly, save the training state with the weights{trainer}"),
+                category="configuration", missing_state=by_part, applies_to=weights_only))
+        others = [n for n in lacking if n not in weights_only]
+        if others:
+            by_part = _by_part({n: lacking[n] for n in others})
+            by_checkpoints: dict[tuple[str, ...], list[str]] = {}  # parts missing from the same checkpoints
+            for part, ns in by_part.items():
+                by_checkpoints.setdefault(tuple(ns), []).append(part)
+            parts = "; ".join(f"{', '.join(ps)} ({_listed(list(ns))})" for ns, ps in by_checkpoints.items())
+            findings.append(self.finding("info", (
+                f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
+                f"with the weights, or set require_resume_state = true to fail such checkpoints"),
+                category="risk", missing_state=by_part, applies_to=others))
+        return findings
 
-    def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict) -> Finding:
-        f = self.finding(severity, message, step=inspection.step, **evidence)
+    def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict,
+                 category: str = "anomaly") -> Finding:
+        f = self.finding(severity, message, step=inspection.step, category=category, **evidence)
         return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.category)
 
     # ---------------------------------------------------------------- one checkpoint
@@ -160,7 +195,9 @@ class CheckpointIntegrity(Check):
             out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
                                  f"rolled back to", {"path": checkpoint["path"]}))
             return out
-        files, refused = _checkpoint_files(ctx.run_dir, path)
+        folder = state_folder(ctx, path, checkpoint)
+        # A weight file's own folder holds its training state: its files are listed (safely) too.
+        files, refused = _checkpoint_files(ctx.run_dir, folder if folder is not None and path.is_file() else path)
         if refused:
             out.problems.append(("fail", f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
                                  f"into the checkpoint folder)", {"files": refused}))
@@ -180,13 +217,14 @@ class CheckpointIntegrity(Check):
             return cached
         self._check_hashes(ctx, checkpoint, out)
         weights = self._check_weights(path, checkpoint, out)
-        self._check_state(path, weights, out)
+        self._check_state(path, folder, weights, out)
         _cache_put(ctx, key, out)
         return out
 
     def _cache_key(self, path: Path, checkpoint: dict[str, Any], files: list[Path]) -> str:
-        """What a checkpoint's inspection depends on: its files' paths, sizes and mtimes, the hashes
-        the shim recorded, the parameters it is judged against, and this check's options."""
+        """What a checkpoint's inspection depends on: its files' paths, sizes and mtimes (with the
+        training state beside a weight file), the hashes the shim recorded, the parameters it is judged
+        against, and this check's options."""
         stats = [(str(f.relative_to(path.parent)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         key = [CACHE_VERSION, checkpoint["name"], checkpoint["path"], checkpoint["step"], stats,
                checkpoint.get("sha256"), checkpoint["params"], checkpoint["tied"], self.params]
@@ -334,16 +372,17 @@ class CheckpointIntegrity(Check):
                                  f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
                                  {"dtypes": stray[: self.params["max_tensors_listed"]], "tensor_count": len(stray)}))
 
-    def _check_state(self, path: Path, weights: Weights | None, out: Inspection) -> None:
-        """The training state a checkpoint holds: the pickles of its folder, and the state its weight
-        files carry (a nested ``torch.save({"model": ..., "optimizer": ...})``, DeepSpeed's optimizer
-        shards, DCP's non-model entries)."""
+    def _check_state(self, path: Path, folder: Path | None, weights: Weights | None, out: Inspection) -> None:
+        """The training state a checkpoint holds: the pickles of its folder (a weight file's own folder
+        too: ``step-40/model.safetensors`` beside ``trainer.pt``), and the state its weight files carry
+        (a nested ``torch.save({"model": ..., "optimizer": ...})``, DeepSpeed's optimizer shards, DCP's
+        non-model entries)."""
         pickles: dict[str, Any] = dict(weights.state) if weights else {}
-        folder = path if path.is_dir() else None
-        read = ({f.name for f in weights.files} if weights else set()) | out.unread
-        for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
-                        and p.name not in read) if folder else []:
-            rel = f"{out.name}/{f.name}"
+        read = ({f.name for f in weights.files} if weights else {path.name}) | out.unread
+        shown = out.name if path.is_dir() else folder.name if folder else ""
+        for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
+                        and p.name not in read and p != path) if folder else []:
+            rel = f"{shown}/{f.name}"
             try:
                 contents = read_pickle(f)
             except UnreadablePickle as exc:
@@ -360,11 +399,8 @@ class CheckpointIntegrity(Check):
             pickles[f.name] = contents
         if weights and weights.state_keys:
             pickles[".metadata"] = PickleContents({k: True for k in weights.state_keys})
-        out.missing_state = missing_state_parts(folder, pickles)
-        if out.missing_state and self.params["require_resume_state"]:
-            out.problems.append(("fail", f"{out.name} cannot resume exactly: its training state lacks "
-                                 f"{', '.join(out.missing_state)}; save them with the weights",
-                                 {"missing_state": out.missing_state}))
+        out.state_found, out.rng_missing = state_parts(folder, pickles)
+        out.trainer = folder is not None and (folder / "trainer_state.json").is_file()
 
     # ---------------------------------------------------------------- between checkpoints
 
@@ -409,8 +445,7 @@ def _cache_get(ctx: AuditContext, key: str) -> Inspection | None:
     if row is None:
         return None
     data = json.loads(row[0])
-    return Inspection(data["name"], data["step"], [tuple(p) for p in data["problems"]], data["digests"],
-                      data["on_disk"], data["missing_state"])
+    return Inspection(**{**data, "problems": [tuple(p) for p in data["problems"]]})
 
 
 def _cache_put(ctx: AuditContext, key: str, inspection: Inspection) -> None:
@@ -466,6 +501,19 @@ def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Checkpoint -> missing parts, turned into part -> the checkpoints missing it."""
+    out: dict[str, list[str]] = {}
+    for name, parts in lacking.items():
+        for part in parts:
+            out.setdefault(part, []).append(name)
+    return out
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1] if items else "nothing"
+
+
 def _unsafe_message(rel: str, unsafe: list[str]) -> str:
     return (f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
             f"statically); never torch.load it without weights_only=True and find what wrote it")
@@ -476,8 +524,9 @@ def groups_of(name: str, tied: dict[str, str]) -> str:
     return tied.get(name, name)
 
 
-def missing_state_parts(folder: Path | None, pickles: dict[str, PickleContents]) -> list[str]:
-    """Parts of an exact-resume training state that no file of the checkpoint holds."""
+def state_parts(folder: Path | None, pickles: dict[str, PickleContents]) -> tuple[list[str], list[str]]:
+    """The parts of an exact-resume training state the checkpoint's files hold, and the RNG streams
+    (python, numpy, torch) its RNG state lacks."""
     found: dict[str, Any] = {}
     for fname, contents in pickles.items():
         value = contents.value
@@ -503,11 +552,46 @@ def missing_state_parts(folder: Path | None, pickles: dict[str, PickleContents])
         found.setdefault("data_position", trainer_state["global_step"])
     if folder and (folder / "collator.json").is_file():
         found.setdefault("collator", "collator.json")
-    missing = [part for part in STATE_KEYS if found.get(part) is None]
     rng = found.get("rng_states")
-    if isinstance(rng, dict):
-        missing += [f"rng_states.{part}" for part, keys in RNG_PARTS.items() if not any(k in rng for k in keys)]
-    return missing
+    rng_missing = [f"rng_states.{part}" for part, keys in RNG_PARTS.items()
+                   if isinstance(rng, dict) and not any(k in rng for k in keys)]
+    return [part for part in STATE_KEYS if found.get(part) is not None], rng_missing
+
+
+def needed_state(ctx: AuditContext, inspections: list[Inspection]) -> list[str]:
+    """The parts an exact resume of this run needs: step, optimizer, RNG states and data position
+    always; the scheduler when the run had one (the shim's manifest describes it, a checkpoint or the
+    run folder saved its state, or the learning rate changed); the collator's state when a checkpoint
+    saved any (the usual collators have none: their settings are code)."""
+    held = {part for i in inspections for part in i.state_found or []}
+    manifests = [json.loads(m) for (m,) in ctx.con.execute("SELECT manifest FROM manifest WHERE rank = 0").fetchall()]
+    scheduler = ("scheduler" in held or any(m.get("scheduler") for m in manifests)
+                 or (ctx.run_dir / "scheduler.pt").is_file()
+                 or (ctx.scalar("SELECT count(DISTINCT lr) FROM steps WHERE rank = 0 AND isfinite(lr)") or 0) > 1)
+    return [part for part in STATE_KEYS if part in ALWAYS_NEEDED or (part == "scheduler" and scheduler)
+            or (part == "collator" and part in held)]
+
+
+def missing_state(ctx: AuditContext, inspections: list[Inspection]) -> dict[str, list[str]]:
+    """Checkpoint name -> the training-state parts it lacks of those the run needs (checkpoints whose
+    state could be read, and that lack something)."""
+    needed = needed_state(ctx, inspections)
+    lacking = {i.name: [p for p in needed if p not in i.state_found] + i.rng_missing
+               for i in inspections if i.state_found is not None}
+    return {name: parts for name, parts in lacking.items() if parts}
+
+
+def state_folder(ctx: AuditContext, path: Path, checkpoint: dict[str, Any]) -> Path | None:
+    """The folder whose files hold a checkpoint's training state: the checkpoint's own folder, or the
+    folder a weight file sits in when that folder is its own (not the run directory, no other
+    checkpoint in it or under it)."""
+    if path.is_dir():
+        return path
+    folder, root = path.parent, Path(ctx.run_dir).resolve()
+    if folder == root:
+        return None
+    others = [(root / c["path"]).resolve() for c in recorded_checkpoints(ctx.con) if c["path"] != checkpoint["path"]]
+    return None if any(o == folder or folder in o.parents for o in others) else folder
 
 
 def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .loop09_checkpoint_integrity import CheckpointIntegrity, saved_checkpoints
+from .loop09_checkpoint_integrity import CheckpointIntegrity, missing_state, saved_checkpoints
 
 
 class ResumeContinuity(Check):
@@ -45,12 +45,14 @@ class ResumeContinuity(Check):
         LR change above max(`lr_tolerance`, 2 x the schedule's recent per-step change): fail. Any
         tensor norm off by more than `weight_tolerance` (relative): fail. Optimizer step count 0
         after a checkpoint of step > 0: fail. Loss rising by more than `loss_jump_fraction` of its
-        level (no fingerprint only): warn.
+        level (no fingerprint only): warn. Any warn or fail above on a resume from a checkpoint that
+        lacks parts of the training state the run needs (as LOOP-09 judges it): one more warn
+        (a risk that bit) naming those parts.
     Evidence:
         The resume step and checkpoint; for data the re-read `sample_ids` with the steps they were
         last trained and re-trained at, the count, the current epoch's start and length, where the order
         restarted; LR before/after and the tolerance; tensors whose weights differ; the optimizer's
-        step count; loss before/after.
+        step count; loss before/after; the source checkpoint's `missing_state` and what `broke`.
     """
 
     code = "LOOP-11"
@@ -70,11 +72,31 @@ class ResumeContinuity(Check):
         for seg, first in resumes:
             source, problems = self._source(ctx, checkpoints, seg, first)
             findings += problems
-            findings += self._data(ctx, seg, first)
-            findings += self._lr(ctx, seg, first)
-            findings += self._weights(ctx, seg, first, source)
-            findings += self._optimizer(ctx, seg, first, source)
+            broke = []
+            for what, found in (("data position", self._data(ctx, seg, first)),
+                                ("learning rate", self._lr(ctx, seg, first)),
+                                ("weights", self._weights(ctx, seg, first, source)),
+                                ("optimizer state", self._optimizer(ctx, seg, first, source))):
+                findings += found
+                broke += [what] if any(f.severity != "info" for f in found) else []
+            findings += self._state_that_bit(ctx, checkpoints, source, first, broke)
         return findings
+
+    def _state_that_bit(self, ctx: AuditContext, checkpoints: list[dict], source: dict | None, first: int,
+                        broke: list[str]) -> list[Finding]:
+        """LOOP-09 states a checkpoint that cannot resume exactly as info (a risk); a resume from it that
+        broke is where it bit: a warn naming the parts to save. A continuous resume needs no word about it."""
+        if source is None or not broke:
+            return []
+        integrity = CheckpointIntegrity()
+        lacking = missing_state(ctx, [integrity.inspect(ctx, c) for c in checkpoints]).get(source["name"])
+        if not lacking:
+            return []
+        return [self.finding(
+            "warn", f"the resume at step {first} from {source['name']} broke ({', '.join(broke)}), and "
+            f"{source['name']} cannot resume exactly: its training state lacks {', '.join(lacking)}; save them "
+            f"with every checkpoint", step=first, category="risk", resume_step=first,
+            source_checkpoint=source["name"], missing_state=lacking, broke=broke)]
 
     def _source(self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int) -> tuple[dict | None, list[Finding]]:
         config = ctx.scalar("SELECT manifest->'$.config.resume_from' FROM manifest WHERE rank = 0 AND seg = ?", [seg])

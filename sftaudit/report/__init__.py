@@ -83,9 +83,9 @@ _ENV.globals["checkpoint_anchor"] = checkpoint_anchor
 # Colour is never the only signal: each status has a word and an icon beside its colour.
 _ENV.globals["LABELS"] = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO", "notrun": "NOT RUN",
                           "disabled": "OFF", "partial": "PARTIAL", "error": "COULD NOT RUN",
-                          "unjudged": "COULD NOT JUDGE"}
+                          "unjudged": "COULD NOT JUDGE", "unsaved": "NOT SAVED"}
 _ENV.globals["ICONS"] = {"pass": "✓", "warn": "▲", "fail": "✕", "info": "i", "notrun": "–",
-                         "disabled": "○", "partial": "◐", "error": "!", "unjudged": "?"}
+                         "disabled": "○", "partial": "◐", "error": "!", "unjudged": "?", "unsaved": "○"}
 STRIP_LABELLED = 40  # checkpoint windows drawn with their names; more are drawn narrow and scroll
 
 
@@ -137,7 +137,8 @@ def _findings(verdict: dict[str, Any]) -> list[dict[str, Any]]:
         resolution = (f.get("evidence") or {}).get("resolution") or {}
         window = (resolution if isinstance(resolution, dict) and resolution.get("last_step") is not None
                   and resolution.get("first_step") != resolution.get("last_step") else None)
-        out.append(dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")), window=window))
+        out.append(dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")), window=window,
+                        category=f.get("category", "anomaly")))
     return out
 
 
@@ -157,7 +158,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
             finding_steps),
     }
     if steps["loss"].height or findings:
-        figs["timeline"] = figures.timeline(steps, verdict["findings"], verdict["checkpoints"],
+        figs["timeline"] = figures.timeline(steps, verdict["findings"], shown_checkpoints(verdict),
                                             verdict["first_anomalous_step"])
     lanes = tables.rank_lanes(con, finding_steps)
     if lanes:
@@ -171,8 +172,9 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         figs[div] = figures.histogram_heatmap(h["step"], h["reason"], h["frame"])
         histograms.append({"div": div, "step": h["step"], "reason": h["reason"]})
 
-    series_divs = _series_figures(con, findings, figs)
-    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs)
+    series_divs, series_values = _series_figures(con, findings, figs)
+    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs,
+                     series_values)
     return {
         "verdict": verdict,
         "run_info": _run_info(manifest),
@@ -183,8 +185,10 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         "first_window": (verdict.get("resolution") or {}).get("first_anomalous_window"),
         **strip_context(verdict, findings, con),
         "checks": checks,
+        "checkpoints": shown_checkpoints(verdict),
         "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
-                       "check_anchor": anchor(code)} for pid, title, code, about in BEHAVIOUR_PANELS],
+                       "points": series_values.get(code, []), "check_anchor": anchor(code)}
+                      for pid, title, code, about in BEHAVIOUR_PANELS],
         "behaviour_codes": [code for _, _, code, _ in BEHAVIOUR_PANELS],
         "histograms": histograms,
         "rank_lanes": [{"title": lane["title"], "per_rank": lane["per_rank"]} for lane in lanes],
@@ -197,7 +201,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
 
 def _dataset(con, verdict: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     findings = _findings(verdict)
-    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], {})
+    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], {}, {})
     return {"verdict": verdict, **dataset_context(con, manifest, checks, findings)}
 
 
@@ -218,30 +222,40 @@ def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """One panel per check code that stored statistics; returns code -> figure div id."""
+def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[str, Any]]
+                    ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
+    """One panel per check code that stored statistics of two points or more; returns code -> figure
+    div id, and code -> the statistics of one point, shown as values (a chart of one point draws an
+    axis around nothing)."""
     if not tables.has_table(con, "series"):
-        return {}
+        return {}, {}
+    sole = "bool_or(sole_condition)" if tables.has_column(con, "series", "sole_condition") else "false"
     names = con.execute(
-        "SELECT code, name, any_value(threshold) FROM series GROUP BY code, name ORDER BY code, min(rowid)").fetchall()
+        f"""SELECT code, name, any_value(threshold), {sole}, count(*), any_value(step), any_value(value) FROM series
+            GROUP BY code, name ORDER BY code, min(rowid)""").fetchall()
     by_code: dict[str, dict[str, dict[str, Any]]] = {}
-    for code, name, threshold in names:
+    values: dict[str, list[dict[str, Any]]] = {}
+    for code, name, threshold, alone, points, step, value in names:
+        if points == 1:
+            values.setdefault(code, []).append({"name": name, "step": step, "value": value, "threshold": threshold,
+                                                "sole_condition": alone})
+            continue
         panel = by_code.setdefault(code, {})
         if len(panel) < MAX_SERIES_PER_CHECK:
             steps = sorted({f["step"] for f in findings if f["code"] == code and f["step"] is not None})
             frame = tables.envelope(con, "SELECT 0 AS seg, step, value FROM series WHERE code = ? AND name = ?",
                                     [code, name], steps)
-            panel[name] = {"frame": frame, "threshold": threshold}
+            panel[name] = {"frame": frame, "threshold": threshold, "sole_condition": alone}
     divs = {}
     for code, panel in by_code.items():
         steps = sorted({f["step"] for f in findings if f["code"] == code and f["step"] is not None})
         divs[code] = "series-" + anchor(code)
         figs[divs[code]] = figures.series_panel(code, panel, steps)
-    return divs
+    return divs, values
 
 
 def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], coverage: list[dict[str, Any]],
-            series_divs: dict[str, str]) -> list[dict[str, Any]]:
+            series_divs: dict[str, str], series_values: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every check with its status as the verdict states it: a check that did not run, or ran on
     partial evidence, says so (with the reason) and never shows as passing."""
     registered = {c.code: c for c in registered_checks()}
@@ -267,7 +281,7 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
             "why": (f"not run: {reason}" if ran in ("not_run", "disabled") else
                     f"partial evidence: {reason}" if ran == "partial" else None),
             "evidence": covered.get("evidence") or [], "sources": covered.get("sources") or [],
-            "series_div": series_divs.get(code),
+            "series_div": series_divs.get(code), "series_values": series_values.get(code, []),
         })
     return out
 
@@ -306,9 +320,19 @@ def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> li
 
 def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dict[str, Any]]:
     """The most severe findings at the first anomalous step: the one-sentence cause at the top."""
-    at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"]
+    # As the verdict dates the run: anomalies about the run (a checkpoint's own finding is about that file).
+    at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"
+                and f["category"] == "anomaly" and f.get("scope", "run") == "run"]
     top = max((SEVERITY_RANK[f["severity"]] for f in at_first), default=0)
     return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
+
+
+def shown_checkpoints(verdict: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checkpoints in step order with the verdict to show: under a run that could not be judged
+    (a check raised, too little evidence) a checkpoint's "pass" is no judgement, shown as such."""
+    unjudged = verdict.get("verdict") == "unjudged"
+    return [dict(c, verdict="unjudged" if unjudged and c["verdict"] == "pass" else c["verdict"])
+            for c in sorted(verdict["checkpoints"], key=lambda c: c["step"])]
 
 
 def strip_context(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> dict[str, Any]:
@@ -324,16 +348,17 @@ def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], c
     last = tables.first_row(con, "SELECT max(step) FROM steps WHERE rank = 0")[0]
     start = 0
     windows = []
-    for c in sorted(verdict["checkpoints"], key=lambda c: c["step"]):
+    for c in shown_checkpoints(verdict):
         windows.append({"name": c["name"], "step": c["step"], "from": start + 1, "to": c["step"],
                         "verdict": c["verdict"], "count": len(c["findings"]),
                         "anchor": checkpoint_anchor(c["name"], c["step"])})
         start = c["step"]
     if last is not None and last > start:
+        # Steps after the last save: never green, nothing of them can be rolled back to (warn/fail show as such).
         tail = [f for f in findings if f["checkpoint"] is None and f["step"] is not None and f["step"] > start]
         rank = max((SEVERITY_RANK[f["severity"]] for f in tail), default=0)
         windows.append({"name": "not saved", "step": None, "from": start + 1, "to": last,
-                        "verdict": ("pass", "warn", "fail")[rank], "count": len(tail), "anchor": None})
+                        "verdict": ("unsaved", "warn", "fail")[rank], "count": len(tail), "anchor": None})
     total = sum(w["to"] - w["from"] + 1 for w in windows) or 1
     for w in windows:
         w["width"] = 100 * (w["to"] - w["from"] + 1) / total

@@ -136,6 +136,12 @@ def histogram_heatmap(step: int, reason: str, frame) -> dict[str, Any]:
     return as_json(fig)
 
 
+# A threshold whose crossing alone fires the check is drawn red; one that is one condition of several
+# (a spike must also be large against the other tensors, a KL drift also large against its own baseline)
+# is drawn grey and labelled so: a line crossed without a finding is not a check that missed.
+CONDITION_COLOUR = "#757575"
+
+
 def series_panel(code: str, series: dict[str, dict[str, Any]], finding_steps: list[int]) -> dict[str, Any]:
     """A check's stored statistics, one row per statistic, each with its threshold."""
     names = list(series)
@@ -148,11 +154,12 @@ def series_panel(code: str, series: dict[str, dict[str, Any]], finding_steps: li
                marker=dict(size=4))
         if s["threshold"] is not None:
             axis = "" if row == 1 else str(row)
+            colour, label = ((SEVERITY_COLOURS["fail"], f"threshold {s['threshold']:.4g}") if s["sole_condition"] else
+                             (CONDITION_COLOUR, f"threshold {s['threshold']:.4g}, one condition of several"))
             shapes.append(dict(type="line", xref=f"x{axis} domain", x0=0, x1=1, yref=f"y{axis}", y0=s["threshold"],
-                               y1=s["threshold"], line=dict(color=SEVERITY_COLOURS["fail"], dash="dash", width=1)))
+                               y1=s["threshold"], line=dict(color=colour, dash="dash", width=1)))
             fig.add_annotation(xref=f"x{axis} domain", x=1, yref=f"y{axis}", y=s["threshold"], showarrow=False,
-                               xanchor="right", yanchor="bottom", text=f"threshold {s['threshold']:.4g}",
-                               font=dict(size=10, color=SEVERITY_COLOURS["fail"]))
+                               xanchor="right", yanchor="bottom", text=label, font=dict(size=10, color=colour))
     fig.update_xaxes(title_text="step", row=len(names), col=1)
     fig.update_layout(**_BASE_LAYOUT, height=80 + 170 * len(names), showlegend=False, shapes=shapes)
     return as_json(fig)

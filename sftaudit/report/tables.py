@@ -26,6 +26,12 @@ def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
 
 
+def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
+    """Whether a stored table has a column (a file audited by an older sftaudit may lack it)."""
+    return bool(first_row(con, "SELECT count(*) FROM information_schema.columns WHERE table_name = ? "
+                          "AND column_name = ?", [table, column])[0])
+
+
 def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
     return first_row(con, f'SELECT count(*) FROM "{table}"')[0] if has_table(con, table) else 0
 

@@ -110,6 +110,50 @@ def test_trainer_resumes(trainer_resumed_run):
     # Without scheduler.pt the Trainer loads neither: the optimizer starts again too.
     optimizer = next(f for f in found if "optimizer state" in f["message"])
     assert optimizer["evidence"]["optimizer_step"] == 0 and optimizer["evidence"]["checkpoint_step"] == 5
+    # LOOP-09's info (checkpoint-5 cannot resume exactly) bit here: one warn naming the part to save.
+    [bit] = [f for f in found if f["category"] == "risk"]
+    assert bit["severity"] == "warn" and bit["evidence"]["missing_state"] == ["scheduler"]
+    assert bit["evidence"]["broke"] == ["learning rate", "optimizer state"]
+
+
+def state_saver(drop: str):
+    """checkpoint-N/ as the plain loop saves it (model.safetensors, training_state.pt), without `drop`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sftaudit.fixtures.layouts import training_state, untied_state_dict
+
+    def save(run, step, position):
+        path = run.run_dir / f"checkpoint-{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(untied_state_dict(run.model), str(path / "model.safetensors"))
+        state = {k: v for k, v in training_state(run, step, position).items() if k != drop}
+        torch.save(state, path / "training_state.pt")
+        return path, state
+
+    return save
+
+
+@pytest.mark.parametrize("drop", ["scheduler", "rng_states"])
+def test_a_resume_from_a_checkpoint_lacking_state(drop, tmp_path, tokenizer_cache):
+    """Resumed from checkpoint-5, saved without its scheduler (the warmup restarts: the risk bit, one
+    warn) or without its RNG states (the seeded data order and dropout-free model continue exactly:
+    LOOP-09's info alone, the run passes)."""
+    from sftaudit.fixtures.train import train_plain
+
+    options = dict(steps=8, checkpoint_every=5, saver=state_saver(drop), profile="prod", dataset_rows=16,
+                   batch_size=4, tokenizer_cache=tokenizer_cache)
+    run = train_plain(tmp_path / drop, **options)
+    train_plain(run, resume_from=run / "checkpoint-5", **options)
+    verdict = audit(run)
+    risks = [(f["code"], f["severity"], f["step"], f["evidence"]["missing_state"]) for f in verdict["findings"]
+             if f["category"] == "risk"]
+    if drop == "scheduler":
+        assert ("LOOP-11", "warn", 6, ["scheduler"]) in risks
+        assert any(f["severity"] == "fail" and "learning rate" in f["message"] for f in loop11(verdict))
+    else:
+        assert risks == [("LOOP-09", "info", None, {"rng_states": ["checkpoint-5"]})]
+        assert loop11(verdict) == [] and verdict["verdict"] == "pass", verdict["findings"]
 
 
 # ---------------------------------------------------------------- multi-epoch runs, three orders
