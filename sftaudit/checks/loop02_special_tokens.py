@@ -9,6 +9,7 @@ import numpy as np
 
 from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_fields, template_source)
+from ..errors import InputError
 from .base import AuditContext, Check, Finding
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -112,7 +113,7 @@ class SpecialTokenAlignment(Check):
         if eos is None:
             return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
                                          "set eos_token to the template's end-of-turn marker")]
-        layout = run_layout(tokenizer)
+        layout = _turn_layout(tokenizer)
         stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
         if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
@@ -175,7 +176,7 @@ class SpecialTokenAlignment(Check):
         stops = model.get("generation_eos")
         if stops is None:
             stops = (model.get("config") or {}).get("eos_token_id")
-        layout = run_layout(tokenizer)
+        layout = _turn_layout(tokenizer)
         if stops is None or layout is None or not layout.turn_end:
             return []
         stops = {int(i) for i in (stops if isinstance(stops, list) else [stops])}
@@ -285,3 +286,12 @@ class SpecialTokenAlignment(Check):
                 segment=seg, fingerprint_start=fingerprint, fingerprint_now=now,
             ))
         return findings
+
+
+def _turn_layout(tokenizer: Any) -> Any:
+    """The template's turn markers, or None for a template without turns (Nemotron-Parse renders the contents
+    only): its stop marker is then the tokenizer's eos."""
+    try:
+        return run_layout(tokenizer)
+    except InputError:
+        return None

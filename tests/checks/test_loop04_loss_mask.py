@@ -68,8 +68,10 @@ def test_attended_padding_is_confused_with_prompt(runs):
 
 def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
     run_dir, verdict = audited(runs, "data_tokens")
-    f = by_kind(verdict)["assistant_masked"]
-    assert (f["severity"], f["step"]) == ("fail", 1)
+    f = by_kind(verdict)["end_of_turn_untrained"]
+    assert (f["severity"], f["step"], f["category"]) == ("fail", 1, "anomaly")
+    assert f["evidence"]["markers_trained"] == 0 < f["evidence"]["markers_total"]
+    assert "the pad token is '<|eot_id|>'" in f["message"]
     # Oracle: the rows in which the correct collator (HF's generation mask) trains an end-of-turn token.
     tok = build_tokenizer()
     tok.chat_template = tok.chat_template.replace("<|start_header_id|>", SPLIT_MARKER)
@@ -77,7 +79,9 @@ def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
     ids = [s for step in (1, 2, 3) for s in batch_ids(run_dir, step)]
     labels = collate(tok, [rows[i] for i in ids], max_length=128)["labels"]
     ends_trained = (labels == tok.eos_token_id).any(1).tolist()
-    assert set(f["evidence"]["sample_ids"]) == {i for i, trained in zip(ids, ends_trained) if trained}
+    # Rows that also lose content (an earlier answer) are named by the content finding; together, all of them.
+    named = set(f["evidence"]["sample_ids"]) | set(by_kind(verdict)["assistant_masked"]["evidence"]["sample_ids"])
+    assert set(f["evidence"]["sample_ids"]) <= named == {i for i, trained in zip(ids, ends_trained) if trained}
 
 
 def test_clean_run_masks_exactly_the_template_spans(clean_run):
