@@ -351,6 +351,7 @@ class TemplateLayout:
     assistant_prefix: list[int] = field(default_factory=list)
     blank_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     eos_id: int | None = None
+    starts_with_bos: bool = False  # the render opens with the BOS string: inference sends BOS first
 
     @classmethod
     def derive(cls, tokenizer: Any, source: str) -> "TemplateLayout":
@@ -448,8 +449,10 @@ class TemplateLayout:
             if text_sua.startswith(preamble) and text_sua[len(preamble):system_at].strip():
                 header(text_sua, len(preamble), system_at, "system")
         headers = {role: markers[role] for role in ("system", "user", "assistant") if markers.get(role)}
+        bos = getattr(tokenizer, "bos_token", None)
         return cls(headers=headers, turn_end=markers["turn_end"], texts=texts, assistant_prefix=assistant_prefix,
-                   blank_ids=blank, eos_id=tokenizer.eos_token_id)
+                   blank_ids=blank, eos_id=tokenizer.eos_token_id,
+                   starts_with_bos=bool(bos) and text_ua.startswith(str(bos)))
 
 
 def _blank_ids(tokenizer: Any) -> np.ndarray:

@@ -41,7 +41,10 @@ class LossMaskValidity(Check):
         Expected trainable positions come from the run's own tokenizer and template, never a
         hard-coded marker: rendering sentinel conversations gives the token ids that open
         each assistant turn (the generation prompt) and end a turn (the tail of the
-        template's `{% generation %}` span); every recorded row is scanned for them in
+        template's `{% generation %}` span, or, when that span ends before the marker, what
+        follows the content: generation must learn to emit the stop marker whatever span the
+        template marks; whitespace pieces after it, such as a legacy SentencePiece `▁`, are
+        never generated and may go either way); every recorded row is scanned for them in
         token-id space (vectorised over rows), trained = from the end of an assistant
         header through the next end-of-turn marker, padding = attention 0 or the pad runs
         outside the turns. Token-id matching needs no source messages, so it works on any
@@ -49,12 +52,16 @@ class LossMaskValidity(Check):
         previous turn's text (true of special-token headers). Each row is compared with
         `labels != -100`; padding trained is also counted on every batch row from the
         batch records. Aggregate: trained tokens vs the template's expected count.
+        No end-of-turn marker of any judged assistant turn trained is one fail naming the cause
+        (pad = the marker masked by id, a `{% generation %}` block that ends before it).
         Full-sequence loss (every attended token trained, but each packed sample's first token,
-        which padding-free collators mask) is a configuration, not a bug: one
-        warn naming it and how to switch, silenced by `expect = "all_tokens"`;
+        which padding-free collators mask, and the pad id) is a configuration, not a bug: one
+        warn at run scope naming it and how to switch (advice for the installed TRL, read from
+        its metadata, and the template), silenced by `expect = "all_tokens"`; its stop marker is
+        still judged;
         `assistant_turns = "last"` declares that only the last assistant turn is trained.
         Undeclared, a run in which no multi-turn sample trains any answer before its last one
-        gets one warn naming that policy and how to declare it; a sample that trains some
+        gets one configuration warn naming that policy and how to declare it; a sample that trains some
         earlier answers while others are masked is a dropped answer (fail).
     Threshold:
         Any mismatched position in a row is a fail (padding confused with prompt: warn);
@@ -103,30 +110,26 @@ class LossMaskValidity(Check):
                 first_step=int(frame["step"].min()))]
         findings += self._emptied_by_truncation(frame)
         last_turn_only = self.params["assistant_turns"] == "last"
-        hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in [*_ADVICE, "earlier_masked", "end_masked"]}
+        hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in [*_ADVICE, "earlier_masked"]}
         first_evidence: dict[str, list[dict]] = {}
         counts = dict.fromkeys(hits, 0)
         expected_total = actual_total = earlier_total = earlier_trained_rows = 0
-        ends = {"total": 0, "trained": 0}
+        # No judged turn's end-of-turn marker trained: one finding of its own, not part of the masked answers.
+        ends = self._end_of_turn(frame, layout, tokenizer, last_turn_only)
+        stop_untrained = ends["total"] > 0 and not ends["trained"]
         for part, ids, labels, attention in sample_blocks(frame):
             expected, earlier = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
             actual = actual_labels(labels, attention)
             expected_total += int((expected == TRAINED).sum())
             actual_total += int(((actual == TRAINED) & (expected != EITHER)).sum())
             kinds = _mismatches(expected, actual)
+            if stop_untrained:
+                kinds["assistant_masked"] &= ~(_marker_positions(ids, layout.turn_end) & (expected == TRAINED))
             if not last_turn_only:  # answers masked in earlier turns only may be the last-turn-only policy
                 kinds["earlier_masked"] = kinds["assistant_masked"] & earlier
                 kinds["assistant_masked"] &= ~earlier
                 earlier_total += int(earlier.sum())
                 earlier_trained_rows += int((earlier & (actual == TRAINED)).any(1).sum())
-            # End-of-turn markers of the judged turns: whether the model learns to stop is judged on them all.
-            end = _marker_positions(ids, layout.turn_end) & (expected == TRAINED)
-            if "earlier_masked" in kinds:
-                end &= ~kinds["earlier_masked"]
-            ends["total"] += int(end.sum())
-            ends["trained"] += int((end & (actual == TRAINED)).sum())
-            kinds["end_masked"] = kinds["assistant_masked"] & end
-            kinds["assistant_masked"] &= ~end
             steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
             for kind, mask in kinds.items():
                 counts[kind] += int(mask.sum())
@@ -136,14 +139,8 @@ class LossMaskValidity(Check):
                     if kind not in first_evidence:
                         first_evidence[kind] = self._side_by_side(tokenizer, ids[r], labels[r], expected[r],
                                                                   actual[r], pos)
-        end_rows = hits.pop("end_masked")
-        if end_rows and not ends["trained"]:
-            ends.update(rows=end_rows, evidence=first_evidence["end_masked"])
+        if stop_untrained:
             findings.append(self._end_of_turn_finding(ends, tokenizer, template))
-        elif end_rows:  # some turns keep their marker: these lost theirs with (or like) their content
-            hits["assistant_masked"] += end_rows
-            counts["assistant_masked"] += counts["end_masked"]
-            first_evidence.setdefault("assistant_masked", first_evidence["end_masked"])
         earlier_rows = hits.pop("earlier_masked")
         if earlier_rows and not earlier_trained_rows:
             # No sample trains an answer before its last: a policy, not a dropped answer; it must be declared.
@@ -184,12 +181,12 @@ class LossMaskValidity(Check):
             first_step=rows[0][0], sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
         )
 
-    def _end_of_turn(self, frame: Any, layout: Any, tokenizer: Any) -> dict[str, Any]:
-        """The assistant turns' end-of-turn markers in the recorded rows and how many are trained, with the
-        first rows that mask one."""
+    def _end_of_turn(self, frame: Any, layout: Any, tokenizer: Any, last_turn_only: bool = False) -> dict[str, Any]:
+        """The judged assistant turns' end-of-turn markers in the recorded rows and how many are trained, with
+        the rows that mask one."""
         out: dict[str, Any] = {"total": 0, "trained": 0, "rows": []}
         for part, ids, labels, attention in sample_blocks(frame):
-            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id)
+            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
             end = _marker_positions(ids, layout.turn_end) & (expected == TRAINED)
             trained = end & (labels != IGNORE_INDEX)
             out["total"] += int(end.sum())

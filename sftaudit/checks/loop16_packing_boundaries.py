@@ -26,7 +26,9 @@ class PackingBoundaries(Check):
         attention reads the restarts or `cu_seq_lens` unless a padded 2-D mask is given.
     Statistic:
         Per row, the shim counts attended BOS tokens (one per packed sample; templates without a
-        BOS token are not judged) and, when the batch gives `position_ids`, their restarts at 0;
+        BOS token are not judged; a BOS right after another, the double BOS of LOOP-02, starts no
+        sample: counted on the recorded rows, and halved on the others when every recorded row
+        doubles its BOS) and, when the batch gives `position_ids`, their restarts at 0;
         per micro-batch whether varlen keys were given, the attention mask the model got (none, a
         2-D padding mask, a custom 4-D / block mask) and whether its forward built a KV cache; the
         manifest names the attention implementation. A row with k > 1 samples is isolated by a
