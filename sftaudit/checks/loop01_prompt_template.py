@@ -30,7 +30,8 @@ class PromptTemplateConsistency(Check):
     Statistic:
         Fields: jinja2's own AST of the template (`Getitem`/`Getattr` on `messages` and the
         names bound to its items through `for`/`set`; reads under `is defined`, `in` or
-        `.get` are optional) against the dataset's recorded field names. Empty turns: a
+        `.get` are optional, and so are the reads a condition guards by such a presence test;
+        a macro's reads count as at its call sites) against the dataset's recorded field names. Empty turns: a
         role header followed directly by the end-of-turn marker in the recorded token rows
         (markers derived from the template, see LOOP-04). Templates: each batch's recorded
         template fingerprint against the one the run started with.
