@@ -540,10 +540,12 @@ def test_full_sequence_loss_is_a_configuration_and_pad_eos_is_judged_on_its_own(
 
 
 def test_assistant_only_advice_holds_for_the_installed_trl_and_the_template():
+    from importlib.metadata import version as installed
+
     from sftaudit.checks.loop04_loss_mask import assistant_only_advice, installed_trl
 
     trl = installed_trl()
-    assert trl is not None and trl[0] == __import__("importlib.metadata").metadata.version("trl")
+    assert trl is not None and trl[0] == installed("trl")
     version = trl[0]
     assert "TRL 0.16.1 has no assistant_only_loss" in assistant_only_advice(LLAMA3_GENERATION, ("0.16.1", frozenset()))
     assert assistant_only_advice(LLAMA3_GENERATION, trl).startswith(f"set assistant_only_loss=True (TRL {version};")
