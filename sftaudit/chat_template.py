@@ -318,6 +318,12 @@ def _parse(source: str) -> nodes.Template:
     return (compiled.environment if compiled is not None else _PARSE_ENVIRONMENT).parse(source)
 
 
+def has_generation_block(source: str | None) -> bool:
+    """The template marks its assistant turns with `{% generation %}` (what transformers' assistant mask and
+    TRL's assistant_only_loss read)."""
+    return bool(source) and bool(_GENERATION_TAG.search(source))
+
+
 @dataclass
 class TemplateFields:
     message_required: set[str] = field(default_factory=set)
@@ -386,11 +392,30 @@ def template_fields(source: str) -> TemplateFields:
         """Fields a condition checks before it reads them further (`m.tool_calls is defined and
         m.tool_calls | length > 0`, `m.x and m.x[0]`): those reads are optional too."""
         checked = {field_read(t.node) for t in test.find_all(nodes.Test) if t.name in _OPTIONAL_TESTS}
+        # Presence tests: `m.get('f', none) is not none and m['f'] | length`, `'f' in m and m['f']`.
+        checked |= {c.args[0].value for c in test.find_all(nodes.Call) if isinstance(c.node, nodes.Getattr)
+                    and c.node.attr == "get" and is_message(c.node.node) and c.args
+                    and isinstance(c.args[0], nodes.Const)}
+        checked |= {c.expr.value for c in [test, *test.find_all(nodes.Compare)] if isinstance(c, nodes.Compare)
+                    and isinstance(c.expr, nodes.Const) and any(op.op == "in" and is_message(op.expr) for op in c.ops)}
         return (checked - {None}) | truthy_reads(test)
+
+    macros = {m.name: m for m in ast.find_all(nodes.Macro)}
+    expanding: list[str] = []
 
     def visit(node, parent, conditional, guarded=frozenset()):
         """Reads under an `if` or inline `x if c else y` are optional, except under a plain dispatch
-        on the message's role (`if message.role == 'user'`), which every row of that role takes."""
+        on the message's role (`if message.role == 'user'`), which every row of that role takes. A macro's
+        reads are judged where it is called (Kimi K2 reads `tool_calls` in a macro it calls only under
+        `if message.get('tool_calls')`); a macro never called reads nothing."""
+        if isinstance(node, nodes.Macro):
+            return
+        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name) and node.node.name in macros \
+                and node.node.name not in expanding:
+            expanding.append(node.node.name)
+            for child in macros[node.node.name].body:
+                visit(child, node, conditional, guarded)
+            expanding.pop()
         if isinstance(node, (nodes.If, nodes.CondExpr)):
             test = node.test
             tested = {field_read(n) for n in [test, *test.find_all((nodes.Getitem, nodes.Getattr))]} - {None}
@@ -574,6 +599,7 @@ class TemplateLayout:
     assistant_prefix: list[int] = field(default_factory=list)
     blank_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     eos_id: int | None = None
+    starts_with_bos: bool = False  # the render opens with the BOS string: inference sends BOS first
 
     @classmethod
     def derive(cls, tokenizer: Any, source: str) -> "TemplateLayout":
@@ -615,8 +641,13 @@ class TemplateLayout:
             text_uau = None
         # The end of turn, in tokens: the generation span's tail, else what follows the assistant's content
         # both when the chat ends there and when a user turn follows (a final eos is not part of it).
-        run = tokens(text_ua, a_end, span[1] if span else len(text_ua))
-        if not span and text_uau:
+        # A generation span that ends before the marker: the marker is still what generation must learn
+        # to emit, so it is found as without a span.
+        run = trimmed(tokens(text_ua, a_end, span[1])) if span else []
+        run_from_span = bool(run)
+        if not run:
+            run = tokens(text_ua, a_end, len(text_ua))
+        if not run_from_span and text_uau:
             after = text_uau.index(s["assistant"]) + len(s["assistant"])
             following = tokens(text_uau, after, len(text_uau))
             common = 0
@@ -668,8 +699,10 @@ class TemplateLayout:
             if text_sua.startswith(preamble) and text_sua[len(preamble):system_at].strip():
                 header(text_sua, len(preamble), system_at, "system")
         headers = {role: markers[role] for role in ("system", "user", "assistant") if markers.get(role)}
+        bos = getattr(tokenizer, "bos_token", None)
         return cls(headers=headers, turn_end=markers["turn_end"], texts=texts, assistant_prefix=assistant_prefix,
-                   blank_ids=blank, eos_id=tokenizer.eos_token_id)
+                   blank_ids=blank, eos_id=tokenizer.eos_token_id,
+                   starts_with_bos=bool(bos) and text_ua.startswith(str(bos)))
 
 
 def _blank_ids(tokenizer: Any) -> np.ndarray:
@@ -678,7 +711,9 @@ def _blank_ids(tokenizer: Any) -> np.ndarray:
     blank = np.zeros(max(len(tokenizer), max(vocab.values(), default=0) + 1), dtype=bool)
     pieces = [t for t in vocab if t.strip("\u0120\u010a\u0109\u2581\n\t\r <0x0A><0x09><0x20>") == ""]
     for token in pieces:
-        if tokenizer.convert_tokens_to_string([token]).isspace():
+        # A lone word-start piece decodes to nothing (a legacy SentencePiece `▁` after a special token).
+        text = tokenizer.convert_tokens_to_string([token])
+        if text.isspace() or not text:
             blank[vocab[token]] = True
     return blank
 

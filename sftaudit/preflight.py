@@ -152,8 +152,9 @@ def dataset_batches(tokenizer, rows: list[dict], *, collator: str | None = None,
     if collator:
         batches = _custom_batches(load_collator(collator), tokenizer, rows, ids, keep, batch_size, max_length, bar)
     else:
-        # Without `{% generation %}` markers the assistant spans come from the template's layout.
-        layout = None if renderer.tracks_generation else run_layout(tokenizer)
+        # Without `{% generation %}` markers the assistant spans come from the template's layout; a template
+        # without turns (Nemotron-Parse renders the contents only) marks none, and LOOP-04 says it cannot judge.
+        layout = None if renderer.tracks_generation else _layout_or_none(tokenizer)
         batches = _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max_length, layout)
     bar.close()
     return ids, rendered, failures, batches, max_length

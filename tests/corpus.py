@@ -151,13 +151,23 @@ def _build_real_tokenizer(family: str, folder: Path):
         specials = {i: t for i, t in specials.items() if i < 151665}  # Qwen2.5 has the first 22
         tok = _byte_level(ranks, specials, _QWEN2_PATTERN, None, _QWEN_NOT_SPECIAL, True, folder)
         tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"  # Qwen2.5-Instruct
-    elif family == "mistral":  # SentencePiece (Mistral-7B-Instruct-v0.3's tokenizer.model)
+    elif family in ("mistral", "phi3"):  # SentencePiece (Mistral-7B-Instruct-v0.3's tokenizer.model)
         source = importlib.resources.files("mistral_common") / "data" / "mistral_instruct_tokenizer_240323.model.v3"
         (folder / "tokenizer.model").write_bytes(source.read_bytes())
+        # phi3: Phi-3.5-mini's tokenizer shape on this vocabulary: legacy Llama SentencePiece (a word-start piece
+        # after each special token), no BOS added, its chat markers as specials, eos = pad = <|endoftext|>.
         (folder / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-            "add_bos_token": True, "add_eos_token": False, "legacy": False}))
+            "add_bos_token": family == "mistral", "add_eos_token": False, "legacy": family == "phi3"}))
         tok = AutoTokenizer.from_pretrained(str(folder))
+        if family == "phi3":  # as its tokenizer.json says (transformers 5's LlamaTokenizer rebuilds the pre-tokenizer)
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, bos_token="<s>", unk_token="<unk>",
+                                          clean_up_tokenization_spaces=False)
+            tok.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>",
+                                                                  "<|system|>", "<|endoftext|>"]})
+            tok.eos_token = tok.pad_token = "<|endoftext|>"
         (folder / "tokenizer_config.json").unlink()
         (folder / "tokenizer.model").unlink()
     else:

@@ -243,6 +243,8 @@ def test_last_turn_only_training_is_a_policy_to_declare(tmp_path, tokenizers):
     (warn,) = [f for f in verdict["findings"] if f["severity"] != "info"]
     assert verdict["verdict"] == "warn" and warn["code"] == "LOOP-04" and warn["severity"] == "warn"
     assert warn["evidence"]["kind"] == "last_turn_only" and warn["evidence"]["sample_ids"] == ["row-1", "row-2"]
+    # A policy, stated at run scope: it dates nothing (no first anomalous step, no rollback).
+    assert (warn["category"], warn["step"]) == ("configuration", None) and verdict["first_anomalous_step"] is None
     assert '[checks."LOOP-04"] assistant_turns = "last"' in warn["message"]
     declared = AuditConfig(check_options={"LOOP-04": {"assistant_turns": "last"}})
     verdict, problems = run_preflight(tmp_path / "declared", *args, "tests.test_corpus:last_turn_only", declared)
@@ -370,3 +372,184 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
         agreed.append(name)
     assert len(agreed) == len(CORPUS) - len(NO_END_OF_TURN) - len(NOT_INCREMENTAL)
     assert len({family for name, family in CORPUS if name in agreed}) >= 12
+
+
+def test_macro_and_presence_guarded_fields_are_optional_on_released_templates():
+    """Kimi K2 reads `tool_calls` in a macro it calls only under `if message.get('tool_calls')`; OLMo 3 reads
+    `function_calls` after `message.get('function_calls', none) is not none`: plain chats need neither."""
+    from sftaudit.chat_template import template_fields
+
+    for name, field_name in [("moonshotai-Kimi-K2-Thinking", "tool_calls"), ("moonshotai-Kimi-K2.6", "tool_calls"),
+                             ("Kimi-K2-Thinking", "tool_calls"),
+                             ("allenai-olmo-3-tokenizer-instruct-release", "function_calls")]:
+        fields = template_fields(template(name))
+        assert field_name not in fields.message_required and field_name in fields.message_optional, name
+    # A read that every row takes stays required: a macro called outside any condition.
+    source = ("{% macro turn(message) %}{{ message['role'] + message['title'] }}{% endmacro %}"
+              "{% for message in messages %}{{ turn(message) }}{% if message.get('x') %}{{ message.x }}{% endif %}"
+              "{% endfor %}")
+    assert template_fields(source).message_required == {"role", "title"}
+
+
+def test_kimi_tool_call_template_passes_preflight_on_plain_chats(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "moonshotai-Kimi-K2.6", CLEAN_CHATS)
+    assert [p for p in problems if p[0] == "LOOP-01"] == [], problems
+
+
+def test_template_without_turns_is_judged_without_a_crash(tmp_path, tokenizers):
+    """Nemotron-Parse v1.1 renders the messages' contents only (transformers renders it): preflight runs the
+    checks it can and says why LOOP-04 cannot judge, instead of exiting 2."""
+    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "nvidia-NVIDIA-Nemotron-Parse-v1.1", CLEAN_CHATS)
+    assert verdict["check_errors"] == [] and problems == [], (verdict["check_errors"], problems)
+    loop04 = next(c for c in verdict["checks"] if c["code"] == "LOOP-04")
+    assert loop04["status"] == "not_run" and "turns cannot be told apart" in loop04["reason"]
+
+
+def bos_stripped(tokenizer, rows, max_length=4096):
+    """The correct collator on a render stripped of its BOS (a user avoiding a double BOS), tokenized by a
+    tokenizer that adds none: every row loses the BOS the template writes."""
+    batch = incremental_collator(tokenizer, rows, max_length)
+    assert (batch["input_ids"][:, 0] == tokenizer.bos_token_id).all()
+    return {k: v[:, 1:] for k, v in batch.items()}
+
+
+def test_bos_missing_where_the_template_sends_one_fails_loop02(tmp_path, tokenizers):
+    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS,
+                                      "tests.test_corpus:bos_stripped")
+    [missing] = [f for f in verdict["findings"] if f["evidence"].get("kind") == "bos_missing"]
+    assert (missing["code"], missing["severity"]) == ("LOOP-02", "fail") and len(missing["evidence"]["sample_ids"]) == 4
+    assert missing["evidence"]["first_token"] == "<|start_header_id|>"
+    # The clean twin: the render tokenized as it is keeps its BOS.
+    verdict, problems = run_preflight(tmp_path / "clean", tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct",
+                                      CLEAN_CHATS, USER_COLLATOR)
+    assert problems == [], problems
+
+
+# The Llama 3 template with TRL's `{% generation %}` block (trl/chat_templates/llama3_training.jinja), which a
+# user closed before `<|eot_id|>`: TRL's assistant_only_loss then trains no end-of-turn marker.
+LLAMA3_GENERATION = (
+    "{%- for message in messages %}{%- if loop.index0 == 0 %}{{- bos_token }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}"
+    "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+LLAMA3_GENERATION_SHORT = LLAMA3_GENERATION.replace(
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}",
+    "{%- generation %}{{- message['content'] | trim }}{%- endgeneration %}{{- '<|eot_id|>' }}")
+
+
+def test_end_of_turn_outside_the_generation_block_fails_loop04(tmp_path, tokenizers):
+    """Labels exactly as transformers' assistant mask gives them (preflight's standard collator, what TRL's
+    assistant_only_loss trains): with the block closed before `<|eot_id|>`, 0 of the markers are trained."""
+    findings = {}
+    for name, source in (("short", LLAMA3_GENERATION_SHORT), ("whole", LLAMA3_GENERATION)):
+        (tmp_path / f"{name}.jinja").write_text(source)
+        tokenizer = tokenizers["llama3"]
+        tokenizer.save_pretrained(str(tmp_path / name))
+        verdict = preflight(write_rows(tmp_path / "data.jsonl", CLEAN_CHATS), tmp_path / name, tmp_path / f"out-{name}",
+                            template=tmp_path / f"{name}.jinja", progress=False)
+        findings[name] = [f for f in verdict["findings"] if f["severity"] != "info"]
+    [untrained] = [f for f in findings["short"] if f["severity"] == "fail"]  # beside it, the aggregate count's warn
+    assert (untrained["code"], untrained["severity"], untrained["evidence"]["kind"]) == (
+        "LOOP-04", "fail", "end_of_turn_untrained")
+    assert untrained["evidence"]["markers_trained"] == 0 and untrained["evidence"]["markers_total"] == 6  # the chats' answers
+    assert "{% generation %} block" in untrained["message"] and "'<|eot_id|>'" in untrained["message"]
+    assert findings["whole"] == []
+
+
+def phi_collator(tokenizer, rows, max_length=4096):
+    """Phi-3.5 labels as a correct collator sets them: each answer from after `<|assistant|>\\n` through its
+    `<|end|>` (by character offsets in the render), nothing after the marker."""
+    import numpy as np
+
+    input_ids, labels = [], []
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans, at = [], 0
+        while (start := text.find("<|assistant|>\n", at)) >= 0:
+            begin = start + len("<|assistant|>\n")
+            end = text.index("<|end|>", begin) + len("<|end|>")
+            spans.append((begin, end))
+            at = end
+        ids = enc["input_ids"]
+        label = [i if any(b <= s and e <= end for b, end in spans) and e > s else -100
+                 for i, (s, e) in zip(ids, enc["offset_mapping"])]
+        input_ids.append(ids)
+        labels.append(label)
+    width = max(map(len, input_ids))
+    pad = tokenizer.pad_token_id
+    return {"input_ids": np.array([r + [pad] * (width - len(r)) for r in input_ids]),
+            "labels": np.array([r + [-100] * (width - len(r)) for r in labels]),
+            "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids])}
+
+
+def test_phi35_word_start_piece_after_the_end_marker_is_not_expected_trained(tmp_path, tokenizers):
+    """Phi-3.5's legacy SentencePiece tokenizer writes `▁` between `<|end|>` and the newline; the model stops at
+    `<|end|>` and never generates it, so a collator that stops its labels there is clean."""
+    tokenizers = {**tokenizers, "phi3": real_tokenizer("phi3", tokenizer_cache())}
+    tok = tokenizers["phi3"]
+    pieces = tok.convert_ids_to_tokens(tok("<|end|>\n<|user|>", add_special_tokens=False)["input_ids"])
+    assert pieces[:2] == ["<|end|>", "\u2581"]  # the shape of the released tokenizer
+    verdict, problems = run_preflight(tmp_path, tokenizers, "phi3", "microsoft-Phi-3.5-mini-instruct", CLEAN_CHATS,
+                                      "tests.test_corpus:phi_collator")
+    assert problems == [] and verdict["verdict"] == "pass", problems
+    # Its fault twin: the marker itself masked is still found.
+    verdict, problems = run_preflight(tmp_path / "masked", tokenizers, "phi3", "microsoft-Phi-3.5-mini-instruct",
+                                      CLEAN_CHATS, "tests.test_corpus:phi_end_masked")
+    assert ("LOOP-04", "fail") in codes(problems, "LOOP-04")
+
+
+def phi_end_masked(tokenizer, rows, max_length=4096):
+    batch = phi_collator(tokenizer, rows, max_length)
+    batch["labels"][batch["input_ids"] == tokenizer.convert_tokens_to_ids("<|end|>")] = -100
+    return batch
+
+
+def full_sequence(tokenizer, rows, max_length=4096, mask_pad=False):
+    """Full-sequence loss (TRL's default on a `messages` dataset): every attended token trained; with
+    `mask_pad`, the pad id masked wherever it occurs."""
+    batch = incremental_collator(tokenizer, rows, max_length)
+    batch["labels"] = batch["input_ids"].copy()
+    batch["labels"][batch["attention_mask"] == 0] = -100
+    if mask_pad:
+        batch["labels"][batch["input_ids"] == tokenizer.pad_token_id] = -100
+    return batch
+
+
+def full_sequence_pad_masked(tokenizer, rows, max_length=4096):
+    return full_sequence(tokenizer, rows, max_length, mask_pad=True)
+
+
+def test_full_sequence_loss_is_a_configuration_and_pad_eos_is_judged_on_its_own(tmp_path, tokenizers):
+    """Full-sequence loss is one configuration finding at run scope, pad = eos or not; with pad = eos masked
+    by id, what goes wrong is the stop marker never trained (not "prompt tokens are trained")."""
+    args = (tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS)
+    kinds = {}
+    for name in ("full_sequence", "full_sequence_pad_masked"):
+        verdict, _ = run_preflight(tmp_path / name, *args, f"tests.test_corpus:{name}", pad_token="<|eot_id|>")
+        kinds[name] = {f["evidence"].get("kind"): f for f in verdict["findings"] if f["code"] == "LOOP-04"}
+    [config] = kinds["full_sequence"].values()
+    assert (config["evidence"]["kind"], config["category"], config["step"], config["severity"]) == (
+        "full_sequence_loss", "configuration", None, "warn")
+    assert set(kinds["full_sequence_pad_masked"]) == {"full_sequence_loss", "end_of_turn_untrained"}
+    untrained = kinds["full_sequence_pad_masked"]["end_of_turn_untrained"]
+    assert (untrained["severity"], untrained["category"]) == ("fail", "anomaly")
+    assert "the pad token is '<|eot_id|>'" in untrained["message"]
+
+
+def test_assistant_only_advice_holds_for_the_installed_trl_and_the_template():
+    from importlib.metadata import version as installed
+
+    from sftaudit.checks.loop04_loss_mask import assistant_only_advice, installed_trl
+
+    trl = installed_trl()
+    assert trl is not None and trl[0] == installed("trl")
+    version = trl[0]
+    assert "TRL 0.16.1 has no assistant_only_loss" in assistant_only_advice(LLAMA3_GENERATION, ("0.16.1", frozenset()))
+    assert assistant_only_advice(LLAMA3_GENERATION, trl).startswith(f"set assistant_only_loss=True (TRL {version};")
+    # Llama 3's released template has a training version in TRL; Llama 3.1's has none (TRL refuses it).
+    assert "swaps in its training version" in assistant_only_advice(template("NousResearch-Meta-Llama-3-8B-Instruct"), trl)
+    assert "needs {% generation %} markers" in assistant_only_advice(template("meta-llama-Llama-3.1-8B-Instruct"), trl)
+    assert "axolotl" in assistant_only_advice(None, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..artifacts import template_fingerprint
 from ..chat_template import (empty_turns, first_manifest, recorded_samples, run_layout, run_tokenizer,
                              sample_blocks, template_fields, template_source)
+from ..errors import InputError
 from .base import AuditContext, Check, Finding
 
 # Roles whose empty turn is a fail (an empty system prompt is merely suspicious).
@@ -29,7 +30,8 @@ class PromptTemplateConsistency(Check):
     Statistic:
         Fields: jinja2's own AST of the template (`Getitem`/`Getattr` on `messages` and the
         names bound to its items through `for`/`set`; reads under `is defined`, `in` or
-        `.get` are optional) against the dataset's recorded field names. Empty turns: a
+        `.get` are optional, and so are the reads a condition guards by such a presence test;
+        a macro's reads count as at its call sites) against the dataset's recorded field names. Empty turns: a
         role header followed directly by the end-of-turn marker in the recorded token rows
         (markers derived from the template, see LOOP-04). Templates: each batch's recorded
         template fingerprint against the one the run started with.
@@ -102,7 +104,10 @@ class PromptTemplateConsistency(Check):
 
     def _empty_turns(self, ctx: AuditContext, source: str) -> list[Finding]:
         tokenizer = run_tokenizer(ctx)
-        layout = run_layout(tokenizer) if tokenizer is not None else None
+        try:
+            layout = run_layout(tokenizer) if tokenizer is not None else None
+        except InputError:  # a template without turns (Nemotron-Parse renders the contents only) has no empty one
+            layout = None
         if layout is None or not ctx.has_rows("samples"):
             return []
         hits: dict[str, list[tuple[int, str]]] = {}

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
                              template_fields, template_source)
+from ..errors import InputError
 from .base import AuditContext, Check, Finding
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -23,7 +24,8 @@ class SpecialTokenAlignment(Check):
         (in the rendered samples; one only in unreached branches is info); no eos token; pad
         == the marker that ends an assistant turn while every real one is masked (the model
         never learns to stop); samples that start with two BOS tokens (the template writes one
-        and the tokenizer call adds another); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
+        and the tokenizer call adds another), or with none where the template opens with BOS (inference
+        sends it: the render was stripped of it and the tokenizer adds none); an embedding matrix with fewer rows than the tokenizer has ids; a tokenizer
         that changes within the run (between batches, at a checkpoint, or on resume).
     Why it matters:
         A split marker is learned as ordinary text, so generation never emits the real one;
@@ -38,7 +40,7 @@ class SpecialTokenAlignment(Check):
         the run's first manifest.
     Threshold:
         Any split marker the samples contain, missing eos, untrained stop marker with pad ==
-        stop, double BOS, too few embedding rows, frozen untrained marker rows (norm below 5%
+        stop, double or missing BOS, too few embedding rows, frozen untrained marker rows (norm below 5%
         of the median row norm) or changed tokenizer is a fail; a generation eos without the
         end-of-turn marker is a warn; a split marker only in unreached branches, or untrained
         marker rows that are trainable, is info.
@@ -62,7 +64,7 @@ class SpecialTokenAlignment(Check):
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
             findings += (self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
-                         + self._stops_on(start, tokenizer))
+                         + self._bos_missing(ctx, tokenizer) + self._stops_on(start, tokenizer))
         return findings
 
     def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
@@ -112,7 +114,7 @@ class SpecialTokenAlignment(Check):
         if eos is None:
             return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
                                          "set eos_token to the template's end-of-turn marker")]
-        layout = run_layout(tokenizer)
+        layout = _turn_layout(tokenizer)
         stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
         if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
@@ -175,7 +177,7 @@ class SpecialTokenAlignment(Check):
         stops = model.get("generation_eos")
         if stops is None:
             stops = (model.get("config") or {}).get("eos_token_id")
-        layout = run_layout(tokenizer)
+        layout = _turn_layout(tokenizer)
         if stops is None or layout is None or not layout.turn_end:
             return []
         stops = {int(i) for i in (stops if isinstance(stops, list) else [stops])}
@@ -214,6 +216,35 @@ class SpecialTokenAlignment(Check):
             f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
             f"add_special_tokens=False",
             step=hits[0][0], kind="double_bos", bos_id=bos, sample_ids=ids[:50], samples_affected=len(ids),
+        )]
+
+    def _bos_missing(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
+        """The template opens with BOS, so inference (apply_chat_template) sends it, but the trained rows start
+        without it: the render was stripped of it (to avoid a double BOS) and the tokenizer adds none."""
+        bos, layout = tokenizer.bos_token_id, _turn_layout(tokenizer)
+        if bos is None or layout is None or not layout.starts_with_bos or not ctx.has_rows("samples"):
+            return []
+        hits: list[tuple[int, str, int]] = []
+        for part, ids, _, attention in sample_blocks(recorded_samples(ctx, template_source(tokenizer.chat_template))):
+            real = attention != 0
+            first = np.argmax(real, axis=1)
+            starts = ids[np.arange(ids.shape[0]), first]
+            picked = np.flatnonzero(real.any(1) & (starts != bos))
+            hits += zip(part["step"].gather(picked).to_list(), part["sample_id"].gather(picked).to_list(),
+                        starts[picked].tolist())
+        if not hits:
+            return []
+        hits.sort()
+        ids = list(dict.fromkeys(s for _, s, _ in hits))
+        found = tokenizer.convert_ids_to_tokens(int(hits[0][2]))
+        return [self.finding(
+            "fail",
+            f"{len(ids)} sample(s) do not start with BOS {tokenizer.bos_token!r} from step {hits[0][0]} (first "
+            f"{ids[0]} starts with {found!r}): the template opens with it and inference sends it, so the model is "
+            f"trained on sequences it never sees; tokenize the template's render as it is (its BOS kept) with "
+            f"add_special_tokens=False",
+            step=hits[0][0], kind="bos_missing", bos_id=bos, first_token=found, sample_ids=ids[:50],
+            samples_affected=len(ids),
         )]
 
     def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:
@@ -285,3 +316,12 @@ class SpecialTokenAlignment(Check):
                 segment=seg, fingerprint_start=fingerprint, fingerprint_now=now,
             ))
         return findings
+
+
+def _turn_layout(tokenizer: Any) -> Any:
+    """The template's turn markers, or None for a template without turns (Nemotron-Parse renders the contents
+    only): its stop marker is then the tokenizer's eos."""
+    try:
+        return run_layout(tokenizer)
+    except InputError:
+        return None

@@ -28,7 +28,8 @@ class BatchPaddingStrategy(Check):
         length-grouped batching (lengths sorted within megabatches of `group_batches`
         consecutive batches, as HF's `group_by_length` does) would need.
     Threshold:
-        CV above 15% (seed) with padding share above 60% in a batch is a warn; the run's
+        CV above 15% (seed) with padding share above 60% in a batch is a warn (a configuration:
+        the batching is a choice, stated at run scope); the run's
         padding waste and the grouped-batching saving are reported as info.
     Evidence:
         Steps and count of flagged batches, the worst batch's CV, padding share, lengths
@@ -70,7 +71,7 @@ class BatchPaddingStrategy(Check):
             f"{flagged.height} batch(es) from step {first} are mostly padding because their lengths vary "
             f"(worst: step {worst['step']}, CV {worst['cv']:.0%}, {worst['padding_share']:.0%} padding); "
             f"batch by length (group_by_length or a length-bucketing sampler)",
-            step=first, batches_flagged=flagged.height, steps=sorted(set(flagged["step"].to_list()))[:50],
+            category="configuration", first_step=first, batches_flagged=flagged.height, steps=sorted(set(flagged["step"].to_list()))[:50],
             worst_step=worst["step"], value=worst["cv"], threshold=self.params["cv_threshold"], padding_share=worst["padding_share"],
             lengths=lengths, sample_ids=[ids[int(np.argmin(lengths))], ids[int(np.argmax(lengths))]],
         )]

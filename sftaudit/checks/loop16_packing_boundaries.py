@@ -26,7 +26,9 @@ class PackingBoundaries(Check):
         attention reads the restarts or `cu_seq_lens` unless a padded 2-D mask is given.
     Statistic:
         Per row, the shim counts attended BOS tokens (one per packed sample; templates without a
-        BOS token are not judged) and, when the batch gives `position_ids`, their restarts at 0;
+        BOS token are not judged; a BOS right after another, the double BOS of LOOP-02, starts no
+        sample: counted on the recorded rows, and halved on the others when every recorded row
+        doubles its BOS) and, when the batch gives `position_ids`, their restarts at 0;
         per micro-batch whether varlen keys were given, the attention mask the model got (none, a
         2-D padding mask, a custom 4-D / block mask) and whether its forward built a KV cache; the
         manifest names the attention implementation. A row with k > 1 samples is isolated by a
@@ -62,15 +64,39 @@ class PackingBoundaries(Check):
                      f"{cause('no_restart AND NOT coalesce(varlen, false)', NO_RESTART)}"
         other_rule = f"{cause('no_restart', NO_RESTART)} || {cause('mask = $$padding$$', MASK_GIVEN)} || " \
                      f"{cause('coalesce(cache_built, true)', CACHE_BUILT)}"
+        bos = (((ctx.manifest.get("tokenizer") or {}).get("special_tokens") or {}).get("bos") or {}).get("id")
+        # A BOS right after another attended BOS starts no sample (the template wrote one and the tokenizer added
+        # another: LOOP-02's double BOS). Counted on the recorded rows; a row not recorded, in a run whose
+        # recorded rows double every BOS they hold, holds half as many samples as BOS tokens.
         rows = ctx.frame(
             f"""
-            WITH packed AS (
-                SELECT step, micro, sample_ids[i] AS sample_id, bos_starts[i] AS samples,
-                       coalesce(position_resets[i], 0) AS resets, coalesce(position_resets[i], 0) < bos_starts[i] - 1 AS no_restart,
-                       varlen, attention_mask_kind AS mask, cache_built, list_min(lengths) < seq_len AS padded, i
+            WITH tokens AS (
+                SELECT rank, seg, step, micro, row, unnest(input_ids) AS id, unnest(attention_mask) <> 0 AS attended,
+                       unnest(generate_series(1, len(input_ids))) AS pos
+                FROM samples WHERE $bos IS NOT NULL),
+            starts AS (
+                SELECT *, id = $bos AND attended AS is_bos FROM tokens),
+            doubled AS (
+                SELECT rank, seg, step, micro, row, count(*) FILTER (WHERE is_bos AND after_bos) AS pairs,
+                       count(*) FILTER (WHERE is_bos) AS bos_count
+                FROM (SELECT *, coalesce(lag(is_bos) OVER (PARTITION BY rank, seg, step, micro, row ORDER BY pos), false)
+                                AS after_bos FROM starts)
+                GROUP BY ALL),
+            run_doubles AS (
+                SELECT count(*) > 0 AND bool_and(2 * pairs = bos_count) AS every FROM doubled WHERE bos_count > 0),
+            counted AS (
+                SELECT b.step, b.micro, b.sample_ids[b.i] AS sample_id, b.i,
+                       CASE WHEN d.pairs IS NOT NULL THEN b.bos_starts[b.i] - d.pairs
+                            WHEN (SELECT every FROM run_doubles) THEN b.bos_starts[b.i] // 2
+                            ELSE b.bos_starts[b.i] END AS samples,
+                       coalesce(b.position_resets[b.i], 0) AS resets, b.varlen, b.attention_mask_kind AS mask,
+                       b.cache_built, list_min(b.lengths) < b.seq_len AS padded
                 FROM (SELECT *, generate_subscripts(bos_starts, 1) AS i FROM batches
-                      WHERE rank = 0 AND bos_starts IS NOT NULL)
-                WHERE bos_starts[i] > 1),
+                      WHERE rank = 0 AND bos_starts IS NOT NULL) b
+                LEFT JOIN doubled d ON d.rank = b.rank AND d.seg = b.seg AND d.step = b.step AND d.micro = b.micro
+                                       AND d.row = b.i - 1),
+            packed AS (
+                SELECT *, resets < samples - 1 AS no_restart FROM counted WHERE samples > 1),
             judged AS (
                 SELECT *, CASE WHEN mask IS NULL THEN {old_rule}
                                WHEN mask = 'custom' THEN []
@@ -79,7 +105,8 @@ class PackingBoundaries(Check):
                 FROM packed)
             SELECT step, micro, sample_id, samples, resets, varlen, causes FROM judged
             WHERE len(causes) > 0 ORDER BY step, micro, i
-            """
+            """,
+            {"bos": bos},
         )
         if rows.height == 0:
             return []

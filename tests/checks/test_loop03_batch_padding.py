@@ -1,4 +1,5 @@
-"""LOOP-03: lopsided batches warn from their step with the extreme samples; clean only gets the info."""
+"""LOOP-03: lopsided batches warn (a configuration) naming their steps and the extreme samples; clean only gets
+the info."""
 
 import numpy as np
 
@@ -11,7 +12,9 @@ from .data_runs import audited, clean_data_findings, findings
 def test_high_length_variance_warns_from_its_step(runs):
     run_dir, verdict = audited(runs, "data_template")
     (f,) = findings(verdict, "LOOP-03", "warn")
-    assert f["step"] == 3 and f["evidence"]["steps"] == [3, 4, 5, 6]
+    # The batching is a choice, stated at run scope: it dates no anomaly.
+    assert (f["category"], f["step"]) == ("configuration", None)
+    assert f["evidence"]["first_step"] == 3 and f["evidence"]["steps"] == [3, 4, 5, 6]
     assert f["evidence"]["value"] > 0.15 and f["evidence"]["padding_share"] > 0.6
     con = connect(run_dir, read_only=True)
     ids, lengths = con.execute(

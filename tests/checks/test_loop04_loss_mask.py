@@ -68,8 +68,10 @@ def test_attended_padding_is_confused_with_prompt(runs):
 
 def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
     run_dir, verdict = audited(runs, "data_tokens")
-    f = by_kind(verdict)["assistant_masked"]
-    assert (f["severity"], f["step"]) == ("fail", 1)
+    f = by_kind(verdict)["end_of_turn_untrained"]
+    assert (f["severity"], f["step"], f["category"]) == ("fail", 1, "anomaly")
+    assert f["evidence"]["markers_trained"] == 0 < f["evidence"]["markers_total"]
+    assert "the pad token is '<|eot_id|>'" in f["message"]
     # Oracle: the rows in which the correct collator (HF's generation mask) trains an end-of-turn token.
     tok = build_tokenizer()
     tok.chat_template = tok.chat_template.replace("<|start_header_id|>", SPLIT_MARKER)
@@ -78,6 +80,7 @@ def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
     labels = collate(tok, [rows[i] for i in ids], max_length=128)["labels"]
     ends_trained = (labels == tok.eos_token_id).any(1).tolist()
     assert set(f["evidence"]["sample_ids"]) == {i for i, trained in zip(ids, ends_trained) if trained}
+    assert "assistant_masked" not in by_kind(verdict)  # the markers are this finding's, not also a masked answer's
 
 
 def test_clean_run_masks_exactly_the_template_spans(clean_run):
@@ -125,3 +128,42 @@ def test_trl_packing_trains_every_token_a_configuration_named_once(trl_packing_r
         ("warn", "full_sequence_loss")]
     declared = audit(trl_packing_run, AuditConfig(check_options={"LOOP-04": {"expect": "all_tokens"}}))
     assert [f for f in declared["findings"] if f["severity"] in ("warn", "fail")] == []
+
+
+def trl_assistant_only_run(run_dir, tokenizer_cache, template):
+    """TRL's SFTTrainer as a user runs it (the installed TRL): a `messages` dataset, assistant_only_loss=True,
+    the fixture tokenizer with `template`; TRL tokenizes and masks by the template's `{% generation %}` block."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from sftaudit.fixtures import build_model, build_tokenizer, load_dataset
+    from sftaudit.hf import SFTAuditCallback
+
+    tok = build_tokenizer(tokenizer_cache)
+    tok.chat_template = template
+    dataset = Dataset.from_list([{"messages": r["messages"]} for r in load_dataset()[:16]])
+    args = SFTConfig(output_dir=str(run_dir), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
+                     save_strategy="no", report_to=[], use_cpu=True, max_length=128, assistant_only_loss=True,
+                     dataloader_num_workers=0, disable_tqdm=True)
+    SFTTrainer(model=build_model(tok), args=args, train_dataset=dataset, processing_class=tok,
+               callbacks=[SFTAuditCallback(run_dir, profile="dev")]).train()
+    return run_dir
+
+
+def test_trl_assistant_only_loss_with_the_end_of_turn_outside_the_generation_block(tmp_path, tokenizer_cache):
+    """The fixture template with `{% endgeneration %}` moved before `<|eot_id|>`: TRL trains no end-of-turn marker
+    (the model never learns to stop) and LOOP-04 fails at step 1; the template as shipped is clean."""
+    from sftaudit.audit import audit
+    from sftaudit.fixtures import CHAT_TEMPLATE_PATH
+
+    shipped = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    inside = "{{- message['content'] | trim + '<|eot_id|>' }}\n        {%- endgeneration %}"
+    assert inside in shipped
+    short = shipped.replace(inside, "{{- message['content'] | trim }}\n        {%- endgeneration %}{{- '<|eot_id|>' }}")
+    verdict = audit(trl_assistant_only_run(tmp_path / "short", tokenizer_cache, short))
+    [f] = findings(verdict, "LOOP-04", "fail")  # beside it, the aggregate count's warn
+    assert (f["severity"], f["step"], f["evidence"]["kind"]) == ("fail", 1, "end_of_turn_untrained")
+    assert f["evidence"]["markers_trained"] == 0 < f["evidence"]["markers_total"]
+    assert "{% generation %} block" in f["message"]
+    clean = audit(trl_assistant_only_run(tmp_path / "shipped", tokenizer_cache, shipped))
+    assert [f for f in findings(clean, "LOOP-04") if f["severity"] != "info"] == []

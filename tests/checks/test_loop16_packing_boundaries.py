@@ -171,3 +171,54 @@ def test_trl_packing_raises_nothing(trl_packing_run):
         "SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches").fetchall()
     assert len(rows) == 3 and all(starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
                                   for starts, resets, mask, cache in rows)
+
+
+def doubled_bos(data):
+    """Each row with a second BOS in front of the template's own (TRL 0.16.1 on `messages`, any TRL on a
+    pre-rendered `text` column: the template writes BOS and the tokenizer call adds another)."""
+    import torch
+
+    first = torch.full_like(data["input_ids"][:, :1], int(data["input_ids"][0, 0]))
+    return {**data, "input_ids": torch.cat([first, data["input_ids"]], 1),
+            "labels": torch.cat([torch.full_like(first, -100), data["labels"]], 1),
+            "attention_mask": torch.cat([torch.ones_like(first), data["attention_mask"]], 1)}
+
+
+def recorded_rows_loop(run_dir, tokenizer_cache, batch):
+    """One real step of the tiny model through the Recorder with every row recorded (what a default-profile
+    run records from its first batch): `batch(data)` is the collator's output the model is handed."""
+    import torch
+
+    from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+    from sftaudit.shim import Recorder
+
+    tok = build_tokenizer(tokenizer_cache)
+    model = build_model(tok)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(run_dir, model, tok, profile="dev", probe_every=0, generate_every=0, eval_every=0) as rec:
+        b = batch(collate(tok, load_dataset()[:4]))
+        rec.on_batch(1, b)
+        value = model(**{k: v for k, v in b.items() if k != "sample_ids"}, use_cache=False).loss
+        value.backward()
+        rec.on_backward(1, value)
+        opt.step()
+        rec.on_step_end(1, lr=1e-3)
+    return run_dir
+
+
+def test_a_doubled_bos_is_no_packing_boundary(tmp_path, tokenizer_cache):
+    """Rows that start with two BOS hold one sample each: LOOP-02's double BOS, no LOOP-16 finding. Packed
+    rows of such samples count one sample per doubled BOS, so their boundaries are judged as without it."""
+    run_dir = recorded_rows_loop(tmp_path / "doubled", tokenizer_cache, doubled_bos)
+    verdict = audit(run_dir)
+    assert of(verdict, "LOOP-16") == []
+    [double] = [f for f in of(verdict, "LOOP-02") if f["evidence"].get("kind") == "double_bos"]
+    assert (double["severity"], double["step"]) == ("fail", 1)
+    assert connect(run_dir, read_only=True).execute("SELECT bos_starts FROM batches").fetchall() == [([2, 2, 2, 2],)]
+    # Packed without restarting positions: still a fail, naming the 4 samples of the row (not 8).
+    packed = recorded_rows_loop(tmp_path / "packed", tokenizer_cache, lambda d: without_positions(doubled_bos(d)))
+    [finding] = of(audit(packed), "LOOP-16")
+    assert finding["step"] == 1 and finding["evidence"]["rows"][0]["samples"] == 4
+    # Packed with restarting positions (padding-free): kept apart.
+    apart = recorded_rows_loop(tmp_path / "apart", tokenizer_cache, lambda d: with_flash_kwargs(doubled_bos(d)))
+    assert of(audit(apart), "LOOP-16") == []
