@@ -14,35 +14,43 @@ class LossDynamics(Check):
     """Loss pathologies and rolling-window drift (seed 003 section 3.2; runs after every step).
 
     What it detects:
-        A loss spike (a batch the model cannot predict, the seed's garbage text), a loss that
-        diverges and stays up, a learning rate that jumps outside warmup, a loss plateau, training
-        vs validation loss divergence (when the run logs `eval_loss`), and distribution drift of
-        the loss, the global and per-tensor gradient norms and the probe entropy between
-        consecutive windows.
+        A loss spike (a batch the model cannot predict, the seed's garbage text), a learning rate that
+        jumps outside warmup, a loss plateau, training vs validation loss divergence (when the run logs
+        `eval_loss`), and distribution drift of the loss, the global and per-tensor gradient norms and the
+        probe entropy between consecutive windows. A loss that rises and stays up is LOOP-19's.
     Why it matters:
         Seed 003 names the three loss-curve pathologies: a plateau (homogeneous data or too few
         useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
-        (over-fitting or leakage). A diverging loss after a learning-rate jump wastes every step
-        after it: resume before the jump.
+        (over-fitting or leakage). A learning-rate jump outside warmup is a scheduler or resume bug.
     Statistic:
-        Loss z = (loss - median) / max(sigma, 1% of median): the median of the previous block of
-        `window` steps (run length / 16, 8..128); sigma, the median of the robust sigmas (1.4826
-        MAD) of the previous 4 blocks (one unusually calm block of a converged small-batch run
-        does not make ordinary batch-to-batch noise a spike). Learning-rate ratio lr[s] / lr[s-1] after
-        warmup. Plateau: relative change of the block median loss over `plateau_blocks` blocks.
-        Train/val: eval_loss rising at `gap_evals` consecutive evaluations while the training
-        loss block median falls. Drift: two-sided Mann-Whitney U between consecutive windows of
-        each series' absolute step-to-step change of log value (volatility, indifferent to a
-        smooth trend), Benjamini-Hochberg corrected across all series and windows.
+        Spikes are judged against the run's own step-to-step noise at its logging resolution, never a fixed
+        floor. On log(loss) (a loss's noise scales with its level): each logged value's residual from the
+        median of the 5 values before it; z = (residual - centre) / sigma, with the centre and robust sigma
+        (1.4826 MAD) of the residuals over the previous 4 blocks of `window` logged steps (run length / 16,
+        8..128), floored at one rounding step of the log at that level (the step estimated from the values:
+        0.0002 after 0.0001 in a 4-decimal log is one step, not a doubling). The threshold is scaled by the
+        run's upper-tail factor: the 90th percentile of its residuals above their median over their MAD,
+        relative to a normal distribution's. A per-step loss of few rows is right-skewed (one hard row lifts
+        the mean) and a preference loss (DPO, ORPO, KTO: `rewards/*`, `logps/*` logged) heavy-tailed: the
+        factor measures it; the batch size enters through the measured noise, and the rows each logged value
+        averages (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO:
+        `kl`, `reward` logged) is no fit of the data: no spikes or plateaus judged. Learning-rate ratio
+        lr[s] / lr[s-1] after warmup (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau:
+        relative change of the block median loss over `plateau_blocks` blocks. Train/val: eval_loss rising at
+        `gap_evals` consecutive evaluations while the training loss block median falls. Drift: two-sided
+        Mann-Whitney U between consecutive windows of each series' absolute step-to-step change of log value
+        (volatility, indifferent to a smooth trend), Benjamini-Hochberg corrected across all series and windows.
     Threshold:
-        Spike: z >= `sigma_spike` (6): warn; elevated for `diverge_steps` (5) steps in a row or
-        through the end of the run: fail (divergence). Learning-rate jump: ratio >= `lr_jump`
-        (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope of the
-        interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
-        after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
-        volatility ratio >= 3: info (drift is context for the other findings, not a verdict).
+        Spike: z >= `sigma_spike` (6) x tail factor, for fewer than `diverge_steps` (5) logged steps and not
+        through the end: warn (longer is LOOP-19's divergence, and nothing after it is judged). Learning-rate
+        jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope
+        of the interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over
+        4 blocks after warmup: info (a converged and a stuck loss look alike; the eval metrics decide).
+        Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and volatility ratio >= 3: info (drift
+        is context for the other findings, not a verdict). Fewer than 3 logged steps: not judged.
     Evidence:
-        Loss, baseline median, z, p-value and effect size at the step; the spike steps; the
+        Loss, baseline level, z, p-value and effect size at the step; the tail factor, the log's rounding
+        step and the rows per logged value; the spike steps; the
         learning rates around a jump; block medians of a plateau; drifted series with q-values.
     """
 
