@@ -46,7 +46,8 @@ class ChanceLevelLoss(Check):
         chance when >= (1 - `tolerance`) ln V; above chance when >= (1 + `tolerance`) ln V.
     Threshold:
         At chance for every logged step from some step through the end (at least half the run, or the whole
-        of a short one): fail. Above chance at logged steps the run then left: warn at the first one. Judged
+        of a short one), over at least `min_steps` (100) optimizer steps: fail (a model trained from scratch
+        starts at chance and leaves it within tens of steps). Above chance at logged steps the run then left: warn at the first one. Judged
         for cross-entropy losses only: not for preference or policy-gradient losses (named from the log's
         keys), nor for a loss the log shows as a sum of components (`*loss_*` keys). Vocabulary unknown: not
         judged.
@@ -57,7 +58,7 @@ class ChanceLevelLoss(Check):
     code = "LOOP-20"
     name = "loss at chance"
     needs = ("steps",)
-    defaults = {"tolerance": 0.02}
+    defaults = {"tolerance": 0.02, "min_steps": 100}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         vocab, source = vocab_size(ctx.manifest)
@@ -83,7 +84,10 @@ class ChanceLevelLoss(Check):
         at = loss >= (1 - tol) * chance
         stuck = np.flip(np.logical_and.accumulate(np.flip(at)))  # at chance from this row through the end
         rows = np.flatnonzero(stuck)
-        if rows.size and rows.size >= -(-loss.size // 2):
+        # A model trained from scratch starts at chance and leaves it within tens of steps (it learns the
+        # unigram frequencies first): a stretch shorter than `min_steps` is too early to call stuck.
+        trained = int(steps[-1] - (steps[rows[0] - 1] if rows.size and rows[0] else 0)) if rows.size else 0
+        if rows.size and rows.size >= -(-loss.size // 2) and trained >= self.params["min_steps"]:
             i = int(rows[0])
             return [self.finding(
                 "fail",
@@ -91,7 +95,8 @@ class ChanceLevelLoss(Check):
                 f"{loss[i]:.4g} .. {loss[-1]:.4g} against ln {vocab:,} = {chance:.4g}): the model learned nothing; check "
                 f"that the loss reaches trainable weights (a frozen or re-initialised output head, labels all "
                 f"ignored) and that the learning rate is not 0",
-                step=steps[i], value=loss[i], last_loss=loss[-1], steps_at_chance=int(rows.size), **evidence)]
+                step=steps[i], value=loss[i], last_loss=loss[-1], steps_at_chance=int(rows.size), steps_trained=trained,
+                **evidence)]
         above = np.flatnonzero(loss >= (1 + tol) * chance)
         if not above.size:
             return []

@@ -21,6 +21,9 @@ def test_a_model_stuck_at_chance_for_its_whole_run_fails_and_a_learning_twin_doe
     assert "ln 50,257 = 10.82" in finding["message"]
     learning = audited(trainer_run(tmp_path / "learning", [10.83, 7.9, 6.2, 5.1, 4.6, 4.3], every=100, config=GPT2))
     assert findings(learning, "LOOP-20") == []
+    # The first 8 steps of a model trained from scratch: at chance, too early to call stuck.
+    early = audited(trainer_run(tmp_path / "early", [10.83, 10.81, 10.82, 10.79, 10.8, 10.78, 10.8, 10.77], config=GPT2))
+    assert findings(early, "LOOP-20") == []
 
 
 def test_a_first_window_above_chance_warns_at_that_window(tmp_path):
