@@ -22,8 +22,8 @@ class GradientNormAnomaly(Check):
     """Gradient-norm anomaly (seed trigger point: after backward).
 
     What it detects:
-        Non-finite gradients, per tensor, that reached the weights (a non-finite logged loss, and a step the
-        fp16 loss scaler skipped, are LOOP-25's); a parameter tensor whose gradient norm spikes (against its
+        Non-finite loss or gradients, per tensor, that reached the weights (a step the fp16 loss scaler
+        skipped is LOOP-25's info; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
         own history and against the other tensors at that step); the same tensor spiking at a
         fixed interval (one finding with the period); a global-norm spike no single tensor
         explains; a parameter that receives gradients but whose weights never move between two
@@ -68,9 +68,34 @@ class GradientNormAnomaly(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
         skipped = skipped_updates(bad_norm, has_norm)
-        return self._nonfinite_grads(ctx, skipped) + self._spikes(ctx, skipped) + self._weights_not_moving(ctx)
+        return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx, skipped) + self._spikes(ctx, skipped)
+                + self._weights_not_moving(ctx))
 
     # ------------------------------------------------------------------ non-finite
+
+    def _nonfinite_loss(self, ctx: AuditContext) -> list[Finding]:
+        # With per-tensor norms recorded (the shim) the non-finite loss is reported here, beside the tensors it
+        # poisoned; a log without them (an import) is LOOP-25's.
+        if not ctx.has_rows("grad_norms"):
+            return []
+        row = ctx.row(
+            """
+            SELECT min(step), max(step), count(*),
+                   (SELECT arg_max(loss, step) FROM steps s2
+                     WHERE isfinite(s2.loss) AND s2.step < min(s.step)) AS last_finite
+            FROM steps s WHERE loss IS NOT NULL AND NOT isfinite(loss)
+            """
+        )
+        first, last, n, last_finite = row
+        if first is None:
+            return []
+        return [self.finding(
+            "fail",
+            f"loss became non-finite at step {first} ({n} step(s) through {last}); resume from a checkpoint "
+            f"before step {first} and find the batch or learning rate that caused it",
+            step=first, first_step=first, last_step=last, steps_affected=n, last_finite_loss=last_finite,
+        )]
+
 
     def _nonfinite_grads(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
         # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.

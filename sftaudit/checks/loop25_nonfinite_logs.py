@@ -38,8 +38,8 @@ class NonFiniteLogs(Check):
         Non-finite loss: fail at its first step. Non-finite gradient norm through the end of the run: fail
         (warn when only the last logged step is). Skipped updates: info with their count; `skip_streak` (5)
         consecutive logged skips: fail, `start_skips` (16, the halvings from GradScaler's initial 2^16) at the
-        start of the run. On shim runs with per-tensor gradient norms, LOOP-05 names the tensors of a non-finite
-        gradient that was applied: that one is left to it.
+        start of the run. On shim runs with per-tensor gradient norms, LOOP-05 reports a non-finite loss and
+        names the tensors of a non-finite gradient that was applied: those are left to it.
     Evidence:
         First and last step, how many logged steps, the logged loss beside the first non-finite gradient norm,
         whether the learning rate was held, the skipped steps.
@@ -56,7 +56,8 @@ class NonFiniteLogs(Check):
             return []
         frame = step_frame(ctx, "loss", "lr")
         loss, lr = column(frame, "loss"), column(frame, "lr")
-        findings = self._loss(steps, loss, bad_loss)
+        # With per-tensor gradient norms (the shim) LOOP-05 reports a non-finite loss beside the tensors it hit.
+        findings = [] if ctx.has_rows("grad_norms") else self._loss(steps, loss, bad_loss)
         skipped = skipped_updates(bad_norm, has_norm)
         findings += self._skips(steps, lr, skipped, bad_norm, has_norm)
         applied = bad_norm & ~skipped
