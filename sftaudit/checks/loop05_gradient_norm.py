@@ -7,8 +7,8 @@ from scipy import stats
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
-from .rolling import (adaptive_window, dominant_period, grad_norm_matrix, previous_block_stats, robust_z, step_frame,
-                      warmup_end)
+from .rolling import (adaptive_window, column, dominant_period, grad_norm_matrix, nonfinite_logged, previous_block_stats,
+                      robust_z, skipped_updates, step_frame, warmup_end)
 
 # Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
 LOG_SIGMA_FLOOR = np.log(1.2)
@@ -22,7 +22,8 @@ class GradientNormAnomaly(Check):
     """Gradient-norm anomaly (seed trigger point: after backward).
 
     What it detects:
-        Non-finite loss or gradients; a parameter tensor whose gradient norm spikes (against its
+        Non-finite loss or gradients, per tensor, that reached the weights (a step the fp16 loss scaler
+        skipped is LOOP-25's info; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
         own history and against the other tensors at that step); the same tensor spiking at a
         fixed interval (one finding with the period); a global-norm spike no single tensor
         explains; a parameter that receives gradients but whose weights never move between two
@@ -48,7 +49,8 @@ class GradientNormAnomaly(Check):
         Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
         (10x) and across-tensor z >= `sigma_across` (3, the seed's): fail at its first step.
         At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
-        spike (same own-history rule) with no tensor spike: warn. Non-finite: fail. Weights
+        spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike). Non-finite
+        gradients at a step the optimizer did not skip: fail. Weights
         unchanged between saves with non-zero gradients: fail.
     Evidence:
         The tensors with norm, baseline median, effect size, z, p-value, steps flagged; the
@@ -64,12 +66,18 @@ class GradientNormAnomaly(Check):
                 "window": None, "warmup_steps": None, "min_periodic_spikes": 4}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx) + self._spikes(ctx)
+        _, _, bad_norm, has_norm = nonfinite_logged(ctx)
+        skipped = skipped_updates(bad_norm, has_norm)
+        return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx, skipped) + self._spikes(ctx, skipped)
                 + self._weights_not_moving(ctx))
 
     # ------------------------------------------------------------------ non-finite
 
     def _nonfinite_loss(self, ctx: AuditContext) -> list[Finding]:
+        # With per-tensor norms recorded (the shim) the non-finite loss is reported here, beside the tensors it
+        # poisoned; a log without them (an import) is LOOP-25's.
+        if not ctx.has_rows("grad_norms"):
+            return []
         row = ctx.row(
             """
             SELECT min(step), max(step), count(*),
@@ -88,11 +96,15 @@ class GradientNormAnomaly(Check):
             step=first, first_step=first, last_step=last, steps_affected=n, last_finite_loss=last_finite,
         )]
 
-    def _nonfinite_grads(self, ctx: AuditContext) -> list[Finding]:
-        first = ctx.scalar("SELECT min(step) FROM grad_norms WHERE NOT isfinite(norm)")
+
+    def _nonfinite_grads(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
+        # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
+        skips = ctx.frame("SELECT step FROM steps WHERE rank = 0 ORDER BY step")["step"].to_numpy()[skipped].tolist()
+        where = "NOT isfinite(norm) AND step NOT IN (SELECT unnest(?::BIGINT[]))"
+        first = ctx.scalar(f"SELECT min(step) FROM grad_norms WHERE {where}", [skips])
         if first is None:
             return []
-        last, n = ctx.row("SELECT max(step), count(DISTINCT step) FROM grad_norms WHERE NOT isfinite(norm)")
+        last, n = ctx.row(f"SELECT max(step), count(DISTINCT step) FROM grad_norms WHERE {where}", [skips])
         tensors = ctx.frame(
             """
             SELECT g.tensor, g.norm, s.nonfinite_grads[g.tensor] AS nonfinite_elements
@@ -114,18 +126,21 @@ class GradientNormAnomaly(Check):
 
     # ------------------------------------------------------------------ spikes
 
-    def _spikes(self, ctx: AuditContext) -> list[Finding]:
+    def _spikes(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
         steps_frame = step_frame(ctx, "lr", "grad_norm")
         if steps_frame.height < 2:
             return []
         steps = steps_frame["step"].to_numpy()
         _, names, norms = grad_norm_matrix(ctx)
+        # Non-finite norms are no spikes: a skipped update is LOOP-25's info, an applied one the non-finite rule's.
+        g = column(steps_frame, "grad_norm")
         with np.errstate(divide="ignore", invalid="ignore"):
-            y = np.log(np.where(norms > 0, norms, np.nan).astype(np.float32))  # float32: half the memory traffic
-            global_y = np.log(np.where(steps_frame["grad_norm"].to_numpy() > 0, steps_frame["grad_norm"].to_numpy(), np.nan))
+            y = np.log(np.where(np.isfinite(norms) & (norms > 0), norms, np.nan).astype(np.float32))  # float32: half the memory traffic
+            global_y = np.log(np.where(np.isfinite(g) & (g > 0), g, np.nan))
         window = self.params["window"] or adaptive_window(steps.size)
         warmup = self.params["warmup_steps"]
-        first_judged = steps[0] + warmup if warmup is not None else steps[warmup_end(steps_frame["lr"].fill_null(0).to_numpy())]
+        first_judged = (steps[0] + warmup if warmup is not None
+                        else steps[warmup_end(np.nan_to_num(column(steps_frame, "lr")), skipped)])
         judged = steps >= first_judged
 
         # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline for what follows.

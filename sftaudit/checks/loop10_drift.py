@@ -5,45 +5,52 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-from .base import AuditContext, Check, Finding
-from .rolling import adaptive_window, grad_norm_matrix, previous_block_stats, robust_z, step_frame, warmup_end
-
-SIGMA_BLOCKS = 4  # blocks whose loss sigmas give the spike rule's dispersion (their median)
+from .base import AuditContext, CannotJudge, Check, Finding
+from .rolling import (adaptive_window, column, grad_norm_matrix, loss_excursions, loss_family, nonfinite_logged,
+                      rows_per_log, skipped_updates, step_frame, warmup_end)
 
 
 class LossDynamics(Check):
     """Loss pathologies and rolling-window drift (seed 003 section 3.2; runs after every step).
 
     What it detects:
-        A loss spike (a batch the model cannot predict, the seed's garbage text), a loss that
-        diverges and stays up, a learning rate that jumps outside warmup, a loss plateau, training
-        vs validation loss divergence (when the run logs `eval_loss`), and distribution drift of
-        the loss, the global and per-tensor gradient norms and the probe entropy between
-        consecutive windows.
+        A loss spike (a batch the model cannot predict, the seed's garbage text), a learning rate that
+        jumps outside warmup, a loss plateau, training vs validation loss divergence (when the run logs
+        `eval_loss`), and distribution drift of the loss, the global and per-tensor gradient norms and the
+        probe entropy between consecutive windows. A loss that rises and stays up is LOOP-19's.
     Why it matters:
         Seed 003 names the three loss-curve pathologies: a plateau (homogeneous data or too few
         useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
-        (over-fitting or leakage). A diverging loss after a learning-rate jump wastes every step
-        after it: resume before the jump.
+        (over-fitting or leakage). A learning-rate jump outside warmup is a scheduler or resume bug.
     Statistic:
-        Loss z = (loss - median) / max(sigma, 1% of median): the median of the previous block of
-        `window` steps (run length / 16, 8..128); sigma, the median of the robust sigmas (1.4826
-        MAD) of the previous 4 blocks (one unusually calm block of a converged small-batch run
-        does not make ordinary batch-to-batch noise a spike). Learning-rate ratio lr[s] / lr[s-1] after
-        warmup. Plateau: relative change of the block median loss over `plateau_blocks` blocks.
-        Train/val: eval_loss rising at `gap_evals` consecutive evaluations while the training
-        loss block median falls. Drift: two-sided Mann-Whitney U between consecutive windows of
-        each series' absolute step-to-step change of log value (volatility, indifferent to a
-        smooth trend), Benjamini-Hochberg corrected across all series and windows.
+        Spikes are judged against the run's own step-to-step noise at its logging resolution, never a fixed
+        floor. On log(loss) (a loss's noise scales with its level): each logged value's residual from the
+        median of the 5 values before it; z = (residual - centre) / sigma, with the centre and robust sigma
+        (1.4826 MAD) of the residuals over the previous 4 blocks of `window` logged steps (run length / 16,
+        8..128), floored at one rounding step of the log at that level (the step estimated from the values:
+        0.0002 after 0.0001 in a 4-decimal log is one step, not a doubling). The threshold is scaled by the
+        run's upper-tail factor: the 90th percentile of its residuals above their median over their MAD,
+        relative to a normal distribution's. A per-step loss of few rows is right-skewed (one hard row lifts
+        the mean) and a preference loss (DPO, ORPO, KTO: `rewards/*`, `logps/*` logged) heavy-tailed: the
+        factor measures it; the batch size enters through the measured noise, and the rows each logged value
+        averages (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO:
+        `kl`, `reward` logged) is no fit of the data: no spikes or plateaus judged. Learning-rate ratio
+        lr[s] / lr[s-1] after warmup (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau:
+        relative change of the block median loss over `plateau_blocks` blocks. Train/val: eval_loss rising at
+        `gap_evals` consecutive evaluations while the training loss block median falls. Drift: two-sided
+        Mann-Whitney U between consecutive windows of each series' absolute step-to-step change of log value
+        (volatility, indifferent to a smooth trend), Benjamini-Hochberg corrected across all series and windows.
     Threshold:
-        Spike: z >= `sigma_spike` (6): warn; elevated for `diverge_steps` (5) steps in a row or
-        through the end of the run: fail (divergence). Learning-rate jump: ratio >= `lr_jump`
-        (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope of the
-        interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
-        after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and
-        volatility ratio >= 3: info (drift is context for the other findings, not a verdict).
+        Spike: z >= `sigma_spike` (6) x tail factor, for fewer than `diverge_steps` (5) logged steps and not
+        through the end: warn (longer is LOOP-19's divergence, and nothing after it is judged). Learning-rate
+        jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope
+        of the interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over
+        4 blocks after warmup: info (a converged and a stuck loss look alike; the eval metrics decide).
+        Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and volatility ratio >= 3: info (drift
+        is context for the other findings, not a verdict). Fewer than 3 logged steps: not judged.
     Evidence:
-        Loss, baseline median, z, p-value and effect size at the step; the spike steps; the
+        Loss, baseline level, z, p-value and effect size at the step; the tail factor, the log's rounding
+        step and the rows per logged value; the spike steps; the
         learning rates around a jump; block medians of a plateau; drifted series with q-values.
     """
 
@@ -57,56 +64,50 @@ class LossDynamics(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         frame = step_frame(ctx, "loss", "lr", "grad_norm")
         if frame.height < 3:
-            return []
+            raise CannotJudge(f"{frame.height} logged training step(s): too few to judge the loss curve")
         steps = frame["step"].to_numpy()
-        loss = frame["loss"].fill_null(np.nan).to_numpy().astype(float)
-        lr = frame["lr"].fill_null(np.nan).to_numpy().astype(float)
+        loss = column(frame, "loss")
+        lr = column(frame, "lr")
         window = self.params["window"] or adaptive_window(steps.size)
-        first = warmup_end(np.nan_to_num(lr))
-        return (self._loss_spikes(ctx, steps, loss, window, first) + self._lr_jumps(steps, lr, first)
-                + self._plateau(steps, loss, window, first) + self._train_val_gap(ctx)
-                + self._drift(ctx, frame, window, first))
+        _, _, bad_norm, has_norm = nonfinite_logged(ctx)
+        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm))
+        family, _ = loss_family(ctx)
+        # A policy-gradient surrogate (GRPO, PPO) is no fit of the data: its spikes and plateaus mean nothing.
+        curve = [] if family == "rl" else (self._loss_spikes(ctx, steps, loss, window, first)
+                                           + self._plateau(steps, loss, window, first))
+        return curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
 
     def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
-        median, sigma = previous_block_stats(loss, window, SIGMA_BLOCKS)
-        z = robust_z(loss, median, sigma, 0.0)
-        z = np.where(sigma > 0.01 * np.abs(median), z, (loss - median) / (0.01 * np.abs(median)))
-        ctx.add_series(self.code, "loss robust z vs previous block", steps.tolist(), np.nan_to_num(z).tolist(),
-                       self.params["sigma_spike"])
-        with np.errstate(invalid="ignore"):
-            elevated = (np.arange(steps.size) >= first) & (z >= self.params["sigma_spike"])
-        if not elevated.any():
-            return []
-        # Consecutive elevated steps form one episode; its length decides spike vs divergence.
-        starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
-        ends = np.flatnonzero(elevated & ~np.r_[elevated[1:], False])
+        found = loss_excursions(loss, window, first, self.params["sigma_spike"], self.params["diverge_steps"])
+        z, threshold = found["z"], found["threshold"]
+        ctx.add_series(self.code, "loss z vs its own step-to-step noise", steps.tolist(), np.nan_to_num(z).tolist(),
+                       threshold)
+        rows = rows_per_log(ctx)
         findings = []
-        for s, e in zip(starts, ends):
-            length = e - s + 1
-            evidence = dict(value=loss[s], baseline_median=median[s], z=z[s], p_value=float(stats.norm.sf(z[s])),
-                            effect_size=loss[s] / median[s], threshold=self.params["sigma_spike"],
-                            spike_steps=steps[s:e + 1].tolist()[:50])
-            if length >= self.params["diverge_steps"] or (e == steps.size - 1 and length >= 2):
-                findings.append(self.finding(
-                    "fail",
-                    f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running median of {median[s]:.3g}) and "
-                    f"stayed up for {length} step(s); resume from a checkpoint before step {steps[s]} with a lower learning rate",
-                    step=steps[s], **evidence))
-                break  # after a divergence the baseline is meaningless
+        for s, length, sustained in found["episodes"]:
+            if sustained:
+                break  # a loss that rose and stayed up is LOOP-19's divergence; after it the baseline is meaningless
+            e = s + length - 1
+            baseline = float(np.exp(found["level"][s]))
             findings.append(self.finding(
                 "warn",
-                f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running median of {median[s]:.3g} "
-                f"for {length} step(s); inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
-                step=steps[s], **evidence))
+                f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running level of {baseline:.3g} for {length} "
+                f"logged step(s) (z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}); "
+                f"inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
+                step=steps[s], value=loss[s], baseline_median=baseline, z=z[s], p_value=float(stats.norm.sf(z[s])),
+                effect_size=loss[s] / baseline, threshold=threshold, tail_factor=found["tail"],
+                log_quantum=found["quantum"], rows_per_log=rows, spike_steps=steps[s:e + 1].tolist()[:50]))
         return findings
 
     def _lr_jumps(self, steps, lr, first) -> list[Finding]:
+        if not np.isfinite(lr).any():
+            return []  # no learning rate logged
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = lr[1:] / lr[:-1]
         factor = self.params["lr_jump"]
         # Between two LRs both under 1% of the peak (the tail of a decay to 0) a ratio is not a jump.
         with np.errstate(invalid="ignore"):
-            material = np.fmax(lr[1:], lr[:-1]) >= 0.01 * np.nanmax(lr) if lr.size and np.isfinite(lr).any() else np.zeros(0, bool)
+            material = np.fmax(lr[1:], lr[:-1]) >= 0.01 * np.nanmax(lr)
         # A step that keeps the slope of the interval before it (per step, so logging windows compare) is a
         # schedule running its course, e.g. a linear decay reaching 0 at the last step, not a jump.
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -131,8 +132,9 @@ class LossDynamics(Check):
         if blocks < k + 1:
             return []
         medians = np.median(loss[start:start + blocks * window].reshape(blocks, window), axis=1)
-        change = (medians[k:] - medians[:-k]) / np.abs(medians[:-k])  # over k blocks; negative = improving
-        flat = np.flatnonzero(np.abs(change) < self.params["plateau_tolerance"])
+        with np.errstate(divide="ignore", invalid="ignore"):  # a zero or non-finite median: LOOP-21 / LOOP-25's
+            change = (medians[k:] - medians[:-k]) / np.abs(medians[:-k])  # over k blocks; negative = improving
+            flat = np.flatnonzero(np.abs(change) < self.params["plateau_tolerance"])
         if not flat.size:
             return []
         b = flat[0]
@@ -167,7 +169,7 @@ class LossDynamics(Check):
             step=at, eval_steps=evals["step"].to_list()[i:i + n + 1], eval_loss=ev[i:i + n + 1].tolist())]
 
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
-        series = {"loss": frame["loss"].fill_null(np.nan).to_numpy(), "global grad norm": frame["grad_norm"].fill_null(np.nan).to_numpy()}
+        series = {"loss": column(frame, "loss"), "global grad norm": column(frame, "grad_norm")}
         steps = frame["step"].to_numpy()
         _, names, norms = grad_norm_matrix(ctx)
         labels = list(series) + [f"grad norm {n}" for n in names]

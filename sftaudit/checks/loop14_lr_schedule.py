@@ -7,6 +7,7 @@ import json
 import numpy as np
 
 from .base import AuditContext, Check, Finding
+from .rolling import skipped_updates
 
 SPEEDS = (2, 3, 4, 5, 6, 8)  # how many times too fast (or slow) a mis-stepped scheduler may run
 
@@ -28,8 +29,9 @@ class LRScheduleConformance(Check):
         (`Recorder(scheduler=...)`; the Trainer's `lr_scheduler` through the callback): the LR after
         0, 1, 2, ... scheduler steps. The recorded LR of step s is compared with the trace at
         s - 1 (the LR in use during the step, as the Trainer callback records it) or s (after the
-        scheduler stepped, as a plain loop passing `get_last_lr()` records it): the alignment that
-        matches more steps is the run's convention. A step matches when |recorded - configured| <=
+        scheduler stepped, as a plain loop passing `get_last_lr()` records it), each less the steps the
+        optimizer skipped before (an fp16 loss-scaler skip does not step the scheduler: non-finite gradient
+        norm, finite again later): the alignment that matches more steps is the run's convention. A step matches when |recorded - configured| <=
         `tolerance` (1%) x max(configured, 0.001 x peak). A departure is then characterised: the
         trace at k x (or 1/k x) the step index for k in 2..8, a restart from the trace's start at
         a resume, the floor (the trace's minimum) reached early, LR 0 at steps with a non-zero
@@ -75,9 +77,16 @@ class LRScheduleConformance(Check):
             with np.errstate(invalid="ignore"):
                 return np.abs(lr - expected) <= self.params["tolerance"] * np.maximum(np.abs(expected), 1e-3 * peak)
 
-        candidates = {offset: configured(steps - 1 + offset) for offset in (0, 1)}
-        offset = max((0, 1), key=lambda o: (matches(candidates[o]).sum(), -o))
-        expected = candidates[offset]
+        # A step the optimizer skipped (the fp16 loss scaler) does not step the scheduler either (the Trainer,
+        # accelerate): after it the LR runs one scheduler step behind the step count, by design.
+        logged = frame["grad_norm"].is_not_null().to_numpy()
+        bad = logged & ~np.isfinite(frame["grad_norm"].cast(float).fill_null(0.0).to_numpy())
+        skips = np.cumsum(skipped_updates(bad, logged))
+        behind = {(o, a): (skips - (skips - np.r_[0, skips[:-1]]) * (o == 0)) * a for o in (0, 1) for a in (0, 1)}
+        candidates = {key: configured(steps - 1 + key[0] - behind[key]) for key in behind}
+        key = max(candidates, key=lambda k: (matches(candidates[k]).sum(), -k[1], -k[0]))
+        offset = key[0]
+        expected = candidates[key]
         judged = np.isfinite(expected)
         ok = matches(expected) | ~judged
         ctx.add_series(self.code, "recorded / configured learning rate", steps.tolist(),

@@ -20,14 +20,16 @@ def adaptive_window(n_steps: int, lo: int = 8, hi: int = 128) -> int:
     return int(min(hi, max(lo, n_steps // 16)))
 
 
-def warmup_end(lr: np.ndarray) -> int:
+def warmup_end(lr: np.ndarray, skipped: np.ndarray | None = None) -> int:
     """Index of the first step whose learning rate no longer rises: the end of the warmup.
 
-    A later jump (a scheduler bug) does not extend it: only the initial rise counts."""
+    A later jump (a scheduler bug) does not extend it: only the initial rise counts. A step the
+    optimizer skipped (`skipped`: an fp16 loss-scaler skip holds the LR) does not end it."""
     lr = np.asarray(lr, dtype=float)
     if lr.size < 2 or not np.isfinite(lr).all():
         return 0
-    stops = np.flatnonzero(lr[1:] <= lr[:-1])
+    held = np.zeros(lr.size, bool) if skipped is None else np.asarray(skipped, bool)
+    stops = np.flatnonzero((lr[1:] <= lr[:-1]) & ~held[1:] & ~held[:-1])
     return int(stops[0]) if stops.size else lr.size - 1
 
 
@@ -99,8 +101,172 @@ def dominant_period(steps: np.ndarray, min_events: int = 4, share: float = 0.75)
 
 
 def step_frame(ctx, *columns: str):
-    """Rank 0's per-step columns in step order (one row per step: ingest sets abandoned resumed steps aside)."""
-    return ctx.frame(f"SELECT step, {', '.join(columns)} FROM steps WHERE rank = 0 ORDER BY step")
+    """Rank 0's per-step columns in step order (one row per step: ingest sets abandoned resumed steps aside);
+    numeric columns as DOUBLE, so a column that is all NULL (a log without a learning rate) is still a column."""
+    cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" if c in ("loss", "lr", "grad_norm") else c for c in columns)
+    return ctx.frame(f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step")
+
+
+def column(frame, name: str) -> np.ndarray:
+    """A frame's column as float64, NaN where NULL."""
+    return frame[name].cast(float).fill_null(np.nan).to_numpy().astype(float)
+
+
+# ---------------------------------------------------------------------------- the logged loss's own noise
+
+GAUSS_Q90_OVER_MAD = 1.6449 / 0.6745  # |x - median| at its 90th percentile over its median, for normal data
+FAMILIES = ("sft", "preference", "rl")
+PREFERENCE_KEYS = ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                   "rewards/accuracies", "odds_ratio_loss")
+RL_KEYS = ("kl", "reward", "reward_std", "completion_length", "objective/kl", "objective/rlhf_reward")
+
+
+def loss_family(ctx) -> tuple[str, list[str]]:
+    """The training objective's family, named from the log's keys, and the keys that named it: "preference"
+    (DPO, ORPO, KTO, SimPO: sigmoid losses of a few pairs, heavy-tailed per step; `rewards/*`, `logps/*`), "rl"
+    (GRPO, PPO, RLOO: a policy-gradient surrogate, not a fit; `kl`, `reward`) or "sft" (a token cross-entropy)."""
+    cached = ctx.__dict__.get("_loss_family")
+    if cached is None:
+        names = {n for (n,) in ctx.con.execute("SELECT DISTINCT name FROM metrics WHERE rank = 0").fetchall()}
+        preference = sorted(n for n in names if n in PREFERENCE_KEYS or n.startswith("logps/"))
+        rl = sorted(n for n in names if n in RL_KEYS or n.startswith("completions/"))
+        cached = ctx.__dict__["_loss_family"] = (("preference", preference) if preference else ("rl", rl) if rl
+                                                 else ("sft", []))
+    return cached
+
+
+def log_quantum(values: np.ndarray) -> float:
+    """The rounding step of logged values, estimated from them: 1e-4 for a log rounded to 4 decimals (the
+    Trainer's `round(loss, 4)`); 0.0 when they are not decimal-rounded (to at most 8 places)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size < 3:
+        return 0.0
+    for k in range(9):
+        scaled = v * 10.0 ** k
+        if np.all(np.abs(scaled - np.round(scaled)) <= 1e-4):
+            return 10.0 ** -k
+    return 0.0
+
+
+def rolling_level(x: np.ndarray, points: int) -> np.ndarray:
+    """Per row, the median of the `points` rows before it (fewer at the start; NaN for the first row)."""
+    padded = np.concatenate([np.full(points, np.nan), np.asarray(x, dtype=float)])[:-1]
+    with warnings.catch_warnings():  # a window of NaN only (the first row, a NaN stretch) has no level
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, points), axis=1)
+
+
+def tail_factor(residuals: np.ndarray) -> float:
+    """How much heavier than normal the upper tail of the run's own residuals is: the 90th percentile of the
+    deviations above the median over the median absolute deviation, relative to a normal distribution's (>= 1).
+    The mean loss of a few rows is skewed up (one hard row lifts it); a preference loss is heavy-tailed. Robust
+    to 10% outliers: a few spikes do not raise it."""
+    r = np.asarray(residuals, dtype=float)
+    r = r[np.isfinite(r)]
+    if r.size < 20:
+        return 1.0
+    dev = r - np.median(r)
+    mad = np.median(np.abs(dev))
+    up = dev[dev > 0]
+    return 1.0 if mad <= 0 or up.size < 10 else max(1.0, float(np.quantile(up, 0.9) / mad / GAUSS_Q90_OVER_MAD))
+
+
+def loss_noise(loss: np.ndarray, window: int, first: int, level_points: int = 5, sigma_blocks: int = 4) -> dict:
+    """The logged loss judged against its own step-to-step variability at its logging resolution.
+
+    In log space (a loss's noise scales with its level): each logged value's residual from the median of the
+    `level_points` values before it; the residuals' centre and robust sigma (1.4826 MAD) over the previous
+    `sigma_blocks` blocks of `window` rows (warmup rows `< first` excluded), floored at one rounding step of the
+    log (`log_quantum`) at that level; the run's tail factor. A non-positive loss has no log: NaN there."""
+    loss = np.asarray(loss, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(np.isfinite(loss) & (loss > 0), np.log(np.where(loss > 0, loss, 1.0)), np.nan)
+    level = rolling_level(x, level_points)
+    residual = x - level
+    judged = np.arange(x.size) >= first
+    centre, sigma = previous_block_stats(np.where(judged, residual, np.nan), window, sigma_blocks, 0.5)
+    quantum = log_quantum(loss)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(x.size)
+    scale = np.fmax(sigma, resolution)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(scale > 0, (residual - centre) / np.where(scale > 0, scale, 1.0), np.nan)
+    return {"x": x, "level": level, "residual": residual, "centre": centre, "scale": scale, "z": z,
+            "quantum": quantum, "tail": tail_factor(residual[judged]), "judged": judged}
+
+
+def loss_excursions(loss: np.ndarray, window: int, first: int, sigma: float, diverge_steps: int) -> dict:
+    """`loss_noise` and the episodes of logged values at least `sigma` x the tail factor above their level:
+    each (first row, rows it stays above that level, whether that is sustained). An episode stays up while the
+    values keep above the level before it began; sustained = `diverge_steps` rows, or through the end of the
+    run (2 rows at least)."""
+    noise = loss_noise(loss, window, first)
+    threshold = sigma * noise["tail"]
+    with np.errstate(invalid="ignore"):
+        elevated = noise["judged"] & (noise["z"] >= threshold)
+    starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
+    episodes = []
+    x = noise["x"]
+    for s in starts:  # one pass per episode (a handful), each vectorised over the rows after it
+        bar = noise["level"][s] + noise["centre"][s] + threshold * noise["scale"][s]
+        with np.errstate(invalid="ignore"):
+            below = np.flatnonzero(~(x[s:] >= bar))
+        length = int(below[0]) if below.size else x.size - s
+        sustained = length >= diverge_steps or (s + length == x.size and length >= 2)
+        episodes.append((int(s), length, bool(sustained)))
+    return {**noise, "threshold": threshold, "episodes": episodes}
+
+
+def run_config(manifest: dict) -> dict:
+    """What the run's manifest says of its configuration, read defensively: the shim's `config` (with the
+    Trainer's `training_args`), an import's `trainer_state` keys, flattened to one dict (first found wins)."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    out: dict = {}
+    for part in (config, config.get("training_args"), config.get("trainer_state"), manifest.get("granularity"),
+                 manifest):
+        if isinstance(part, dict):
+            for k, v in part.items():
+                if v is not None and not isinstance(v, (dict, list)):
+                    out.setdefault(k, v)
+    return out
+
+
+def positive(value) -> float | None:
+    """A positive finite number, or None (a missing, zero or nonsense setting)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if np.isfinite(v) and v > 0 else None
+
+
+def rows_per_log(ctx) -> int | None:
+    """Rows each logged loss averages when the run says: per-device batch x accumulation x logging interval."""
+    c = run_config(ctx.manifest)
+    batch = positive(c.get("train_batch_size") or c.get("per_device_train_batch_size") or c.get("batch_size"))
+    if batch is None:
+        return None
+    accumulation = positive(c.get("gradient_accumulation_steps") or c.get("grad_accum")) or 1
+    interval = positive(c.get("logging_steps")) or 1
+    return int(batch * accumulation * (interval if interval >= 1 else 1))
+
+
+def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm."""
+    f = ctx.frame("SELECT step, coalesce(NOT isfinite(loss), false) AS bad_loss, "
+                  "coalesce(NOT isfinite(grad_norm), false) AS bad_norm, grad_norm IS NOT NULL AS has_norm "
+                  "FROM steps WHERE rank = 0 ORDER BY step")
+    return f["step"].to_numpy(), f["bad_loss"].to_numpy(), f["bad_norm"].to_numpy(), f["has_norm"].to_numpy()
+
+
+def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray) -> np.ndarray:
+    """Rows whose update the optimizer skipped: a non-finite logged gradient norm with a finite one logged later.
+    Weights an applied non-finite update reached stay non-finite, and so does every later gradient norm: a finite
+    one after it shows the update was not applied (the fp16 GradScaler skips such steps and holds the LR)."""
+    finite = np.asarray(has_norm, bool) & ~np.asarray(bad_norm, bool)
+    finite_after = np.r_[np.flip(np.logical_or.accumulate(np.flip(finite)))[1:], False]
+    return np.asarray(bad_norm, bool) & finite_after
 
 
 def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:

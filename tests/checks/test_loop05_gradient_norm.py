@@ -31,6 +31,8 @@ def test_nan_loss_and_gradients_fail_at_the_planted_step(nan_run):
     assert all(t["nonfinite_elements"] > 0 for t in tensors.values())
     loss = next(f for f in findings if "loss" in f["message"])
     assert loss["evidence"]["last_finite_loss"] > 0
+    # LOOP-25 leaves a shim run's non-finite loss and gradients to LOOP-05: reported once.
+    assert not [f for f in verdict["findings"] if f["code"] == "LOOP-25" and f["severity"] != "info"]
     # The checkpoint window the anomaly falls in, and the last one before it to roll back to.
     assert grads["checkpoint"] == "checkpoint-20"
     assert verdict["rollback_checkpoint"] == "checkpoint-10"
@@ -115,3 +117,24 @@ def test_a_warmup_block_is_no_baseline_for_a_spiky_optimizer(tmp_path):
     run_dir = recorded_series_run(tmp_path / "adafactor", warmup_then_cosine(steps, total=200), [1.0] * steps, norms,
                                   [f"model.layers.{i}.weight" for i in range(4)])
     assert of(audit(run_dir, AuditConfig(check_options={"LOOP-05": {"window": 12}})), "LOOP-05") == []  # the 200-step run's
+
+
+def test_a_step_the_fp16_scaler_skipped_is_no_spike_and_no_non_finite_fail(tmp_path):
+    """Every tensor's norm inf at step 33, the LR held there, finite again after: the update was skipped (LOOP-25's
+    info). A non-finite gradient that stays (it reached the weights) still fails here, with its tensors."""
+    steps = 70
+    rng = np.random.default_rng(7)
+    norms = np.exp(-1 + 0.2 * rng.standard_normal((steps, 4)))
+    lr = warmup_then_cosine(steps, total=70)
+    skipped = norms.copy()
+    skipped[32] = np.inf
+    lr_held = lr[:33] + lr[32:-1]
+    names = [f"model.layers.{i}.weight" for i in range(4)]
+    verdict = audit(recorded_series_run(tmp_path / "skip", lr_held, [1.0] * steps, skipped, names))
+    assert loop05(verdict) == []
+    assert [(f["code"], f["severity"], f["step"]) for f in verdict["findings"] if f["code"] == "LOOP-25"] == [
+        ("LOOP-25", "info", 33)]
+    applied = norms.copy()
+    applied[40:] = np.nan
+    [finding] = loop05(audit(recorded_series_run(tmp_path / "applied", lr, [1.0] * steps, applied, names)))
+    assert (finding["severity"], finding["step"]) == ("fail", 41) and finding["evidence"]["tensor_count"] == 4

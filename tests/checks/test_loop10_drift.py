@@ -1,4 +1,5 @@
-"""LOOP-10: a learning-rate jump and the divergence after it; clean runs stay silent."""
+"""LOOP-10: a learning-rate jump; loss spikes judged against the run's own noise (batch size, rounding, loss
+family); clean runs stay silent."""
 
 import numpy as np
 
@@ -7,21 +8,19 @@ from sftaudit.config import AuditConfig
 from sftaudit.ingest import connect
 
 from .dynamics_runs import LR_JUMP_STEP, of, recorded_series_run, run
+from .logged_runs import audited, findings, trainer_run
 
 
-def test_learning_rate_jump_warns_at_its_step_and_the_divergence_fails_after_it(runs):
+def test_learning_rate_jump_warns_at_its_step_and_the_divergence_after_it_is_loop19s(runs):
     verdict = audit(run(runs, "lr_jump"))
-    jump, diverged = of(verdict, "LOOP-10")
+    [jump] = of(verdict, "LOOP-10")
     assert (jump["severity"], jump["step"]) == ("warn", LR_JUMP_STEP)
     assert jump["evidence"]["value"] > 10 and "learning rate" in jump["message"]
-    # The step's own update already used the new rate: the loss of the next step is the first one hit.
-    assert (diverged["severity"], diverged["step"]) == ("fail", LR_JUMP_STEP + 1)
-    assert diverged["evidence"]["z"] > 6 and diverged["evidence"]["p_value"] < 1e-6
     assert verdict["first_anomalous_step"] == LR_JUMP_STEP
+    # LOOP-14 sees the same step leave the configured schedule; LOOP-19 fails the rise after it.
     chain = verdict["first_anomaly_chain"]
-    assert [c["step"] for c in chain if c["code"] == "LOOP-10"][:2] == [LR_JUMP_STEP, LR_JUMP_STEP + 1]
-    # LOOP-14 sees the same step leave the configured schedule.
     assert any(c["code"] == "LOOP-14" and c["step"] == LR_JUMP_STEP for c in chain)
+    assert any(c["code"] == "LOOP-19" and c["step"] == LR_JUMP_STEP + 1 for c in chain)
 
 
 def test_clean_runs_raise_nothing(clean_run, runs):
@@ -84,3 +83,45 @@ def test_a_linear_decay_reaching_zero_at_the_last_step_is_no_jump(tmp_path):
     run_dir = recorded_series_run(tmp_path / "restarted", restarted, loss, norms, ["lm_head.weight"])
     [jump] = [f for f in of(audit(run_dir), "LOOP-10") if "learning rate" in f["message"]]
     assert (jump["severity"], jump["step"]) == ("warn", 41)
+
+
+def _spiky(loss, at, factor):
+    out = np.array(loss, dtype=float)
+    out[at] *= factor
+    return out
+
+
+def test_a_per_step_log_of_2_rows_is_noisy_not_spiky_and_a_garbage_batch_still_spikes(tmp_path):
+    # Per-step loss of 2 rows, per-row losses spread e^+-0.8: one hard row doubles the step's mean (the old
+    # 1%-of-median floor read 9 of these as spikes).
+    rng = np.random.default_rng(4)
+    n = 3000
+    level = 0.1 + 2.0 * np.exp(-np.arange(n) / 600)
+    loss = (level[:, None] * rng.lognormal(-0.32, 0.8, (n, 2))).mean(axis=1)
+    assert findings(audited(trainer_run(tmp_path / "batch2", loss, decimals=4, train_batch_size=2)), "LOOP-10",
+                    ("warn", "fail")) == []
+    # A batch of garbage text (loss near ln V, 100x the converged level): found at its step.
+    [spike] = findings(audited(trainer_run(tmp_path / "garbage", _spiky(loss, 2400, 100.0), decimals=4,
+                                           train_batch_size=2)), "LOOP-10", ("warn",))
+    assert spike["step"] == 2401 and spike["evidence"]["rows_per_log"] == 2
+
+
+def test_a_log_rounded_to_4_decimals_near_0_has_no_one_quantum_spikes(tmp_path):
+    # A memorising Whisper run: 0.0001 and 0.0002 alternate; one rounding step is not a doubling of the loss.
+    rng = np.random.default_rng(5)
+    loss = np.r_[np.linspace(0.3, 0.001, 100), rng.choice([0.0001, 0.0001, 0.0001, 0.0002], 100)]
+    verdict = audited(trainer_run(tmp_path / "rounded", loss, every=25, decimals=4))
+    spikes = findings(verdict, "LOOP-10", ("warn", "fail"))
+    assert [f for f in spikes if "spiked" in f["message"]] == []
+
+
+def test_a_dpo_per_step_loss_is_heavy_tailed_not_spiky(tmp_path):
+    # DPO on 3 pairs per step: the mean of softplus(-margin), margins growing as the policy learns.
+    rng = np.random.default_rng(6)
+    n = 400
+    margins = np.linspace(0, 6, n)[:, None] + 2.5 * rng.standard_normal((n, 3))
+    loss = np.log1p(np.exp(-margins)).mean(axis=1)
+    keys = {"rewards/margins": margins.mean(axis=1), "logps/chosen": np.full(n, -250.0)}
+    verdict = audited(trainer_run(tmp_path / "dpo", loss, lr=5e-6, keys=keys, decimals=4, train_batch_size=3))
+    assert findings(verdict, "LOOP-10", ("warn", "fail")) == []
+    assert findings(verdict, "LOOP-19") == []

@@ -1,0 +1,86 @@
+"""LOOP-24 a run that ended before its plan."""
+
+from __future__ import annotations
+
+from .base import AuditContext, CannotJudge, Check, Finding
+from .rolling import positive, run_config
+
+
+class StoppedEarly(Check):
+    """Run ended before its plan (trigger point: the end of the evidence).
+
+    What it detects:
+        A run whose last record (a logged or recorded step, a metric, a checkpoint) is short of its planned
+        length by more than one logging interval: a DPO log that ends at step 202 of 5,100 planned, a shim run
+        killed at step 3 of 80 with no close record.
+    Why it matters:
+        A run that stopped early is not the model its plan describes: its learning rate never decayed, it saw a
+        fraction of the data, and what it left may be a checkpoint from the middle of an epoch. A truncated run
+        is never a plain pass, and it is not a step where training went wrong either (a risk, not an anomaly):
+        find out why it stopped, and resume it or accept the shorter run deliberately.
+    Statistic:
+        Planned length: the manifest's `max_steps` (the Trainer's, LLaMA-Factory's `total_steps`), else
+        `num_train_epochs` x steps per epoch (from the logged `epoch`). Last step: the highest step of any
+        record. Tolerance: one logging interval (`logging_steps`, else the smallest gap between logged steps).
+        A shim run that closed cleanly (a `close` event) ended on purpose (an early stop).
+    Threshold:
+        Planned - last > tolerance: warn (info when the shim recorded a clean close). No planned length
+        recorded: not judged.
+    Evidence:
+        The last step, the planned length and where it came from, the share done, whether the run closed.
+    """
+
+    code = "LOOP-24"
+    name = "run ended before its plan"
+    needs = (("steps", "metrics", "checkpoints"),)
+
+    def run(self, ctx: AuditContext) -> list[Finding]:
+        config = run_config(ctx.manifest)
+        last = ctx.scalar("SELECT max(step) FROM (SELECT max(step) AS step FROM steps WHERE rank = 0 "
+                          "UNION ALL SELECT max(step) FROM metrics WHERE rank = 0 "
+                          "UNION ALL SELECT max(step) FROM checkpoints WHERE rank = 0)")
+        if last is None:
+            raise CannotJudge("no step recorded")
+        planned, source = self._planned(ctx, config)
+        if planned is None:
+            raise CannotJudge("no planned length recorded (max_steps, total_steps or num_train_epochs)")
+        interval = positive(config.get("logging_steps")) or ctx.scalar(
+            "SELECT min(d) FROM (SELECT step - lag(step) OVER (ORDER BY step) AS d FROM steps WHERE rank = 0) WHERE d > 0") or 1
+        if planned - last <= interval:
+            return []
+        closed = not ctx.manifest.get("imported") and bool(
+            ctx.scalar("SELECT count(*) FROM events WHERE rank = 0 AND kind = 'close'"))
+        share = last / planned
+        if closed:
+            return [self.finding(
+                "info", f"the run closed at step {last:,} of {planned:,} planned ({share:.0%}): it was stopped on purpose "
+                "(an early stop or a shortened run)", step=last, category="risk", last_step=last, planned=planned,
+                planned_from=source, share=share, closed=True, resolution=self._where(last))]
+        imported = bool(ctx.manifest.get("imported"))
+        return [self.finding(
+            "warn",
+            f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%})"
+            + (" and did not close" if not imported else "")
+            + ": it crashed, was killed or was interrupted; find why, and resume it from its last checkpoint or "
+            "accept the shorter run deliberately (its learning rate never finished its schedule)",
+            step=last, category="risk", last_step=last, planned=planned, planned_from=source, share=share,
+            closed=False, tolerance=interval, resolution=self._where(last))]
+
+    @staticmethod
+    def _where(last: int) -> dict:
+        # The step is the last record itself, not a logging window it stands for.
+        return {"kind": "last record", "first_step": last, "last_step": last}
+
+    @staticmethod
+    def _planned(ctx: AuditContext, config: dict) -> tuple[int | None, str | None]:
+        for key in ("max_steps", "total_steps"):
+            v = positive(config.get(key))
+            if v is not None:
+                return int(v), key
+        epochs = positive(config.get("num_train_epochs"))
+        if epochs is None or epochs > 1e6:  # sys.maxsize: the Trainer's "no epoch limit"
+            return None, None
+        row = ctx.row("SELECT arg_max(step, value), max(value) FROM metrics WHERE rank = 0 AND name = 'epoch' AND value > 0")
+        if not row or row[0] is None or not row[1]:
+            return None, None
+        return int(round(epochs * row[0] / row[1])), "num_train_epochs x steps per epoch"

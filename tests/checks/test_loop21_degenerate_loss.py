@@ -1,0 +1,39 @@
+"""LOOP-21: a loss of exactly 0, or one value repeated, for a stretch; a loss that the log's rounding brings to 0
+or to a repeated few-quanta value stays silent."""
+
+import numpy as np
+
+from .logged_runs import audited, falling, findings, status, trainer_run
+
+
+def test_a_loss_of_exactly_0_from_step_20_fails_at_its_logging_window(tmp_path):
+    # QLoRA's shape: 0.0328 at step 10, then 0.0 at every log to step 1000.
+    verdict = audited(trainer_run(tmp_path / "zero", [0.0328] + [0.0] * 99, every=10, decimals=4))
+    [finding] = findings(verdict, "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 11)
+    assert finding["evidence"]["first_step"] == 20 and finding["evidence"]["last_step"] == 1000
+    assert finding["evidence"]["loss_before"] == 0.0328 and finding["evidence"]["log_quantum"] == 1e-4
+    assert "exactly 0 from step 20 to step 1000" in finding["message"]
+
+
+def test_a_loss_converging_to_0_at_4_decimals_is_rounding_not_degeneracy(tmp_path):
+    # A memorising Whisper fine-tune: 0.3 down to 0.0001 and below, logged at 4 decimals (0.0002, 0.0001, 0.0).
+    loss = np.r_[falling(150, 0.3, 0.0005, noise=0.05, seed=1), np.full(20, 0.00012), np.full(10, 0.00004)]
+    verdict = audited(trainer_run(tmp_path / "converged", loss, every=25, decimals=4))
+    assert findings(verdict, "LOOP-21") == []
+
+
+def test_one_value_repeated_fails_and_a_few_quanta_plateau_does_not(tmp_path):
+    loss = [1.637, 11.8069, 11.6046, 10.3829] + [10.3735] * 6
+    [finding] = findings(audited(trainer_run(tmp_path / "constant", loss, lr=5.0, decimals=4)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 5) and finding["evidence"]["logged_steps"] == 6
+    assert "10.3735 at every logged step from step 5 to step 10" in finding["message"]
+    # 0.0005 sixteen times at 4 decimals: five rounding steps cannot show a model moving.
+    plateau = np.r_[falling(80, 0.4, 0.0006, noise=0.05, seed=2), np.full(16, 0.0005), falling(20, 0.0005, 0.0003)]
+    assert findings(audited(trainer_run(tmp_path / "plateau", plateau, every=25, decimals=4)), "LOOP-21") == []
+
+
+def test_an_unrounded_ordinary_loss_never_repeats_and_grpo_is_not_judged(tmp_path):
+    assert findings(audited(trainer_run(tmp_path / "clean", falling(200))), "LOOP-21") == []
+    verdict = audited(trainer_run(tmp_path / "grpo", np.zeros(20), keys={"kl": np.zeros(20), "reward": np.ones(20)}))
+    assert status(verdict, "LOOP-21")[0] == "not_run"
