@@ -177,6 +177,8 @@ class Recorder:
             manifest["param_norms"] = self._param_norms()
             if scheduler is not None:
                 manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
+            if optimizer is not None:  # LOOP-22 judges the learning rate against the optimizer's family
+                manifest["optimizer"] = {"class": type(optimizer).__name__}
         self._write("manifest", manifest)
         self._write("events", {"kind": "start", "time": time.time()})
         self._probe_inputs = self._encode_prompts([[{"role": "user", "content": p}] for p in self.probe_prompts])
