@@ -72,11 +72,11 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     Hub push, ``best_checkpoint/``...) at its ``global_step``, unless a numbered folder has that step."""
     numbered, named = {}, {}
     for p in run_dir.iterdir():
-        if not p.is_dir() or p.is_symlink() or p.name in NOT_CHECKPOINTS:
+        if not p.is_dir() or p.name in NOT_CHECKPOINTS:
             continue
         if m := CHECKPOINT_DIR.fullmatch(p.name):
-            numbered[p] = int(m.group(1))
-        elif (step := _global_step(p / TRAINER_STATE)) is not None:
+            numbered[p] = int(m.group(1))  # symlinked too: recorded, never read (LOOP-09 names where it points)
+        elif not p.is_symlink() and (step := _global_step(p / TRAINER_STATE)) is not None:
             named[p] = step
     taken = set(numbered.values())
     return sorted([(s, p) for p, s in numbered.items()] + [(s, p) for p, s in named.items() if s not in taken])

@@ -13,7 +13,7 @@ from sftaudit.audit import audit
 from sftaudit.checks import AuditContext
 from sftaudit.checks.loop09_checkpoint_integrity import CheckpointIntegrity
 from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, NAN_TENSOR, PAYLOAD_FILE, STRAY_TENSOR
-from sftaudit.ingest import connect, load_manifest
+from sftaudit.ingest import connect, ingest, load_manifest
 
 from ..conftest import HF_CHECKPOINT_FAULTS
 
@@ -103,6 +103,7 @@ def test_only_the_sound_checkpoints_are_intact(faulty):
 
 
 def test_resume_state_fails_each_checkpoint_under_require_resume_state(checkpoint_fault_run):
+    ingest(checkpoint_fault_run)  # the shared run may not have been audited yet by an earlier test
     con = connect(checkpoint_fault_run, read_only=True)
     try:
         ctx = AuditContext(con, checkpoint_fault_run, load_manifest(con))
