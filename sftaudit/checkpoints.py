@@ -99,6 +99,11 @@ class CheckpointError(InputError):
     """A checkpoint file that cannot be read safely (truncated, hostile header, bad archive)."""
 
 
+class MissingWeights(CheckpointError):
+    """A checkpoint folder with no weight files at all (deleted, rotated, or left out of a copy): nothing
+    corrupt to report, but nothing to verify or roll back to either."""
+
+
 class LfsPointer(CheckpointError):
     """A Git LFS pointer file where the weights should be (a clone made without git-lfs)."""
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import (TRAINER_GLOBALS, Call, CheckpointError, Global, PickleContents, TensorScan,
-                          read_pickle, read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
+from .checkpoints import (TRAINER_GLOBALS, Call, CheckpointError, Global, MissingWeights, PickleContents,
+                          TensorScan, read_pickle, read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
                           state_dict_tensors)
 
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".pkl")
@@ -94,7 +94,7 @@ def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weig
         if deepspeed is not None and not files:  # the engine's own save: weights in its model states
             weights = _deepspeed(deepspeed, trusted)
         elif not files:
-            raise CheckpointError(f"holds no model weights (model.safetensors, shards with an index, "
+            raise MissingWeights(f"holds no model weights (model.safetensors, shards with an index, "
                                   f"{TORCH_WEIGHT_FILES[0]}, an adapter, a DCP or DeepSpeed folder)")
         else:
             weights = Weights()

@@ -13,8 +13,8 @@ from typing import Any
 
 import duckdb
 
-from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, PickleContents, UnreadablePickle, inside_run,
-                           is_lfs_pointer, read_pickle)
+from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, MissingWeights, PickleContents, UnreadablePickle,
+                           inside_run, is_lfs_pointer, read_pickle)
 from ..ingest import recorded_checkpoints
 from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
 from ..safe_io import kind_of
@@ -258,6 +258,10 @@ class CheckpointIntegrity(Check):
             out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
                                  {"file": rel}))
             out.unread.add(exc.file.name)
+            return None
+        except MissingWeights as exc:
+            out.problems.append(("warn", f"{out.name}: {exc}: it cannot be verified or rolled back to",
+                                 {"file": path.name}))
             return None
         except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))

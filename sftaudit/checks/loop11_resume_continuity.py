@@ -101,8 +101,18 @@ class ResumeContinuity(Check):
     def _source(self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int) -> tuple[dict | None, list[Finding]]:
         config = ctx.scalar("SELECT manifest->'$.config.resume_from' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
         named = PurePosixPath(str(config).strip('"').replace("\\", "/")).name if config not in (None, "null") else None
+        # Imported logs place the resume's first step only to its logging window: the source is the last
+        # checkpoint saved in the window before it.
+        imported = bool(ctx.manifest.get("imported"))
+        window = int((ctx.manifest.get("granularity") or {}).get("logging_steps") or 1) if imported else 1
+        before = [c for c in checkpoints if first - 1 - window < c["step"] <= first - 1]
         source = next((c for c in checkpoints if c["name"] == named), None) if named else \
-            next((c for c in checkpoints if c["step"] == first - 1), None)
+            (max(before, key=lambda c: c["step"]) if before else None)
+        if source is None and imported:
+            # A folder holding logs and only some checkpoints is no evidence the resume was inexact.
+            return None, [self.finding("info", f"the run resumed at step {first}, but no checkpoint it could have "
+                                       f"resumed from is on disk; its state cannot be checked", step=first,
+                                       category="risk", resume_step=first, checkpoint_name=named)]
         if source is None:
             return None, [self.finding("fail", f"the run resumed at step {first} but no checkpoint "
                                        f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
