@@ -81,7 +81,7 @@ class LossDynamics(Check):
         found = loss_excursions(loss, window, first, self.params["sigma_spike"], self.params["diverge_steps"])
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(self.code, "loss z vs its own step-to-step noise", steps.tolist(), np.nan_to_num(z).tolist(),
-                       threshold)
+                       threshold, sole_condition=True)
         rows = rows_per_log(ctx)
         findings = []
         for s, length, sustained in found["episodes"]:
