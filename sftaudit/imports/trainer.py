@@ -374,7 +374,7 @@ def _params(folders: list[Path]) -> list[dict[str, Any]]:
     """The tensors of the first readable folder (file order: a checkpoint does not keep the model's
     parameter order; whether each was trainable is not on disk either)."""
     from ..checkpoints import CheckpointError
-    from .optimizer_state import checkpoint_weights
+    from ..optimizer_state import checkpoint_weights
 
     for folder in folders:
         try:

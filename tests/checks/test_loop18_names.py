@@ -8,7 +8,7 @@ import pytest
 
 from sftaudit.audit import audit
 from sftaudit.imports import import_run
-from sftaudit.imports.optimizer_state import checkpoint_weights, map_names, read_adam_state
+from sftaudit.optimizer_state import checkpoint_weights, map_names, read_adam_state
 
 from .dynamics_runs import of
 

@@ -16,7 +16,7 @@ import pytest
 from sftaudit.audit import audit
 from sftaudit.checkpoints import CheckpointError
 from sftaudit.imports import import_run
-from sftaudit.imports.optimizer_state import UnsafeOptimizerState, checkpoint_weights, map_names, read_adam_state
+from sftaudit.optimizer_state import UnsafeOptimizerState, checkpoint_weights, map_names, read_adam_state
 
 from .dynamics_runs import of
 from .posthoc_runs import GRAD_DROPPED, SCALED, SCALED_WEIGHTS, audited, posthoc_run

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import (SAFETENSORS_DTYPES, CheckpointError, TensorEntry, TensorRef, read_pickle,
+from .checkpoints import (SAFETENSORS_DTYPES, CheckpointError, TensorEntry, TensorRef, read_pickle,
                            read_safetensors_header, safetensors_files)
 
 OPTIMIZER_FILE = "optimizer.pt"
