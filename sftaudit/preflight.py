@@ -178,7 +178,7 @@ def _progress(total: int, enabled: bool):
 def _render(rows, ids, renderer: Renderer, bar, encode=None) -> tuple[dict[int, tuple[str, list]],
                                                                       list[tuple[str, str, str]], list]:
     """Every row rendered; the failures as (sample id, kind, message): the template refusing the row
-    (`render_failed`) or a message's content missing from its render (`content_dropped`, Z02). With
+    (`render_failed`) or a message's content missing from its render (`content_dropped`). With
     `encode`, each chunk of rendered texts (in row order) is handed to it as soon as it is complete;
     returns what it returned, per chunk."""
     rendered, failures, pending, chunks = {}, [], [], []

@@ -35,7 +35,7 @@ def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> lis
 
 
 # Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
-# checkpoint before the anomaly; the seed rolls back to `step_id - 3` (3); PaLM-style practice
+# checkpoint before the anomaly; a cautious choice rolls back to `step_id - 3` (3); PaLM-style practice
 # restarts about 100 steps before a loss spike (100).
 DEFAULT_ROLLBACK_MARGIN = 1
 

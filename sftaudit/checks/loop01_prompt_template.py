@@ -13,7 +13,7 @@ _EMPTY_SEVERITY = {"user": "fail", "assistant": "fail", "system": "warn"}
 
 
 class PromptTemplateConsistency(Check):
-    """Prompt-template consistency (seed trigger point: after data load).
+    """Prompt-template consistency (trigger point: after data load).
 
     What it detects:
         Fields the chat template reads that the dataset does not have (a case mismatch like
@@ -25,7 +25,7 @@ class PromptTemplateConsistency(Check):
         template in one run.
     Why it matters:
         A template that reads a missing field renders an empty string or crashes late; empty
-        instruction pairs (seed 003) teach the model to babble on empty input; two templates
+        instruction pairs teach the model to babble on empty input; two templates
         in one run teach two prompt formats and the model answers neither reliably.
     Statistic:
         Fields: jinja2's own AST of the template (`Getitem`/`Getattr` on `messages` and the
@@ -88,7 +88,7 @@ class PromptTemplateConsistency(Check):
         )]
 
     def _dropped(self, ctx: AuditContext) -> list[Finding]:
-        """Rows whose render lacks a message's content (preflight): the template dropped it (Z02)."""
+        """Rows whose render lacks a message's content (preflight): the template dropped it."""
         dropped = ctx.frame("SELECT sample_id, error FROM events WHERE kind = 'content_dropped' ORDER BY time")
         if dropped.is_empty():
             return []

@@ -17,7 +17,7 @@ _MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w-]*>|\[/?[A-Z_]{2,}\]")
 
 
 class SpecialTokenAlignment(Check):
-    """Tokenizer special-token alignment (seed trigger point: after tokenize).
+    """Tokenizer special-token alignment (trigger point: after tokenize).
 
     What it detects:
         A control marker the template emits that the tokenizer splits into several pieces
@@ -30,7 +30,7 @@ class SpecialTokenAlignment(Check):
     Why it matters:
         A split marker is learned as ordinary text, so generation never emits the real one;
         ids beyond the embedding index garbage or crash; a tokenizer swapped mid-run
-        (seed 003, pitfall 6) silently remaps every id the model has learned.
+        silently remaps every id the model has learned.
     Statistic:
         Markers: the tokenizer's own special/added tokens found in the template's literal
         strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
@@ -140,7 +140,7 @@ class SpecialTokenAlignment(Check):
         )]
 
     def _untrained(self, ctx: AuditContext, start: dict) -> list[Finding]:
-        """Template markers the samples use whose embedding and output rows are near zero at start (Z07):
+        """Template markers the samples use whose embedding and output rows are near zero at start:
         frozen, they never train, so the model cannot read or emit them."""
         rows = start.get("marker_rows")
         if not rows or not ctx.has_rows("samples"):
@@ -172,7 +172,7 @@ class SpecialTokenAlignment(Check):
 
     def _stops_on(self, start: dict, tokenizer: Any) -> list[Finding]:
         """The model's generation eos (generation config, else model config) does not include the marker
-        the template ends a turn with (Z06): trained to emit it, the model is never stopped by it."""
+        the template ends a turn with. Trained to emit it, the model is never stopped by it."""
         model = start.get("model") or {}
         stops = model.get("generation_eos")
         if stops is None:
@@ -194,7 +194,7 @@ class SpecialTokenAlignment(Check):
         )]
 
     def _double_bos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
-        """The template writes BOS and the collator's tokenizer call adds another (Z03)."""
+        """The template writes BOS and the collator's tokenizer call adds another."""
         bos = tokenizer.bos_token_id
         if bos is None or not ctx.has_rows("samples"):
             return []

@@ -9,7 +9,7 @@ from .base import AuditContext, Check, Finding
 
 
 class BatchPaddingStrategy(Check):
-    """Batch padding strategy (seed trigger point: after collate).
+    """Batch padding strategy (trigger point: after collate).
 
     What it detects:
         Batches whose sequence lengths vary so much that most of the batch is padding, and
@@ -23,12 +23,12 @@ class BatchPaddingStrategy(Check):
         sequence lengths (population std / mean) and padding share
         1 - sum(lengths) / (rows * padded length). CV alone flags every randomly batched chat
         dataset (the fixture's clean run sits at 16-48%), so a batch is flagged only when
-        its lengths vary above the seed's CV threshold AND that variation makes most of the
+        its lengths vary above the CV threshold AND that variation makes most of the
         batch padding. Run level: padding share of all tokens, and the padded tokens that
         length-grouped batching (lengths sorted within megabatches of `group_batches`
         consecutive batches, as HF's `group_by_length` does) would need.
     Threshold:
-        CV above 15% (seed) with padding share above 60% in a batch is a warn (a configuration:
+        CV above 15% with padding share above 60% in a batch is a warn (a configuration:
         the batching is a choice, stated at run scope); the run's
         padding waste and the grouped-batching saving are reported as info.
     Evidence:

@@ -25,10 +25,10 @@ _ADVICE = {
 
 
 class LossMaskValidity(Check):
-    """Loss-mask validity (seed trigger point: after forward).
+    """Loss-mask validity (trigger point: after forward).
 
     What it detects:
-        Labels that disagree with the chat template: prompt tokens trained (and the seed's
+        Labels that disagree with the chat template: prompt tokens trained (and the common
         off-by-one, where the prompt's last token before the answer is trained), assistant
         tokens or their end-of-turn marker masked, padding trained, padding confused with
         prompt (pads attended, or real tokens hidden as padding), samples that truncation
@@ -65,7 +65,7 @@ class LossMaskValidity(Check):
         earlier answers while others are masked is a dropped answer (fail).
     Threshold:
         Any mismatched position in a row is a fail (padding confused with prompt: warn);
-        the aggregate counts differing by more than 0.1% (seed) is a warn.
+        the aggregate counts differing by more than 0.1% is a warn.
     Evidence:
         Sample ids, steps, the mismatched positions of the first sample, and a side-by-side
         of its tokens / input_ids / labels around the first mismatch.
@@ -229,7 +229,7 @@ class LossMaskValidity(Check):
         )
 
     def _emptied_by_truncation(self, frame: Any) -> list[Finding]:
-        """Rows cut at the longest recorded length that train no token at all (Z11)."""
+        """Rows cut at the longest recorded length that train no token at all."""
         hits, longest = [], 0
         for part, _, labels, attention in sample_blocks(frame):
             lengths = (attention != 0).sum(1)

@@ -19,7 +19,7 @@ MIN_BASELINE_SHARE = 0.5
 
 
 class GradientNormAnomaly(Check):
-    """Gradient-norm anomaly (seed trigger point: after backward).
+    """Gradient-norm anomaly (trigger point: after backward).
 
     What it detects:
         Non-finite loss or gradients, per tensor, that reached the weights (a step the fp16 loss scaler
@@ -30,7 +30,7 @@ class GradientNormAnomaly(Check):
         saves (left out of the optimizer).
     Why it matters:
         One non-finite gradient poisons every weight it touches. A single layer whose gradient is
-        suddenly an order of magnitude larger points at hardware (the seed's ECC error) or a
+        suddenly an order of magnitude larger points at hardware (a faulty GPU with ECC errors) or a
         broken layer; periodic spikes at a fixed interval point at the framework (recompilation),
         not the data; a tensor left out of the optimizer trains nothing while the loss looks fine.
     Statistic:
@@ -39,7 +39,7 @@ class GradientNormAnomaly(Check):
         of the robust sigmas (1.4826 x MAD) of the previous 4 blocks (one volatile block must not
         hide a broken layer). Warmup steps are no baseline; a block less than half outside warmup
         gives none. Own-history z = (y - median) / max(sigma, log 1.2); effect size = norm / exp(median).
-        Across tensors (the seed's rule), each tensor's log-ratio to its baseline is compared with
+        Across tensors, each tensor's log-ratio to its baseline is compared with
         the mean + `sigma_across` std of all tensors' log-ratios at that step (raw norms differ by
         orders of magnitude between embeddings and norms, so they are not compared directly).
         Warmup (until the learning rate stops rising) is excluded. Weight movement: the shim
@@ -47,7 +47,7 @@ class GradientNormAnomaly(Check):
         tensor's gradients were non-zero means the weights did not move.
     Threshold:
         Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
-        (10x) and across-tensor z >= `sigma_across` (3, the seed's): fail at its first step.
+        (10x) and across-tensor z >= `sigma_across` (3): fail at its first step.
         At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
         spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike). Non-finite
         gradients at a step the optimizer did not skip: fail. Weights
@@ -149,7 +149,7 @@ class GradientNormAnomaly(Check):
         log_ratio = y - median
         with np.errstate(invalid="ignore"):
             own = judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
-        # The seed's cross-tensor rule, evaluated only on the steps where some tensor spiked on its own.
+        # The cross-tensor rule, evaluated only on the steps where some tensor spiked on its own.
         z_across = np.full(y.shape, np.nan)
         candidates = np.flatnonzero(own.any(axis=1))
         if candidates.size:

@@ -39,18 +39,19 @@ def own_history(values: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray
 
 
 class LogitsStability(Check):
-    """Logits distribution stability (seed trigger point: probe steps).
+    """Logits distribution stability (trigger point: probe steps).
 
     What it detects:
         The next-token distribution on the fixed probe prompts jumping between consecutive probe
         steps, its top-1 probability swinging, or its entropy collapsing: the model's answers to
-        the same questions changing abruptly (the seed's 1% gibberish, or a collapse onto a template).
+        the same questions changing abruptly (after as little as 1% of gibberish samples, or a collapse
+        onto a template).
     Why it matters:
-        The probes see degradation before the loss does (the seed's 2.3: flagged at step 1201,
-        not at the end of epoch 3), because they measure what the model would say, not how well it
+        The probes see degradation before the loss does (at the step it starts,
+        not at the end of an epoch), because they measure what the model would say, not how well it
         fits the batch in front of it.
     Statistic:
-        The seed's "10 passes with dropout off" would give ten identical answers; the spread here
+        Ten passes with dropout off would give ten identical answers, so the spread here
         is across time: per prompt, the std of the top-1 probability over the last `spread_window`
         (5) probe steps, averaged over prompts. KL(previous || current) per prompt on the recorded
         top-k (missing tokens get the list's smallest probability; the rest is one bucket),
@@ -63,7 +64,7 @@ class LogitsStability(Check):
     Threshold:
         KL: z >= `sigma` (6), KL >= `min_ratio` (10) x its baseline median and KL >= `min_kl`
         (0.02 nats, below which top-k rounding dominates): warn. Spread: z >= `sigma` and spread >
-        `max_top1_std` (0.08, the seed's absolute value, kept as a floor): warn. Entropy <
+        `max_top1_std` (0.08, an absolute value kept as a floor): warn. Entropy <
         `entropy_collapse` (0.5) x its previous-block median: warn. Each at the first probe step
         it holds.
     Evidence:

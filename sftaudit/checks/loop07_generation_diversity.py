@@ -16,11 +16,11 @@ def ngrams(tokens: list[str], n: int) -> list[tuple[str, ...]]:
 
 
 class GenerationDiversity(Check):
-    """Generation diversity (seed trigger point: eval steps).
+    """Generation diversity (trigger point: eval steps).
 
     What it detects:
         Sampled generations on the fixed probe prompts collapsing onto the same words: a model
-        that answers everything with a template (the seed's 5.5 "根据您的问题，答案是...").
+        that answers everything with a template (e.g. "根据您的问题，答案是...", "based on your question, the answer is...").
     Why it matters:
         Template or repetitive outputs do not show in the loss (the model predicts its training
         data well) nor always in ROUGE; only the diversity of what it generates reveals them.
@@ -30,8 +30,8 @@ class GenerationDiversity(Check):
         the prompt's samples (n = 1, 2), averaged over prompts; repetition-n = share of n-grams
         (n = 2, 3) that repeat an earlier n-gram of the same generation, averaged over generations.
     Threshold:
-        distinct-1 < `min_distinct_1` (0.35, the seed's) at `consecutive` (3) generation steps in
-        a row: warn at the first of them, recommending learning-rate decay (the seed's reaction).
+        distinct-1 < `min_distinct_1` (0.35) at `consecutive` (3) generation steps in
+        a row: warn at the first of them, recommending learning-rate decay.
     Evidence:
         distinct-1/2 and repetition-2/3 at the steps of the streak, the most repeated n-grams.
     """

@@ -27,15 +27,15 @@ def rouge_l_and_bleu_4(predictions: list[str], references: list[str]) -> tuple[f
 
 
 class EvalMetricDrift(Check):
-    """Eval metric drift and eval-set contamination (seed trigger point: after eval).
+    """Eval metric drift and eval-set contamination (trigger point: after eval).
 
     What it detects:
         ROUGE-L and BLEU-4 of the eval-set generations no longer moving together, or one of them
         trending down; eval items whose prompt and reference also appear among the recorded
-        training samples (a leaked test set, the seed's 5% story).
+        training samples (a leaked test set).
     Why it matters:
-        Two metrics of the same outputs that stop agreeing mean the measurement is broken (the
-        seed's 5.6: two tokenizers), not the model; a contaminated eval set inflates every metric
+        Two metrics of the same outputs that stop agreeing mean the measurement is broken (e.g. the
+        two computed on different tokenizers), not the model; a contaminated eval set inflates every metric
         computed on it.
     Statistic:
         sftaudit computes both metrics itself from the recorded predictions and references on
@@ -48,7 +48,7 @@ class EvalMetricDrift(Check):
     Threshold:
         abs(r) < `min_abs_r` (0.3) in a window where both metrics vary (std >= `min_std`, 0.005):
         warn at the window's last step. A falling trend with Kendall p < `trend_p` (0.01) over at
-        least 6 evals: warn. Containment >= `near_duplicate` (0.85, seed 003's Jaccard bar): warn
+        least 6 evals: warn. Containment >= `near_duplicate` (0.85): warn
         per run, fail when the leaked share of the eval set is >= `max_leaked_share` (5%), at the
         first step a leaked sample was trained.
     Evidence:

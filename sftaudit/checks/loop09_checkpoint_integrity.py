@@ -57,7 +57,7 @@ class Inspection:
 
 
 class CheckpointIntegrity(Check):
-    """Checkpoint integrity (seed trigger point: before/after save).
+    """Checkpoint integrity (trigger point: before/after save).
 
     What it detects:
         Checkpoints that cannot be resumed from or shipped, in every layout `sftaudit.layouts`
@@ -72,9 +72,9 @@ class CheckpointIntegrity(Check):
         clone made without git-lfs), files changed since they were saved, an incomplete training state, and parameters identical between two consecutive
         checkpoints although they had gradients.
     Why it matters:
-        A rollback is only as good as the checkpoint it lands on: the seed's 5.7 (a key missing
-        after an architecture change) and 2.3 (collator config, scheduler step and RNG states
-        lost at rollback) surface only when someone needs the checkpoint most.
+        A rollback is only as good as the checkpoint it lands on: faults such as a key missing
+        after an architecture change, or collator config, scheduler step and RNG states
+        lost at rollback, surface only when someone needs the checkpoint most.
     Statistic:
         Keys and shapes of every weight file (safetensors header validated before use, pickles
         and DCP metadata read statically) against the manifest's parameters; majority floating
@@ -323,8 +323,8 @@ class CheckpointIntegrity(Check):
                                   "tensor_count": len(b)}))
 
     def _check_tied(self, weights: Weights, checkpoint: dict, out: Inspection) -> None:
-        """A config that ties the output head to the input embeddings while the saved tensors differ
-        (zoo Z34): a reload overwrites one with the other."""
+        """A config that ties the output head to the input embeddings while the saved tensors differ:
+        a reload overwrites one with the other."""
         config = weights.config or {}
         says_tied = config.get("tie_word_embeddings", checkpoint.get("tie_word_embeddings"))
         if not says_tied:

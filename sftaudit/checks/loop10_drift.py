@@ -11,15 +11,15 @@ from .rolling import (adaptive_window, column, grad_norm_matrix, loss_excursions
 
 
 class LossDynamics(Check):
-    """Loss pathologies and rolling-window drift (seed 003 section 3.2; runs after every step).
+    """Loss pathologies and rolling-window drift (runs after every step).
 
     What it detects:
-        A loss spike (a batch the model cannot predict, the seed's garbage text), a learning rate that
+        A loss spike (a batch the model cannot predict, such as garbage text), a learning rate that
         jumps outside warmup, a loss plateau, training vs validation loss divergence (when the run logs
         `eval_loss`), and distribution drift of the loss, the global and per-tensor gradient norms and the
         probe entropy between consecutive windows. A loss that rises and stays up is LOOP-19's.
     Why it matters:
-        Seed 003 names the three loss-curve pathologies: a plateau (homogeneous data or too few
+        Each of the three loss-curve pathologies points at a cause: a plateau (homogeneous data or too few
         useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
         (over-fitting or leakage). A learning-rate jump outside warmup is a scheduler or resume bug.
     Statistic:

@@ -11,7 +11,7 @@ from .loop09_checkpoint_integrity import CheckpointIntegrity, missing_state, sav
 
 
 class ResumeContinuity(Check):
-    """Resume continuity (seed 003, 3.3 and 7.1: resume must restore seed, data position and scheduler).
+    """Resume continuity (a resume must restore the random seed, data position and scheduler).
 
     What it detects:
         A resumed run (a new recorder segment whose first step continues an earlier one) that did
@@ -21,8 +21,8 @@ class ResumeContinuity(Check):
         schedule (warmup run again, LR dropped to 0); the weights (not the checkpoint's); the
         optimizer state (Adam's step count back to 0).
     Why it matters:
-        "I forgot to restore the data position and re-read a stretch of already-trained data,
-        a small overfitting experiment" (seed 003). A restarted warmup, lost weights or fresh
+        Forgetting to restore the data position re-reads a stretch of already-trained data: a small,
+        unplanned overfitting experiment. A restarted warmup, lost weights or fresh
         optimizer moments waste the steps since the checkpoint and quietly change the run's recipe.
     Statistic:
         Resume point: the new segment's first step r. Data, on the stream of sample ids in training

@@ -15,7 +15,7 @@ SENTENCEPIECE_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class GarbageSamples(Check):
-    """Garbage training samples (seed 06's "1% gibberish"; seed 003's data-cleaning pitfalls).
+    """Garbage training samples (gibberish that data cleaning let through).
 
     What it detects:
         Recorded training samples whose trained (assistant) tokens are mostly raw bytes: the
@@ -23,7 +23,7 @@ class GarbageSamples(Check):
         (mis-decoded bytes, a script its corpus never had, binary junk). A burst of them from step N is reported at N with the sample ids;
         a run whose every sample looks like that has a tokenizer that does not cover its data.
     Why it matters:
-        The seed's 1% of gibberish barely moved the loss yet made the model's predictions
+        1% of gibberish samples can leave the loss almost unchanged yet make the model's predictions
         unstable (top-1 std 0.02 -> 0.15); the model spends its updates memorising noise.
         Found at the batch, the samples can be dropped before the run is resumed.
     Statistic:

@@ -12,10 +12,10 @@ class LossNormalisation(Check):
 
     What it detects:
         The objective the optimizer minimised is not the token mean over the optimizer window:
-        gradient accumulation taken as the mean of micro-batch means (zoo Z22), or per-rank means
-        averaged across ranks (Z24), so tokens in short micro-batches weigh more. The logged training
-        loss disagreeing with the loss the model computed (Z23: logged x gradient-accumulation steps;
-        Z18: a NaN step hidden by the Trainer's `logging_nan_inf_filter`), at any scale: also when the
+        gradient accumulation taken as the mean of micro-batch means, or per-rank means
+        averaged across ranks, so tokens in short micro-batches weigh more. The logged training
+        loss disagreeing with the loss the model computed (logged x gradient-accumulation steps;
+        a NaN step hidden by the Trainer's `logging_nan_inf_filter`), at any scale: also when the
         backpropagated objective carries the same error (transformers 4.47 with a model whose forward
         takes no `**kwargs`, such as GPT-2, divides no loss by the accumulation steps: logged loss and
         gradients are both GA x the token mean). A first loss far above

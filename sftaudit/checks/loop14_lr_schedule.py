@@ -17,9 +17,9 @@ class LRScheduleConformance(Check):
 
     What it detects:
         The learning rate each step trained with departing from the schedule the run configured:
-        running k x ahead (a scheduler stepped several times per optimizer step, zoo Z28:
+        running k x ahead (a scheduler stepped several times per optimizer step, e.g.
         accelerate's wrapper stepping it once per process) or behind; reaching its floor early;
-        restarting its warmup (a resume with a fresh scheduler, zoo Z36); 0 while gradients flow.
+        restarting its warmup (a resume with a fresh scheduler); 0 while gradients flow.
     Why it matters:
         A schedule compressed k x ends its warmup and decays k x early: the rest of the run trains
         at a learning rate near 0 while the loss curve merely looks converged. Nothing else in

@@ -15,11 +15,11 @@ class TrainableSetConformance(Check):
 
     What it detects:
         A tensor that requires grad but receives no gradient (None) or an exactly-zero one for
-        `min_steps` steps in a row (zoo Z26: reentrant gradient checkpointing over frozen
+        `min_steps` steps in a row (reentrant gradient checkpointing over frozen
         embeddings leaves the LoRA adapters inside the checkpointed layers without gradients);
         a tensor the run declared trainable (`config["trainable"]`: name patterns) that does not
-        require grad, or a pattern matching no parameter (Z27); stale gradients: a tensor's
-        gradient norm bit-identical to the previous step's (Z29: a reused ZeRO bucket).
+        require grad, or a pattern matching no parameter; stale gradients: a tensor's
+        gradient norm bit-identical to the previous step's (a reused ZeRO bucket).
     Why it matters:
         None of these makes a per-run statistic look wrong: the loss still falls through the
         tensors that do train, and the frozen or stale ones quietly train nothing (or the same

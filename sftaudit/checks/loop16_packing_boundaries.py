@@ -15,7 +15,7 @@ class PackingBoundaries(Check):
     """Packing boundaries (trigger point: after collate).
 
     What it detects:
-        Rows that hold several samples (packing) while causal attention runs across them (zoo Z16):
+        Rows that hold several samples (packing) while causal attention runs across them:
         no 4-D or block mask separates them, and the positions do not restart at each sample in a
         forward that honours the restarts. Each sample then attends to the ones packed before it.
     Why it matters:

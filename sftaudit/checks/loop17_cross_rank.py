@@ -20,13 +20,13 @@ class CrossRankConsistency(Check):
         NO_SHARD) that differ between ranks, from step 1 when gradients are not synchronised at
         all; data-parallel replicas whose weights differ at a checkpoint (silent data corruption:
         DDP never re-broadcasts weights, so the divergence is permanent); data-parallel ranks
-        training the same sample ids at the same step (zoo Z31: an unsharded sampler or
+        training the same sample ids at the same step (an unsharded sampler or
         IterableDataset); a framework total gradient norm (the Trainer's logged `grad_norm`, a
-        loop's `clip_grad_norm_` return) that is not the whole model's (zoo Z30: FSDP clipped
+        loop's `clip_grad_norm_` return) that is not the whole model's (FSDP clipped
         with the plain `clip_grad_norm_`, which sees each rank's shards only); a non-finite local
         loss on some ranks while the others' is finite, pinned to its rank; a finite local loss on
         one rank far outside the usual spread between the ranks (a bad batch or a bad device on that
-        rank), pinned to its rank. Per-rank token counts against the loss averaging (Z24) are LOOP-13's.
+        rank), pinned to its rank. Per-rank token counts against the loss averaging are LOOP-13's.
     Why it matters:
         After the all-reduce every rank sees the same NaN or the same corrupted gradient; only the
         per-rank records taken before it say which rank (device, data shard) it came from. A
@@ -174,7 +174,7 @@ class CrossRankConsistency(Check):
         return [self.finding(
             "fail",
             f"ranks {', '.join(map(str, ranks))} trained the same {n} of {total} sample(s) at step {step} "
-            f"({len(rows)} step(s) affected): the data is not sharded across data-parallel ranks (zoo Z31: a "
+            f"({len(rows)} step(s) affected): the data is not sharded across data-parallel ranks (a "
             f"sampler without the rank, or an IterableDataset every rank reads whole); use a DistributedSampler or "
             f"split the stream by rank",
             step=step, ranks=ranks, shared=n, samples=total, steps_affected=len(rows),
@@ -201,7 +201,7 @@ class CrossRankConsistency(Check):
             "fail",
             f"the framework's total gradient norm at step {step} on rank {rank} was {logged:.4g}, but the whole "
             f"model's gradient norm (its ranks' pieces reduced) was {reduced:.4g}: the framework clipped by a norm "
-            f"it did not compute over all shards (zoo Z30: FSDP with the plain torch.nn.utils.clip_grad_norm_); clip "
+            f"it did not compute over all shards (FSDP with the plain torch.nn.utils.clip_grad_norm_); clip "
             f"with the wrapper's own clip_grad_norm_ (FSDP1) or a DTensor-aware one",
             step=step, rank=rank, logged=logged, reduced=reduced, steps_affected=len({r[0] for r in rows}),
             threshold=self.params["total_norm_rtol"], value=abs(logged / reduced - 1),

@@ -2,7 +2,7 @@
 
 CJK characters are one token each (Chinese has no spaces to split on), runs of other letters and
 digits are one lower-cased token each, punctuation and spaces are dropped. Using the same tokens
-for ROUGE-L and BLEU-4 is the point: the seed's 5.6 bug is the two metrics on different tokenizers.
+for ROUGE-L and BLEU-4 is the point: a common bug is the two metrics computed on different tokenizers.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 Per-step records (loss, lr, per-tensor gradient norms, batch statistics) are cheap
 and taken at every step in every profile. The profile sets the schedule of the
-costly probes. The seed's staged profiles (6.2): ``dev`` records everything, often
+costly probes. Three staged profiles: ``dev`` records everything, often
 (for debugging a run; it costs several percent of step time); ``preprod`` thins the
 data-layer evidence (checks 01, 02 and 04 see fewer rows) and probes less often, within
-the 3% budget: it is the default. The seed drops the logits probe (06) there because
-its version costs ten forward passes; ours is one batched forward, so preprod keeps
-it at a low rate. ``prod`` keeps the cheapest set at a lower frequency. Overheads per
+the 3% budget: it is the default. A logits probe (06) of ten forward passes would not
+fit there; ours is one batched forward, so preprod keeps it at a low rate. ``prod``
+keeps the cheapest set at a lower frequency. Overheads per
 profile are measured by ``benchmarks/shim_overhead.py``.
 """
 

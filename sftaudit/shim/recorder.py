@@ -938,7 +938,7 @@ def _describe_model(model: torch.nn.Module) -> dict:
 
 def _marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
     """Embedding and output row norms of the added tokens the chat template writes, with the median
-    row norm, at start: a base model's untrained chat markers are near zero (Z07). One host sync."""
+    row norm, at start: a base model's untrained chat markers are near zero. One host sync."""
     template = getattr(tokenizer, "chat_template", None)
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids = sorted(int(i) for i, t in added.items() if isinstance(template, str) and t.content and t.content in template)
