@@ -11,7 +11,7 @@ from .checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from .config import AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
-from .imports.resolution import at_logging_resolution, first_window
+from .resolution import at_logging_resolution, first_window
 from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints
 from .verdict import build_verdict
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.base import Finding
-from .dataset import DATASET_SOURCE, DATASET_STEP
+from .checks.base import Finding
+from .imports.dataset import DATASET_SOURCE, DATASET_STEP
 
 
 def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]) -> tuple[list[Finding], dict | None]:
