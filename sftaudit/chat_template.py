@@ -884,26 +884,7 @@ def remember_tokenizer(path: str | Path, tokenizer: Any) -> None:
     _LOADED[_key(Path(path))] = tokenizer
 
 
-# --------------------------------------------------------------------------- what the checks share
-
-
-def run_tokenizer(ctx: Any) -> Any | None:
-    """The run's own tokenizer, as the shim saved it (None when the run recorded none)."""
-    from .artifacts import TOKENIZER_DIR, artifact_root
-
-    from .checks.base import CannotJudge
-
-    path = artifact_root(ctx.run_dir) / TOKENIZER_DIR
-    try:
-        return load_tokenizer(path) if path.is_dir() else None
-    except TokenizerUnusable as exc:
-        raise CannotJudge(str(exc).partition(": ")[2]) from None
-
-
-def first_manifest(ctx: Any) -> dict:
-    """The manifest of the run's first segment: the template and tokenizer it started with."""
-    row = ctx.row("SELECT manifest FROM manifest WHERE rank = 0 ORDER BY seg LIMIT 1")
-    return json.loads(row[0]) if row else ctx.manifest
+# --------------------------------------------------------------------------- layouts
 
 
 @functools.lru_cache(maxsize=8)
@@ -914,19 +895,3 @@ def _layout(tokenizer: Any, source: str) -> TemplateLayout:
 def run_layout(tokenizer: Any) -> TemplateLayout | None:
     source = template_source(getattr(tokenizer, "chat_template", None))
     return _layout(tokenizer, source) if source else None
-
-
-def recorded_samples(ctx: Any, template: str | None) -> Any:
-    """Recorded rows (step, sample_id, input_ids, labels, attention_mask) of batches rendered
-    with `template` (rows of batches with another template are LOOP-01's)."""
-    from .artifacts import template_fingerprint
-
-    return ctx.frame(
-        """
-        SELECT s.step, s.sample_id, s.input_ids, s.labels, s.attention_mask
-        FROM samples s JOIN batches b USING (rank, seg, step, micro)
-        WHERE b.template_fingerprint IS NULL OR b.template_fingerprint = ? OR ? IS NULL
-        ORDER BY s.step, s.micro, s.row
-        """,
-        [template_fingerprint(template), template_fingerprint(template)],
-    )

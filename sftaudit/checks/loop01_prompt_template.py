@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..artifacts import template_fingerprint
-from ..chat_template import (empty_turns, first_manifest, recorded_samples, run_layout, run_tokenizer,
-                             sample_blocks, template_fields, template_source)
+from ..chat_template import empty_turns, run_layout, sample_blocks, template_fields, template_source
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
+from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 # Roles whose empty turn is a fail (an empty system prompt is merely suspicious).
 _EMPTY_SEVERITY = {"user": "fail", "assistant": "fail", "system": "warn"}

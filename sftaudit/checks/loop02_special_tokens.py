@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (first_manifest, matches, recorded_samples, run_layout, run_tokenizer, sample_blocks,
-                             template_fields, template_source)
+from ..chat_template import matches, run_layout, sample_blocks, template_fields, template_source
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
+from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
 _MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w-]*>|\[/?[A-Z_]{2,}\]")

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (CATEGORY_NAMES, EITHER, IGNORE_INDEX, MASKED, PADDING, TRAINED, actual_labels, expected_labels,
-                             first_manifest, has_generation_block, matches, recorded_samples, run_layout, run_tokenizer,
-                             sample_blocks, template_source)
+from ..chat_template import (CATEGORY_NAMES, EITHER, IGNORE_INDEX, MASKED, PADDING, TRAINED, actual_labels,
+                             expected_labels, has_generation_block, matches, run_layout, sample_blocks,
+                             template_source)
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
+from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 _ADVICE = {
     "off_by_one": "the collator's prompt boundary is off by one; mask through the last token of the assistant header",

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import polars as pl
 
-from ..chat_template import run_tokenizer
 from .base import AuditContext, Check, Finding
+from .recorded import run_tokenizer
 
 IGNORE_INDEX = -100
 SENTENCEPIECE_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
