@@ -122,6 +122,10 @@ class TemplateBudget(jinja2.exceptions.SecurityError):
         super().__init__(f"chat template exceeded its render budget ({why})")
 
 
+class TemplateOverBudget(InputError):
+    """TemplateBudget as the analyzer reports it: never taken for "a template without turns"."""
+
+
 def _tick() -> None:
     budget = getattr(_BUDGET, "left", None)
     if budget is None:  # compile-time constant folding: sizes are still checked, steps are not counted
@@ -287,13 +291,13 @@ def _refuse_constant_bombs(ast: nodes.Template) -> None:
         try:
             fold(node)
         except TemplateBudget:
-            raise InputError(str(TemplateBudget(f"a constant expression at line {node.lineno}"))) from None
+            raise TemplateOverBudget(str(TemplateBudget(f"a constant expression at line {node.lineno}"))) from None
         except (nodes.Impossible, ArithmeticError, TypeError, ValueError):
             pass
     for node in ast.find_all((nodes.Call, nodes.Filter)):
         for arg in [*node.args, *(k.value for k in node.kwargs)]:
             if isinstance(arg, nodes.Const) and type(arg.value) is int and arg.value > MAX_RENDER_CHARS:
-                raise InputError(str(TemplateBudget(f"a call with the argument {arg.value} at line {node.lineno}")))
+                raise TemplateOverBudget(str(TemplateBudget(f"a call with the argument {arg.value} at line {node.lineno}")))
 
 
 def _render_budgeted(template: jinja2.Template, blocks: list[str] | None = None, **context: Any) -> str:
@@ -610,7 +614,7 @@ class TemplateLayout:
             try:
                 return renderer.render([{"role": r, "content": s[r]} for r in roles], add_generation_prompt=prompt)
             except TemplateBudget as exc:
-                raise InputError(str(exc)) from None
+                raise TemplateOverBudget(str(exc)) from None
             except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError):
                 return None, []  # the template refuses this shape of conversation
 

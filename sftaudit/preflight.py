@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from .artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, template_fingerprint
-from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, expected_labels, remember_tokenizer, run_layout,
+from .chat_template import (IGNORE_INDEX, TRAINED, Renderer, TemplateBudget, expected_labels, remember_tokenizer, run_layout,
                             tokenizer_specials)
 from .config import AuditConfig
 from .dataset_preview import dataset_preview
@@ -189,7 +189,9 @@ def _render(rows, ids, renderer: Renderer, bar, encode=None) -> tuple[dict[int, 
                 raise ValueError("the row has no 'messages' list")
             rendered[i] = renderer.render(messages)
         except Exception as exc:  # noqa: BLE001 - every render failure is a finding, not a crash
-            failures.append((ids[i], "render_failed", f"{type(exc).__name__}: {one_line(exc)}"))
+            # The template's own error class tells the user something (TemplateError: its raise_exception).
+            why = one_line(exc) if isinstance(exc, TemplateBudget) else f"{type(exc).__name__}: {one_line(exc)}"
+            failures.append((ids[i], "render_failed", why))
         else:
             text = rendered[i][0]
             for m in messages:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..artifacts import template_fingerprint
-from ..chat_template import empty_turns, run_layout, sample_blocks, template_fields, template_source
+from ..chat_template import (TemplateOverBudget, empty_turns, run_layout, sample_blocks, template_fields,
+                             template_source)
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer
@@ -106,6 +107,10 @@ class PromptTemplateConsistency(Check):
         tokenizer = run_tokenizer(ctx)
         try:
             layout = run_layout(tokenizer) if tokenizer is not None else None
+        except TemplateOverBudget as exc:
+            return [self.finding("fail", f"{exc}: the run's template would stall or exhaust memory wherever it is "
+                                 f"rendered; fix or replace it before training", kind="template_over_budget",
+                                 error=str(exc))]
         except InputError:  # a template without turns (Nemotron-Parse renders the contents only) has no empty one
             layout = None
         if layout is None or not ctx.has_rows("samples"):

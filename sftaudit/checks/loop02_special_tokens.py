@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import matches, run_layout, sample_blocks, template_fields, template_source
+from ..chat_template import TemplateOverBudget, matches, run_layout, sample_blocks, template_fields, template_source
 from ..errors import InputError
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -323,5 +323,7 @@ def _turn_layout(tokenizer: Any) -> Any:
     only): its stop marker is then the tokenizer's eos."""
     try:
         return run_layout(tokenizer)
+    except TemplateOverBudget as exc:  # LOOP-01 fails the template; its markers cannot be read off it
+        raise CannotJudge(str(exc)) from None
     except InputError:
         return None

@@ -71,6 +71,8 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     ``ckpt-N``) at N, and any other folder holding a ``trainer_state.json`` (``last-checkpoint/`` from a
     Hub push, ``best_checkpoint/``...) at its ``global_step``, unless a numbered folder has that step."""
     numbered, named = {}, {}
+    if not run_dir.is_dir():
+        return []
     for p in run_dir.iterdir():
         if not p.is_dir() or p.name in NOT_CHECKPOINTS:
             continue

@@ -22,6 +22,7 @@ off; checkpoint files are hashed in a background thread.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import sys
 import threading
@@ -958,5 +959,12 @@ def _marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
 
 
 def _library_versions() -> dict[str, str]:
-    """Versions of the training libraries already imported (importing them here would cost seconds)."""
-    return {name: sys.modules[name].__version__ for name in ("transformers", "trl", "accelerate") if name in sys.modules}
+    """Versions of the training libraries installed, from their package metadata (importing them here
+    would cost seconds), so two runs in one environment record the same, whatever each imported."""
+    found = {}
+    for name in ("transformers", "trl", "accelerate", "peft", "deepspeed"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found

@@ -251,7 +251,9 @@ def test_a_released_trainer_checkpoint_resumes_exactly(tmp_path):
 
     run = tmp_path / "tiny-gpt2"
     shutil.copytree(REAL_RUNS / "tiny-gpt2-as-checkpoint", run)
-    assert main(["audit", str(run), "--no-report", "--out", str(tmp_path / "out")]) == 0  # imported as it lies
+    # Imported as it lies. The run itself is stuck at chance (LOOP-20 fails it); its checkpoint is sound.
+    assert main(["audit", str(run), "--no-report", "--out", str(tmp_path / "out")]) == 1
     verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    assert {f["code"] for f in verdict["findings"] if f["severity"] == "fail"} == {"LOOP-20"}
     assert [c["name"] for c in verdict["checkpoints"]] == ["checkpoint-250"]
     assert [f for f in verdict["findings"] if f["code"] == "LOOP-09"] == []

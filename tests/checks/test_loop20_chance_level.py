@@ -16,7 +16,7 @@ def test_a_model_stuck_at_chance_for_its_whole_run_fails_and_a_learning_twin_doe
                                   config=GPT2))
     [finding] = findings(verdict, "LOOP-20")
     assert (finding["severity"], finding["step"]) == ("fail", 1)
-    assert finding["evidence"]["vocab_size"] == 50257 and finding["evidence"]["vocab_source"] == "model config"
+    assert finding["evidence"]["vocab_size"] == 50257 and finding["evidence"]["vocab_source"] == "manifest"  # the importer's
     assert abs(finding["evidence"]["chance_loss"] - math.log(50257)) < 1e-9
     assert "ln 50,257 = 10.82" in finding["message"]
     learning = audited(trainer_run(tmp_path / "learning", [10.83, 7.9, 6.2, 5.1, 4.6, 4.3], every=100, config=GPT2))
@@ -32,7 +32,7 @@ def test_a_first_window_above_chance_warns_at_that_window(tmp_path):
     loss = np.r_[14.7538, falling(40, 1.2, 0.45, noise=0.03)]
     [finding] = findings(audited(trainer_run(tmp_path / "start", loss, every=50, config=config)), "LOOP-20")
     assert (finding["severity"], finding["step"]) == ("warn", 1)  # the logging window of step 50
-    assert finding["evidence"]["vocab_source"] == "model config (text_config)" and finding["evidence"]["steps_above"] == 1
+    assert finding["evidence"]["vocab_source"] == "manifest" and finding["evidence"]["steps_above"] == 1
     clean = audited(trainer_run(tmp_path / "clean", falling(41, 1.9, 0.45, noise=0.03), every=50, config=config))
     assert findings(clean, "LOOP-20") == []
 

@@ -51,9 +51,9 @@ def test_a_plain_template_renders_as_before():
 
 
 @pytest.mark.parametrize("bomb", ["nested ranges", "constant power"])
-def test_a_run_whose_tokenizer_carries_a_bomb_is_unjudged_naming_the_budget(tmp_path, bomb):
-    """The audit of a run whose saved tokenizer has a hostile template: exit 2 with the budget named,
-    in bounded time (it hung in CI before)."""
+def test_a_run_whose_tokenizer_carries_a_bomb_fails_naming_the_budget(tmp_path, bomb):
+    """The audit of a run whose saved tokenizer has a hostile template: LOOP-01 fails it with the budget
+    named (LOOP-02 cannot read its markers: not run), in bounded time (it hung in CI before)."""
     from sftaudit.fixtures import build_tokenizer
 
     from .builders import audit, trainer_run
@@ -63,12 +63,12 @@ def test_a_run_whose_tokenizer_carries_a_bomb_is_unjudged_naming_the_budget(tmp_
     tokenizer.chat_template = BOMBS[bomb] + BASE + "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     tokenizer.save_pretrained(str(run / "checkpoint-20"))
     done = audit(run)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "chat template exceeded its render budget" in done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "LOOP-01 fail run: chat template exceeded its render budget" in done.stdout
     assert "Traceback" not in done.stderr
 
 
-def test_preflight_with_a_bomb_template_is_one_line_and_exit_2(tmp_path):
+def test_preflight_with_a_bomb_template_fails_each_sample_naming_the_budget(tmp_path):
     from sftaudit.fixtures import build_tokenizer
 
     from .builders import preflight
@@ -76,6 +76,7 @@ def test_preflight_with_a_bomb_template_is_one_line_and_exit_2(tmp_path):
     build_tokenizer(tmp_path / "cache").save_pretrained(str(tmp_path / "tok"))
     (tmp_path / "bomb.jinja").write_text(BOMBS["nested ranges"] + BASE)
     done = preflight(tmp_path, tmp_path / "tok", "--template", str(tmp_path / "bomb.jinja"))
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.strip().splitlines() == ["sftaudit: error: chat template exceeded its render budget "
-                                                "(over 2000000 steps)"]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("LOOP-01 fail run: 20 sample(s) fail to render with the chat template (first r0: chat template "
+            "exceeded its render budget (over 2000000 steps))") in done.stdout
+    assert "TemplateBudget" not in done.stdout and "Traceback" not in done.stderr
