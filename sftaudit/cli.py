@@ -113,7 +113,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        if getattr(args, "run_dir", None) is None:
+            return _COMMANDS[args.command](args)
+        from .ingest import run_lock
+
+        with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
+            return _COMMANDS[args.command](args)
     except InputError as exc:
         _error(str(exc))
         return EXIT_CANNOT_JUDGE

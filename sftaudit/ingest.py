@@ -175,8 +175,10 @@ def _acquire(key: str, run_dir: str | Path, timeout: float):
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = artifact_root(run_dir)
     if not Path(run_dir).is_dir():
-        raise InputError(f"{run_dir}: no such run directory")
-    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*") if (m := re.fullmatch(r"rank-(\d+)", p.name)))
+        raise InputError(f"{run_dir}: " + ("not a directory; give the run's output folder" if Path(run_dir).exists()
+                                           else "no such run directory"))
+    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*")
+                   if (m := re.fullmatch(r"rank-(\d{1,6})", p.name)) and p.is_dir())
     if not ranks:
         raise InputError(f"{run_dir}: no sftaudit artifacts (expected {root}/rank-<r>/)")
     return ranks
@@ -384,8 +386,7 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int,
             with os.fdopen(fd_tmp, "wb") as out:
                 end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, limits[0], out)
             if copied:
-                where = f"{path} (after line {lines})"
-                new = _ingest_manifests(con, rank, tmp, where) if kind == "manifest" \
+                new = _ingest_manifests(con, rank, tmp, path, lines) if kind == "manifest" \
                     else _ingest_records(con, rank, kind, tmp)
             else:
                 new = 0
@@ -480,16 +481,21 @@ def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, tmp: s
     return n
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value, bits: int = 64) -> bool:
+    """An integer (not a bool) that fits the database column (signed, `bits` wide)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+
+
+def _int32(value) -> bool:
+    return _is_int(value, 32)
 
 
 # What a manifest's parameter entry must hold (the shim writes these; ingest reads them into `params`).
 _PARAM_FIELDS = {"name": lambda v: isinstance(v, str), "dtype": lambda v: isinstance(v, str),
-                 "shape": lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v),
+                 "shape": lambda v: isinstance(v, list) and all(_int32(d) and d >= 0 for d in v),
                  "numel": lambda v: _is_int(v) and v >= 0, "requires_grad": lambda v: isinstance(v, bool)}
 _PARAM_OPTIONAL = {"kind": lambda v: isinstance(v, str), "start": _is_int, "stop": _is_int,
-                   "local_numel": lambda v: _is_int(v) and v >= 0, "replica": _is_int}
+                   "local_numel": lambda v: _is_int(v) and v >= 0, "replica": _int32}
 
 
 def _manifest_problem(m) -> str | None:
@@ -497,13 +503,15 @@ def _manifest_problem(m) -> str | None:
     if not isinstance(m, dict):
         return "a manifest record must be a JSON object"
     for name, kind in (("schema_version", "an integer"), ("seg", "an integer"), ("world_size", "an integer")):
-        if name in m and m[name] is not None and not _is_int(m[name]):
-            return f"{name} must be {kind}, not {m[name]!r}"
+        if name in m and m[name] is not None and not _int32(m[name]):
+            return f"{name} must be {kind} (32-bit), not {str(m[name])[:40]!r}"
     for name in ("run_id", "profile", "grad_norm_source"):
         if m.get(name) is not None and not isinstance(m[name], str):
-            return f"{name} must be a string, not {m[name]!r}"
-    if m.get("started") is not None and (not isinstance(m["started"], (int, float)) or isinstance(m["started"], bool)):
-        return f"started must be a number, not {m['started']!r}"
+            return f"{name} must be a string, not {str(m[name])[:40]!r}"
+    started = m.get("started")
+    if started is not None and (not isinstance(started, (int, float)) or isinstance(started, bool)
+                                or not abs(started) < 1e300):
+        return f"started must be a number (seconds since 1970), not {str(started)[:40]!r}"
     params, tied = m.get("params", []), m.get("tied", {})
     if not isinstance(params, list):
         return "params must be a list"
@@ -523,7 +531,7 @@ def _manifest_problem(m) -> str | None:
     return None
 
 
-def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, where: str) -> int:
+def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path: Path, before: int) -> int:
     """Manifest records (JSON the checks read through `load_manifest`): each one validated first;
     an unreadable line is counted as a bad line, a readable one of the wrong shape refused."""
     n = 0
@@ -535,7 +543,7 @@ def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, where
                 continue
             problem = _manifest_problem(m)
             if problem:
-                raise InputError(f"{where}, manifest record {number + 1}: {problem}; the shim writes this record: "
+                raise InputError(f"{path}, line {before + number + 1}: {problem}; the shim writes this record: "
                                  f"record the run again, or repair that field")
             if m.get("schema_version", 0) > SCHEMA_VERSION:
                 raise InputError(f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to "
