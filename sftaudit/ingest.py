@@ -224,7 +224,7 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list
         for kind in RECORD_KINDS:
             added[kind] += _ingest_file(con, run_dir, rank, kind, folder / f"{kind}.jsonl", limits)
     if not first_row(con, "SELECT count(*) FROM manifest")[0]:
-        raise InputError(f"{run_dir}: artifacts have no readable manifest record (rank-<r>/manifest.jsonl); "
+        raise InputError(f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
                          f"the shim writes it when recording starts: record the run again")
     _supersede_abandoned_steps(con)
     _reduce_gradients(con, "grad_pieces", "grad_norms")
