@@ -37,6 +37,7 @@ import duckdb
 
 from .artifacts import DATABASE_FILE, RECORD_KINDS, SCHEMA_VERSION, artifact_root
 from .errors import InputError, one_line
+from .terminal import shown
 
 # Bounded reads (configurable in the audit config's [ingest] section): one record (line) and one file.
 DEFAULT_MAX_RECORD_BYTES = 64 * 2**20   # a full sample row of a long context is a few MB
@@ -167,7 +168,7 @@ def _acquire(key: str, run_dir: str | Path, timeout: float):
                 raise InputError(f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
                                  f"(lock {key}); wait for it to finish, or stop it, and run again") from None
             if not told:
-                print(f"sftaudit: waiting for another sftaudit using {run_dir} to finish", file=sys.stderr)
+                print(f"sftaudit: waiting for another sftaudit using {shown(str(run_dir))} to finish", file=sys.stderr)
                 told = True
             time.sleep(0.2)
 
