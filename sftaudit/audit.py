@@ -154,14 +154,16 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def preflight_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str]) -> dict[str, Any]:
-    """A preflight's evidence: the dataset's rows that rendered into batches. None rendered: unjudged."""
+def preflight_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str],
+                       explained: bool = False) -> dict[str, Any]:
+    """A preflight's evidence: the dataset's rows that rendered into batches. None rendered is unjudged,
+    unless a failing finding already says why (LOOP-01's render failures: the verdict is then FAIL)."""
     rows, rendered = first_row(con, "SELECT (SELECT manifest->>'$.dataset.rows' FROM manifest LIMIT 1)::BIGINT, "
                                     "(SELECT count(*) FROM samples)")
     failed = first_row(con, "SELECT count(DISTINCT sample_id), any_value(error) FROM events "
                             "WHERE kind = 'render_failed'")
     reason = None
-    if not rendered:
+    if not rendered and not explained:
         reason = (f"no sample of the {rows or 0} dataset rows rendered"
                   + (f" (first error: {failed[1]})" if failed[0] else "")
                   + ": fix the rows or the chat template (--template) and run again")
@@ -254,7 +256,8 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     findings, errors = run_checks(ctx, config)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
-    evidence = preflight_coverage(con, errors, ctx.not_judged) if manifest.get("profile") == "preflight" else \
+    evidence = preflight_coverage(con, errors, ctx.not_judged, any(f.severity == "fail" for f in findings)) \
+        if manifest.get("profile") == "preflight" else \
         evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
     checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
     if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:

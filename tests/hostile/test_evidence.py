@@ -104,11 +104,17 @@ def test_a_check_that_crashes_makes_audit_and_gate_exit_2(nan_run, tmp_path):
     assert not (tmp_path / "gate.xml").exists()
 
 
-def test_a_preflight_where_no_sample_renders_is_unjudged(clean_run, tmp_path):
+def test_a_preflight_where_no_sample_renders_is_never_a_pass(clean_run, tmp_path):
+    """Every row fails to render: LOOP-01 fails naming them; with LOOP-01 switched off nothing says
+    why, and the preflight cannot be judged."""
     data = tmp_path / "rows.jsonl"
     data.write_text('{"id": "a", "text": "no messages"}\n{"id": "b", "text": "none here"}\n')
-    result = run_cli("preflight", "--data", data, "--tokenizer", artifact_root(clean_run) / TOKENIZER_DIR,
-                     "--out", tmp_path / "out", "--no-report", "--quiet")
+    config = tmp_path / "audit.toml"
+    config.write_text('[audit]\ndisable = ["LOOP-01"]\n')
+    args = ["preflight", "--data", data, "--tokenizer", artifact_root(clean_run) / TOKENIZER_DIR, "--no-report", "--quiet"]
+    result = run_cli(*args, "--out", tmp_path / "out")
+    assert result.returncode == 1 and "LOOP-01 fail" in result.stdout and "fail to render" in result.stdout
+    result = run_cli(*args, "--out", tmp_path / "off", "--config", config)
     one_line_exit_2(result, "no sample of the 2 dataset rows rendered", "fix the rows or the chat template")
-    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    verdict = json.loads((tmp_path / "off" / "verdict.json").read_text())
     assert verdict["verdict"] == "unjudged" and verdict["evidence"]["dataset"]["rendered"] == 0
