@@ -126,20 +126,21 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
                          f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts") from None
 
 
-_held: dict[str, list] = {}  # lock file -> [open file, depth]: the lock is re-entrant within a process
+_held: dict[str, list] = {}  # artifact folder -> [descriptor, depth]: the lock is re-entrant within a process
 
 
 @contextmanager
 def run_lock(run_dir: str | Path, timeout: float = LOCK_TIMEOUT):
-    """Hold the run's lock (``audit.duckdb.lock`` beside the database) while its database is used:
-    a second audit of the same run waits for the first, with a message, instead of failing on
-    DuckDB's own file lock. A run folder that cannot hold the lock file (read-only) is used unlocked."""
+    """Hold the run's lock while its database is used: a second audit of the same run waits for the
+    first, with a message, instead of failing on DuckDB's own file lock. The lock is taken on the
+    artifact folder itself (flock on its descriptor), so nothing is written into the run folder;
+    a run without one is used unlocked (nothing there to guard)."""
     root = artifact_root(run_dir)
-    key = str(root.resolve() / (DATABASE_FILE + ".lock")) if root.is_dir() else None
+    key = str(root.resolve()) if root.is_dir() else None
     if key is not None and key not in _held:
-        f = _acquire(key, run_dir, timeout)
-        if f is not None:
-            _held[key] = [f, 0]
+        fd = _acquire(key, run_dir, timeout)
+        if fd is not None:
+            _held[key] = [fd, 0]
     entry = _held.get(key)
     if entry:
         entry[1] += 1
@@ -149,24 +150,24 @@ def run_lock(run_dir: str | Path, timeout: float = LOCK_TIMEOUT):
         if entry:
             entry[1] -= 1
             if not entry[1]:
-                _held.pop(key)[0].close()  # closing the file releases the lock
+                os.close(_held.pop(key)[0])  # closing the descriptor releases the lock
 
 
-def _acquire(key: str, run_dir: str | Path, timeout: float):
+def _acquire(key: str, run_dir: str | Path, timeout: float) -> int | None:
     try:
-        f = open(key, "a+b")
+        fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     deadline, told = time.monotonic() + timeout, False
     while True:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return f
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
-                f.close()
+                os.close(fd)
                 raise InputError(f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
-                                 f"(lock {key}); wait for it to finish, or stop it, and run again") from None
+                                 f"(it holds a lock on {key}); wait for it to finish, or stop it, and run again") from None
             if not told:
                 print(f"sftaudit: waiting for another sftaudit using {shown(str(run_dir))} to finish", file=sys.stderr)
                 told = True
@@ -526,8 +527,8 @@ def _manifest_problem(m) -> str | None:
     for i, p in enumerate(params):
         if not isinstance(p, dict):
             return f"params[{i}] must be an object"
-        bad = [k for k, ok in _PARAM_FIELDS.items() if k not in p or not ok(p[k])]
-        bad += [k for k, ok in _PARAM_OPTIONAL.items() if p.get(k) is not None and not ok(p[k])]
+        bad = [k for k, ok in {**_PARAM_FIELDS, **_PARAM_OPTIONAL}.items()  # null: not known (an imported run)
+               if (k == "name" or p.get(k) is not None) and not ok(p.get(k))]
         if bad:
             return f"params[{i}].{bad[0]} is missing or of the wrong type"
     if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
@@ -562,8 +563,8 @@ def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path:
                 [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
                  m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
             )
-            rows = [(rank, seg, i, p["name"], p["shape"], p["dtype"], p["numel"], p["requires_grad"], None,
-                     p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p["numel"]),
+            rows = [(rank, seg, i, p["name"], p.get("shape"), p.get("dtype"), p.get("numel"), p.get("requires_grad"),
+                     None, p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p.get("numel")),
                      p.get("replica", rank))
                     for i, p in enumerate(m.get("params", []))]
             rows += [(rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)

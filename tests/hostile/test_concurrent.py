@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sftaudit.errors import InputError
-from sftaudit.ingest import DATABASE_FILE, artifact_root, run_lock
+from sftaudit.ingest import artifact_root, run_lock
 
 
 def start(*args):
@@ -36,10 +36,9 @@ def test_concurrent_audits_gate_and_replay_of_one_run_all_finish(nan_run, tmp_pa
 def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(clean_run, run, ignore=shutil.ignore_patterns("audit.duckdb*", "checkpoint-*"))
-    lock = artifact_root(run) / f"{DATABASE_FILE}.lock"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, sys, time; f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
-        "print('held', flush=True); time.sleep(60)"), str(lock)], stdout=subprocess.PIPE, text=True)
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"), str(artifact_root(run))], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         start_time = time.monotonic()
@@ -53,3 +52,4 @@ def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
     with run_lock(run, timeout=5.0):  # released with its holder
         with run_lock(run):  # and re-entrant within a process
             pass
+    assert not any(p.name.endswith(".lock") for p in run.rglob("*"))  # nothing written into the run folder
