@@ -8,11 +8,11 @@ from typing import Any
 
 from .checks import AuditContext, Finding, registered_checks
 from .checks.base import EVIDENCE, CannotJudge, alternatives, needed
-from .config import AuditConfig
+from .config import DEFAULT_MAX_MISSING_SHARE, AuditConfig
 from .errors import InputError
 from .checkpoints import CheckpointError, inside_run
 from .resolution import at_logging_resolution, first_window
-from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints
+from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
 from .verdict import build_verdict
 
 
@@ -55,9 +55,12 @@ def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
 ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
 
 
-def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str]) -> dict[str, Any]:
+def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str],
+                      manifest: dict[str, Any] | None = None,
+                      max_missing_share: float = DEFAULT_MAX_MISSING_SHARE) -> dict[str, Any]:
     """What the evidence covers: steps recorded per rank, shim components switched off (from which
-    step, with which error), checks that could not run; and why the run cannot be judged, if so."""
+    step, with which error), unreadable artifact lines, recorded steps without their batch or
+    gradient records, checks that could not run; and why the run cannot be judged, if so."""
     ranks = [{"rank": r, "steps": n, "first_step": lo, "last_step": hi} for r, n, lo, hi in con.execute(
         """SELECT m.rank, count(s.step), min(s.step), max(s.step) FROM (SELECT DISTINCT rank FROM manifest) m
            LEFT JOIN steps s USING (rank) GROUP BY m.rank ORDER BY m.rank""").fetchall()]
@@ -78,9 +81,96 @@ def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[
                f"later steps are judged without it" for o in off
                if o["component"] not in ESSENTIAL_COMPONENTS or first.get(o["rank"]) is not None
                and o["from_step"] is not None and o["from_step"] > first[o["rank"]]]
-    return {"ranks": ranks, "components_off": off,
+    bad = bad_lines(con)
+    for b in bad:
+        if b["lines"] > max_missing_share * b["of"]:
+            reasons.append(f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable (more than "
+                           f"{max_missing_share:.0%}): repair or re-record the artifacts")
+        else:
+            partial.append(f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable and were skipped")
+    missing = []
+    if any(r["steps"] for r in ranks) and not (manifest or {}).get("imported"):
+        missing = missing_step_evidence(con, off)
+        for m in missing:
+            note = (f"rank {m['rank']}: {m['steps']} of {m['of']} recorded steps lack their {m['evidence']}"
+                    + (f" (first step {m['first_step']})" if m["first_step"] is not None else ""))
+            if m["steps"] > max_missing_share * m["of"]:
+                reasons.append(f"{note}: the shim records them at every step, so the artifacts are incomplete; "
+                               f"re-record the run, or audit the complete artifacts")
+            else:
+                partial.append(f"{note}; those steps are judged without it")
+    return {"ranks": ranks, "components_off": off, "bad_lines": bad, "missing": missing,
             "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
             "partial": partial, "cannot_judge": "; ".join(reasons) or None}
+
+
+def bad_lines(con) -> list[dict[str, Any]]:
+    """Artifact files with unreadable lines beyond the one torn line each restart may leave (a
+    crash mid-write, ended by the resumed shim): file, bad lines, lines read."""
+    restarts = dict(con.execute("SELECT rank, count(*) - 1 FROM manifest GROUP BY rank").fetchall())
+    rows = con.execute("SELECT file, bad_lines, lines FROM ingest_state WHERE bad_lines > 0 ORDER BY file").fetchall()
+    out = []
+    for file, bad, lines in rows:
+        rank = int(file.split("/")[0].removeprefix("rank-")) if file.startswith("rank-") else None
+        excess = bad - restarts.get(rank, 0)
+        if excess > 0:
+            out.append({"file": file, "lines": int(excess), "of": int(lines or bad)})
+    return out
+
+
+# Per-step evidence the shim writes at every step in every profile, and its component's name.
+PER_STEP_EVIDENCE = (("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
+                     ("grad_pieces", "gradients", "gradient norms"))
+
+
+def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank and kind of per-step evidence: recorded steps without it (and steps whose batches
+    were recorded but whose step record is gone), leaving out the steps after the shim switched that
+    component off. Batches after the last step record are the step a crash interrupted, not a gap."""
+    out = []
+    for table, component, words in PER_STEP_EVIDENCE:
+        con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
+        stopped = [(o["rank"], o["from_step"] if o["from_step"] is not None else -1) for o in off
+                   if o["component"] == component]
+        if stopped:
+            con.executemany("INSERT INTO stopped_from VALUES (?, ?)", stopped)
+        orphans = "" if table != "batches" else """
+            UNION SELECT e.rank, e.step FROM e JOIN last USING (rank) WHERE e.step < last.last
+                  AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
+        rows = con.execute(f"""
+            WITH s AS (SELECT DISTINCT rank, step FROM steps),
+                 e AS (SELECT DISTINCT rank, step FROM "{table}"),
+                 last AS (SELECT rank, max(step) AS last FROM s GROUP BY rank),
+                 gaps AS (SELECT rank, step FROM s ANTI JOIN e USING (rank, step) {orphans}),
+                 counted AS (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
+                             FROM stopped_from GROUP BY rank) f USING (rank)
+                             WHERE f.from_step IS NULL OR g.step < f.from_step)
+            SELECT s.rank, count(*), (SELECT count(*) FROM counted c WHERE c.rank = s.rank),
+                   (SELECT min(step) FROM counted c WHERE c.rank = s.rank)
+            FROM s GROUP BY s.rank ORDER BY s.rank""").fetchall()
+        con.execute("DROP TABLE stopped_from")
+        out += [{"rank": rank, "evidence": words, "steps": int(gaps), "of": int(total), "first_step": first_gap}
+                for rank, total, gaps, first_gap in rows if gaps]
+    return out
+
+
+def preflight_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str],
+                       explained: bool = False) -> dict[str, Any]:
+    """A preflight's evidence: the dataset's rows that rendered into batches. None rendered is unjudged,
+    unless a failing finding already says why (LOOP-01's render failures: the verdict is then FAIL)."""
+    rows, rendered = first_row(con, "SELECT (SELECT manifest->>'$.dataset.rows' FROM manifest LIMIT 1)::BIGINT, "
+                                    "(SELECT count(*) FROM samples)")
+    failed = first_row(con, "SELECT count(DISTINCT sample_id), any_value(error) FROM events "
+                            "WHERE kind = 'render_failed'")
+    reason = None
+    if not rendered and not explained:
+        reason = (f"no sample of the {rows or 0} dataset rows rendered"
+                  + (f" (first error: {failed[1]})" if failed[0] else "")
+                  + ": fix the rows or the chat template (--template) and run again")
+    return {"ranks": [], "components_off": [], "bad_lines": [], "missing": [],
+            "dataset": {"rows": rows, "rendered": rendered, "render_failed": failed[0]},
+            "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
+            "partial": [], "cannot_judge": reason}
 
 
 # Shim components (as `shim_error` events name them) -> the evidence table each one writes.
@@ -149,12 +239,14 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
 def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
     """Ingest what is new, run the checks, store findings + verdict in DuckDB; return the verdict."""
     run_dir = Path(run_dir)
-    ingest(run_dir)
-    con = connect(run_dir)
-    try:
-        return judge(con, run_dir, config or AuditConfig())
-    finally:
-        con.close()
+    config = config or AuditConfig()
+    with run_lock(run_dir):  # a second audit of the run waits for this one
+        ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
+        con = connect(run_dir)
+        try:
+            return judge(con, run_dir, config)
+        finally:
+            con.close()
 
 
 def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
@@ -164,10 +256,16 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     findings, errors = run_checks(ctx, config)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
-    evidence = evidence_coverage(con, errors, ctx.not_judged) if manifest.get("profile") != "preflight" else None
+    evidence = preflight_coverage(con, errors, ctx.not_judged, any(f.severity == "fail" for f in findings)) \
+        if manifest.get("profile") == "preflight" else \
+        evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
+    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
+    if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
+        evidence["cannot_judge"] = "no check could run on what was recorded (" + "; ".join(
+            f"{c['code']}: {c['reason']}" for c in checks if c["status"] != "disabled")[:500] + ")"
     verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
                             config.rollback_margin, evidence)
-    verdict["checks"] = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
+    verdict["checks"] = checks
     if resolution:  # an imported run: how finely its evidence places a step
         verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
@@ -193,11 +291,12 @@ def _store_series(con, series: list[dict[str, Any]]) -> None:
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
-    con = connect(run_dir, read_only=True)
-    try:
-        row = first_row(con, "SELECT verdict FROM audit_verdict") if _has_table(con, "audit_verdict") else None
-    finally:
-        con.close()
+    with run_lock(run_dir):
+        con = connect(run_dir, read_only=True)
+        try:
+            row = first_row(con, "SELECT verdict FROM audit_verdict") if _has_table(con, "audit_verdict") else None
+        finally:
+            con.close()
     if row is None:
         raise InputError(f"{run_dir}: not audited yet (run `sftaudit audit {run_dir}`)")
     return json.loads(row[0])
@@ -205,3 +304,13 @@ def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
 
 def _has_table(con, name: str) -> bool:
     return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
+
+
+def unjudged_reason(verdict: dict) -> str:
+    """The one line saying why a run could not be judged, and what to do about it."""
+    advice = []
+    if verdict.get("check_errors"):
+        codes = ", ".join(f'"{c}"' for c in sorted({e["code"] for e in verdict["check_errors"]}))
+        advice.append(f"a check that fails on this input is a bug in sftaudit: report it; to judge without it, "
+                      f"disable it in the config ([audit] disable = [{codes}])")
+    return f"{verdict['run']}: could not judge: {verdict['cannot_judge']}" + "".join(f"; {a}" for a in advice)

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, one_line
+from .terminal import json_safe, shown
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
 DEFAULT_REPORTS = Path("reports")
@@ -22,7 +23,21 @@ DATA_HELP = ("a run trained without the shim: its training data (JSONL of {id, m
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors exit 2 too, in one line
-        self.exit(EXIT_CANNOT_JUDGE, f"sftaudit: error: {message}\n")
+        self.exit(EXIT_CANNOT_JUDGE, f"sftaudit: error: {shown(message)} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= low, refused in one line otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,12 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", type=Path, required=True, help="text file: one probe prompt (user message) per line")
     s.add_argument("--eval", type=Path, help="JSONL eval set: {id, messages, reference} per line")
     s.add_argument("--base", type=Path, help="the base model folder: probed as step 0; PEFT adapters are applied to it")
-    s.add_argument("--max-new-tokens", type=int, default=32)
-    s.add_argument("--samples", type=int, default=4, help="sampled generations per prompt")
+    s.add_argument("--max-new-tokens", type=_at_least(1), default=32)
+    s.add_argument("--samples", type=_at_least(1), default=4, help="sampled generations per prompt")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
     s.add_argument("run_dir", type=Path)
+    s.add_argument("--config", type=Path, help="TOML file whose [ingest] section sets the read limits")
 
     s = sub.add_parser("audit", help="ingest, run the checks, write verdict.json and report.html")
     s.add_argument("run_dir", type=Path)
@@ -64,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", type=Path, required=True, help="a saved tokenizer folder (save_pretrained)")
     s.add_argument("--template", type=Path, help="chat template file to use instead of the tokenizer's")
     s.add_argument("--collator", help="module:function called as function(tokenizer, rows) (default: completion-only)")
-    s.add_argument("--batch-size", type=int, default=8)
-    s.add_argument("--max-length", type=int, help="truncate to this many tokens (default: the tokenizer's limit)")
+    s.add_argument("--batch-size", type=_at_least(1), default=8)
+    s.add_argument("--max-length", type=_at_least(1), help="truncate to this many tokens (default: the tokenizer's limit)")
     s.add_argument("--out", type=Path, help="output folder (default: reports/preflight-<data>/)")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
@@ -90,22 +106,68 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
     s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
-    s.add_argument("--steps", type=int, default=60)
+    s.add_argument("--steps", type=_at_least(1), default=60)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        if getattr(args, "run_dir", None) is None:
+            return _COMMANDS[args.command](args)
+        from .ingest import run_lock
+
+        with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
+            return _COMMANDS[args.command](args)
     except InputError as exc:
-        print(f"sftaudit: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_CANNOT_JUDGE
     except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
         if os.environ.get("SFTAUDIT_DEBUG"):
             raise
-        print(f"sftaudit: error: {type(exc).__name__}: {exc} (set SFTAUDIT_DEBUG=1 for details)", file=sys.stderr)
+        _error(f"could not {args.command} {_subject(args)}: {_describe(exc)}")
         return EXIT_CANNOT_JUDGE
+
+
+def _error(message: str) -> None:
+    """The one line a user sees when the input cannot be judged (escaped: it may quote the input)."""
+    print(f"sftaudit: error: {shown(message)}", file=sys.stderr)
+
+
+def _subject(args: argparse.Namespace) -> str:
+    """The input a command was given, for the last-resort message."""
+    for name in ("run_dir", "data", "workdir"):
+        if getattr(args, name, None) is not None:
+            return str(getattr(args, name))
+    return "its input"
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, in words, and what to do (the last resort: a failure no input check foresaw)."""
+    report = "if the input looks sound, this is a bug in sftaudit (SFTAUDIT_DEBUG=1 shows where)"
+    if isinstance(exc, MemoryError):
+        return f"ran out of memory reading it; free memory or lower the [ingest] limits of the config; {report}"
+    if isinstance(exc, RecursionError):
+        return f"it is nested too deeply to read; {report}"
+    if isinstance(exc, UnicodeError):
+        return f"a file in it is not UTF-8 text ({one_line(exc)}); {report}"
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot read or write{where} ({exc.strerror or one_line(exc)}); check that path"
+    return f"{one_line(exc) or 'an unexpected error'}; {report}"
+
+
+def _say(text: str = "", end: str = "\n") -> None:
+    """Print text built from the run's own strings: controls and bidi characters escaped."""
+    print(shown(text, keep_newlines=True), end=end)
+
+
+def _write(path: Path, text: str, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot write ({exc.strerror or one_line(exc)}); give a writable file path") from None
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -113,7 +175,7 @@ def _import(args: argparse.Namespace) -> int:
 
     done = import_run(args.run_dir, args.data, progress=True)
     resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
-    print(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
+    _say(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
           f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
           + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
           + ("" if done["tokenizer"] else "; no saved tokenizer"))
@@ -141,16 +203,15 @@ def _probe(args: argparse.Namespace) -> int:
                                 max_new_tokens=args.max_new_tokens, generations_per_prompt=args.samples)
     ensure_artifacts(args.run_dir)  # the manifest gains the prompts and the eval set
     for t in timings:
-        print(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
-    print(f"{len(timings)} checkpoint(s) probed" + ("" if timings else " (all were probed before)"))
+        _say(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
+    _say(f"{len(timings)} checkpoint(s) probed" + ("" if timings else " (all were probed before)"))
     return EXIT_PASS
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{path}: {exc.strerror or exc}") from None
+    from .config import read_small_text
+
+    return read_small_text(path, "file", limit=256 * 2**20)
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -163,8 +224,11 @@ def _prepare(args: argparse.Namespace) -> None:
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
-    added = ingest(args.run_dir)
-    print(" ".join(f"{k}={v}" for k, v in added.items() if v) or "nothing new")
+    from .config import AuditConfig
+
+    config = AuditConfig.load(args.config)
+    added = ingest(args.run_dir, config.max_record_bytes, config.max_file_bytes)
+    _say(" ".join(f"{k}={v}" for k, v in added.items() if v) or "nothing new")
     return EXIT_PASS
 
 
@@ -182,8 +246,7 @@ def _audit(args: argparse.Namespace) -> int:
     _prepare(args)
     verdict = audit(args.run_dir, config)
     out = _out_dir(args, verdict["run"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verdict.json").write_text(json.dumps(verdict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
     report = None
     if not args.no_report:
         from .report import write_report
@@ -198,7 +261,7 @@ def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
     verdict = stored_verdict(args.run_dir)
-    print(write_report(args.run_dir, _out_dir(args, verdict["run"])))
+    _say(str(write_report(args.run_dir, _out_dir(args, verdict["run"]))))
     return EXIT_PASS
 
 
@@ -211,7 +274,7 @@ def _preflight(args: argparse.Namespace) -> int:
     verdict = preflight(args.data, args.tokenizer, out, template=args.template, collator=args.collator,
                         batch_size=args.batch_size, max_length=args.max_length, config=config,
                         progress=not args.quiet)
-    (out / "verdict.json").write_text(json.dumps(verdict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
     report = None
     if not args.no_report:
         from .report import write_report
@@ -228,7 +291,10 @@ def _replay(args: argparse.Namespace) -> int:
     config = AuditConfig.load(args.config)
     _prepare(args)
     doc = replay(args.run_dir, config)
-    print(to_json(doc) if args.json else to_text(doc), end="" if args.json else "\n")
+    if args.json:
+        print(json_safe(to_json(doc)), end="")
+    else:
+        _say(to_text(doc))
     return _exit_code(doc["verdict"], config.strict)
 
 
@@ -241,9 +307,8 @@ def _gate(args: argparse.Namespace) -> int:
     result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text(), encoding="utf-8")
-    print(result.summary())
+            _write(path, text(), "--junit" if text == result.to_junit else "--json")
+    _say(result.summary())
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 
@@ -263,29 +328,31 @@ def _exit_code(verdict: str, strict: bool) -> int:
 
 def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
     if verdict.get("cannot_judge"):
-        print(f"{verdict['run']}: could not judge: {verdict['cannot_judge']}", file=sys.stderr)
-    print(f"{verdict['run']}: {verdict['verdict'].upper()}", end="")
+        from .audit import unjudged_reason
+
+        _error(unjudged_reason(verdict))
+    lines = [f"{shown(verdict['run'])}: {verdict['verdict'].upper()}"]
     window = (verdict.get("resolution") or {}).get("first_anomalous_window")
     if window:  # imported evidence: the step is only known to lie in a logging or checkpoint window
-        print(f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}", end="")
+        lines[0] += f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}"
     elif verdict["first_anomalous_step"] is not None:
-        print(f"; first anomalous step {verdict['first_anomalous_step']}", end="")
+        lines[0] += f"; first anomalous step {verdict['first_anomalous_step']}"
     if verdict["rollback_checkpoint"]:
-        print(f"; roll back to {verdict['rollback_checkpoint']}", end="")
-    print()
+        lines[0] += f"; roll back to {shown(verdict['rollback_checkpoint'])}"
     for f in verdict["findings"]:
         where = f"step {f['step']}" if f["step"] is not None else "run"
-        print(f"  {f['code']} {f['severity']:<4} {where}: {f['message']}")
-    for e in verdict["check_errors"]:
-        print(f"  {e['code']} could not run: {e['error']}")
-    for note in verdict.get("evidence", {}).get("partial", []):
-        print(f"  partial evidence: {note}")
+        lines.append(f"  {f['code']} {f['severity']:<4} {where}: {shown(f['message'])}")
+    lines += [f"  {e['code']} could not run: {shown(e['error'])}" for e in verdict["check_errors"]]
+    evidence = verdict.get("evidence") or {}
+    lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]
+    lines += [f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])]
     not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
     if not_run:
-        print("  not run: " + "; ".join(f"{c['code']} ({c['reason']})" for c in not_run))
-    print(f"verdict: {verdict_path}")
+        lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
+    lines.append(f"verdict: {shown(verdict_path)}")
     if report:
-        print(f"report:  {report}")
+        lines.append(f"report:  {shown(report)}")
+    _say("\n".join(lines))
 
 
 _COMMANDS = {"import": _import, "probe": _probe, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .audit import audit
+from .audit import audit, unjudged_reason
 from .checkpoints import CheckpointError, inside_run
 from .checks import registered_checks
 from .checks.base import SEVERITIES
-from .config import AuditConfig
+from .config import AuditConfig, read_small_text
 from .errors import InputError
+from .terminal import json_safe, shown, xml_text
 from .verdict import findings_up_to
 
 
@@ -44,15 +45,38 @@ class Policy:
         data: dict[str, Any] = {}
         if path is not None:
             try:
-                data = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("gate", {})
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise InputError(f"policy {path}: {exc}") from None
-        block = set(data.get("block", ["fail"])) | ({"warn"} if strict else set())
+                doc = tomllib.loads(read_small_text(path, "policy"))
+            except tomllib.TOMLDecodeError as exc:
+                raise InputError(f"policy {path}: not TOML ({exc})") from None
+            if set(doc) - {"gate"}:
+                raise InputError(f"policy {path}: unknown section [{sorted(set(doc) - {'gate'})[0]}]; known: [gate]")
+            data = doc.get("gate", {})
+            if not isinstance(data, dict):
+                raise InputError(f"policy {path}: [gate] must be a table")
+            keys = {"block", "codes", "ignore", "require_resume_state"}
+            if set(data) - keys:
+                raise InputError(f"policy {path}: unknown key {sorted(set(data) - keys)[0]!r} in [gate]; "
+                                 f"known: {', '.join(sorted(keys))}")
+        lists = {}
+        for key, default in (("block", ["fail"]), ("codes", []), ("ignore", [])):
+            value = data.get(key, default)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise InputError(f"policy {path}: gate.{key} must be a list of strings, not {value!r}")
+            lists[key] = value
+        known = [c.code for c in registered_checks()]
+        for key in ("codes", "ignore"):
+            for code in lists[key]:
+                if code not in known:
+                    raise InputError(f"policy {path}: gate.{key} names unknown check {code!r}; known: {', '.join(known)}")
+        resume = data.get("require_resume_state", False)
+        if not isinstance(resume, bool):
+            raise InputError(f"policy {path}: gate.require_resume_state must be true or false, not {resume!r}")
+        block = set(lists["block"]) | ({"warn"} if strict else set())
         unknown = block - set(SEVERITIES)
         if unknown:
             raise InputError(f"policy {path}: unknown severities {sorted(unknown)}; use {list(SEVERITIES)}")
-        return cls(tuple(s for s in SEVERITIES if s in block), tuple(sorted(data.get("codes", []))),
-                   tuple(sorted(data.get("ignore", []))), bool(data.get("require_resume_state", False)))
+        return cls(tuple(s for s in SEVERITIES if s in block), tuple(sorted(lists["codes"])),
+                   tuple(sorted(lists["ignore"])), resume)
 
     def blocks(self, finding: dict[str, Any]) -> bool:
         return (finding["severity"] in self.block and finding["code"] not in self.ignore
@@ -65,7 +89,7 @@ class GateResult:
     checkpoint: dict[str, Any]
     policy: Policy
     findings: list[dict[str, Any]]
-    checks: list[tuple[str, str, bool]]          # (code, name, enabled)
+    checks: list[tuple[str, str, str, str | None]]  # (code, name, status, reason), as the verdict's `checks`
     blocking: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,30 +109,34 @@ class GateResult:
             "blocking": self.blocking,
             "findings": self.findings,
         }
-        return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        return json_safe(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False)) + "\n"
 
     def to_junit(self) -> str:
-        """One testcase per check: a blocking finding is a failure, a check turned off is skipped."""
+        """One testcase per check: a blocking finding is a failure; a check turned off, or one that had
+        too little evidence to judge (`not_run`), is skipped with the reason. All text goes through
+        `xml_text`: XML cannot hold control characters, and CI pages should not show bidi controls raw."""
         name = self.checkpoint["name"]
-        suite = ET.Element("testsuite", {"name": f"sftaudit gate {self.run} {name}"})
+        suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
         counts = {"tests": 0, "failures": 0, "skipped": 0}
-        for code, title, enabled in self.checks:
-            case = ET.SubElement(suite, "testcase", {"classname": f"sftaudit.{name}", "name": f"{code} {title}"})
+        for code, title, status, reason in self.checks:
+            case = ET.SubElement(suite, "testcase", {"classname": xml_text(f"sftaudit.{name}"),
+                                                     "name": xml_text(f"{code} {title}")})
             counts["tests"] += 1
             mine = [f for f in self.findings if f["code"] == code]
-            if not enabled:
-                ET.SubElement(case, "skipped", {"message": "disabled by configuration"})
+            if status in ("disabled", "not_run"):
+                why = "disabled by configuration" if status == "disabled" else f"not run: {reason}"
+                ET.SubElement(case, "skipped", {"message": xml_text(why)})
                 counts["skipped"] += 1
                 continue
             blocking = [f for f in mine if self.policy.blocks(f)]
             if blocking:
                 counts["failures"] += 1
                 failure = ET.SubElement(case, "failure", {"type": blocking[0]["severity"],
-                                                          "message": blocking[0]["message"]})
-                failure.text = "\n".join(_line(f) for f in blocking)
+                                                          "message": xml_text(blocking[0]["message"])})
+                failure.text = xml_text("\n".join(_line(f) for f in blocking))
             others = [f for f in mine if not self.policy.blocks(f)]
             if others:
-                ET.SubElement(case, "system-out").text = "\n".join(_line(f) for f in others)
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(_line(f) for f in others))
         for key in ("tests", "failures", "skipped"):
             suite.set(key, str(counts[key]))
         suite.set("errors", "0")
@@ -117,8 +145,8 @@ class GateResult:
 
     def summary(self) -> str:
         c = self.checkpoint
-        lines = [f"{self.run} {c['name']} (step {c['step']}): {'PASS' if self.passed else 'FAIL'}"]
-        lines += [f"  blocks: {_line(f)}" for f in self.blocking]
+        lines = [shown(f"{self.run} {c['name']} (step {c['step']}): {'PASS' if self.passed else 'FAIL'}")]
+        lines += [f"  blocks: {shown(_line(f))}" for f in self.blocking]
         return "\n".join(lines)
 
 
@@ -135,11 +163,8 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
         config = replace(config, check_options={**config.check_options, "LOOP-09": loop09})
     run_dir = Path(run_dir)
     verdict = audit(run_dir, config)
-    if verdict.get("cannot_judge"):
-        raise InputError(f"could not judge {run_dir}: {verdict['cannot_judge']}")
-    if verdict["check_errors"]:
-        e = verdict["check_errors"][0]
-        raise InputError(f"cannot judge: check {e['code']} could not run ({e['error']})")
+    if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
+        raise InputError(unjudged_reason(verdict))
     target = resolve_checkpoint(run_dir, verdict["checkpoints"], checkpoint)
     try:
         on_disk = inside_run(run_dir, target["path"]).exists()
@@ -148,7 +173,7 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
     if not on_disk:
         raise InputError(f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']} "
                          f"(rotated out or deleted)")
-    checks = [(c.code, c.name, c.code not in config.disabled) for c in registered_checks()]
+    checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
     considered = findings_up_to(verdict["findings"], target["name"], target["step"])
     return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
 

@@ -21,16 +21,30 @@ segments' records of steps >= s (the stretch the resume abandoned) move to
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
+import stat
+import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 import duckdb
 
 from .artifacts import DATABASE_FILE, RECORD_KINDS, SCHEMA_VERSION, artifact_root
-from .errors import InputError
+from .errors import InputError, one_line
+from .terminal import shown
+
+# Bounded reads (configurable in the audit config's [ingest] section): one record (line) and one file.
+DEFAULT_MAX_RECORD_BYTES = 64 * 2**20   # a full sample row of a long context is a few MB
+DEFAULT_MAX_FILE_BYTES = 16 * 2**30
+HEAD_BYTES = 4096                       # an artifact is the file ingested before if its first block is unchanged
+LOCK_TIMEOUT = 600.0                    # seconds one audit waits for another on the same run
+_COPY_BLOCK = 8 * 2**20
 
 # Column types of each record kind as written by the shim (the JSON field names).
 RECORD_COLUMNS: dict[str, dict[str, str]] = {
@@ -73,6 +87,10 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
 
 _SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT);
+ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS lines BIGINT;
+ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS device BIGINT;
+ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS inode BIGINT;
+ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS head VARCHAR;
 CREATE TABLE IF NOT EXISTS manifest (rank INTEGER, seg INTEGER, run_id VARCHAR, schema_version INTEGER,
     profile VARCHAR, world_size INTEGER, started DOUBLE, grad_norm_source VARCHAR, manifest JSON);
 CREATE TABLE IF NOT EXISTS params (rank INTEGER, seg INTEGER, idx INTEGER, name VARCHAR, shape INTEGER[],
@@ -101,14 +119,71 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
     path = database_path(run_dir)
     if read_only and not path.exists():
         raise InputError(f"{run_dir}: not ingested yet (run `sftaudit ingest {run_dir}`)")
-    return duckdb.connect(str(path), read_only=read_only)
+    try:
+        return duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as exc:
+        if "lock" in str(exc).lower():
+            raise InputError(f"{path}: the database is open in another program; close it (or wait for it) "
+                             f"and run again") from None
+        raise InputError(f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
+                         f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts") from None
+
+
+_held: dict[str, list] = {}  # artifact folder -> [descriptor, depth]: the lock is re-entrant within a process
+
+
+@contextmanager
+def run_lock(run_dir: str | Path, timeout: float = LOCK_TIMEOUT):
+    """Hold the run's lock while its database is used: a second audit of the same run waits for the
+    first, with a message, instead of failing on DuckDB's own file lock. The lock is taken on the
+    artifact folder itself (flock on its descriptor), so nothing is written into the run folder;
+    a run without one is used unlocked (nothing there to guard)."""
+    root = artifact_root(run_dir)
+    key = str(root.resolve()) if root.is_dir() else None
+    if key is not None and key not in _held:
+        fd = _acquire(key, run_dir, timeout)
+        if fd is not None:
+            _held[key] = [fd, 0]
+    entry = _held.get(key)
+    if entry:
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        if entry:
+            entry[1] -= 1
+            if not entry[1]:
+                os.close(_held.pop(key)[0])  # closing the descriptor releases the lock
+
+
+def _acquire(key: str, run_dir: str | Path, timeout: float) -> int | None:
+    try:
+        fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    deadline, told = time.monotonic() + timeout, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise InputError(f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
+                                 f"(it holds a lock on {key}); wait for it to finish, or stop it, and run again") from None
+            if not told:
+                print(f"sftaudit: waiting for another sftaudit using {shown(str(run_dir))} to finish", file=sys.stderr)
+                told = True
+            time.sleep(0.2)
 
 
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = artifact_root(run_dir)
     if not Path(run_dir).is_dir():
-        raise InputError(f"{run_dir}: no such run directory")
-    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*") if (m := re.fullmatch(r"rank-(\d+)", p.name)))
+        raise InputError(f"{run_dir}: " + ("not a directory; give the run's output folder" if Path(run_dir).exists()
+                                           else "no such run directory"))
+    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*")
+                   if (m := re.fullmatch(r"rank-(\d{1,6})", p.name)) and p.is_dir())
     if not ranks:
         raise InputError(f"{run_dir}: no sftaudit artifacts (expected {root}/rank-<r>/)")
     return ranks
@@ -125,28 +200,109 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(f'ALTER TABLE "{kind}" ADD COLUMN IF NOT EXISTS "{k}" {v}')
 
 
-def ingest(run_dir: str | Path) -> dict[str, int]:
-    """Load new records into the run's DuckDB file; returns the number of new records per kind."""
+def ingest(run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+           max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
+    """Load new records into the run's DuckDB file; returns the number of new records per kind.
+    A database that no longer matches the artifacts (a file replaced, shortened or rewritten, rows
+    deleted) is rebuilt from scratch: offsets are only trusted for the files they were taken on."""
     ranks = rank_folders(run_dir)
-    con = connect(run_dir)
+    limits = (max_record_bytes, max_file_bytes)
+    with run_lock(run_dir):
+        con = connect(run_dir)
+        try:
+            if _stale(con, run_dir, limits):
+                con.close()
+                for leftover in (database_path(run_dir), Path(f"{database_path(run_dir)}.wal")):
+                    leftover.unlink(missing_ok=True)
+                con = connect(run_dir)
+            return _ingest_all(con, run_dir, ranks, limits)
+        finally:
+            con.close()
+
+
+def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list[tuple[int, Path]],
+                limits: tuple[int, int]) -> dict[str, int]:
+    con.begin()  # all or nothing: offsets only move with the rows they stand for
+    create_tables(con)
+    added = {kind: 0 for kind in RECORD_KINDS}
+    for rank, folder in ranks:
+        for kind in RECORD_KINDS:
+            added[kind] += _ingest_file(con, run_dir, rank, kind, folder / f"{kind}.jsonl", limits)
+    if not first_row(con, "SELECT count(*) FROM manifest")[0]:
+        raise InputError(f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
+                         f"the shim writes it when recording starts: record the run again")
+    _supersede_abandoned_steps(con)
+    _reduce_gradients(con, "grad_pieces", "grad_norms")
+    if first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'")[0]:
+        _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms")
+    _reduced_step_totals(con)
+    con.commit()
+    return added
+
+
+def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> bool:
+    """Whether the database describes other files than the artifacts now on disk, or lost rows."""
+    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "ingest_state" not in tables:
+        return bool(tables - {"ingest_state"})  # a database with tables but no ingest state is not ours
+    columns = {c for (c,) in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'ingest_state'").fetchall()}
+    if not {"inode", "head", "lines"} <= columns:
+        return True  # ingested by an older sftaudit, before files were identified: start again
+    root = artifact_root(run_dir)
+    for key, offset, records, inode, device, head in con.execute(
+            'SELECT file, "offset", records, inode, device, head FROM ingest_state').fetchall():
+        path = root / key
+        if not os.path.lexists(path):
+            return True
+        fd, st = _open_artifact(path, run_dir, limits[1])
+        try:
+            if (st.st_ino, st.st_dev) != (inode, device) or st.st_size < offset or \
+                    _head(fd, offset) != head:
+                return True
+        finally:
+            os.close(fd)
+        rank, kind = _file_kind(key)
+        if kind is not None and _stored_rows(con, tables, rank, kind) != records:
+            return True
+    return False
+
+
+def _file_kind(key: str) -> tuple[int, str | None]:
+    m = re.fullmatch(r"rank-(\d+)/(\w+)\.jsonl", key)
+    return (int(m.group(1)), m.group(2) if m.group(2) in RECORD_KINDS else None) if m else (-1, None)
+
+
+def _stored_rows(con: duckdb.DuckDBPyConnection, tables: set[str], rank: int, kind: str) -> int:
+    """The rows a kind's records became (the timeline moved by a resume included)."""
+    return sum(first_row(con, f'SELECT count(*) FROM "{t}" WHERE rank = ?', [rank])[0]
+               for t in (kind, f"superseded_{kind}") if t in tables)
+
+
+def _open_artifact(path: Path, run_dir: str | Path, max_file_bytes: int) -> tuple[int, os.stat_result]:
+    """An artifact opened for reading: a regular file inside the run folder (a symlink may point
+    within it), no larger than the limit; InputError otherwise. Never blocks (a FIFO, a device)."""
+    real, inside = os.path.realpath(path), os.path.realpath(run_dir)
+    if os.path.commonpath([real, inside]) != inside:
+        raise InputError(f"{path}: a link to {real}, outside the run folder; artifacts must be files inside it")
     try:
-        con.begin()  # all or nothing: offsets only move with the rows they stand for
-        create_tables(con)
-        added = {kind: 0 for kind in RECORD_KINDS}
-        for rank, folder in ranks:
-            for kind in RECORD_KINDS:
-                added[kind] += _ingest_file(con, rank, kind, folder / f"{kind}.jsonl")
-        if not first_row(con, "SELECT count(*) FROM manifest")[0]:
-            raise InputError(f"{run_dir}: artifacts have no manifest record")
-        _supersede_abandoned_steps(con)
-        _reduce_gradients(con, "grad_pieces", "grad_norms")
-        if first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'")[0]:
-            _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms")
-        _reduced_step_totals(con)
-        con.commit()
-        return added
-    finally:
-        con.close()
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open ({exc.strerror}); check its permissions") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InputError(f"{path}: not a regular file (a FIFO, device or folder); artifacts must be plain files")
+    if st.st_size > max_file_bytes:
+        os.close(fd)
+        raise InputError(f"{path}: {st.st_size} bytes, over the {max_file_bytes}-byte limit per artifact file; "
+                         f"raise [ingest] max_file_bytes in the config if the run is really that large")
+    return fd, st
+
+
+def _head(fd: int, offset: int) -> str:
+    """A hash of the file's first block (as far as it was ingested): a file rewritten in place differs."""
+    return hashlib.sha256(os.pread(fd, min(offset, HEAD_BYTES), 0)).hexdigest()
 
 
 # Tables whose rows belong to a step of the timeline (events stay: they are the run's history).
@@ -221,91 +377,206 @@ def _reduced_step_totals(con: duckdb.DuckDBPyConnection) -> None:
         WHERE steps.rank = t.rank AND steps.seg = t.seg AND steps.step = t.step""")
 
 
-def _ingest_file(con: duckdb.DuckDBPyConnection, rank: int, kind: str, path: Path) -> int:
-    if not path.exists():
+def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int, kind: str, path: Path,
+                 limits: tuple[int, int]) -> int:
+    if not os.path.lexists(path):
         return 0
     key = str(path.relative_to(path.parent.parent))
-    row = first_row(con, 'SELECT "offset" FROM ingest_state WHERE file = ?', [key])
-    offset = row[0] if row else 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        chunk = f.read()
-    end = chunk.rfind(b"\n") + 1  # a torn last line (process killed mid-write) waits for its newline
-    if end == 0:
-        return 0
-    chunk = chunk[:end]
-    lines = chunk.count(b"\n") - chunk.count(b"\n\n")
-    if kind == "manifest":
-        records = _ingest_manifests(con, rank, chunk)
-    else:
-        records = _ingest_records(con, rank, kind, chunk)
-    con.execute(
-        "INSERT OR REPLACE INTO ingest_state VALUES (?, ?, ?, ?)",
-        [key, offset + end, records, max(lines - records, 0)],
-    )
-    return records
-
-
-def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, chunk: bytes) -> int:
-    columns = RECORD_COLUMNS[kind]
-    fd, tmp = tempfile.mkstemp(suffix=".jsonl")
+    row = first_row(con, 'SELECT "offset", records, bad_lines, lines FROM ingest_state WHERE file = ?', [key])
+    offset, records, bad, lines = row if row else (0, 0, 0, 0)
+    fd, st = _open_artifact(path, run_dir, limits[1])
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(chunk)
-        spec = "{" + ", ".join(f"'{k}': '{v}'" for k, v in columns.items()) + "}"
-        source = f"read_json('{tmp}', format='newline_delimited', columns={spec}, ignore_errors=true)"
-        # A corrupt line parses to all-NULL columns: drop those rather than invent records.
-        con.execute(f"CREATE OR REPLACE TEMP TABLE new_records AS SELECT * FROM {source} WHERE seg IS NOT NULL")
-        n = first_row(con, "SELECT count(*) FROM new_records")[0]
-        stored = [k for k in columns if not (kind == "steps" and k == "grad_norms")]
-        names = ", ".join(f'"{k}"' for k in stored)
-        con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT {rank}, {names} FROM new_records')
-        if kind == "steps":
-            con.execute(
-                """
-                INSERT INTO grad_pieces
-                SELECT ?, s.seg, s.step, s.idx, p.name, s.norm
-                FROM (SELECT seg, step, unnest(grad_norms) AS norm,
-                             generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records) s
-                JOIN params p ON p.rank = ? AND p.seg = s.seg AND p.idx = s.idx
-                WHERE s.norm IS NOT NULL
-                """,
-                [rank, rank],
-            )
-        con.execute("DROP TABLE new_records")
-        return n
-    finally:
-        os.unlink(tmp)
-
-
-def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, chunk: bytes) -> int:
-    n = 0
-    for line in chunk.decode("utf-8", errors="replace").splitlines():
+        fd_tmp, tmp = tempfile.mkstemp(suffix=".jsonl")
         try:
-            m = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if m.get("schema_version", 0) > SCHEMA_VERSION:
-            raise InputError(
-                f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to {SCHEMA_VERSION}"
-            )
-        seg = m.get("seg", 0)
+            with os.fdopen(fd_tmp, "wb") as out:
+                end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, limits[0], out)
+            if copied:
+                new = _ingest_manifests(con, rank, tmp, path, lines) if kind == "manifest" \
+                    else _ingest_records(con, rank, kind, tmp)
+            else:
+                new = 0
+        finally:
+            os.unlink(tmp)
+        head = _head(fd, end)
+    finally:
+        os.close(fd)
+    if end == offset and row:
+        return 0
+    con.execute("INSERT OR REPLACE INTO ingest_state (file, \"offset\", records, bad_lines, lines, device, inode, head) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [key, end, records + new, bad + copied - new + refused, lines + copied + refused, st.st_dev, st.st_ino,
+                 head])
+    return new
+
+
+def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int]:
+    """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks.
+    Returns (offset after the last complete line, lines copied, lines refused: blank or over
+    `max_record` bytes). A torn last line waits for its newline, unless it is already over the
+    limit: no record is that long, so it is refused too and read past."""
+    pos, start, current, oversize = offset, offset, bytearray(), False
+    copied = refused = 0
+    while pos < size:
+        block = os.pread(fd, min(_COPY_BLOCK, size - pos), pos)
+        if not block:
+            break
+        at = 0
+        while True:
+            nl = block.find(b"\n", at)
+            piece = block[at:] if nl < 0 else block[at:nl]
+            if not oversize:
+                if len(current) + len(piece) > max_record:
+                    oversize, current = True, bytearray()
+                else:
+                    current += piece
+            if nl < 0:
+                break
+            if oversize or not current.strip():  # the shim writes no blank line: one is a record lost
+                refused += 1
+            else:
+                out.write(bytes(current) + b"\n")
+                copied += 1
+            current, oversize, at = bytearray(), False, nl + 1
+            start = pos + at
+        pos += len(block)
+    if oversize:
+        refused += 1
+        start = size
+    return start, copied, refused
+
+
+_NUMBER = "('BIGINT', 'UBIGINT', 'DOUBLE')"
+
+
+def _typed(name: str, dtype: str) -> str:
+    """SQL turning a JSON field into its declared type; NULL where the JSON value is of another kind
+    (a number written as a string, a list where a number belongs) or out of the column's range."""
+    if dtype == "JSON":
+        return f'"{name}"'
+    if dtype == "VARCHAR":
+        return f"""CASE WHEN json_type("{name}") = 'VARCHAR' THEN "{name}"->>'$' END"""
+    kind = ("'ARRAY'" if dtype.endswith("[]") else "'OBJECT'" if dtype.startswith("MAP") else
+            "'BOOLEAN'" if dtype == "BOOLEAN" else None)
+    allowed = f"= {kind}" if kind else f"IN {_NUMBER}"
+    return f"""CASE WHEN json_type("{name}") {allowed} THEN TRY_CAST("{name}" AS {dtype}) END"""
+
+
+def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, tmp: str) -> int:
+    """The records of `tmp` (complete lines) into the kind's table; returns how many were readable.
+    A line that is not a JSON object, or whose field has another type than the shim writes, is not a
+    record (it is counted as a bad line): a record is never half-read into NULLs."""
+    columns = RECORD_COLUMNS[kind]
+    spec = "{" + ", ".join(f"'{k}': 'JSON'" for k in columns) + "}"
+    source = f"read_json('{tmp}', format='newline_delimited', columns={spec}, ignore_errors=true)"
+    wrong = " OR ".join(f'("{k}" IS NOT NULL AND {_typed(k, v)} IS NULL)' for k, v in columns.items())
+    typed = ", ".join(f'{_typed(k, v)} AS "{k}"' for k, v in columns.items())
+    # A corrupt line parses to all-NULL columns (no `seg`): drop those rather than invent records.
+    con.execute(f"CREATE OR REPLACE TEMP TABLE new_records AS SELECT {typed} FROM {source} "
+                f"WHERE seg IS NOT NULL AND NOT ({wrong})")
+    n = first_row(con, "SELECT count(*) FROM new_records")[0]
+    stored = [k for k in columns if not (kind == "steps" and k == "grad_norms")]
+    names = ", ".join(f'"{k}"' for k in stored)
+    con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT {rank}, {names} FROM new_records')
+    if kind == "steps":
         con.execute(
-            "INSERT INTO manifest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
-             m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
+            """
+            INSERT INTO grad_pieces
+            SELECT ?, s.seg, s.step, s.idx, p.name, s.norm
+            FROM (SELECT seg, step, unnest(grad_norms) AS norm,
+                         generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records) s
+            JOIN params p ON p.rank = ? AND p.seg = s.seg AND p.idx = s.idx
+            WHERE s.norm IS NOT NULL
+            """,
+            [rank, rank],
         )
-        rows = [(rank, seg, i, p["name"], p["shape"], p["dtype"], p["numel"], p["requires_grad"], None,
-                 p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p["numel"]),
-                 p.get("replica", rank))
-                for i, p in enumerate(m.get("params", []))]
-        rows += [(rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)
-                 for alias, target in m.get("tied", {}).items()]
-        if rows:
-            con.executemany("INSERT INTO params (rank, seg, idx, name, shape, dtype, numel, requires_grad, tied_to, "
-                            "kind, start, stop, local_numel, replica) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            rows)
-        n += 1
+    con.execute("DROP TABLE new_records")
+    return n
+
+
+def _is_int(value, bits: int = 64) -> bool:
+    """An integer (not a bool) that fits the database column (signed, `bits` wide)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+
+
+def _int32(value) -> bool:
+    return _is_int(value, 32)
+
+
+# What a manifest's parameter entry must hold (the shim writes these; ingest reads them into `params`).
+_PARAM_FIELDS = {"name": lambda v: isinstance(v, str), "dtype": lambda v: isinstance(v, str),
+                 "shape": lambda v: isinstance(v, list) and all(_int32(d) and d >= 0 for d in v),
+                 "numel": lambda v: _is_int(v) and v >= 0, "requires_grad": lambda v: isinstance(v, bool)}
+_PARAM_OPTIONAL = {"kind": lambda v: isinstance(v, str), "start": _is_int, "stop": _is_int,
+                   "local_numel": lambda v: _is_int(v) and v >= 0, "replica": _int32}
+
+
+def _manifest_problem(m) -> str | None:
+    """Why a manifest record cannot be read (None: it can)."""
+    if not isinstance(m, dict):
+        return "a manifest record must be a JSON object"
+    for name, kind in (("schema_version", "an integer"), ("seg", "an integer"), ("world_size", "an integer")):
+        if name in m and m[name] is not None and not _int32(m[name]):
+            return f"{name} must be {kind} (32-bit), not {str(m[name])[:40]!r}"
+    for name in ("run_id", "profile", "grad_norm_source"):
+        if m.get(name) is not None and not isinstance(m[name], str):
+            return f"{name} must be a string, not {str(m[name])[:40]!r}"
+    started = m.get("started")
+    if started is not None and (not isinstance(started, (int, float)) or isinstance(started, bool)
+                                or not abs(started) < 1e300):
+        return f"started must be a number (seconds since 1970), not {str(started)[:40]!r}"
+    params, tied = m.get("params", []), m.get("tied", {})
+    if not isinstance(params, list):
+        return "params must be a list"
+    for i, p in enumerate(params):
+        if not isinstance(p, dict):
+            return f"params[{i}] must be an object"
+        bad = [k for k, ok in {**_PARAM_FIELDS, **_PARAM_OPTIONAL}.items()  # null: not known (an imported run)
+               if (k == "name" or p.get(k) is not None) and not ok(p.get(k))]
+        if bad:
+            return f"params[{i}].{bad[0]} is missing or of the wrong type"
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        return "tied must map parameter names to parameter names"
+    for name, kind in (("tokenizer", dict), ("config", dict), ("model", dict), ("dataset", dict), ("unjudged", dict),
+                       ("sources", dict), ("argv", list)):
+        if m.get(name) is not None and not isinstance(m[name], kind):
+            return f"{name} must be a JSON {'object' if kind is dict else 'list'}, not {type(m[name]).__name__}"
+    return None
+
+
+def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path: Path, before: int) -> int:
+    """Manifest records (JSON the checks read through `load_manifest`): each one validated first;
+    an unreadable line is counted as a bad line, a readable one of the wrong shape refused."""
+    n = 0
+    with open(tmp, "rb") as f:
+        for number, raw in enumerate(f):
+            try:
+                m = json.loads(raw)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past any manifest
+                continue
+            problem = _manifest_problem(m)
+            if problem:
+                raise InputError(f"{path}, line {before + number + 1}: {problem}; the shim writes this record: "
+                                 f"record the run again, or repair that field")
+            if m.get("schema_version", 0) > SCHEMA_VERSION:
+                raise InputError(f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to "
+                                 f"{SCHEMA_VERSION}: upgrade sftaudit (pip install -U sftaudit)")
+            seg = m.get("seg", 0)
+            con.execute(
+                "INSERT INTO manifest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
+                 m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
+            )
+            rows = [(rank, seg, i, p["name"], p.get("shape"), p.get("dtype"), p.get("numel"), p.get("requires_grad"),
+                     None, p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p.get("numel")),
+                     p.get("replica", rank))
+                    for i, p in enumerate(m.get("params", []))]
+            rows += [(rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)
+                     for alias, target in m.get("tied", {}).items()]
+            if rows:
+                con.executemany("INSERT INTO params (rank, seg, idx, name, shape, dtype, numel, requires_grad, tied_to, "
+                                "kind, start, stop, local_numel, replica) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                rows)
+            n += 1
     return n
 
 

@@ -50,13 +50,16 @@ def load_rows(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise InputError(f"{path}: no such dataset file or folder")
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                except (UnicodeDecodeError, RecursionError) as exc:
+                    why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "nested too deeply"
+                    raise InputError(f"{path}:{number}: {why}; each line must be one JSON row") from None
                 if not isinstance(row, dict):
                     raise InputError(f"{path}:{number}: a row must be a JSON object")
                 rows.append(row)

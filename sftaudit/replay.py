@@ -13,19 +13,24 @@ with ``{checkpoint}``) or, for a Trainer run, the recorded command line with
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 from .audit import audit
 from .config import AuditConfig
-from .ingest import connect, load_manifest
+from .ingest import connect, load_manifest, run_lock
 
 DEFAULT_WINDOW = 10
 
 
 def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW) -> dict[str, Any]:
-    run_dir = Path(run_dir)
+    with run_lock(run_dir):  # the audit and the read of its batches see one state of the database
+        return _replay(Path(run_dir), config, window)
+
+
+def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str, Any]:
     verdict = audit(run_dir, config or AuditConfig())
     first = verdict["first_anomalous_step"]
     out: dict[str, Any] = {"run": verdict["run"], "verdict": verdict["verdict"], "first_anomalous_step": first,
@@ -75,13 +80,32 @@ def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = 
     equivalent `trainer.train` call."""
     config = manifest.get("config") or {}
     if isinstance(config.get("resume_command"), str):
-        command = config["resume_command"].replace("{checkpoint}", path).replace("{skip_steps}", json.dumps(list(skip_steps)))
-        return {"command": command, "trainer": None}
+        return {"command": fill_template(config["resume_command"], path, list(skip_steps)), "trainer": None}
     if "training_args" in config:
         argv = manifest.get("argv")
         return {"command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
                 "trainer": f"trainer.train(resume_from_checkpoint={path!r})"}
     return {"command": None, "trainer": None}
+
+
+# A path this plain may stand inside a quoted argument (a Python string in `python -c '...'`) as is.
+_PLAIN_PATH = re.compile(r"[\w./+,=:@%-]+")
+
+
+def fill_template(template: str, path: str, skip_steps: list[int]) -> str | None:
+    """The resume template filled in, safe to paste into a shell: it is split into words, each word
+    filled, and the words joined again with shell quoting, so a checkpoint folder named
+    ``checkpoint-5'$(touch x)'`` stays one literal word. A path with quotes or other specials that
+    would sit *inside* a word (``resume_from="{checkpoint}"``, whose language we cannot quote for)
+    is not filled in: None, and replay names the checkpoint instead."""
+    try:
+        words = shlex.split(template)
+    except ValueError:  # unbalanced quotes: not a command we can fill safely
+        return None
+    if any("{checkpoint}" in w and w != "{checkpoint}" for w in words) and not _PLAIN_PATH.fullmatch(path):
+        return None
+    steps = json.dumps(skip_steps)
+    return shlex.join(w.replace("{checkpoint}", path).replace("{skip_steps}", steps) for w in words)
 
 
 def to_json(doc: dict[str, Any]) -> str:
@@ -114,5 +138,5 @@ def to_text(doc: dict[str, Any]) -> str:
         lines.append("resume:")
         lines += [f"  {r[k]}" for k in ("command", "trainer") if r[k]]
         if not (r["command"] or r["trainer"]):
-            lines.append(f"  restore everything from {r['resume_from_checkpoint']} in your loop")
+            lines.append(f"  restore everything from {shlex.quote(r['resume_from_checkpoint'])} in your loop")
     return "\n".join(lines)

@@ -109,11 +109,14 @@ def is_trainer_output(run_dir: str | Path) -> bool:
 def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
     """The manifest an earlier import wrote (None: no artifacts, or the shim's)."""
     path = rank_dir(run_dir, 0) / "manifest.jsonl"
-    try:
-        first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
-    except (OSError, IndexError, ValueError):
+    if not path.is_file():  # a FIFO or device must not block here: ingest refuses it with its reason
         return None
-    return first if first.get("imported") else None
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline(2**24))  # bounded: a manifest record is a few hundred KB
+    except (OSError, ValueError, RecursionError):
+        return None
+    return first if isinstance(first, dict) and first.get("imported") else None
 
 
 def ensure_artifacts(run_dir: str | Path, data: str | Path | None = None) -> bool:
