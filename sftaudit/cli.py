@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
+    s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
 
     s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
     s.add_argument("run_dir", type=Path)
@@ -103,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="warn findings block too")
     s.add_argument("--junit", type=Path, help="write JUnit XML here (one testcase per check)")
     s.add_argument("--json", type=Path, help="write the gate result as JSON here")
+    s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 of the findings up to the checkpoint here")
+
+    s = sub.add_parser("diff", help="where run B starts to differ from run A (or from a golden file): exit 0 same, "
+                                    "1 diverged, 2 cannot compare")
+    s.add_argument("run_a", type=Path, help="a run folder or a golden file")
+    s.add_argument("run_b", type=Path, help="a run folder or a golden file")
+    s.add_argument("--tolerance", type=float, help="a relative difference above this diverges (default: against "
+                                                   "the runs' own step-to-step noise)")
+    s.add_argument("--exact", action="store_true", help="any difference diverges (same-seed CPU runs)")
+    s.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    s.add_argument("--out", type=Path, help="write diff.html here")
+
+    s = sub.add_parser("golden", help="write a run's golden file: what `diff` compares, small enough to keep in CI")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("--out", type=Path, required=True, help="the golden file to write (JSON)")
+    s.add_argument("--stride", type=_at_least(1), default=10, help="per-tensor gradient norms every N steps")
 
     s = sub.add_parser("demo", help="train a clean and a faulty tiny run on CPU, audit both")
     s.add_argument("--workdir", type=Path, default=Path("runs"), help="where the demo runs are recorded")
@@ -252,6 +269,10 @@ def _audit(args: argparse.Namespace) -> int:
         from .report import write_report
 
         report = write_report(args.run_dir, out)
+    if args.sarif:
+        from .sarif import to_sarif
+
+        _write(args.sarif, json.dumps(to_sarif(verdict, args.run_dir), indent=1) + "\n", "--sarif")
     _print_summary(verdict, out / "verdict.json", report)
     return _exit_code(verdict["verdict"], args.strict or config.strict)
 
@@ -308,8 +329,52 @@ def _gate(args: argparse.Namespace) -> int:
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
             _write(path, text(), "--junit" if text == result.to_junit else "--json")
+    if args.sarif:
+        from .audit import stored_verdict
+        from .sarif import to_sarif
+
+        considered = {**stored_verdict(args.run_dir), "findings": result.findings}
+        _write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
     _say(result.summary())
     return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .diff import compare, load
+
+    if args.exact and args.tolerance is not None:
+        raise InputError("--exact and --tolerance exclude each other: give one")
+    result = compare(load(args.run_a), load(args.run_b), tolerance=args.tolerance, exact=args.exact)
+    if args.out:
+        from .report import write_diff_report
+
+        write_diff_report(result, args.out)
+    if args.json:
+        keys = ("a", "b", "mode", "tolerance", "steps_compared", "first_divergent_step", "series", "tensors",
+                "differences", "findings_only_in")
+        print(json_safe(json.dumps({k: result[k] for k in keys}, indent=2, default=str)))
+    else:
+        first = result["first_divergent_step"]
+        _say(f"{result['b']} against {result['a']}: " + (f"diverged at step {first}" if first is not None else
+             f"no divergence over {result['steps_compared']} steps") + f" ({result['mode']})")
+        if result["tensors"]:
+            _say("  tensors that moved first: " + ", ".join(result["tensors"]))
+        for d in result["differences"]:
+            _say(f"  differs: {d['what']}: {d['a']} -> {d['b']}")
+        for side in ("a", "b"):
+            only = (result["findings_only_in"] or {}).get(side) or []
+            if only:
+                _say(f"  only in {result[side]}: " + ", ".join(f"{f['code']} {f['severity']}"
+                                                            + (f" @{f['step']}" if f["step"] is not None else "")
+                                                            for f in only))
+    return EXIT_FAIL if result["first_divergent_step"] is not None else EXIT_PASS
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from .diff import write_golden
+
+    _say(str(write_golden(args.run_dir, args.out, stride=args.stride)))
+    return EXIT_PASS
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -356,7 +421,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
 
 
 _COMMANDS = {"import": _import, "probe": _probe, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
-             "replay": _replay, "gate": _gate, "demo": _demo}
+             "replay": _replay, "gate": _gate, "diff": _diff, "golden": _golden, "demo": _demo}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,11 @@ from typing import Any
 
 from .errors import InputError
 from .ingest import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_RECORD_BYTES
-from .verdict import DEFAULT_ROLLBACK_MARGIN
+
+# Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
+# checkpoint before the anomaly; a cautious choice rolls back to `step_id - 3` (3); PaLM-style practice
+# restarts about 100 steps before a loss spike (100).
+DEFAULT_ROLLBACK_MARGIN = 1
 
 DEFAULT_MAX_MISSING_SHARE = 0.01
 MAX_CONFIG_BYTES = 2**20

@@ -17,6 +17,7 @@ from typing import Any
 
 from .artifacts import SCHEMA_VERSION
 from .checks.base import SEVERITY_RANK, Finding
+from .config import DEFAULT_ROLLBACK_MARGIN
 
 # Findings within this many steps of the first anomalous step form its chain (what fired around it).
 CHAIN_WINDOW = 50
@@ -33,11 +34,6 @@ def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> lis
         out.append(f)
     return out
 
-
-# Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
-# checkpoint before the anomaly; a cautious choice rolls back to `step_id - 3` (3); PaLM-style practice
-# restarts about 100 steps before a loss spike (100).
-DEFAULT_ROLLBACK_MARGIN = 1
 
 
 def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str, Any]],

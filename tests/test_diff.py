@@ -83,3 +83,22 @@ def test_the_diff_report_names_the_step_and_escapes_names(clean_profile, scaled_
     html = write_diff_report(result, tmp_path).read_text()
     assert f"<strong>{SCALED_FROM}</strong>" in html and DEFAULT_SCALED_TENSOR in html
     assert "<script>alert" not in html and "&lt;script&gt;" in html
+
+
+def test_the_cli_exits_0_same_1_diverged_2_cannot_compare(clean_run, twin, scaled, tmp_path, capsys):
+    from sftaudit.cli import main
+
+    assert main(["diff", str(clean_run), str(twin), "--exact"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(clean_run), str(scaled), "--json", "--out", str(tmp_path / "html")]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["first_divergent_step"] == SCALED_FROM and printed["tensors"][0] == DEFAULT_SCALED_TENSOR
+    assert {"differences", "findings_only_in"} <= printed.keys() and (tmp_path / "html" / "diff.html").is_file()
+    golden = tmp_path / "golden.json"
+    assert main(["golden", str(clean_run), "--out", str(golden), "--stride", "5"]) == 0
+    assert main(["diff", str(golden), str(twin)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(golden), str(tmp_path / "nowhere")]) == 2
+    assert main(["diff", str(golden), str(twin), "--exact", "--tolerance", "0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "neither a run folder nor a golden file" in err[0] and "exclude each other" in err[1]

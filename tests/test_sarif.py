@@ -56,3 +56,17 @@ def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
     names = {loc["kind"]: loc["name"] for loc in location["logicalLocations"]}
     assert names["step"] == f"step {grads['step']}"
     assert names["tensor"] == grads["evidence"]["tensors"][0]["tensor"]
+
+
+def test_audit_and_gate_write_sarif(nan_run, tmp_path):
+    from sftaudit.cli import main
+
+    assert main(["audit", str(nan_run), "--no-report", "--out", str(tmp_path / "out"),
+                 "--sarif", str(tmp_path / "audit.sarif")]) == 1
+    audited = json.loads((tmp_path / "audit.sarif").read_text())
+    assert_valid(audited)
+    assert main(["gate", str(nan_run), "--checkpoint", "checkpoint-10", "--sarif", str(tmp_path / "gate.sarif")]) == 0
+    gated = json.loads((tmp_path / "gate.sarif").read_text())
+    assert_valid(gated)
+    # The gate's SARIF holds what the checkpoint's verdict rests on: fewer results than the whole run's.
+    assert len(gated["runs"][0]["results"]) < len(audited["runs"][0]["results"])

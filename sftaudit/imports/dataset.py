@@ -38,7 +38,7 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
     """``batches`` and ``samples`` records of the dataset, rendered and collated with the run's saved
     tokenizer; writes its description (and the rows that failed to render) to ``sftaudit/dataset.json``."""
     from ..chat_template import load_tokenizer
-    from ..preflight import dataset_batches, load_rows
+    from ..dataset import dataset_batches, load_rows
 
     folder = artifact_root(run_dir) / TOKENIZER_DIR
     if not (folder / "tokenizer_config.json").is_file():
