@@ -192,10 +192,12 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
 def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
     """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
     manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
+    # The manifest's reason comes first: "the tokenizer asks for remote code" says more than "not recorded".
+    said = (manifest.get("unjudged") or {}).get(check.code)
+    if said:
+        return said
     missing = [" or ".join(EVIDENCE[t] for t in need) for need in alternatives(check) if not any(recorded[t] for t in need)]
-    if missing:
-        return "not recorded: " + ", ".join(missing)
-    return (manifest.get("unjudged") or {}).get(check.code)
+    return "not recorded: " + ", ".join(missing) if missing else None
 
 
 def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],

@@ -411,6 +411,7 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
     evidence = verdict.get("evidence") or {}
     lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]
     lines += [f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])]
+    lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
     not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
     if not_run:
         lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))

@@ -20,9 +20,7 @@ REAL_RUNS = Path(os.environ.get("SFTAUDIT_REAL_RUNS") or Path(__file__).resolve(
 SHAPES = [
     "lf-two-writers",           # a LLaMA-Factory log two processes wrote at once, then a resume
     # TensorBoard event files that are Git LFS pointers, last-checkpoint/
-    pytest.param("whisper-ja-lfs-tb", marks=pytest.mark.xfail(
-        strict=True, reason="sftaudit/checks/rolling.py robust_z divides by a zero floor (divide by zero warning); "
-                            "fixed with the dynamics checks' branch")),
+    "whisper-ja-lfs-tb",
     "star-multihead-stopped",   # a custom Trainer logging `lr` and train/* keys, stopped at 40,000 of 252,780
     "gpt2-ja-tb-only",          # TensorBoard event files alone, a final evaluation in a file of its own
     "tiny-gpt2-as-checkpoint",  # a bare checkpoint folder with weights and optimizer state

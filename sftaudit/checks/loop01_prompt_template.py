@@ -54,8 +54,13 @@ class PromptTemplateConsistency(Check):
         source = template_source((start.get("tokenizer") or {}).get("chat_template"))
         if source is None:
             return []
-        return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx) + self._dropped(ctx)
-                + self._empty_turns(ctx, source) + self._templates(ctx, source))
+        try:
+            return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx) + self._dropped(ctx)
+                    + self._empty_turns(ctx, source) + self._templates(ctx, source))
+        except TemplateOverBudget as exc:
+            return [self.finding("fail", f"{exc}: the run's template would stall or exhaust memory wherever it is "
+                                 f"rendered; fix or replace it before training", kind="template_over_budget",
+                                 error=str(exc))]
 
     def _fields(self, source: str, dataset: dict) -> list[Finding]:
         fields = template_fields(source)
@@ -107,10 +112,8 @@ class PromptTemplateConsistency(Check):
         tokenizer = run_tokenizer(ctx)
         try:
             layout = run_layout(tokenizer) if tokenizer is not None else None
-        except TemplateOverBudget as exc:
-            return [self.finding("fail", f"{exc}: the run's template would stall or exhaust memory wherever it is "
-                                 f"rendered; fix or replace it before training", kind="template_over_budget",
-                                 error=str(exc))]
+        except TemplateOverBudget:
+            raise
         except InputError:  # a template without turns (Nemotron-Parse renders the contents only) has no empty one
             layout = None
         if layout is None or not ctx.has_rows("samples"):

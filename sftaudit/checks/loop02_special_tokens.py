@@ -56,6 +56,12 @@ class SpecialTokenAlignment(Check):
     defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
+        try:
+            return self._judge(ctx)
+        except TemplateOverBudget as exc:  # LOOP-01 fails the template; its markers cannot be read off it
+            raise CannotJudge(str(exc)) from None
+
+    def _judge(self, ctx: AuditContext) -> list[Finding]:
         start = first_manifest(ctx)
         described = start.get("tokenizer") or {}
         if not described:
@@ -323,7 +329,7 @@ def _turn_layout(tokenizer: Any) -> Any:
     only): its stop marker is then the tokenizer's eos."""
     try:
         return run_layout(tokenizer)
-    except TemplateOverBudget as exc:  # LOOP-01 fails the template; its markers cannot be read off it
-        raise CannotJudge(str(exc)) from None
+    except TemplateOverBudget:
+        raise
     except InputError:
         return None

@@ -68,7 +68,7 @@ def test_a_run_whose_tokenizer_carries_a_bomb_fails_naming_the_budget(tmp_path, 
     assert "Traceback" not in done.stderr
 
 
-def test_preflight_with_a_bomb_template_fails_each_sample_naming_the_budget(tmp_path):
+def test_preflight_with_a_bomb_template_fails_naming_the_budget(tmp_path):
     from sftaudit.fixtures import build_tokenizer
 
     from .builders import preflight
@@ -77,6 +77,5 @@ def test_preflight_with_a_bomb_template_fails_each_sample_naming_the_budget(tmp_
     (tmp_path / "bomb.jinja").write_text(BOMBS["nested ranges"] + BASE)
     done = preflight(tmp_path, tmp_path / "tok", "--template", str(tmp_path / "bomb.jinja"))
     assert done.returncode == 1, done.stdout + done.stderr
-    assert ("LOOP-01 fail run: 20 sample(s) fail to render with the chat template (first r0: chat template "
-            "exceeded its render budget (over 2000000 steps))") in done.stdout
+    assert "LOOP-01 fail run: chat template exceeded its render budget (over 2000000 steps)" in done.stdout
     assert "TemplateBudget" not in done.stdout and "Traceback" not in done.stderr
