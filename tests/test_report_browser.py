@@ -142,7 +142,7 @@ def test_untrusted_sample_text_stays_text(failed):
         if box is None:
             continue
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-        for _ in range(20):  # plotly draws the hover label on its next animation frame
+        for _ in range(100):  # plotly draws the hover label on its next animation frame (later on a busy machine)
             text = page.locator("#timeline .hoverlayer").text_content()
             if text:
                 break
