@@ -50,6 +50,9 @@ def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
     return out
 
 
+# Logged losses below which nothing about the training can be told (one point has no trend or noise).
+MIN_JUDGED_STEPS = 3
+
 # Shim components without which a run cannot be judged at all: the steps (loss, gradient norms)
 # and the batches (what was trained on).
 ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
@@ -69,8 +72,13 @@ def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[
            WHERE kind = 'shim_error' GROUP BY rank, probe ORDER BY rank, probe""").fetchall()]
     first = {r["rank"]: r["first_step"] for r in ranks}
     reasons = []
+    logged = first_row(con, "SELECT count(DISTINCT step) FROM steps WHERE rank = 0 AND loss IS NOT NULL")[0]
     if not any(r["steps"] for r in ranks):
         reasons.append("no training step was recorded")
+    # No trend, spike or plateau can be told from one or two points: a run with nothing found on so
+    # little is unjudged, not a pass (what was found on it still stands).
+    too_little = (f"only {logged} step(s) logged a loss: too little to judge the training (at least "
+                  f"{MIN_JUDGED_STEPS} are needed)") if 0 < logged < MIN_JUDGED_STEPS else None
     for o in off:
         start = first.get(o["rank"])
         if o["component"] in ESSENTIAL_COMPONENTS and (o["from_step"] is None or start is None
@@ -101,7 +109,7 @@ def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[
                 partial.append(f"{note}; those steps are judged without it")
     return {"ranks": ranks, "components_off": off, "bad_lines": bad, "missing": missing,
             "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
-            "partial": partial, "cannot_judge": "; ".join(reasons) or None}
+            "partial": partial, "too_little": too_little, "cannot_judge": "; ".join(reasons) or None}
 
 
 def bad_lines(con) -> list[dict[str, Any]]:

@@ -69,6 +69,8 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
     # A check that raised judged nothing: a verdict without it would pass what it exists to catch.
     reasons = [r for r in [(evidence or {}).get("cannot_judge")] if r]
     reasons += [f"check {e['code']} failed to run ({e['error']})" for e in check_errors or []]
+    if not reasons and (evidence or {}).get("too_little") and worst_of(finding_dicts) == "pass":
+        reasons.append(evidence["too_little"])
     return {
         "schema_version": SCHEMA_VERSION,
         "run": run,

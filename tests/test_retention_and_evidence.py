@@ -113,3 +113,16 @@ def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path):
     assert verdict["evidence"]["components_off"] == [
         {"rank": 0, "component": "generations", "from_step": 4, "error": "BrokenGenerate: generation exploded"}]
     assert verdict["evidence"]["partial"][0].startswith("rank 0's generations recording stopped at step 4")
+
+
+def test_a_run_with_too_few_logged_losses_is_unjudged_unless_something_was_found(tmp_path):
+    """One logged loss (a GRPO run logged once) tells no trend, spike or plateau: nothing found on it is
+    not a pass. What was found on so little still stands (a NaN at the one logged step fails)."""
+    from tests.checks.logged_runs import audited, trainer_run
+
+    once = audited(trainer_run(tmp_path / "once", [0.91]))
+    assert once["verdict"] == "unjudged" and "too little to judge the training" in once["cannot_judge"]
+    nan = audited(trainer_run(tmp_path / "nan", [float("nan")]))
+    assert nan["verdict"] == "fail" and nan["cannot_judge"] is None
+    three = audited(trainer_run(tmp_path / "three", [0.91, 0.85, 0.80]))
+    assert three["verdict"] != "unjudged" and three["evidence"]["too_little"] is None
