@@ -141,6 +141,12 @@ def test_untrusted_sample_text_stays_text(failed):
         box = marker.bounding_box()
         if box is None:
             continue
+        # Off the chart first, until the last label is gone: a label still showing is another marker's.
+        page.mouse.move(0, 0)
+        for _ in range(100):
+            if not page.locator("#timeline .hoverlayer").text_content():
+                break
+            page.wait_for_timeout(50)
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         for _ in range(100):  # plotly draws the hover label on its next animation frame (later on a busy machine)
             text = page.locator("#timeline .hoverlayer").text_content()
