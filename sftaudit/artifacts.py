@@ -12,9 +12,9 @@ Everything the shim records lives under ``RUN_DIR/sftaudit/``::
 Each record is one JSON object on one line. A process killed at any moment leaves
 at most one incomplete last line, which readers skip; every complete line is a
 valid record. Every record carries ``seg``: the segment number, incremented each
-time a recorder (re)starts on the same rank folder (a resumed run). The format is
-documented field by field in ``docs/artifacts.md``; it is versioned by
-``SCHEMA_VERSION`` in every manifest record.
+time a recorder (re)starts on the same rank folder (a resumed run). The records are
+declared field by field in `sftaudit.schema.records` (``docs/artifacts.md`` is generated
+from it); the format is versioned by ``SCHEMA_VERSION`` in every manifest record.
 
 This module is imported by both halves, so it must stay free of torch and DuckDB.
 """
@@ -25,25 +25,15 @@ import hashlib
 import json
 from pathlib import Path
 
+from .schema.records import RECORDS
+
 SCHEMA_VERSION = 1
 ARTIFACT_DIR = "sftaudit"
 TOKENIZER_DIR = "tokenizer"
 DATABASE_FILE = "audit.duckdb"
 
-# One file per record kind; the ingest schema for each lives in sftaudit/ingest.py.
-RECORD_KINDS = (
-    "manifest",     # one per segment: run, model parameters, tokenizer, dataset fields, config
-    "steps",        # one per optimizer step: loss, lr, per-tensor gradient norms
-    "batches",      # one per micro-batch: shape, sample ids, lengths, padding, label counts
-    "samples",      # full rows (input_ids, labels, attention_mask) on the profile's schedule
-    "grad_hists",   # per-tensor histograms of log10|grad| on schedule and at suspicious steps
-    "probes",       # next-token distributions on the fixed probe prompts
-    "generations",  # sampled generations on the probe prompts
-    "evals",        # eval-set generations with their references
-    "metrics",      # scalar metrics from the trainer's logs (eval_loss, grad_norm, ...)
-    "checkpoints",  # saved checkpoints: path, files, training state; then their hashes
-    "events",       # shim lifecycle and errors: start, segment_start, close, shim_error, probe_disabled
-)
+# One file per record kind, each declared field by field in sftaudit/schema/records.py.
+RECORD_KINDS = tuple(RECORDS)
 
 # Histogram bin edges for log10|grad|: fixed so histograms compare across steps and tensors.
 GRAD_HIST_EDGES = [float(e) / 2 for e in range(-24, 5)]  # 1e-12 .. 1e2, half-decade bins

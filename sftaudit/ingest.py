@@ -37,6 +37,7 @@ import duckdb
 
 from .artifacts import DATABASE_FILE, RECORD_KINDS, SCHEMA_VERSION, artifact_root
 from .errors import InputError, one_line
+from .schema.records import RECORDS
 from .terminal import shown
 
 # Bounded reads (configurable in the audit config's [ingest] section): one record (line) and one file.
@@ -46,44 +47,10 @@ HEAD_BYTES = 4096                       # an artifact is the file ingested befor
 LOCK_TIMEOUT = 600.0                    # seconds one audit waits for another on the same run
 _COPY_BLOCK = 8 * 2**20
 
-# Column types of each record kind as written by the shim (the JSON field names).
-RECORD_COLUMNS: dict[str, dict[str, str]] = {
-    "steps": {"seg": "INTEGER", "step": "BIGINT", "time": "DOUBLE", "dt": "DOUBLE", "loss": "DOUBLE",
-              "lr": "DOUBLE", "grad_norm": "DOUBLE", "grad_norms": "DOUBLE[]",
-              "nonfinite_grads": "MAP(VARCHAR, BIGINT)", "micro_batches": "INTEGER", "tokens": "BIGINT",
-              # under the Trainer: the norms after its clipping (grad_norms holds the pre-clip ones), and a step
-              # whose norms could only be read after the clip
-              "grad_norm_post_clip": "DOUBLE", "grad_norms_post_clip": "DOUBLE[]", "grad_norm_source": "VARCHAR"},
-    "batches": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "rows": "INTEGER", "seq_len": "INTEGER",
-                "sample_ids": "VARCHAR[]", "lengths": "INTEGER[]", "label_tokens": "INTEGER[]",
-                "padding_trained": "INTEGER[]", "left_padded_rows": "INTEGER",
-                "tokenizer_length": "INTEGER", "template_fingerprint": "VARCHAR",
-                # loss normalisation (LOOP-13): shifted target tokens per row, the model's loss, its weight in
-                # the backpropagated objective, the HF num_items_in_batch, the scalar given to on_backward
-                "target_tokens": "INTEGER[]", "model_loss": "DOUBLE", "loss_weight": "DOUBLE", "num_items": "DOUBLE",
-                "backprop": "DOUBLE",
-                # packing (LOOP-16): attended BOS tokens and position_ids restarts per row, varlen attention given,
-                # the attention mask the model got ("none" / "padding" / "custom") and whether it built a KV cache
-                "bos_starts": "INTEGER[]", "position_resets": "INTEGER[]", "varlen": "BOOLEAN",
-                "attention_mask_kind": "VARCHAR", "cache_built": "BOOLEAN"},
-    "samples": {"seg": "INTEGER", "step": "BIGINT", "micro": "INTEGER", "row": "INTEGER", "sample_id": "VARCHAR",
-                "input_ids": "INTEGER[]", "labels": "INTEGER[]", "attention_mask": "INTEGER[]"},
-    "grad_hists": {"seg": "INTEGER", "step": "BIGINT", "tensor": "VARCHAR", "reason": "VARCHAR",
-                   "zeros": "BIGINT", "nonfinite": "BIGINT", "counts": "BIGINT[]"},
-    "probes": {"seg": "INTEGER", "step": "BIGINT", "prompt": "INTEGER", "entropy": "DOUBLE",
-               "top_ids": "INTEGER[]", "top_probs": "DOUBLE[]"},
-    "generations": {"seg": "INTEGER", "step": "BIGINT", "prompt": "INTEGER", "sample": "INTEGER", "text": "VARCHAR",
-                    "new_tokens": "INTEGER", "stopped": "BOOLEAN"},
-    "evals": {"seg": "INTEGER", "step": "BIGINT", "item": "INTEGER", "id": "VARCHAR", "prediction": "VARCHAR",
-              "reference": "VARCHAR", "new_tokens": "INTEGER", "stopped": "BOOLEAN"},
-    "metrics": {"seg": "INTEGER", "step": "BIGINT", "name": "VARCHAR", "value": "DOUBLE"},
-    "checkpoints": {"seg": "INTEGER", "event": "VARCHAR", "step": "BIGINT", "path": "VARCHAR", "files": "JSON",
-                    "training_state": "JSON", "tokenizer_fingerprint": "VARCHAR", "param_norms": "DOUBLE[]",
-                    "param_fingerprints": "BIGINT[]", "time": "DOUBLE", "sha256": "JSON"},
-    "events": {"seg": "INTEGER", "kind": "VARCHAR", "probe": "VARCHAR", "step": "BIGINT", "time": "DOUBLE",
-               "error": "VARCHAR", "traceback": "VARCHAR", "sample_id": "VARCHAR", "param_norms": "DOUBLE[]",
-               "optimizer_step": "BIGINT"},
-}
+# Column types of each record kind (the JSON field names), from the declaration in sftaudit/schema/records.py;
+# the manifest has its own table.
+RECORD_COLUMNS: dict[str, dict[str, str]] = {kind: {f.name: f.type for f in spec.fields}
+                                             for kind, spec in RECORDS.items() if kind != "manifest"}
 
 _SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT);
