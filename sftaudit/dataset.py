@@ -213,6 +213,23 @@ def _custom_batches(collate, tokenizer, rows, ids, keep, batch_size, max_length,
     return batches
 
 
+def batch_record(batch: dict, step: int, micro: int, tokenizer_length: int, fingerprint: str | None) -> dict[str, Any]:
+    """The ``batches`` record of one collated batch: the fields the dataset path writes
+    (`sftaudit.schema.records`; the rest need the run's forward and backward)."""
+    real, trained = batch["attention_mask"] != 0, batch["labels"] != IGNORE_INDEX
+    return {"seg": 0, "step": step, "micro": micro, "rows": len(batch["sample_ids"]),
+            "seq_len": int(batch["input_ids"].shape[1]), "sample_ids": batch["sample_ids"],
+            "lengths": real.sum(1).tolist(), "label_tokens": trained.sum(1).tolist(),
+            "padding_trained": (trained & ~real).sum(1).tolist(), "left_padded_rows": int((~real[:, 0]).sum()),
+            "tokenizer_length": tokenizer_length, "template_fingerprint": fingerprint}
+
+
+def failure_records(failures: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """The rows the template refused or dropped content from, as ``events`` records (LOOP-01)."""
+    return [{"seg": 0, "kind": kind, "time": float(i), "error": error, "sample_id": sample}
+            for i, (sample, kind, error) in enumerate(failures)]
+
+
 def describe_rows(rows: list[dict]) -> dict[str, Any]:
     fields, message_fields = set(), set()
     for row in rows:

@@ -24,14 +24,19 @@ from .artifacts import (
     artifact_root,
     template_fingerprint,
 )
-from .chat_template import (
-    IGNORE_INDEX,
-    remember_tokenizer,
-)
+from .chat_template import remember_tokenizer
 from .config import AuditConfig
-from .dataset import dataset_batches, describe_rows, layout_or_none, load_rows
+from .dataset import (
+    batch_record,
+    dataset_batches,
+    describe_rows,
+    failure_records,
+    layout_or_none,
+    load_rows,
+)
 from .dataset_preview import dataset_preview
 from .errors import InputError, one_line
+from .schema.records import DATASET, RECORDS
 from .tokenizer_info import TokenizerRefused, describe_tokenizer, load_saved_tokenizer
 
 PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
@@ -107,38 +112,26 @@ def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, s
            fingerprint: str | None) -> None:
     con.execute("INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
                 [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)])
-    steps = np.arange(1, len(batches) + 1)
+    if batches:  # each batch is a step (1..N) of one micro-batch
+        _insert(con, "batches", pa.Table.from_pylist([batch_record(b, step, 0, tokenizer_length, fingerprint)
+                                                      for step, b in enumerate(batches, 1)]))
     sizes = np.array([len(b["sample_ids"]) for b in batches], dtype=np.int64)
-    real = [b["attention_mask"] != 0 for b in batches]
-    trained = [b["labels"] != IGNORE_INDEX for b in batches]
-    batch_table = pa.table({
-        "step": pa.array(steps, pa.int64()),
-        "rows": pa.array(sizes, pa.int32()),
-        "seq_len": pa.array([b["input_ids"].shape[1] for b in batches], pa.int32()),
-        "sample_ids": pa.array([b["sample_ids"] for b in batches], pa.list_(pa.string())),
-        "lengths": pa.array([r.sum(1).tolist() for r in real], pa.list_(pa.int32())),
-        "label_tokens": pa.array([t.sum(1).tolist() for t in trained], pa.list_(pa.int32())),
-        "padding_trained": pa.array([(t & ~r).sum(1).tolist() for t, r in zip(trained, real)], pa.list_(pa.int32())),
-        "left_padded_rows": pa.array([int((~r[:, 0]).sum()) for r in real], pa.int32()),
-    })
-    con.register("new_batches", batch_table)
-    con.execute("""INSERT INTO batches (rank, seg, step, micro, rows, seq_len, sample_ids, lengths, label_tokens,
-                   padding_trained, left_padded_rows, tokenizer_length, template_fingerprint)
-                   SELECT 0, 0, step, 0, rows, seq_len, sample_ids, lengths, label_tokens,
-                   padding_trained, left_padded_rows, ?, ? FROM new_batches""", [tokenizer_length, fingerprint])
-    con.unregister("new_batches")
-    sample_table = pa.table({
-        "step": pa.array(np.repeat(steps, sizes), pa.int64()),
+    zeros = pa.array(np.zeros(int(sizes.sum()), dtype=np.int32))
+    _insert(con, "samples", pa.table({
+        "seg": zeros, "step": pa.array(np.repeat(np.arange(1, len(batches) + 1), sizes), pa.int64()), "micro": zeros,
         "row": pa.array(np.concatenate([np.arange(s) for s in sizes]) if len(sizes) else [], pa.int32()),
         "sample_id": pa.array([s for b in batches for s in b["sample_ids"]], pa.string()),
         "input_ids": _list_column([b["input_ids"] for b in batches]),
         "labels": _list_column([b["labels"] for b in batches]),
         "attention_mask": _list_column([b["attention_mask"] for b in batches]),
-    })
-    con.register("new_samples", sample_table)
-    con.execute("""INSERT INTO samples SELECT 0, 0, step, 0, row, sample_id, input_ids, labels, attention_mask
-                   FROM new_samples""")
-    con.unregister("new_samples")
+    }))
     if failures:
-        con.executemany("INSERT INTO events (rank, seg, kind, time, error, sample_id) VALUES (0, 0, ?, ?, ?, ?)",
-                        [(kind, float(i), error, sample) for i, (sample, kind, error) in enumerate(failures)])
+        _insert(con, "events", pa.Table.from_pylist(failure_records(failures)))
+
+
+def _insert(con, kind: str, table: pa.Table) -> None:
+    """Records of the dataset path into the kind's table: the fields declared as its (`sftaudit.schema.records`)."""
+    names = ", ".join(f'"{name}"' for name in RECORDS[kind].names(DATASET))
+    con.register("new_records", table)
+    con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT 0, {names} FROM new_records')
+    con.unregister("new_records")

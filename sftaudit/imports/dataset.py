@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
-from ..chat_template import IGNORE_INDEX
 from ..errors import InputError
 
 DATASET_FILE = "dataset.json"
@@ -38,7 +37,7 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
     """``batches`` and ``samples`` records of the dataset, rendered and collated with the run's saved
     tokenizer; writes its description (and the rows that failed to render) to ``sftaudit/dataset.json``."""
     from ..chat_template import load_tokenizer
-    from ..dataset import dataset_batches, load_rows
+    from ..dataset import batch_record, dataset_batches, load_rows
 
     folder = artifact_root(run_dir) / TOKENIZER_DIR
     if not (folder / "tokenizer_config.json").is_file():
@@ -51,12 +50,7 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
     fingerprint = template_fingerprint(tokenizer.chat_template)
     records: dict[str, list] = {"batches": [], "samples": []}
     for micro, b in enumerate(batches):
-        real, trained = b["attention_mask"] != 0, b["labels"] != IGNORE_INDEX
-        records["batches"].append({
-            "seg": 0, "step": DATASET_STEP, "micro": micro, "rows": len(b["sample_ids"]), "seq_len": int(b["input_ids"].shape[1]),
-            "sample_ids": b["sample_ids"], "lengths": real.sum(1).tolist(), "label_tokens": trained.sum(1).tolist(),
-            "padding_trained": (trained & ~real).sum(1).tolist(), "left_padded_rows": int((~real[:, 0]).sum()),
-            "tokenizer_length": len(tokenizer), "template_fingerprint": fingerprint})
+        records["batches"].append(batch_record(b, DATASET_STEP, micro, len(tokenizer), fingerprint))
         records["samples"] += [{"seg": 0, "step": DATASET_STEP, "micro": micro, "row": r, "sample_id": sample,
                                 "input_ids": b["input_ids"][r].tolist(), "labels": b["labels"][r].tolist(),
                                 "attention_mask": b["attention_mask"][r].tolist()}
@@ -69,8 +63,9 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
 
 def failure_events(description: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows the template refused or dropped content from, as the preflight records them (LOOP-01)."""
-    return [{"seg": 0, "kind": kind, "time": float(i), "error": error, "sample_id": sample}
-            for i, (sample, kind, error) in enumerate(description.get("failures", []))]
+    from ..dataset import failure_records
+
+    return failure_records(description.get("failures", []))
 
 
 def dataset_description(run_dir: Path) -> dict[str, Any] | None:
