@@ -15,16 +15,61 @@ per-step cost weighs twice as much.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from shim_overhead import alternating_blocks  # benchmarks/ is on the path when a script there runs
 
 from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset, load_eval_set
 from sftaudit.fixtures.train import PROBE_PROMPTS
 from sftaudit.fixtures.distributed import process_group, wrap
 from sftaudit.shim import Recorder
+
+
+def alternating_blocks(model, opt, rec: Recorder, prepared: list[dict], steps: int, block: int, warmup: int,
+                       before_step: Callable[[], None] | None = None) -> dict:
+    """Train `block` steps bare, then `block` through `rec`, and so on (`steps` per arm, after
+    `warmup` unmeasured steps that settle allocators and caches); `before_step` runs before each
+    step's clock starts (here a barrier, so the slower rank sets the step time).
+    The recorder's step numbers continue across its blocks, so its schedule fires as in a real run."""
+    times = {"bare": [], "shim": []}
+    probe_steps = []  # indices into times["shim"] of the steps where a probe ran
+    shim_step = 0
+    for i in range(-warmup, 2 * steps):
+        shimmed = i >= 0 and (i // block) % 2 == 1
+        batch = prepared[i % len(prepared)]
+        if before_step is not None:
+            before_step()
+        start = time.perf_counter()
+        if shimmed:
+            shim_step += 1
+            rec.on_batch(shim_step, batch)
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        loss.backward()
+        if shimmed:
+            rec.on_backward(shim_step, loss)
+        opt.step()
+        if shimmed:
+            rec.on_step_end(shim_step, lr=opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        if i >= 0:
+            times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
+        if shimmed and any(every and shim_step % every == 0 for every in (
+                rec.schedule.probe_every, rec.schedule.generate_every, rec.schedule.eval_every)):
+            probe_steps.append(len(times["shim"]) - 1)
+    rec.close()
+    bare, shim = times["bare"], times["shim"]
+    typical = statistics.median(shim)
+    return {
+        "bare_ms": 1000 * statistics.median(bare),
+        "mean_overhead": statistics.fmean(shim) / statistics.fmean(bare) - 1,
+        "median_overhead": typical / statistics.median(bare) - 1,
+        "probe_overhead": sum(shim[j] - typical for j in probe_steps) / sum(bare),
+        "steps": len(shim),
+    }
 
 
 def measure(mode: str, profile: str, steps: int, block: int, rows_per_rank: int, warmup: int = 5) -> dict:
