@@ -4,8 +4,8 @@ For each framework, the bench model trains in alternating blocks of `block` step
 through the Recorder (the `prod` profile by default: what a distributed run would use), on both
 ranks at once. Rank 0 prints the ratio of mean step times (amortised), of medians (per step) and
 the share of the amortised overhead spent at the steps where a probe, generation or eval ran.
-By default each rank takes 8 rows of 256 tokens: two ranks train shim_overhead.py's global batch
-(16 x 256) on the same two cores; `--rows 4` halves the work per step, so the shim's fixed
+By default each rank takes 8 rows of 256 tokens: two ranks train a 16 x 256 global batch
+on the same two cores; `--rows 4` halves the work per step, so the shim's fixed
 per-step cost weighs twice as much.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/distributed_overhead.py
@@ -82,7 +82,7 @@ def measure(mode: str, profile: str, steps: int, block: int, rows_per_rank: int,
     world, n = dist.get_world_size(), rows_per_rank
     prepared = [collate(tok, rows[(world * n * i + n * rank) % (len(rows) - n):][:n], max_length=256) for i in range(16)]
     with tempfile.TemporaryDirectory() as run_dir:
-        # The probes of shim_overhead.py: rank 0 alone runs them under DDP, every rank under FSDP.
+        # The probes of a one-process run: rank 0 alone runs them under DDP, every rank under FSDP.
         rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())
         # Both ranks start each step together: the slower rank sets the step time.
         return alternating_blocks(model, opt, rec, prepared, steps, block, warmup, before_step=dist.barrier)

@@ -16,7 +16,10 @@ drifts over minutes moves A and B alike, so the ratio stays put where raw step t
 
 "hooks" is the time spent inside the instrumentation's calls at ordinary steps (the Recorder's
 on_batch / on_backward / on_step_end and its forward hook, timed from outside; for TensorBoard and
-W&B the loop's norm and logging calls: W&B's own hooks inside forward/backward are not in it).
+W&B the loop's norm and logging calls: W&B's own hooks inside forward/backward are not in it), in
+the training thread's CPU time (not inflated by waiting for a core) and in wall time. The ratios
+are printed twice: in wall time (what a run pays) and in the process's CPU time (steadier on a
+shared machine; it leaves out work done by other processes, such as W&B's service).
 
     python benchmarks/shim_overhead.py                  # every arm, 9 repetitions
     python benchmarks/shim_overhead.py --quick          # smoke run (1 min idle): not evidence
@@ -56,7 +59,13 @@ class Arm:
     intervals: ClassVar[dict[str, int]] = {}
 
     def __init__(self) -> None:
-        self.hook_s = 0.0  # time inside this arm's calls during the current step
+        self.hook_s = np.zeros(2)  # (wall, this thread's CPU) seconds inside this arm's calls this step
+
+    def timed(self, call, *args):
+        start = clocks()
+        out = call(*args)
+        self.hook_s += clocks() - start
+        return out
 
     def open(self, model, opt, tokenizer, rows, folder: str) -> None: ...
     def begin_block(self, plan: list[tuple[int, frozenset]]) -> None: ...
@@ -86,11 +95,11 @@ class SftauditArm(Arm):
         self.active = False  # within a B block: the timers run in A blocks too, and count nothing there
 
     def _forward_started(self, *_):
-        self._forward_end = time.perf_counter()
+        self._forward_end = clocks()
 
     def _forward_hooked(self, *_):
         if self._forward_end is not None and self.active:
-            self.hook_s += time.perf_counter() - self._forward_end
+            self.hook_s += clocks() - self._forward_end
         self._forward_end = None
 
     def begin_block(self, plan):
@@ -99,19 +108,14 @@ class SftauditArm(Arm):
     def end_block(self):
         self.active = False
 
-    def _timed(self, call, *args):
-        start = time.perf_counter()
-        call(*args)
-        self.hook_s += time.perf_counter() - start
-
     def on_batch(self, step, batch):
-        self._timed(self.rec.on_batch, step, batch)
+        self.timed(self.rec.on_batch, step, batch)
 
     def on_backward(self, step, loss):
-        self._timed(self.rec.on_backward, step, loss)
+        self.timed(self.rec.on_backward, step, loss)
 
     def on_step_end(self, step, lr):
-        self._timed(self.rec.on_step_end, step, lr)
+        self.timed(self.rec.on_step_end, step, lr)
 
     def close(self):
         self.rec.close()
@@ -142,19 +146,18 @@ class TensorBoardArm(NormsArm):
         self.writer = SummaryWriter(folder)
 
     def on_backward(self, step, loss):
-        start = time.perf_counter()
+        self.timed(self._log_gradients, step, loss)
+
+    def _log_gradients(self, step, loss):
         self.writer.add_scalar("train/loss", loss.item(), step)
         for (name, _), norm in zip(self.named, self.norms()):
             self.writer.add_scalar(f"grad_norm/{name}", norm, step)
         if step % HIST_EVERY == 0:
             for name, p in self.named:
                 self.writer.add_histogram(f"grad/{name}", p.grad, step)
-        self.hook_s += time.perf_counter() - start
 
     def on_step_end(self, step, lr):
-        start = time.perf_counter()
-        self.writer.add_scalar("train/lr", lr, step)
-        self.hook_s += time.perf_counter() - start
+        self.timed(self.writer.add_scalar, "train/lr", lr, step)
 
     def close(self):
         self.writer.close()
@@ -178,14 +181,11 @@ class WandbArm(NormsArm):
         self.run.unwatch(self.model)
 
     def on_backward(self, step, loss):
-        start = time.perf_counter()
-        self._row = {"train/loss": loss.item(), **{f"grad_norm/{name}": n for (name, _), n in zip(self.named, self.norms())}}
-        self.hook_s += time.perf_counter() - start
+        self._row = self.timed(lambda: {"train/loss": loss.item(),
+                                        **{f"grad_norm/{name}": n for (name, _), n in zip(self.named, self.norms())}})
 
     def on_step_end(self, step, lr):
-        start = time.perf_counter()
-        self.run.log({**self._row, "train/lr": lr})  # commits the step's row (with watch's histograms)
-        self.hook_s += time.perf_counter() - start
+        self.timed(self.run.log, {**self._row, "train/lr": lr})  # commits the step's row (with watch's histograms)
 
     def close(self):
         self.run.finish()
@@ -235,8 +235,16 @@ def make_batches(tokenizer, rows: list[dict], batch: int, seq: int, count: int =
     return out
 
 
-def train_step(model, opt, batch: dict, arm: Arm | None, step: int) -> float:
-    start = time.perf_counter()
+def clocks() -> np.ndarray:
+    """Wall time and this thread's CPU time (the hooks run on the training thread): CPU time is not
+    inflated by the thread waiting for a core on a shared machine."""
+    return np.array((time.perf_counter(), time.thread_time()))
+
+
+def train_step(model, opt, batch: dict, arm: Arm | None, step: int) -> tuple[float, float]:
+    """The step's wall time and the process's CPU time (every thread of this process: TensorBoard's
+    writer thread is in it, W&B's service process is not)."""
+    start, cpu = time.perf_counter(), time.process_time()
     if arm:
         arm.on_batch(step, batch)
     loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
@@ -247,7 +255,7 @@ def train_step(model, opt, batch: dict, arm: Arm | None, step: int) -> float:
     if arm:
         arm.on_step_end(step, opt.param_groups[0]["lr"])
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random.Generator) -> dict:
@@ -272,7 +280,7 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
                 arm.begin_block(plan)
                 times, hook = [], []
                 for s, _ in plan:
-                    arm.hook_s = 0.0
+                    arm.hook_s = np.zeros(2)
                     times.append(train_step(model, opt, batches[next(cycle) % len(batches)], arm, s))
                     hook.append(arm.hook_s)
                 arm.end_block()
@@ -281,15 +289,19 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
                     b_events.append(times[1 + args.base_steps:])
                     hooks.extend(hook[1:1 + args.base_steps])
         arm.close()
-    a, b_base, b_events = np.array(a), np.array(b_base), np.array(b_events)
-    r = rep_ratios(a, b_base, b_events, np.array([shares[c] for c in classes]))
-    return {
-        "a_ms": 1000 * np.median(a.mean(axis=1)), "b_ms": 1000 * np.median(b_base.mean(axis=1)),
-        "per_step": median_ci(r["per_step"]), "probe_share": float(np.median(r["probe_share"])),
-        "amortised": median_ci(r["amortised"]), "hooks_ms": 1000 * np.percentile(hooks, [50, 10, 90]),
-        "classes": [("+".join(sorted(c)), shares[c], 1000 * float(np.median(b_events[:, j] - b_base.mean(axis=1))))
-                    for j, c in enumerate(classes)],
-    }
+    a, b_base, b_events, hooks = np.array(a), np.array(b_base), np.array(b_events), 1000 * np.array(hooks)
+    out = {"hooks_cpu_ms": np.percentile(hooks[:, 1], [50, 10, 90]), "hooks_wall_ms": float(np.median(hooks[:, 0]))}
+    for clock, name in enumerate(("wall", "cpu")):  # the same statistics on each clock
+        ta, tb, te = a[..., clock], b_base[..., clock], b_events[..., clock]
+        r = rep_ratios(ta, tb, te, np.array([shares[c] for c in classes]))
+        out[name] = {
+            "a_ms": 1000 * np.median(ta.mean(axis=1)), "b_ms": 1000 * np.median(tb.mean(axis=1)),
+            "per_step": median_ci(r["per_step"]), "probe_share": float(np.median(r["probe_share"])),
+            "amortised": median_ci(r["amortised"]),
+            "classes": [("+".join(sorted(c)), shares[c], 1000 * float(np.median(te[:, j] - tb.mean(axis=1))))
+                        for j, c in enumerate(classes)],
+        }
+    return out
 
 
 def versions() -> str:
@@ -343,30 +355,36 @@ def main() -> None:
     print()
     rng = np.random.default_rng(args.seed)
     results = []
-    header = (f"{'arm':<26} {'A ms':>7} {'B ms':>7}  {'per step [95% CI]':<24} {'probes':>7}  "
-              f"{'amortised [95% CI]':<24} {'hooks ms/step (p10-p90)':<24}")
-    print(header)
+    print("wall time")
+    print(f"{'arm':<26} {'A ms':>7} {'B ms':>7}  {'per step [95% CI]':<24} {'probes':>7}  "
+          f"{'amortised [95% CI]':<24} hooks ms/step: CPU (p10-p90), wall")
     for name in args.arms:
         arm = make_arm(name)
         if arm is None:
             continue
         r = measure(arm, tokenizer, rows, batches, args, rng)
         results.append((arm, r))
-        (pm, plo, phi), (am, alo, ahi), (h50, h10, h90) = r["per_step"], r["amortised"], r["hooks_ms"]
-        print(f"{arm.name:<26} {r['a_ms']:>7.1f} {r['b_ms']:>7.1f}  {pm:.3f}x [{plo:.3f}, {phi:.3f}]{'':<4} "
-              f"{r['probe_share']:>+7.2%}  {am:.3f}x [{alo:.3f}, {ahi:.3f}]{'':<4} {h50:.2f} ({h10:.2f}-{h90:.2f})", flush=True)
-    print()
-    print("rarer steps (median excess over the arm's ordinary B step, and the share of steps they take):")
+        h50, h10, h90 = r["hooks_cpu_ms"]
+        print(f"{row(arm.name, r['wall'])} {h50:.2f} ({h10:.2f}-{h90:.2f}), {r['hooks_wall_ms']:.2f}", flush=True)
+    print("\nprocess CPU time (every thread of this process; W&B's service process not in it)")
     for arm, r in results:
-        parts = [f"{cls} {Fraction(share).limit_denominator(10_000)}: {ms:+.0f} ms" for cls, share, ms in r["classes"]]
+        print(row(arm.name, r["cpu"]))
+    print("\nrarer steps, wall: each kind's share of steps and its median excess over the arm's ordinary B step")
+    for arm, r in results:
+        parts = [f"{cls} {Fraction(share).limit_denominator(10_000)}: {ms:+.0f} ms" for cls, share, ms in r["wall"]["classes"]]
         print(f"  {arm.name:<24} {'; '.join(parts)}")
     for arm, r in results:
         if isinstance(arm, SftauditArm) and arm.profile == DEFAULT_PROFILE:
-            hi, hooks = r["amortised"][2], r["hooks_ms"][0]
-            print(f"\ngoal, {arm.name}: amortised upper bound {hi:.3f}x vs 1.030x: {'met' if hi <= 1.03 else 'missed'}; "
-                  f"hooks {hooks:.2f} ms/step vs 1 ms: {'met' if hooks <= 1 else 'missed'}")
+            hi, cpu_hi, hooks = r["wall"]["amortised"][2], r["cpu"]["amortised"][2], r["hooks_cpu_ms"][0]
+            print(f"\ngoal, {arm.name}: amortised upper bound {hi:.3f}x (CPU time {cpu_hi:.3f}x) vs 1.030x: "
+                  f"{'met' if hi <= 1.03 else 'missed'}; hooks {hooks:.2f} ms/step (CPU) vs 1 ms: {'met' if hooks <= 1 else 'missed'}")
     print(f"\n{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
 
+
+def row(name: str, r: dict) -> str:
+    (pm, plo, phi), (am, alo, ahi) = r["per_step"], r["amortised"]
+    return (f"{name:<26} {r['a_ms']:>7.1f} {r['b_ms']:>7.1f}  {pm:.3f}x [{plo:.3f}, {phi:.3f}]{'':<4} "
+            f"{r['probe_share']:>+7.2%}  {am:.3f}x [{alo:.3f}, {ahi:.3f}]{'':<4}")
 
 if __name__ == "__main__":
     sys.exit(main())
