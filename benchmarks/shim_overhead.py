@@ -304,6 +304,20 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
     return out
 
 
+def norm_pass_ms(model, batch: dict, repeats: int = 15) -> float:
+    """Median CPU time of the per-step norm pass over one step's gradients: on a CPU it is compute
+    the hooks wait for (on a GPU, kernels queued behind the step's), a floor under any arm's hooks."""
+    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        torch.stack(torch._foreach_norm(grads)).tolist()
+        times.append(time.thread_time() - start)
+    model.zero_grad(set_to_none=True)
+    return 1000 * float(np.median(times))
+
+
 def versions() -> str:
     out = [f"torch {torch.__version__}"]
     for name in ("transformers", "tensorboard", "wandb"):
@@ -352,6 +366,8 @@ def main() -> None:
           f"a block = 1 settling step + {args.base_steps} ordinary steps + 1 step of each rarer kind (B; A as many bare)")
     print(f"TensorBoard, W&B: per-tensor gradient norms every step, histograms every {HIST_EVERY} steps "
           f"(the {DEFAULT_PROFILE} profile's grad_hist_every); W&B watch(log=\"all\") also histograms the weights")
+    print(f"the per-tensor norm pass alone (one torch._foreach_norm over the gradients, as every arm computes it): "
+          f"{norm_pass_ms(model, batches[0]):.2f} ms CPU; part of each arm's hooks")
     print()
     rng = np.random.default_rng(args.seed)
     results = []
