@@ -21,7 +21,7 @@ the training thread's CPU time (not inflated by waiting for a core) and in wall 
 are printed twice: in wall time (what a run pays) and in the process's CPU time (steadier on a
 shared machine; it leaves out work done by other processes, such as W&B's service).
 
-    python benchmarks/shim_overhead.py                  # every arm, 9 repetitions
+    python benchmarks/shim_overhead.py                  # every arm, 9 repetitions (about 6 min idle)
     python benchmarks/shim_overhead.py --quick          # smoke run (1 min idle): not evidence
     python benchmarks/shim_overhead.py --arms preprod tensorboard --reps 15
 """
