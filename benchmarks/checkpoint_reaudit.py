@@ -22,7 +22,7 @@ from sftaudit.ingest import connect
 def timed_audit(run: Path, keep_cache: bool) -> float:
     if not keep_cache:
         con = connect(run)
-        con.execute("DROP TABLE IF EXISTS loop09_cache")
+        con.execute("DROP TABLE IF EXISTS checkpoint_inspections")
         con.close()
     t0 = time.perf_counter()
     audit(run)

@@ -19,16 +19,24 @@ from __future__ import annotations
 import json
 import tomllib
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .audit import audit, unjudged_reason
 from .checkpoints import CheckpointError, inside_run
 from .checks import registered_checks
-from .checks.base import SEVERITIES
+from .checks.base import SEVERITIES, AuditContext
+from .checks.resume_state import (
+    cannot_resume,
+    inspected,
+    inspection_options,
+    missing_state,
+    saved_checkpoints,
+)
 from .config import AuditConfig, read_small_text
 from .errors import InputError
+from .ingest import connect, load_manifest, run_lock
 from .terminal import json_safe, shown, xml_text
 from .verdict import findings_up_to
 
@@ -158,11 +166,10 @@ def _line(f: dict[str, Any]) -> str:
 def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
-    if policy.require_resume_state:
-        loop09 = {**config.check_options.get("LOOP-09", {}), "require_resume_state": True}
-        config = replace(config, check_options={**config.check_options, "LOOP-09": loop09})
     run_dir = Path(run_dir)
-    verdict = audit(run_dir, config)
+    with run_lock(run_dir):  # the audit and the inspection of its checkpoints see one state of the run
+        verdict = audit(run_dir, config)
+        lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
         raise InputError(unjudged_reason(verdict))
     target = resolve_checkpoint(run_dir, verdict["checkpoints"], checkpoint)
@@ -175,7 +182,26 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
                          f"(rotated out or deleted)")
     checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
     considered = findings_up_to(verdict["findings"], target["name"], target["step"])
+    if target["name"] in lacking and not any(f["code"] == "LOOP-09" and f["scope"] == "checkpoint"
+                                             and "missing_state" in f["evidence"] for f in considered):
+        # The policy's rule is LOOP-09's `require_resume_state` for this checkpoint: its failure, as LOOP-09 words it.
+        considered.append({"code": "LOOP-09", "severity": "fail", "step": target["step"], "checkpoint": target["name"],
+                           "message": cannot_resume(target["name"], lacking[target["name"]]),
+                           "evidence": {"missing_state": lacking[target["name"]]}, "category": "risk",
+                           "scope": "checkpoint"})
     return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
+
+
+def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[str]]:
+    """Checkpoint name -> the training-state parts it lacks of those an exact resume of the run needs,
+    inspected with the audit config's LOOP-09 options (the audit just cached those inspections)."""
+    con = connect(run_dir, read_only=True)
+    try:
+        ctx = AuditContext(con, run_dir, load_manifest(con))
+        options = inspection_options(config.check_options.get("LOOP-09", {}))
+        return missing_state(ctx, inspected(ctx, saved_checkpoints(ctx), **options))
+    finally:
+        con.close()
 
 
 def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted: str) -> dict[str, Any]:

@@ -142,7 +142,7 @@ def test_reaudit_reads_only_changed_checkpoints(clean_run, tmp_path):
     first = audit(run)
     con = connect(run, read_only=True)
     try:
-        cached = con.execute("SELECT count(*) FROM loop09_cache").fetchone()[0]
+        cached = con.execute("SELECT count(*) FROM checkpoint_inspections").fetchone()[0]
     finally:
         con.close()
     assert cached == len(first["checkpoints"]) == 3

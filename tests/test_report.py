@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import duckdb
 import pytest
+from markupsafe import escape
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.ingest import database_path
 from sftaudit.report import plotly_js, write_report
-from sftaudit.report.evidence import blocks
+from sftaudit.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
 from sftaudit.report.tables import envelope
@@ -114,6 +116,8 @@ def test_clean_report_is_one_offline_file_with_plotly_inlined_once(clean_report)
     html = clean_report.read_text(encoding="utf-8")
     assert html.count("plotly.js (cartesian - minified) v") == 1  # the bundle's banner: inlined once, not per chart
     ours = html.replace(plotly_js(), "")  # (the bundle itself holds URLs in strings)
+    # Links to the checks' documentation pages are links, not assets: nothing else points off the file.
+    ours = re.sub(r'<a class="page" href="%s/checks/LOOP-\d\d/">' % re.escape(DOCS_URL), "", ours)
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", ours)  # no CDN, no remote asset
     assert "PASS" in html and "No anomaly found in 30 recorded steps" in html
     assert 'id="timeline"' in html and 'id="grad-heatmap"' in html
@@ -239,6 +243,30 @@ def test_dataset_report_speaks_of_samples_not_steps(dataset_report):
     assert re.search(r"Not run on a dataset \(they judge training\): LOOP-05, ", html)
     for code in ("LOOP-05", "LOOP-10", "LOOP-11", "LOOP-12"):
         assert f'href="#check-{code}"' not in html
+    # Each dataset check states its purpose and links its page (its description speaks of training).
+    assert f'<a class="page" href="{check_page("LOOP-01")}">LOOP-01 documentation</a>' in html
+    assert 'class="check-doc"' not in html
+
+
+def test_each_check_shows_its_purpose_and_links_its_page_with_the_description_collapsed(clean_report):
+    html = clean_report.read_text(encoding="utf-8")
+    root = Path(__file__).resolve().parents[1]
+    for check in registered_checks():
+        section = html[html.index(f'<section class="check" id="check-{check.code}">'):]
+        section = section[:section.index("</section>")]
+        doc = check_doc(check)
+        purpose = re.search(r'<p class="purpose">(.*?) <a class="page" href="([^"]+)">', section)
+        assert purpose and purpose.group(1) == escape(doc["summary"]), check.code
+        assert purpose.group(2) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
+        assert (root / "docs" / "checks" / f"{check.code}.md").is_file()  # the page the link names
+        # The full description stays in the file for offline readers, closed until asked for.
+        details = re.search(r"<details class=\"check-doc\"( open)?><summary>.*?</summary>(.*?)</details>", section, re.S)
+        assert details and details.group(1) is None, check.code
+        for name, text in doc["sections"]:
+            assert f'<div class="sec">{name}</div><div>{escape(text)}</div>' in details.group(2), (check.code, name)
+    # The documentation's address is declared once for the package and once for the index.
+    urls = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]
+    assert urls["Documentation"] == DOCS_URL
 
 
 def test_checks_not_run_never_show_as_passing(clean_report):

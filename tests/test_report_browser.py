@@ -256,3 +256,20 @@ def test_nothing_unsaved_unjudged_or_not_run_is_drawn_green(unjudged, passed):
     assert all(GREEN not in pair for pairs in painted.values() for pair in pairs), painted
     # The same strip of a judged run is green where it passed: the colour still means something.
     assert {bg for bg, _ in passed.page.evaluate(colours, "#checkpoint-strip .win")} == {GREEN}
+
+
+def test_a_checks_description_is_closed_until_asked_for(passed):
+    """Each check shows its purpose and its page's link; the full description (kept for offline reading)
+    opens on a click on its summary, and the page grows by what it shows."""
+    page = passed.page
+    section = page.locator("#check-LOOP-09")
+    assert section.locator("p.purpose a.page").get_attribute("href").endswith("/checks/LOOP-09/")
+    assert page.locator("details.check-doc[open]").count() == 0 and page.locator("details.check-doc").count() >= 25
+    doc = section.locator("details.check-doc .doc")
+    assert not doc.is_visible()
+    height = page.evaluate("document.documentElement.scrollHeight")
+    section.locator("details.check-doc summary").click()
+    assert doc.is_visible() and "What it detects" in doc.inner_text()
+    assert page.evaluate("document.documentElement.scrollHeight") > height
+    section.locator("details.check-doc summary").click()  # closed again for the tests that share the page
+    assert passed.requests == [passed.report.as_uri()]  # opening it fetched nothing

@@ -7,7 +7,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .loop09_checkpoint_integrity import CheckpointIntegrity, missing_state, saved_checkpoints
+from .resume_state import inspected, missing_state, saved_checkpoints
 
 
 class ResumeContinuity(Check):
@@ -88,8 +88,7 @@ class ResumeContinuity(Check):
         broke is where it bit: a warn naming the parts to save. A continuous resume needs no word about it."""
         if source is None or not broke:
             return []
-        integrity = CheckpointIntegrity()
-        lacking = missing_state(ctx, [integrity.inspect(ctx, c) for c in checkpoints]).get(source["name"])
+        lacking = missing_state(ctx, inspected(ctx, checkpoints)).get(source["name"])
         if not lacking:
             return []
         return [self.finding(
@@ -117,7 +116,7 @@ class ResumeContinuity(Check):
             return None, [self.finding("fail", f"the run resumed at step {first} but no checkpoint "
                                        f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
                                        f"exactly", step=first, resume_step=first, checkpoint_name=named)]
-        inspection = CheckpointIntegrity().inspect(ctx, source)
+        [inspection] = inspected(ctx, [source])
         if inspection.passes:
             return source, []
         problem = next(msg for sev, msg, _ in inspection.problems if sev in ("warn", "fail"))

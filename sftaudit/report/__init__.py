@@ -22,7 +22,7 @@ from ..checks.base import SEVERITY_RANK
 from ..ingest import connect, load_manifest
 from . import figures, tables
 from .dataset import dataset_context
-from .evidence import blocks, check_doc
+from .evidence import blocks, check_doc, check_page
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("sftaudit", "templates"),
@@ -276,7 +276,8 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
         reason = covered.get("reason")
         out.append({
             "code": code, "anchor": anchor(code), "name": cls.name if cls else "(check not installed)",
-            "doc": check_doc(cls) if cls else None, "defaults": dict(cls.defaults) if cls else {},
+            "doc": check_doc(cls) if cls else None, "page": check_page(cls.code) if cls else None,
+            "defaults": dict(cls.defaults) if cls else {},
             "status": status, "error": error, "findings": own, "coverage": ran, "reason": reason,
             "why": (f"not run: {reason}" if ran in ("not_run", "disabled") else
                     f"partial evidence: {reason}" if ran == "partial" else None),

@@ -19,6 +19,14 @@ NUMBER_KEYS = ("value", "threshold", "p_value", "effect_size")
 TOKEN_CLASSES = ("trained", "masked", "padding")
 ROWS_SHOWN = 20
 _VISIBLE = str.maketrans({"\n": "↵", "\t": "⇥", "\r": "␍"})
+# Where the documentation site (mkdocs.yml: docs/checks/LOOP-NN.md is one page per check) is
+# published; pyproject.toml's [project.urls] Documentation names the same place.
+DOCS_URL = "https://sftaudit.readthedocs.io/en/latest"
+
+
+def check_page(code: str) -> str:
+    """The address of a check's documentation page (a registered check's code: LOOP-NN)."""
+    return f"{DOCS_URL}/checks/{code}/"
 
 
 def check_doc(check_cls: type) -> dict[str, Any]:
