@@ -14,6 +14,7 @@ Three things, all derived from the template itself, never from hard-coded marker
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -339,6 +340,11 @@ class TemplateFields:
 def template_fields(source: str) -> TemplateFields:
     """Every field the template reads from a message (required unless only tested/`.get`),
     the context variables it reads, and its literal strings (for LOOP-02's markers)."""
+    return copy.deepcopy(_template_fields(source))  # a copy: callers may change theirs
+
+
+@functools.lru_cache(maxsize=8)
+def _template_fields(source: str) -> TemplateFields:  # LOOP-01, LOOP-02 and the preview each ask: one walk
     ast = _parse(source)
     lists, messages = {"messages"}, set()
     assignments = [(n.target, n.iter, True) for n in ast.find_all(nodes.For)]

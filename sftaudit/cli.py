@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .errors import InputError, one_line
-from .terminal import json_safe, shown
+from .terminal import json_safe, safe_name, shown
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
 DEFAULT_REPORTS = Path("reports")
@@ -250,8 +250,6 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _out_dir(args: argparse.Namespace, run: str) -> Path:
-    from .report import safe_name
-
     return args.out or DEFAULT_REPORTS / safe_name(run)
 
 

@@ -66,3 +66,10 @@ def xml_text(text: object) -> str:
     """`text` with what XML 1.0 cannot hold (control characters, lone surrogates, U+FFFE/U+FFFF) and
     what a reader of it should not see raw (bidi controls) written as escapes."""
     return _XML_INVALID.sub(lambda m: _escape(m.group()), shown(text, keep_newlines=True))
+
+
+def safe_name(name: str) -> str:
+    """A run id as a single safe path component (run ids come from untrusted artifacts). Here, not in
+    the report: the CLI names the output folder without importing the report (and plotly)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
+    return cleaned[:100]

@@ -97,6 +97,32 @@ def load_saved_tokenizer(folder: str | Path) -> Any:
     reason = refusal(folder)
     if reason is not None:
         raise TokenizerRefused(reason)
+    generic = _generic_fast_class(Path(folder))
+    if generic is not None:
+        return generic.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+
+
+# The generic classes of a tokenizer.json-only tokenizer (transformers 4 saves the first, 5 the second).
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _generic_fast_class(folder: Path) -> Any:
+    """The class AutoTokenizer would load a bare tokenizer folder with, when that is plainly the generic
+    class its tokenizer_config.json names (a tokenizer.json, no config.json whose model type could pick
+    another one); else None. Loading it directly skips AutoTokenizer's import of every model
+    configuration, and with them torch: seconds of preflight's fixed cost."""
+    if not (folder / "tokenizer.json").is_file() or (folder / "config.json").exists():
+        return None
+    try:
+        config = json.loads(read_text(folder / "tokenizer_config.json", max_bytes=_CONFIG_LIMIT))
+    except (InputError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if name not in _GENERIC_FAST:
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)

@@ -98,6 +98,30 @@ def test_loads_offline_without_console_errors_and_draws_every_chart(name, reques
         assert chart.locator("g.trace, g.hm, image").count() >= 1, chart.get_attribute("id")
 
 
+def test_charts_far_below_are_drawn_only_once_scrolled_to(browser, failed):
+    """A fresh load draws the charts near the first screen; one far below stays empty (no plotly SVG)
+    until the reader scrolls to it, and is drawn then."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(failed.report.as_uri())
+        page.wait_for_selector("body[data-open-ready]", timeout=LOAD_TIMEOUT_MS)
+        tops = page.evaluate("""() => Array.from(document.querySelectorAll('div.chart')).map(
+            el => [el.id, el.getBoundingClientRect().top - window.innerHeight])""")
+        near = [i for i, below in tops if below < 800]  # the page draws ahead of the viewport by 800 px
+        far = [i for i, below in tops if below > 3000]
+        assert near and far, tops
+        for i in near:  # everything the page meant to draw has been drawn ...
+            page.wait_for_selector(f"#{i}[data-drawn]", timeout=LOAD_TIMEOUT_MS)
+        page.wait_for_timeout(300)
+        for i in far:  # ... and nothing far below was
+            assert page.locator(f"#{i}").get_attribute("data-drawn") is None, i
+            assert page.locator(f"#{i} svg.main-svg").count() == 0, i
+        page.locator(f"#{far[-1]}").scroll_into_view_if_needed()
+        page.wait_for_selector(f"#{far[-1]}[data-drawn]", timeout=LOAD_TIMEOUT_MS)
+        assert page.locator(f"#{far[-1]} svg.main-svg").count() >= 1
+    finally:
+        page.close()
+
 def test_screenshot_of_the_top_is_written_next_to_the_report(failed):
     shot = failed.report.parent / "report-top.png"
     failed.page.evaluate("window.scrollTo(0, 0)")

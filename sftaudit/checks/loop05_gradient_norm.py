@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
@@ -127,6 +126,8 @@ class GradientNormAnomaly(Check):
     # ------------------------------------------------------------------ spikes
 
     def _spikes(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
+        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
+
         steps_frame = step_frame(ctx, "lr", "grad_norm")
         if steps_frame.height < 2:
             return []

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import sacrebleu
-from rouge_score import rouge_scorer
-from scipy import stats
 
 from ..artifacts import TOKENIZER_DIR, artifact_root
 from .base import AuditContext, Check, Finding
@@ -18,6 +15,9 @@ def shingles(tokens: list[str], n: int) -> set[tuple[str, ...]]:
 
 def rouge_l_and_bleu_4(predictions: list[str], references: list[str]) -> tuple[float, float]:
     """Mean ROUGE-L F1 (rouge-score) and corpus BLEU-4 (sacrebleu), both in [0, 1], on one tokenization."""
+    import sacrebleu  # imported on use: rouge-score alone (nltk) costs seconds that preflight and --help never need
+    from rouge_score import rouge_scorer
+
     scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SharedTokenizer())
     rouge = float(np.mean([scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)]))
     # sacrebleu on pre-tokenized text: tokenize='none' keeps exactly the shared tokens.
@@ -67,6 +67,8 @@ class EvalMetricDrift(Check):
         return self._metrics(ctx) + self._contamination(ctx)
 
     def _metrics(self, ctx: AuditContext) -> list[Finding]:
+        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
+
         rows = ctx.con.execute("SELECT step, prediction, reference FROM evals ORDER BY step, item").fetchall()
         if not rows:
             return []

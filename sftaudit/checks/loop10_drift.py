@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 from .base import AuditContext, CannotJudge, Check, Finding
 from .rolling import (adaptive_window, column, grad_norm_matrix, loss_excursions, loss_family, nonfinite_logged,
@@ -78,6 +77,8 @@ class LossDynamics(Check):
         return curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
 
     def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
+        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
+
         found = loss_excursions(loss, window, first, self.params["sigma_spike"], self.params["diverge_steps"])
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(self.code, "loss z vs its own step-to-step noise", steps.tolist(), np.nan_to_num(z).tolist(),
@@ -169,6 +170,8 @@ class LossDynamics(Check):
             step=at, eval_steps=evals["step"].to_list()[i:i + n + 1], eval_loss=ev[i:i + n + 1].tolist())]
 
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
+        from scipy import stats  # (imported on use, as above)
+
         series = {"loss": column(frame, "loss"), "global grad norm": column(frame, "grad_norm")}
         steps = frame["step"].to_numpy()
         _, names, norms = grad_norm_matrix(ctx)

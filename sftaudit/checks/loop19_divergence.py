@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 from .base import AuditContext, CannotJudge, Check, Finding
 from .rolling import (MAD_TO_SIGMA, adaptive_window, column, loss_excursions, loss_family, nonfinite_logged, skipped_updates,
@@ -45,6 +44,8 @@ class LossDivergence(Check):
     defaults = {"sigma": 6.0, "diverge_steps": 5, "window": None}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
+        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
+
         frame = step_frame(ctx, "loss", "lr")
         loss = column(frame, "loss")
         finite = np.isfinite(loss)

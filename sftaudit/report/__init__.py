@@ -20,6 +20,7 @@ from ..audit import stored_verdict
 from ..checks import registered_checks
 from ..checks.base import SEVERITY_RANK
 from ..ingest import connect, load_manifest
+from ..terminal import safe_name
 from . import figures, tables
 from .dataset import dataset_context
 from .evidence import blocks, check_doc, check_page
@@ -42,12 +43,6 @@ BEHAVIOUR_PANELS = (
      "ROUGE-L and BLEU-4 on the frozen eval set, and their rolling correlation."),
 )
 MAX_SERIES_PER_CHECK = 12
-
-
-def safe_name(name: str) -> str:
-    """A run id as a single safe path component (run ids come from untrusted artifacts)."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
-    return cleaned[:100]
 
 
 def anchor(code: str) -> str:

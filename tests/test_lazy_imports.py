@@ -1,0 +1,55 @@
+"""A command imports only what it uses: `--help` and preflight never load scipy, plotly or the eval-metric
+libraries (scipy.stats and rouge-score alone cost seconds of a preflight's fixed cost), because the checks
+that need them import them inside the code that runs them."""
+
+import json
+import subprocess
+import sys
+
+from sftaudit.fixtures import build_tokenizer, load_dataset
+
+# Modules no check module may import at module level (the registry imports every check). Not pandas:
+# pyarrow imports it itself on its first `pa.array` call when it is installed.
+HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk")
+
+
+def loaded_after(script: str, watched=HEAVY) -> set[str]:
+    """The top-level packages of `watched` that a fresh interpreter holds after running `script`."""
+    probe = (f"{script}\nimport sys, json\n"
+             f"print('LOADED', json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(watched)!r})))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(json.loads(out.stdout.rsplit("LOADED", 1)[1]))
+
+
+def test_help_and_the_check_registry_import_no_scipy_or_plotly():
+    assert loaded_after("import contextlib, io\nfrom sftaudit.cli import main\n"
+                        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+                        "    main(['--help'])\n") == set()
+    # Every check module imported, as preflight and gate do to learn the codes: still none of them.
+    assert loaded_after("from sftaudit.checks import registered_checks\nassert len(registered_checks()) > 20") == set()
+
+
+def test_preflight_imports_no_scipy_or_plotly(tmp_path):
+    build_tokenizer(tmp_path / "tokenizer")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in load_dataset()[:8]), encoding="utf-8")
+    script = ("from sftaudit.cli import main\n"
+              f"assert main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tmp_path / 'tokenizer')!r}, "
+              f"'--out', {str(tmp_path / 'out')!r}, '--no-report', '--quiet']) == 0\n")
+    assert loaded_after(script) == set()
+    # A bare tokenizer.json folder loads without AutoTokenizer, whose model configurations import torch.
+    assert loaded_after(script, ("torch",)) == set()
+
+
+def test_a_bare_tokenizer_folder_loads_as_autotokenizer_loads_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from sftaudit.tokenizer_info import describe_tokenizer, load_saved_tokenizer
+
+    build_tokenizer(tmp_path)
+    direct, auto = load_saved_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert type(direct) is type(auto) and describe_tokenizer(direct) == describe_tokenizer(auto)
+    assert direct.init_kwargs == auto.init_kwargs and direct.model_max_length == auto.model_max_length
+    text = load_dataset()[0]["messages"][0]["content"] + f" {auto.eos_token}"
+    assert direct(text)["input_ids"] == auto(text)["input_ids"]
