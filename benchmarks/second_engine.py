@@ -74,7 +74,8 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--spark-master", default="local[2]")
-    parser.add_argument("--no-spark", action="store_true")
+    parser.add_argument("--engines", default="duckdb,polars,spark",
+                        help="comma-separated; DuckDB always runs (the others are compared with it)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run, spike = args.run, None
@@ -94,15 +95,17 @@ def main() -> int:
         results["duckdb"] = engines.duckdb_statistic(run)
         times["duckdb"] = time.perf_counter() - t0
         print(f"duckdb: {times['duckdb']:.1f} s (peak RSS of this process so far {peak_rss_gb():.1f} GB)")
+        wanted = args.engines.split(",")
+        if "polars" in wanted:
+            t0 = time.perf_counter()
+            results["polars"] = engines.polars_statistic(run)
+            times["polars"] = time.perf_counter() - t0
+            print(f"polars: {times['polars']:.1f} s (peak RSS of this process so far {peak_rss_gb():.1f} GB)")
         t0 = time.perf_counter()
-        results["polars"] = engines.polars_statistic(run)
-        times["polars"] = time.perf_counter() - t0
-        print(f"polars: {times['polars']:.1f} s (peak RSS of this process so far {peak_rss_gb():.1f} GB)")
-        t0 = time.perf_counter()
-        spark = None if args.no_spark else spark_session(args.spark_master)
+        spark = spark_session(args.spark_master) if "spark" in wanted else None
         if spark is None:
-            print("spark: skipped (" + ("--no-spark" if args.no_spark else "pyspark is not installed: pip install pyspark")
-                  + ")")
+            print("spark: skipped (" + ("not in --engines" if "spark" not in wanted
+                                        else "pyspark is not installed: pip install pyspark") + ")")
         else:
             started = time.perf_counter() - t0
             t0 = time.perf_counter()

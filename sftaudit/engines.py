@@ -167,7 +167,8 @@ def spark_statistic(source: str, spark, **thresholds):
     # Only closed parts: the journal of the steps since (journal-*.bin) is no Parquet file.
     spark.read.option("pathGlobFilter", "part-*.parquet").parquet(str(source)).createOrReplaceTempView(GRAD_NORMS)
     rows = spark.sql(spike_sql(**thresholds)).collect()
-    return _normalise(pl.DataFrame([r.asDict() for r in rows], schema=list(COLUMNS), orient="row"))
+    return _normalise(pl.DataFrame([tuple(r) for r in rows], schema={c: getattr(pl, t) for c, t in COLUMNS.items()},
+                                   orient="row"))
 
 
 def polars_statistic(run_dir: str | Path, first_judged: int | None = None, sigma_own: float = SIGMA_OWN,
