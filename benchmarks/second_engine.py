@@ -27,8 +27,8 @@ import polars as pl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sftaudit import engines  # noqa: E402
-from tests.series_data import noisy_norms, write_manifest, write_parts  # noqa: E402
+from sftaudit import engines
+from tests.series_data import noisy_norms, write_manifest, write_parts
 
 
 def build(run: Path, steps: int, tensors: int, ranks: int) -> tuple[int, int, int]:

@@ -13,7 +13,12 @@ import pytest
 
 from sftaudit import engines
 from sftaudit.checks import loop05_gradient_norm as loop05
-from sftaudit.checks.rolling import MAD_TO_SIGMA, adaptive_window, previous_block_stats, robust_z
+from sftaudit.checks.rolling import (
+    MAD_TO_SIGMA,
+    adaptive_window,
+    previous_block_stats,
+    robust_z,
+)
 from sftaudit.errors import InputError
 from tests.series_data import noisy_norms, write_manifest, write_parts
 
