@@ -15,6 +15,7 @@ import duckdb
 
 from ..checkpoints import (TRAINER_GLOBALS, CheckpointError, MissingWeights, PickleContents, UnreadablePickle,
                            inside_run, is_lfs_pointer, read_pickle)
+from ..hashing import file_sha256
 from ..ingest import recorded_checkpoints
 from ..layouts import PICKLE_SUFFIXES, FileError, UnsafePickle, Weights, adapter_module, read_weights, targeted
 from ..safe_io import kind_of
@@ -608,11 +609,7 @@ def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path)  # the shim's own definition: the recorded and recomputed hashes must agree
 
 
 def _json(path: Path) -> Any:

@@ -7,7 +7,6 @@ recording off. Checkpoint files are hashed in background threads.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 import traceback
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+from ..hashing import file_sha256
 from .writer import JsonlWriter, read_jsonl
 
 
@@ -73,13 +73,7 @@ class Sink:
 
     def _hash_files(self, step: int, path: str, files: list[Path], names: list[str]) -> None:
         try:
-            hashes = {}
-            for f, name in zip(files, names):
-                h = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(chunk)
-                hashes[name] = h.hexdigest()
+            hashes = {name: file_sha256(f) for f, name in zip(files, names)}
             self.write("checkpoints", {"event": "hashed", "step": step, "path": path, "sha256": hashes})
         except Exception as exc:  # noqa: BLE001
             self.write("events", {"kind": "shim_error", "probe": "checkpoint_hash", "step": step,
