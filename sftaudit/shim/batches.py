@@ -163,8 +163,8 @@ class Batches:
         rows, length = m["shape"]
         ids = m["sample_ids"]
         if ids is None:
-            ids = ["h:" + hashlib.blake2b(row[row >= 0].astype("int64").tobytes(), digest_size=8).hexdigest()
-                   for row in values[micro, "hashed_ids"].reshape(rows, length)]
+            hashed = values[micro, "hashed_ids"].reshape(rows, length).astype("int64")
+            ids = ["h:" + hashlib.blake2b(row[row >= 0].tobytes(), digest_size=8).hexdigest() for row in hashed]
         self._sink.write("batches", {
             "step": step, "micro": micro, "rows": rows, "seq_len": length, "sample_ids": ids,
             "lengths": values[micro, "lengths"].astype("int64").tolist(),

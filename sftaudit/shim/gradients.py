@@ -10,6 +10,8 @@ read more.
 from __future__ import annotations
 
 import time
+from itertools import repeat
+from operator import is_not
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -31,6 +33,7 @@ class Gradients:
     def __init__(self, pieces: Pieces, schedule: Schedule, sink: Sink, norms_at_backward_end: bool):
         self._pieces = pieces
         self._params = pieces.params
+        self._every_index = list(range(len(self._params)))  # the usual case: every tensor has a gradient
         self._schedule = schedule
         self._sink = sink
         self.at_backward_end = norms_at_backward_end
@@ -49,8 +52,8 @@ class Gradients:
         """The norms as the gradients stand now; with `at_backward_end` and norms read there, these
         are the post-clip ones beside them (when none was read there, they stand in, and the step says so)."""
         if self.at_backward_end and self.norms is not None:
-            grads = [self._pieces.grads()[i] for i in self._index]
-            if all(g is not None for g in grads):
+            grads = self._present(self._pieces.grads())
+            if _none_missing(grads):
                 self._post_norms = torch.stack(torch._foreach_norm(grads)).float()
             return
         self.capture(step)
@@ -58,10 +61,10 @@ class Gradients:
 
     def capture(self, step: int) -> None:
         all_grads = self._pieces.grads()
-        index = [i for i, g in enumerate(all_grads) if g is not None]
+        index = self._every_index if _none_missing(all_grads) else [i for i, g in enumerate(all_grads) if g is not None]
         if not index:
             return
-        grads = [all_grads[i] for i in index]
+        grads = all_grads if len(index) == len(all_grads) else [all_grads[i] for i in index]
         self.norms = torch.stack(torch._foreach_norm(grads)).float()
         self._index = index
         every = self._schedule.grad_hist_every
@@ -86,6 +89,19 @@ class Gradients:
         for tensor in tensors:
             tensor.register_hook(started)
 
+    def _present(self, all_grads: list) -> list:
+        """The gradients at the tensors whose norms were read (all of them, mostly: no copy then)."""
+        return all_grads if len(self._index) == len(all_grads) else [all_grads[i] for i in self._index]
+
+    def _per_tensor(self, host: np.ndarray) -> list[float | None]:
+        """Host norms as one value per parameter (None where it had no gradient)."""
+        if len(self._index) == len(self._params):
+            return host.tolist()
+        out: list[float | None] = [None] * len(self._params)
+        for i, v in zip(self._index, host.tolist()):
+            out[i] = v
+        return out
+
     def parts(self) -> list[tuple[str, torch.Tensor]]:
         """The step's device tensors for the one host transfer, in pack order."""
         named = (("norms", self.norms), ("post_norms", self._post_norms), ("hist", self._hist))
@@ -98,20 +114,18 @@ class Gradients:
         nonfinite, global_norm = {}, None
         if ("step", "norms") in values:
             host_norms = values["step", "norms"].astype(np.float64)
-            for i, v in zip(self._index, host_norms.tolist()):
-                norms[i] = v
+            norms = self._per_tensor(host_norms)
             global_norm = float(np.sqrt(np.square(host_norms).sum()))
-            bad = np.flatnonzero(~np.isfinite(host_norms))
-            if bad.size:
-                nonfinite = self._count_nonfinite([self._index[j] for j in bad])
+            if not np.isfinite(global_norm):  # else every norm is finite
+                bad = np.flatnonzero(~np.isfinite(host_norms))
+                if bad.size:
+                    nonfinite = self._count_nonfinite([self._index[j] for j in bad])
         fields = {"grad_norm": global_norm, "grad_norms": norms, "nonfinite_grads": nonfinite}
         extra = {}
         if ("step", "post_norms") in values:
             post = values["step", "post_norms"].astype(np.float64)
-            post_norms: list[float | None] = [None] * len(self._params)
-            for i, v in zip(self._index, post.tolist()):
-                post_norms[i] = v
-            extra = {"grad_norm_post_clip": float(np.sqrt(np.square(post).sum())), "grad_norms_post_clip": post_norms}
+            extra = {"grad_norm_post_clip": float(np.sqrt(np.square(post).sum())),
+                     "grad_norms_post_clip": self._per_tensor(post)}
         elif self._read_after_clip:
             extra = {"grad_norm_source": "post_clip"}  # no backward-end read this step: the norms are post-clip
         return fields, extra
@@ -183,6 +197,11 @@ class Gradients:
                 "step": step, "tensor": self._params[i]["name"], "reason": reason,
                 "zeros": int(counts[0]), "nonfinite": int(counts[1]), "counts": counts[2:].tolist(),
             })
+
+
+def _none_missing(grads: list) -> bool:
+    """No None among them, checked without a Python-level loop (`None in grads` would compare tensors)."""
+    return all(map(is_not, grads, repeat(None)))
 
 
 def histograms(grads: list[torch.Tensor]) -> torch.Tensor:
