@@ -32,6 +32,7 @@ from .checkpoints import (
     is_lfs_pointer,
     read_pickle,
 )
+from .hashing import file_sha256
 from .layouts import (
     PICKLE_SUFFIXES,
     FileError,
@@ -163,7 +164,7 @@ class _Inspector:
         for rel, recorded in sorted((checkpoint.get("sha256") or {}).items()):
             try:
                 target = inside_run(self.run_dir, rel)
-                current = _sha256(target) if target.is_file() else None
+                current = file_sha256(target) if target.is_file() else None
             except (CheckpointError, OSError):
                 current = None
             if current != recorded:
@@ -463,14 +464,6 @@ def state_folder(run_dir: Path, path: Path, own_path: str, checkpoint_paths: Seq
     others = [(root / p).resolve() for p in checkpoint_paths if p != own_path]
     return None if any(o == folder or folder in o.parents for o in others) else folder
 
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _json(path: Path) -> Any:

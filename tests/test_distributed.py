@@ -149,7 +149,7 @@ def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distrib
     import torch
 
     from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
-    from sftaudit.shim.recorder import _histograms
+    from sftaudit.shim.gradients import histograms as _histograms
 
     run = distributed_runs / name
     full = torch.load(run / "spiked_grads.pt", weights_only=True)
@@ -183,7 +183,7 @@ def test_a_spike_whose_gradients_deepspeed_clipped_in_place_gets_them_scaled_bac
     import torch
 
     from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
-    from sftaudit.shim.recorder import _histograms
+    from sftaudit.shim.gradients import histograms as _histograms
 
     run = distributed_runs / "zero2_bf16_spike"
     full = torch.load(run / "spiked_grads.pt", weights_only=True)
@@ -212,7 +212,7 @@ def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path,
 
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
     from sftaudit.shim import Recorder
-    from sftaudit.shim.recorder import _histograms
+    from sftaudit.shim.gradients import histograms as _histograms
 
     tok = build_tokenizer(tokenizer_cache)
     model = build_model(tok)

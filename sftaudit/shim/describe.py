@@ -1,12 +1,14 @@
-"""Static descriptions for the manifest: model parameters, dataset fields, training state.
+"""The run description: the manifest's model, parameters, library versions, chat-marker rows, dataset
+fields, LR schedule, and the outline of a saved training state.
 
-Computed once when a recorder starts, never per step. The tokenizer's description lives in
+Computed once when a recorder starts (the state outline: at each checkpoint), never per step. The tokenizer's description lives in
 `sftaudit.tokenizer_info` (torch-free: `preflight` describes tokenizers too).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from typing import Any
 
 import torch
@@ -54,6 +56,53 @@ def describe_params(model: torch.nn.Module) -> tuple[list[dict], dict[str, str]]
             "requires_grad": p.requires_grad,
         })
     return params, tied
+
+
+def describe_model(model: torch.nn.Module) -> dict:
+    config = getattr(model, "config", None)
+    return {
+        "class": type(model).__name__,
+        "config": jsonable(config.to_dict()) if hasattr(config, "to_dict") else None,
+        "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        # What generate() stops on (LOOP-02 compares it with the template's end-of-turn marker).
+        "generation_eos": jsonable(getattr(getattr(model, "generation_config", None), "eos_token_id", None)),
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
+                    if "dropout" in k and isinstance(v, (int, float))},
+    }
+
+
+def marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
+    """Embedding and output row norms of the added tokens the chat template writes, with the median
+    row norm, at start: a base model's untrained chat markers are near zero. One host sync."""
+    template = getattr(tokenizer, "chat_template", None)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = sorted(int(i) for i, t in added.items() if isinstance(template, str) and t.content and t.content in template)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not ids or embed is None or max(ids) >= embed.weight.shape[0]:
+        return None
+    with torch.no_grad():
+        rows = [embed.weight] + ([output.weight] if output is not None and output.weight.shape[0] > max(ids) else [])
+        norms = [w.float().norm(dim=1) for w in rows]
+        stats = torch.stack([torch.cat([n[ids], n.median().reshape(1)]) for n in norms]).cpu().tolist()
+    return {"ids": ids, "tokens": [added[i].content for i in ids], "embed_norm": stats[0][:-1],
+            "embed_median": stats[0][-1], "embed_trainable": bool(embed.weight.requires_grad),
+            "output_norm": stats[1][:-1] if len(stats) > 1 else None,
+            "output_median": stats[1][-1] if len(stats) > 1 else None,
+            "output_trainable": bool(output.weight.requires_grad) if len(stats) > 1 else None}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the training libraries installed, from their package metadata (importing them here
+    would cost seconds), so two runs in one environment record the same, whatever each imported."""
+    found = {}
+    for name in ("transformers", "trl", "accelerate", "peft", "deepspeed"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def describe_dataset(dataset: Any, limit: int = 1000) -> dict[str, Any]:

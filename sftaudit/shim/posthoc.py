@@ -89,7 +89,7 @@ def _probe(model, tokenizer, step: int, prompts, eval_set, max_new_tokens: int, 
         recorder = Recorder(tmp, model, tokenizer, profile="dev", probe_prompts=prompts, eval_set=eval_set,
                             probe_every=1, generate_every=1, eval_every=1, generations_per_prompt=per_prompt,
                             max_new_tokens=max_new_tokens)
-        recorder._run_probes(step)  # the same code the shim runs during training
+        recorder.probes.run(step)  # the same code the shim runs during training
         recorder.close()
         folder = rank_dir(tmp, 0)
         errors = [e for e in read_jsonl(folder / "events.jsonl") if e.get("kind") == "shim_error"]

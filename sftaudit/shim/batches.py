@@ -1,0 +1,207 @@
+"""Batch statistics: per micro-batch, shape, sample ids, lengths, padding and label counts, the rows kept
+whole as evidence, and the model's own loss with its weight in the objective.
+
+`capture` builds a micro-batch's device tensors (no host read); the recorder moves them with the rest
+of the step in its one transfer, and `write` turns the host values into ``batches`` and ``samples``
+records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..artifacts import template_fingerprint
+from .profiles import Schedule
+from .sink import Sink
+
+IGNORE_INDEX = -100
+# Batch keys through which a loop hands the model per-sample boundaries (varlen / packed attention).
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_lens", "seq_idx", "block_mask")
+
+
+class Batches:
+    def __init__(self, tokenizer: Any, schedule: Schedule, sink: Sink):
+        self._tokenizer = tokenizer
+        self._schedule = schedule
+        self._sink = sink
+        self._template: tuple[Any, str | None] = (None, None)  # (template object, its fingerprint)
+
+    def capture(self, step: int, batch: Mapping[str, Any], micro: int, first_step: bool) -> dict:
+        """One micro-batch's record in the making: its device tensors under ``parts``."""
+        input_ids = batch["input_ids"]
+        given = batch.get("attention_mask")
+        # A 2-D padding mask; a 4-D or block mask carries sample boundaries (varlen), not padding.
+        padding_mask = torch.is_tensor(given) and given.shape == input_ids.shape
+        attention_mask = given if padding_mask else torch.ones_like(input_ids)
+        labels = batch.get("labels")
+        trained = labels != IGNORE_INDEX if labels is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+        padding = attention_mask == 0
+        rows, length = input_ids.shape
+        sample_ids = batch.get("sample_ids")
+        keep_rows = self._rows_to_keep(step, rows, first_step)
+        counts = {
+            "lengths": attention_mask.sum(1),
+            "label_tokens": trained.sum(1),
+            # A causal LM's shifted loss averages over the labels after the first: the host
+            # subtracts this column (cheaper than summing a strided slice).
+            "first_trained": trained[:, 0],
+            "padding_trained": (trained & padding).sum(1),
+            "left_padded": padding[:, 0],
+            **self._segments(batch, input_ids, padding),
+        }
+        # The per-row counts travel as one tensor (stack promotes the bool columns): fewer pieces at the transfer.
+        parts = {"row_counts": torch.stack(list(counts.values()))}
+        # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
+        # row's attended tokens (padding dropped: -1) serves as its sample id.
+        if sample_ids is None:
+            parts["hashed_ids"] = input_ids.masked_fill(padding, -1)
+        if keep_rows:
+            parts["input_ids"] = input_ids
+            parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
+            parts["attention_mask"] = attention_mask[:keep_rows]
+        if sample_ids is not None:
+            sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
+        varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(given) and given.dim() == 4)
+        return {"micro": micro, "shape": [rows, length], "sample_ids": sample_ids, "varlen": varlen,
+                "keep_rows": keep_rows, "parts": parts, "row_counts": list(counts), **self._tokenizer_state()}
+
+    def after_forward(self, m: dict, kwargs: Mapping[str, Any], output: Any) -> None:
+        """The model's returned loss for micro-batch `m`, and (through a gradient hook on it)
+        d(backpropagated objective)/d(that loss): its weight in what the optimizer minimised. A loop that
+        computes its own loss from the per-token log-probabilities (TRL's fused LM head: the model's
+        `loss` then never reaches backward) gives the weight through them: with every trained token
+        weighted alike, d(objective)/d(loss) = -sum of the gradient on the trained tokens' log-probs x
+        (the tokens the loss divides by) / (the trained tokens)."""
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            return
+        parts = m["parts"]
+        parts["model_loss"] = loss.detach()  # converted at the step's one transfer, with everything else
+        items = kwargs.get("num_items_in_batch")  # HF: the loss is then a sum over this many tokens
+        if items is not None:
+            parts["num_items"] = items.detach() if torch.is_tensor(items) else torch.tensor(float(items))
+        if loss.requires_grad:
+            def weight(grad: torch.Tensor) -> None:
+                parts["loss_weight"] = grad.detach()
+            loss.register_hook(weight)
+        log_probs = getattr(output, "log_probs", None)
+        mask = getattr(output, "label_mask", None)
+        if (torch.is_tensor(log_probs) and log_probs.requires_grad and torch.is_tensor(mask)
+                and mask.shape == log_probs.shape):
+            trained = mask.sum().clamp(min=1)
+            divides_by = parts.get("num_items", trained)
+
+            def token_weight(grad: torch.Tensor) -> None:
+                parts["loss_weight"] = -(grad.detach() * mask).sum() * divides_by / trained
+            log_probs.register_hook(token_weight)
+
+    def _tokenizer_state(self) -> dict[str, Any]:
+        """Cheap per-batch identity of the tokenizer (vocabulary size, chat template): a tokenizer
+        or template swapped mid-run shows at the step it happened, not only at the next checkpoint."""
+        tok = self._tokenizer
+        if tok is None:
+            return {"tokenizer_length": None, "template_fingerprint": None}
+        template = getattr(tok, "chat_template", None)
+        if template is not self._template[0]:  # hash only when the template object changes
+            self._template = (template, template_fingerprint(template))
+        return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
+
+    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, padding: torch.Tensor) -> dict:
+        """Per row: sequence starts (attended BOS tokens: a packed row holds one per sample) and, when
+        the batch gives position_ids, how often they restart at 0 (LOOP-16, packing boundaries)."""
+        bos = getattr(self._tokenizer, "bos_token_id", None) if self._tokenizer is not None else None
+        out = {}
+        if bos is not None:
+            out["bos_starts"] = (input_ids == bos).logical_and_(~padding).sum(1)
+        positions = batch.get("position_ids")
+        if torch.is_tensor(positions) and positions.shape[-1] == input_ids.shape[1]:
+            positions = positions.reshape(-1, input_ids.shape[1]).expand(input_ids.shape[0], -1)
+            out["position_resets"] = (positions[:, 1:] == 0).sum(1)
+        return out
+
+    def _rows_to_keep(self, step: int, rows: int, first_step: bool) -> int:
+        """Rows kept whole as evidence: on the schedule, and every row of each segment's first step (a
+        run's start or a resume), so a data bug present from the first batch is dated there in any profile."""
+        if "samples" in self._sink.disabled:
+            return 0
+        if first_step:
+            return rows
+        every = self._schedule.samples_every
+        return min(rows, self._schedule.samples_per_batch) if every and step % every == 0 else 0
+
+    @staticmethod
+    def unpack(micro: list[dict], values: dict) -> None:
+        """Each micro-batch's per-row count columns as values of their own, and its target tokens."""
+        for m in micro:
+            values.update({(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])})
+            values[m["micro"], "target_tokens"] = values[m["micro"], "label_tokens"] - values[m["micro"], "first_trained"]
+
+    @staticmethod
+    def window_loss(micro: list[dict], values: dict, recorded: float | None) -> float | None:
+        """The step's loss: the token mean of the model's own losses over the optimizer window when
+        every micro-batch returned one. With gradient accumulation what each backward receives is a
+        share of the objective (the loss / the accumulation steps, or a sum over the Trainer's
+        `num_items_in_batch`), so the mean of those is 1/GA of the trained loss. Otherwise the mean
+        of the recorded losses; a non-finite recorded loss (corrupted after the model) stays."""
+        if not micro or (recorded is not None and not np.isfinite(recorded)):
+            return recorded
+        if any((m["micro"], "model_loss") not in values for m in micro):
+            return recorded
+        n = np.array([values[m["micro"], "target_tokens"].sum() for m in micro], dtype=np.float64)
+        loss = np.array([values[m["micro"], "model_loss"] for m in micro], dtype=np.float64)
+        # The model's loss is its summed token loss / num_items_in_batch when the Trainer passes it, else / n.
+        divides_by = np.array([values.get((m["micro"], "num_items"), k) for m, k in zip(micro, n)], dtype=np.float64)
+        trained = n > 0  # a micro-batch without target tokens adds nothing (its own mean is 0/0)
+        return float((loss * divides_by)[trained].sum() / n[trained].sum()) if trained.any() else recorded
+
+    def write(self, step: int, m: dict, values: dict) -> None:
+        micro = m["micro"]
+        rows, length = m["shape"]
+        ids = m["sample_ids"]
+        if ids is None:
+            hashed = values[micro, "hashed_ids"].reshape(rows, length).astype("int64")
+            ids = ["h:" + hashlib.blake2b(row[row >= 0].tobytes(), digest_size=8).hexdigest() for row in hashed]
+        self._sink.write("batches", {
+            "step": step, "micro": micro, "rows": rows, "seq_len": length, "sample_ids": ids,
+            "lengths": values[micro, "lengths"].astype("int64").tolist(),
+            "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
+            "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
+            "left_padded_rows": int(values[micro, "left_padded"].sum()),
+            "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+            **{key: values[micro, key].astype("int64").tolist() for key in ("bos_starts", "position_resets")
+               if (micro, key) in values},
+            "varlen": m["varlen"], "attention_mask_kind": m.get("attention_mask_kind"), "cache_built": m.get("cache_built"),
+            **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
+               if (micro, key) in values},
+            "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
+        })
+        keep = m["keep_rows"]
+        if keep:
+            full_ids = values[micro, "input_ids"].reshape(rows, length).astype("int64")
+            labels = values[micro, "labels"].reshape(keep, length).astype("int64")
+            mask = values[micro, "attention_mask"].reshape(keep, length).astype("int64")
+            for r in range(keep):
+                self._sink.write("samples", {
+                    "step": step, "micro": micro, "row": r, "sample_id": ids[r],
+                    "input_ids": full_ids[r].tolist(), "labels": labels[r].tolist(),
+                    "attention_mask": mask[r].tolist(),
+                })
+
+
+def attention_inputs(module, args, kwargs, output) -> dict:
+    """What decides whether packed samples attend to each other in a transformers forward (LOOP-16): the
+    attention mask handed to the model ("none", a 2-D "padding" mask, or a "custom" 4-D / block mask) and
+    whether the forward built a KV cache. With a 2-D mask or a cache, sdpa and eager attention ignore
+    position_ids restarts (masking_utils only reads them when both are absent). No tensor is read."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    kind = "none" if mask is None else "padding" if torch.is_tensor(mask) and mask.dim() == 2 else "custom"
+    if isinstance(output, Mapping) and hasattr(type(output), "past_key_values"):  # a transformers ModelOutput
+        # Its fields are keys only when not None; transformers 5 renamed past_key_values (which then warns).
+        cache = ("cache" if hasattr(type(output), "cache") else "past_key_values") in output
+    else:
+        cache = kwargs.get("use_cache", getattr(getattr(module, "config", None), "use_cache", None))
+    return {"attention_mask_kind": kind, "cache_built": cache}

@@ -1,0 +1,87 @@
+"""The recorder's guarded sink: every record goes through it, and no failure of the shim reaches training.
+
+A component (batches, gradients, a probe, ...) runs under `guard`: an exception is recorded as a
+``shim_error`` event and switches that component off. A failing writer (a full disk) switches all
+recording off. Checkpoint files are hashed in background threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from ..hashing import file_sha256
+from .writer import JsonlWriter, read_jsonl
+
+
+class Sink:
+    """One rank folder's records, each stamped with its segment (how many manifests came before)."""
+
+    def __init__(self, folder: Path, rank: int, current_step: Callable[[], int | None]):
+        self._writer = JsonlWriter(folder)
+        self.segment = len(read_jsonl(folder / "manifest.jsonl"))
+        self.rank = rank
+        self.disabled: set[str] = set()
+        self._current_step = current_step  # the step an error is dated at, read when it happens
+        self._hashers: list[threading.Thread] = []
+
+    @contextmanager
+    def guard(self, component: str, step: int | None = None):
+        """Run one component; on any exception record it, switch the component off, carry on.
+
+        Callers skip components already in `disabled` before entering."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the shim must never take training down
+            self.disabled.add(component)
+            step = self._current_step() if step is None else step
+            record = {"kind": "shim_error", "probe": component, "step": step, "time": time.time(),
+                      "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+            try:
+                self.write("events", record)
+                self.write("events", {"kind": "probe_disabled", "probe": component, "step": step})
+            except Exception:  # noqa: BLE001
+                pass
+            if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
+                # One line for the run: later failures (other components, other ranks) are in the events.
+                warnings.warn(f"sftaudit: {component} recording failed at step {step} and was switched off "
+                              f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
+                              f"only", stacklevel=3)
+
+    def write(self, kind: str, record: dict) -> None:
+        if "writer" in self.disabled:
+            return
+        try:
+            self._writer.write(kind, {"seg": self.segment, **record})
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop training either
+            self.disabled.add("writer")
+            warnings.warn(f"sftaudit: writing artifacts failed; recording stopped: {exc}", stacklevel=3)
+
+    def sync(self) -> None:
+        self._writer.sync()
+
+    def hash_later(self, step: int, path: str, files: list[Path], names: list[str]) -> None:
+        """A checkpoint's files hashed in a background thread: a ``hashed`` record when done."""
+        worker = threading.Thread(target=self._hash_files, args=(step, path, files, names), daemon=True)
+        worker.start()
+        self._hashers.append(worker)
+
+    def _hash_files(self, step: int, path: str, files: list[Path], names: list[str]) -> None:
+        try:
+            hashes = {name: file_sha256(f) for f, name in zip(files, names)}
+            self.write("checkpoints", {"event": "hashed", "step": step, "path": path, "sha256": hashes})
+        except Exception as exc:  # noqa: BLE001
+            self.write("events", {"kind": "shim_error", "probe": "checkpoint_hash", "step": step,
+                                  "error": f"{type(exc).__name__}: {exc}", "time": time.time()})
+
+    def wait_for_hashes(self) -> None:
+        for worker in self._hashers:
+            worker.join(timeout=60)
+
+    def close(self) -> None:
+        self._writer.close()
