@@ -15,6 +15,7 @@ read them as well); they are about 8 bytes a value instead of a part's 3.3.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -88,16 +89,25 @@ class JsonlWriter:
                 self._series.close()
 
 
-def _step_columns(norms: list | None, post: list | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _step_columns(norms, post) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(idx, norm, post) of the tensors that have a norm this step (None: no gradient; NaN kept)."""
-    values = np.array(norms if norms is not None else post, dtype=np.float32)
-    present = np.ones(len(values), dtype=bool)
-    if np.isnan(values).any():  # None became NaN too: tell them apart only when there is one
-        present = np.array(norms if norms is not None else post, dtype=object) != None  # noqa: E711
-    idx = np.flatnonzero(present).astype(np.int32)
-    norm = values[idx] if norms is not None else np.full(len(idx), np.nan, np.float32)
-    clipped = None if post is None else np.array(post, dtype=np.float32)[idx]
-    return idx, norm, clipped
+    values = np.asarray(norms if norms is not None else post, dtype=np.float32)
+    clipped = None if post is None else np.asarray(post, dtype=np.float32)
+    if not np.isnan(values).any():  # the usual step: every tensor has a finite norm
+        idx = _every(len(values))
+    else:  # None became NaN too: tell them apart only when there is one
+        idx = np.flatnonzero(np.asarray(norms if norms is not None else post, dtype=object) != None)  # noqa: E711
+        idx = idx.astype(np.int32)
+        values = values[idx]
+        clipped = None if clipped is None else clipped[idx]
+    return idx, values if norms is not None else np.full(len(idx), np.nan, np.float32), clipped
+
+
+@functools.lru_cache(maxsize=4)
+def _every(n: int) -> np.ndarray:
+    idx = np.arange(n, dtype=np.int32)
+    idx.flags.writeable = False  # shared by every buffered step
+    return idx
 
 
 class GradSeries:
@@ -213,10 +223,17 @@ def _last_steps(steps_file: Path) -> dict[int, int]:
 
 
 def _table(columns: dict[str, np.ndarray]):
-    post = columns["norm_post_clip"]
-    return pa.table({"step": pa.array(columns["step"], pa.int64()), "idx": pa.array(columns["idx"], pa.int32()),
-                     "norm": pa.array(columns["norm"], pa.float32()),
-                     "norm_post_clip": pa.array(post, pa.float32(), mask=~columns["post_recorded"])})
+    post, recorded = columns["norm_post_clip"], columns["post_recorded"]
+    arrays = [_arrow(columns["step"], pa.int64(), "<i8"), _arrow(columns["idx"], pa.int32(), "<i4"),
+              _arrow(columns["norm"], pa.float32(), "<f4"),
+              _arrow(post, pa.float32(), "<f4", None if recorded.all() else recorded)]
+    return pa.Table.from_arrays(arrays, names=["step", "idx", "norm", "norm_post_clip"])
+
+
+def _arrow(values: np.ndarray, kind, dtype: str, valid: np.ndarray | None = None):
+    """An Arrow array over the numpy buffer (pa.array would import pandas, seconds on a training node)."""
+    bitmap = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(kind, len(values), [bitmap, pa.py_buffer(np.ascontiguousarray(values, dtype))])
 
 
 def _buffer_table(buffer: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]):
