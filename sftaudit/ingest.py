@@ -163,8 +163,8 @@ def _sql_text(value: str) -> str:
 def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
     """The gradient-norm views of this connection (temporary, so a moved run folder still reads):
     ``grad_pieces`` (each rank's own pieces on the timeline), ``grad_norms`` (the whole tensors: the
-    pieces themselves, or the reduction ingest stored for a sharded run) and, after a resume, their
-    ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
+    pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` (grad_norms
+    without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
     root = artifact_root(run_dir).resolve()
     parts = [root / f for (f,) in con.execute(
         "SELECT file FROM ingest_state WHERE file LIKE ? ORDER BY file", [f"{SERIES_DIR}/%"]).fetchall()]
@@ -178,10 +178,21 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
              "JOIN params p ON p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx")
     resumed = bool(first_row(con, "SELECT count(*) FROM segment_cutoffs")[0])
     cut = "LEFT JOIN segment_cutoffs c ON c.rank = g.rank AND c.seg = g.seg"
-    con.execute(f"CREATE OR REPLACE TEMP VIEW grad_pieces AS {named} {cut + ' WHERE c.cutoff IS NULL OR g.step < c.cutoff' if resumed else ''}")
+    kept = " WHERE c.cutoff IS NULL OR g.step < c.cutoff"
+    con.execute(f"CREATE OR REPLACE TEMP VIEW grad_pieces AS {named} {cut + kept if resumed else ''}")
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    con.execute("CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM " +
-                ("grad_norms_reduced" if "grad_norms_reduced" in tables else "grad_pieces"))
+    reduced = "grad_norms_reduced" in tables
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM " + ("grad_norms_reduced" if reduced else "grad_pieces"))
+    # grad_norms without the tensor names, for the checks that scan every norm: the join with params costs
+    # as much as reading the parts. The same rows: an index the manifest lists (every segment of every rank
+    # lists 0..n-1, so one range test does it when they agree on n).
+    counts = con.execute("SELECT DISTINCT count(*) FROM params WHERE idx IS NOT NULL GROUP BY rank, seg").fetchall()
+    listed = (f"g.idx >= 0 AND g.idx < {int(counts[0][0])}" if len(counts) == 1 else
+              "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)")
+    cells = f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({series}) g {cut if resumed else ''} WHERE {listed}"
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_cells AS " + (
+        "SELECT rank, seg, step, idx, norm FROM grad_norms_reduced" if reduced else
+        cells + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")))
     if resumed:
         con.execute(f"CREATE OR REPLACE TEMP VIEW superseded_grad_pieces AS {named} {cut} WHERE g.step >= c.cutoff")
         con.execute("CREATE OR REPLACE TEMP VIEW superseded_grad_norms AS SELECT * FROM " +

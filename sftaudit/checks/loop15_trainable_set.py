@@ -86,9 +86,10 @@ class TrainableSetConformance(Check):
         if steps.size == 0 or norms.shape[1] == 0:
             return []
         present = ~np.isnan(norms)
-        nan_cells = ctx.con.sql("SELECT step, idx FROM grad_norms WHERE rank = 0 AND isnan(norm)").fetchnumpy()
-        if nan_cells["step"].size:
-            present[np.searchsorted(steps, nan_cells["step"]), nan_cells["idx"]] = True
+        nan_cells = ctx.con.sql("SELECT step, idx FROM grad_cells WHERE rank = 0 AND isnan(norm)").fetchnumpy()
+        rows = np.minimum(np.searchsorted(steps, nan_cells["step"]), steps.size - 1)
+        at = (steps[rows] == nan_cells["step"]) & (nan_cells["idx"] < norms.shape[1])
+        present[rows[at], nan_cells["idx"][at]] = True
         graded = present.any(axis=1)  # a step whose gradients were not recorded at all is not judged
         if not graded.all():
             steps, norms, present = steps[graded], norms[graded], present[graded]
