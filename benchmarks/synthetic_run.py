@@ -110,3 +110,16 @@ def _norms(rng, scale: np.ndarray, lo: int, hi: int, anomalies: dict, previous: 
         for r in np.flatnonzero((rows >= a["step"]) & (rows < a["step"] + a["steps"])):
             norms[r, a["tensors"]] = norms[r - 1, a["tensors"]] if r else previous[a["tensors"]]
     return norms
+
+
+def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed: int = 1) -> None:
+    """`steps` more clean steps after step `after`, as the same segment still running would write them."""
+    rng = np.random.default_rng(seed)
+    writer = JsonlWriter(rank_dir(run_dir, 0))
+    norms = np.exp(rng.normal(-3, 1.0, tensors)) * np.exp(0.15 * rng.standard_normal((steps, tensors)))
+    norms = norms.astype(np.float32)
+    for i in range(steps):
+        writer.write("steps", {"seg": 0, "step": after + i + 1, "time": time.time(), "dt": 0.1, "loss": 2.0,
+                               "lr": 3e-4, "grad_norm": float(np.sqrt((norms[i].astype(np.float64) ** 2).sum())),
+                               "grad_norms": norms[i], "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096})
+    writer.close()
