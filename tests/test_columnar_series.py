@@ -134,6 +134,7 @@ def _rows(run: Path) -> list[tuple]:
 def test_the_journal_tail_is_read_and_a_part_is_never_read_twice(tmp_path):
     run = tmp_path / "run"
     w = _writer_run(run, range(1, 11))  # parts at steps 1 and 5; steps 9-10 only in the journal
+    w.sync()  # the part of steps 5-8 is written in a background thread: wait for it
     folder = series_dir(run, 0, 0)
     tail = (folder / journal_name(9)).read_bytes()
     assert sorted(p.name for p in folder.iterdir()) == ["journal-000000009.bin", "part-000000001.parquet",
@@ -162,6 +163,7 @@ def test_the_journal_tail_is_read_and_a_part_is_never_read_twice(tmp_path):
 def test_reingest_lists_only_new_parts_and_a_replaced_part_rebuilds(tmp_path):
     run = tmp_path / "run"
     w = _writer_run(run, range(1, 9))
+    w.sync()
     ingest(run)
     con = connect(run, read_only=True)
     listed = con.execute("SELECT file FROM ingest_state WHERE file LIKE 'series/%' ORDER BY file").fetchall()
