@@ -19,6 +19,7 @@ import numpy as np
 from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
 from sftaudit.shim.writer import JsonlWriter
 
+
 def default_anomalies(steps: int, tensors: int) -> dict:
     """Planted at fixed fractions of the run (for 100,000 steps: 60,000 / 20,096 every 128 / 30,000 / 90,000)."""
     return {

@@ -46,8 +46,16 @@ from pathlib import Path, PurePosixPath
 
 import duckdb
 
-from .artifacts import (DATABASE_FILE, GRAD_SERIES, RECORD_KINDS, SCHEMA_VERSION, SERIES_DIR, artifact_root,
-                        part_name, read_journal)
+from .artifacts import (
+    DATABASE_FILE,
+    GRAD_SERIES,
+    RECORD_KINDS,
+    SCHEMA_VERSION,
+    SERIES_DIR,
+    artifact_root,
+    part_name,
+    read_journal,
+)
 from .errors import InputError, one_line
 from .terminal import shown
 

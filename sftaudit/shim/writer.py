@@ -25,8 +25,17 @@ from typing import IO
 
 import numpy as np
 
-from ..artifacts import (GRAD_SERIES, RECORD_KINDS, ROLL_STEPS, ROLL_VALUES, SERIES_DIR, journal_name, journal_record,
-                         part_name, read_journal)
+from ..artifacts import (
+    GRAD_SERIES,
+    RECORD_KINDS,
+    ROLL_STEPS,
+    ROLL_VALUES,
+    SERIES_DIR,
+    journal_name,
+    journal_record,
+    part_name,
+    read_journal,
+)
 
 try:  # pyarrow is imported once, at startup, not on a step
     import pyarrow as pa
