@@ -1,14 +1,19 @@
-"""Ingest and audit time of a 100,000-step x 200-tensor run (target: under 30 s on 2 cores).
+"""Write, ingest and audit time of a synthetic run (goals on 2 cores: 100,000 steps x 1,000 tensors
+in <= 30 s; 1,000,000 x 1,000, a billion norms, in <= 180 s and <= 4 GB).
 
-    .venv/bin/python benchmarks/audit_scale.py [--steps 100000] [--tensors 200]
+    .venv/bin/python benchmarks/audit_scale.py [--steps 100000] [--tensors 1000] [--schema 2] [--keep DIR]
 
-Writes a synthetic run (benchmarks/synthetic_run.py) with planted anomalies, times `ingest` and
-the checks + verdict separately, and checks that the planted anomalies are found at their steps.
+Writes a synthetic run (benchmarks/synthetic_run.py) with planted anomalies through the shim's own
+writer (the per-tensor norms into the columnar series), then times `ingest` and the checks + verdict
+separately, each check on its own (top 5 printed), and prints bytes per recorded value, the peak
+RSS of this process and whether every planted anomaly is found at its step. `--schema 1` writes
+the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -16,44 +21,87 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synthetic_run import write_synthetic_run  # noqa: E402
+from synthetic_run import append_steps, write_synthetic_run  # noqa: E402
 
 from sftaudit.audit import audit  # noqa: E402
+from sftaudit.checks import registered_checks  # noqa: E402
 from sftaudit.ingest import ingest  # noqa: E402
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed_checks() -> dict[str, float]:
+    """Each check's `run` wrapped to add its wall time to the returned dict (code -> seconds)."""
+    spent: dict[str, float] = {}
+    for cls in registered_checks():
+        def timed(self, ctx, _run=cls.run, _code=cls.code):
+            t = time.perf_counter()
+            try:
+                return _run(self, ctx)
+            finally:
+                spent[_code] = spent.get(_code, 0.0) + time.perf_counter() - t
+        cls.run = timed
+    return spent
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--tensors", type=int, default=200)
+    parser.add_argument("--tensors", type=int, default=1_000)
+    parser.add_argument("--schema", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--keep", type=Path, help="write the run here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "synthetic"
+        run = args.keep or Path(tmp) / "synthetic"
         t0 = time.perf_counter()
-        planted = write_synthetic_run(run, steps=args.steps, tensors=args.tensors)
-        t1 = time.perf_counter()
+        planted = write_synthetic_run(run, steps=args.steps, tensors=args.tensors, schema_version=args.schema)
+        t1, c1 = time.perf_counter(), time.process_time()
+        rss_write = _peak_rss_mb()
         ingest(run)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
+        spent = _timed_checks()
         verdict = audit(run)  # ingest again is a no-op: nothing was appended
-        t3 = time.perf_counter()
-        size = sum(p.stat().st_size for p in run.rglob("*.jsonl"))
-        print(f"run: {args.steps:,} steps x {args.tensors} tensors, {size / 1e6:.0f} MB of JSONL (written in {t1 - t0:.1f} s)")
-        print(f"ingest: {t2 - t1:.1f} s")
-        print(f"audit (checks + verdict): {t3 - t2:.1f} s")
-        print(f"total: {t3 - t1:.1f} s (target < 30 s)")
+        t3, c3 = time.perf_counter(), time.process_time()
+        values = args.steps * args.tensors
+        files = [p for p in (run / "sftaudit").rglob("*") if p.is_file() and p.name != "audit.duckdb"]
+        series = sum(p.stat().st_size for p in files if "series" in p.parts)
+        jsonl = sum(p.stat().st_size for p in files if p.suffix == ".jsonl")
+        print(f"run: {args.steps:,} steps x {args.tensors} tensors = {values:,} norms, schema {args.schema}; "
+              f"written in {t1 - t0:.1f} s ({(t1 - t0) / args.steps * 1e6:.0f} us a step through the writer)")
+        print(f"on disk: series {series / 1e6:.0f} MB, JSONL {jsonl / 1e6:.0f} MB; "
+              f"{(series + jsonl) / values:.2f} bytes per recorded value in all ({series / values:.2f} the series)")
+        print(f"ingest: {t2 - t1:.1f} s (CPU {c2 - c1:.1f} s, all threads)")
+        print(f"audit (checks + verdict): {t3 - t2:.1f} s (CPU {c3 - c2:.1f} s), of which checks {sum(spent.values()):.1f} s")
+        for code, s in sorted(spent.items(), key=lambda kv: -kv[1])[:5]:
+            print(f"  {code}: {s:.1f} s")
+        print(f"total ingest + audit: {t3 - t1:.1f} s wall, {c3 - c1:.1f} s CPU (a loaded machine stretches the wall "
+              f"time, the CPU time less so); peak RSS {_peak_rss_mb():,.0f} MB (writing: {rss_write:,.0f} MB)")
         found = {(f["code"], f["severity"], f["step"]) for f in verdict["findings"]}
         expected = {
             "grad_scale": ("LOOP-05", "fail", planted["grad_scale"]["step"]),
             "periodic_spike": ("LOOP-05", "warn", planted["periodic_spike"]["start"]),
             "loss_spike": ("LOOP-10", "warn", planted["loss_spike"]["step"]),
             "lr_jump": ("LOOP-10", "warn", planted["lr_jump"]["step"]),
+            "stale": ("LOOP-15", "fail", planted["stale"]["step"]),
         }
         for name, key in expected.items():
             print(f"planted {name}: {'found' if key in found else 'MISSED'} {key}")
-        print(f"first anomalous step: {verdict['first_anomalous_step']}; findings: {len(verdict['findings'])}")
+        first = min(key[2] for key in expected.values())
+        print(f"first anomalous step: {verdict['first_anomalous_step']} (earliest planted: {first}); "
+              f"findings: {len(verdict['findings'])}")
         for f in verdict["findings"]:
             print(f"  {f['code']} {f['severity']} step {f['step']}: {f['message'][:110]}")
-        return 0 if all(key in found for key in expected.values()) else 1
+        t4 = time.perf_counter()
+        append_steps(run, args.steps, args.tensors, 1_000)
+        t5 = time.perf_counter()
+        ingest(run)
+        t6 = time.perf_counter()
+        print(f"incremental: 1,000 more steps written in {t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s "
+              f"(new records and new parts only; the first ingest took {t2 - t1:.1f} s)")
+        ok = all(key in found for key in expected.values()) and verdict["first_anomalous_step"] == first
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

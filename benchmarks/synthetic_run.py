@@ -1,9 +1,11 @@
 """A synthetic run's artifacts in the real format (what the shim writes), with planted anomalies.
 
-`write_synthetic_run(run_dir, steps=100_000, tensors=200)` writes RUN_DIR/sftaudit/rank-0/*.jsonl
-the way `sftaudit.shim.Recorder` does (same record kinds and fields, float32 values written as the
-shim writes them), so ingest and every check run on it unchanged. The planted anomalies are
-returned, so a benchmark can assert that the audit still finds them.
+`write_synthetic_run(run_dir, steps=100_000, tensors=200)` writes RUN_DIR/sftaudit/ through the
+shim's own writer (`sftaudit.shim.writer.JsonlWriter`: the small records as JSONL, the per-tensor
+norms into the columnar series, parts rolled in its background thread), the way
+`sftaudit.shim.Recorder` does (same record kinds and fields, float32 norms), so ingest and every
+check run on it unchanged. `schema_version=1` writes the older layout (norms inside steps.jsonl).
+The planted anomalies are returned, so a benchmark can assert that the audit still finds them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
+from sftaudit.shim.writer import JsonlWriter
+
 
 def default_anomalies(steps: int, tensors: int) -> dict:
     """Planted at fixed fractions of the run (for 100,000 steps: 60,000 / 20,096 every 128 / 30,000 / 90,000)."""
@@ -23,12 +27,14 @@ def default_anomalies(steps: int, tensors: int) -> dict:
         "periodic_spike": {"start": steps // 5 + 96, "every": 128, "factor": 30.0},               # LOOP-05 warn, lm_head
         "loss_spike": {"step": steps * 3 // 10, "steps": 2},                                      # LOOP-10 warn
         "lr_jump": {"step": steps * 9 // 10, "factor": 100.0},                                    # LOOP-10 warn + fail
+        "stale": {"step": steps * 7 // 10, "tensors": [min(60, tensors - 3) + i for i in range(3)], "steps": 3},  # LOOP-15
     }
 
 
 def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int = 200, seed: int = 0,
-                        anomalies: dict | None = None) -> dict:
-    """Write the artifacts; returns the anomalies planted (with defaults filled in)."""
+                        anomalies: dict | None = None, schema_version: int = SCHEMA_VERSION, block: int = 10_000) -> dict:
+    """Write the artifacts; returns the anomalies planted (with defaults filled in). The norms are made
+    `block` steps at a time, so a billion of them never sit in memory at once."""
     anomalies = default_anomalies(steps, tensors) if anomalies is None else anomalies
     rng = np.random.default_rng(seed)
     folder = rank_dir(run_dir, 0)
@@ -47,13 +53,6 @@ def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int 
     lr = 3e-4 * np.minimum(1.0, step / warm)
     loss = 2.0 + 1.5 * np.exp(-step / 8000) + 0.05 * rng.standard_normal(steps)
     scale = np.exp(rng.normal(-3, 1.0, tensors))  # tensors differ by orders of magnitude, as in a real model
-    norms = scale * np.exp(0.15 * rng.standard_normal((steps, tensors)))
-    if "grad_scale" in anomalies:
-        a = anomalies["grad_scale"]
-        norms[a["step"] - 1:, a["tensor"]] *= a["factor"]
-    if "periodic_spike" in anomalies:
-        a = anomalies["periodic_spike"]
-        norms[a["start"] - 1::a["every"], -1] *= a["factor"]
     if "loss_spike" in anomalies:
         a = anomalies["loss_spike"]
         loss[a["step"] - 1:a["step"] - 1 + a["steps"]] += 3.0
@@ -61,16 +60,67 @@ def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int 
         a = anomalies["lr_jump"]
         lr[a["step"] - 1:] *= a["factor"]
         loss[a["step"]:] += np.linspace(2, 8, steps - a["step"])
-    norms = norms.astype(np.float32).astype(np.float64)  # the shim transfers float32 and writes it as float
-    global_norm = np.sqrt((norms ** 2).sum(axis=1))
 
-    with open(folder / "manifest.jsonl", "w") as f:
-        f.write(json.dumps(manifest) + "\n")
-    with open(folder / "steps.jsonl", "w") as f:
-        for i in range(steps):
-            f.write(json.dumps({"seg": 0, "step": int(step[i]), "time": now + i, "dt": 0.1, "loss": float(loss[i]),
-                                "lr": float(lr[i]), "grad_norm": float(global_norm[i]), "grad_norms": norms[i].tolist(),
-                                "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096}, separators=(",", ":")) + "\n")
-    with open(folder / "events.jsonl", "w") as f:
-        f.write(json.dumps({"seg": 0, "kind": "start", "time": now}) + "\n")
+    if schema_version == 1:
+        folder.mkdir(parents=True, exist_ok=True)
+        manifest["schema_version"] = 1
+        with open(folder / "manifest.jsonl", "w") as f:
+            f.write(json.dumps(manifest) + "\n")
+        out = open(folder / "steps.jsonl", "w")
+    else:
+        writer = JsonlWriter(folder)
+        writer.write("manifest", manifest)
+        writer.write("events", {"seg": 0, "kind": "start", "time": now})
+    previous = None
+    for lo in range(0, steps, block):
+        hi = min(steps, lo + block)
+        norms = _norms(rng, scale, lo, hi, anomalies, previous)
+        previous = norms[-1]
+        global_norm = np.sqrt((norms.astype(np.float64) ** 2).sum(axis=1))
+        for i in range(lo, hi):
+            record = {"seg": 0, "step": int(step[i]), "time": now + i, "dt": 0.1, "loss": float(loss[i]),
+                      "lr": float(lr[i]), "grad_norm": float(global_norm[i - lo]), "grad_norms": norms[i - lo],
+                      "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096}
+            if schema_version == 1:
+                out.write(json.dumps({**record, "grad_norms": norms[i - lo].astype(np.float64).tolist()},
+                                     separators=(",", ":")) + "\n")
+            else:
+                writer.write("steps", record)  # the recorder hands a list; an array of float32 reads the same
+    if schema_version == 1:
+        out.close()
+        with open(folder / "events.jsonl", "w") as f:
+            f.write(json.dumps({"seg": 0, "kind": "start", "time": now}) + "\n")
+    else:
+        writer.close()
     return anomalies
+
+
+def _norms(rng, scale: np.ndarray, lo: int, hi: int, anomalies: dict, previous: np.ndarray | None) -> np.ndarray:
+    """Steps lo+1..hi of the per-tensor norms (float32, as the shim transfers them), anomalies planted."""
+    norms = scale * np.exp(0.15 * rng.standard_normal((hi - lo, scale.size)))
+    rows = np.arange(lo + 1, hi + 1)
+    if "grad_scale" in anomalies:
+        a = anomalies["grad_scale"]
+        norms[rows >= a["step"], a["tensor"]] *= a["factor"]
+    if "periodic_spike" in anomalies:
+        a = anomalies["periodic_spike"]
+        norms[(rows >= a["start"]) & ((rows - a["start"]) % a["every"] == 0), -1] *= a["factor"]
+    norms = norms.astype(np.float32)
+    if "stale" in anomalies:  # a reused buffer: the step before's gradients again, for a few steps
+        a = anomalies["stale"]
+        for r in np.flatnonzero((rows >= a["step"]) & (rows < a["step"] + a["steps"])):
+            norms[r, a["tensors"]] = norms[r - 1, a["tensors"]] if r else previous[a["tensors"]]
+    return norms
+
+
+def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed: int = 1) -> None:
+    """`steps` more clean steps after step `after`, as the same segment still running would write them."""
+    rng = np.random.default_rng(seed)
+    writer = JsonlWriter(rank_dir(run_dir, 0))
+    norms = np.exp(rng.normal(-3, 1.0, tensors)) * np.exp(0.15 * rng.standard_normal((steps, tensors)))
+    norms = norms.astype(np.float32)
+    for i in range(steps):
+        writer.write("steps", {"seg": 0, "step": after + i + 1, "time": time.time(), "dt": 0.1, "loss": 2.0,
+                               "lr": 3e-4, "grad_norm": float(np.sqrt((norms[i].astype(np.float64) ** 2).sum())),
+                               "grad_norms": norms[i], "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096})
+    writer.close()

@@ -2,10 +2,16 @@
 second ingest of a growing run reads only what was appended since.
 
 The database lives at ``RUN_DIR/sftaudit/audit.duckdb``. Its tables mirror the record
-kinds of `sftaudit.artifacts` (one row per record, plus a ``rank`` column), except:
-``steps.grad_norms`` is unnested into the long table ``grad_pieces(step, idx, tensor,
-norm)``, and the manifest's parameter list becomes ``params`` (with each parameter's layout on
-the rank: see `sftaudit.shim.pieces`).
+kinds of `sftaudit.artifacts` (one row per record, plus a ``rank`` column), except the per-tensor
+gradient norms and the manifest's parameter list, which becomes ``params`` (with each parameter's
+layout on the rank: see `sftaudit.shim.pieces`).
+
+The gradient norms are not copied: ``grad_pieces(rank, seg, step, idx, tensor, norm)`` is a view
+(made by `connect`, on every connection) over the run's Parquet parts where they lie, plus two
+small tables: ``grad_journal`` (the journal tails, read again on every ingest: a journal becomes a
+part while the run goes on) and ``grad_rows`` (schema version 1 runs, whose norms are the
+``grad_norms`` lists of their ``steps.jsonl``). The database stores which parts it has validated
+(``ingest_state``), so a re-audit reads only new records and new parts.
 
 Distributed runs are reduced here, with no torch: ``grad_norms`` holds every rank's per-tensor
 gradient norm of the *whole* tensor, as a single process records it. A ``sharded`` tensor's norm
@@ -16,7 +22,12 @@ all its elements (a rank missing) gets no row at that step, never a smaller norm
 
 A resumed run is one timeline: when a later segment starts at step s, the earlier
 segments' records of steps >= s (the stretch the resume abandoned) move to
-``superseded_<table>``, so every check reads the run the checkpoints describe.
+``superseded_<table>``, so every check reads the run the checkpoints describe. For the gradient
+norms that is a filter: ``segment_cutoffs`` holds each segment's first abandoned step, and
+``superseded_grad_pieces`` is the view of what it leaves out.
+
+A database made by an earlier sftaudit (its ``sftaudit_meta`` format differs or is missing) is
+rebuilt from the artifacts on the next ingest.
 """
 
 from __future__ import annotations
@@ -35,7 +46,16 @@ from pathlib import Path, PurePosixPath
 
 import duckdb
 
-from .artifacts import DATABASE_FILE, RECORD_KINDS, SCHEMA_VERSION, artifact_root
+from .artifacts import (
+    DATABASE_FILE,
+    GRAD_SERIES,
+    RECORD_KINDS,
+    SCHEMA_VERSION,
+    SERIES_DIR,
+    artifact_root,
+    part_name,
+    read_journal,
+)
 from .errors import InputError, one_line
 from .schema.records import RECORDS
 from .terminal import shown
@@ -46,6 +66,9 @@ DEFAULT_MAX_FILE_BYTES = 16 * 2**30
 HEAD_BYTES = 4096                       # an artifact is the file ingested before if its first block is unchanged
 LOCK_TIMEOUT = 600.0                    # seconds one audit waits for another on the same run
 _COPY_BLOCK = 8 * 2**20
+# The database's own layout: a database of another format is rebuilt from the artifacts.
+# 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
+DATABASE_FORMAT = 2
 
 # Column types of each record kind (the JSON field names), from the declaration in sftaudit/schema/records.py;
 # the manifest has its own table.
@@ -67,8 +90,10 @@ ALTER TABLE params ADD COLUMN IF NOT EXISTS start BIGINT;
 ALTER TABLE params ADD COLUMN IF NOT EXISTS stop BIGINT;
 ALTER TABLE params ADD COLUMN IF NOT EXISTS local_numel BIGINT;
 ALTER TABLE params ADD COLUMN IF NOT EXISTS replica INTEGER;
-CREATE TABLE IF NOT EXISTS grad_pieces (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE);
-CREATE TABLE IF NOT EXISTS grad_norms (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE);
+CREATE TABLE IF NOT EXISTS grad_rows (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
+CREATE TABLE IF NOT EXISTS grad_journal (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
+CREATE TABLE IF NOT EXISTS segment_cutoffs (rank INTEGER, seg INTEGER, cutoff BIGINT);
+CREATE TABLE IF NOT EXISTS sftaudit_meta (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
 
@@ -87,13 +112,67 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
     if read_only and not path.exists():
         raise InputError(f"{run_dir}: not ingested yet (run `sftaudit ingest {run_dir}`)")
     try:
-        return duckdb.connect(str(path), read_only=read_only)
+        con = duckdb.connect(str(path), read_only=read_only)
     except duckdb.Error as exc:
         if "lock" in str(exc).lower():
             raise InputError(f"{path}: the database is open in another program; close it (or wait for it) "
                              f"and run again") from None
         raise InputError(f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
                          f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts") from None
+    if _format(con) == DATABASE_FORMAT:
+        gradient_views(con, run_dir)
+    return con
+
+
+def _format(con: duckdb.DuckDBPyConnection) -> int | None:
+    if not first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'sftaudit_meta'")[0]:
+        return None
+    row = first_row(con, "SELECT value FROM sftaudit_meta WHERE key = 'database_format'")
+    return int(row[0]) if row and str(row[0]).isdigit() else None
+
+
+def _sql_text(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
+    """The gradient-norm views of this connection (temporary, so a moved run folder still reads):
+    ``grad_pieces`` (each rank's own pieces on the timeline), ``grad_norms`` (the whole tensors: the
+    pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` (grad_norms
+    without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
+    root = artifact_root(run_dir).resolve()
+    parts = [root / f for (f,) in con.execute(
+        "SELECT file FROM ingest_state WHERE file LIKE ? ORDER BY file", [f"{SERIES_DIR}/%"]).fetchall()]
+    sources = ["SELECT rank, seg, step, idx, norm FROM grad_rows", "SELECT rank, seg, step, idx, norm FROM grad_journal"]
+    if parts:
+        files = "[" + ", ".join(_sql_text(str(f)) for f in parts) + "]"
+        sources.insert(0, f"SELECT rank, seg, step, idx, norm::DOUBLE AS norm FROM read_parquet({files}, "
+                          "hive_partitioning = true, hive_types = {'rank': INTEGER, 'seg': INTEGER})")
+    series = " UNION ALL ".join(sources)
+    named = (f"SELECT g.rank, g.seg, g.step, g.idx, p.name AS tensor, g.norm FROM ({series}) g "
+             "JOIN params p ON p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx")
+    resumed = bool(first_row(con, "SELECT count(*) FROM segment_cutoffs")[0])
+    cut = "LEFT JOIN segment_cutoffs c ON c.rank = g.rank AND c.seg = g.seg"
+    kept = " WHERE c.cutoff IS NULL OR g.step < c.cutoff"
+    con.execute(f"CREATE OR REPLACE TEMP VIEW grad_pieces AS {named} {cut + kept if resumed else ''}")
+    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    reduced = "grad_norms_reduced" in tables
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM " + ("grad_norms_reduced" if reduced else "grad_pieces"))
+    # grad_norms without the tensor names, for the checks that scan every norm: the join with params costs
+    # as much as reading the parts. The same rows: an index the manifest lists (every segment of every rank
+    # lists 0..n-1, so one range test does it when they agree on n).
+    counts = con.execute("SELECT DISTINCT count(*) FROM params WHERE idx IS NOT NULL GROUP BY rank, seg").fetchall()
+    listed = (f"g.idx >= 0 AND g.idx < {int(counts[0][0])}" if len(counts) == 1 else
+              "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)")
+    cells = f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({series}) g {cut if resumed else ''} WHERE {listed}"
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_cells AS " + (
+        "SELECT rank, seg, step, idx, norm FROM grad_norms_reduced" if reduced else
+        cells + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")))
+    if resumed:
+        con.execute(f"CREATE OR REPLACE TEMP VIEW superseded_grad_pieces AS {named} {cut} WHERE g.step >= c.cutoff")
+        con.execute("CREATE OR REPLACE TEMP VIEW superseded_grad_norms AS SELECT * FROM " +
+                    ("superseded_grad_norms_reduced" if "superseded_grad_norms_reduced" in tables
+                     else "superseded_grad_pieces"))
 
 
 _held: dict[str, list] = {}  # artifact folder -> [descriptor, depth]: the lock is re-entrant within a process
@@ -159,6 +238,7 @@ def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
 def create_tables(con: duckdb.DuckDBPyConnection) -> None:
     """The ingest schema (also filled directly by `preflight`, which has no artifacts)."""
     con.execute(_SCHEMA_SQL)
+    con.execute("INSERT OR REPLACE INTO sftaudit_meta VALUES ('database_format', ?)", [str(DATABASE_FORMAT)])
     for kind, columns in RECORD_COLUMNS.items():
         stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
         cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
@@ -198,10 +278,13 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list
     if not first_row(con, "SELECT count(*) FROM manifest")[0]:
         raise InputError(f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
                          f"the shim writes it when recording starts: record the run again")
+    _ingest_series(con, run_dir, limits)
     _supersede_abandoned_steps(con)
-    _reduce_gradients(con, "grad_pieces", "grad_norms")
+    gradient_views(con, run_dir)
+    _reduce_gradients(con, "grad_pieces", "grad_norms_reduced")
     if first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'")[0]:
-        _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms")
+        _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms_reduced")
+    gradient_views(con, run_dir)
     _reduced_step_totals(con)
     con.commit()
     return added
@@ -209,13 +292,12 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list
 
 def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> bool:
     """Whether the database describes other files than the artifacts now on disk, or lost rows."""
-    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if "ingest_state" not in tables:
-        return bool(tables - {"ingest_state"})  # a database with tables but no ingest state is not ours
-    columns = {c for (c,) in con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = 'ingest_state'").fetchall()}
-    if not {"inode", "head", "lines"} <= columns:
-        return True  # ingested by an older sftaudit, before files were identified: start again
+    tables = {t for (t,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog <> 'temp'").fetchall()}
+    if not tables:
+        return False
+    if _format(con) != DATABASE_FORMAT:
+        return True  # made by another sftaudit (or not by sftaudit): rebuilt from the artifacts
     root = artifact_root(run_dir)
     for key, offset, records, inode, device, head in con.execute(
             'SELECT file, "offset", records, inode, device, head FROM ingest_state').fetchall():
@@ -224,8 +306,8 @@ def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[in
             return True
         fd, st = _open_artifact(path, run_dir, limits[1])
         try:
-            if (st.st_ino, st.st_dev) != (inode, device) or st.st_size < offset or \
-                    _head(fd, offset) != head:
+            grown = st.st_size != offset if key.startswith(f"{SERIES_DIR}/") else st.st_size < offset  # parts are final
+            if (st.st_ino, st.st_dev) != (inode, device) or grown or _head(fd, offset) != head:
                 return True
         finally:
             os.close(fd)
@@ -273,13 +355,22 @@ def _head(fd: int, offset: int) -> str:
 
 
 # Tables whose rows belong to a step of the timeline (events stay: they are the run's history).
-TIMELINE_TABLES = ("steps", "grad_pieces", "batches", "samples", "grad_hists", "probes", "generations", "evals",
+TIMELINE_TABLES = ("steps", "batches", "samples", "grad_hists", "probes", "generations", "evals",
                    "metrics", "checkpoints")
 
 
 def _supersede_abandoned_steps(con: duckdb.DuckDBPyConnection) -> None:
     if first_row(con, "SELECT count(DISTINCT seg) FROM steps")[0] < 2:
         return
+    # The gradient norms stay where they are; a segment's first abandoned step filters them (in the views).
+    superseded = first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_steps'")[0]
+    con.execute(f"""CREATE OR REPLACE TABLE segment_cutoffs AS
+        WITH starts AS (SELECT rank, seg, min(step) AS first_step
+                        FROM (SELECT rank, seg, step FROM steps
+                              {'UNION ALL SELECT rank, seg, step FROM superseded_steps' if superseded else ''})
+                        GROUP BY rank, seg)
+        SELECT a.rank, a.seg, min(b.first_step) AS cutoff FROM starts a JOIN starts b ON b.rank = a.rank AND b.seg > a.seg
+        GROUP BY a.rank, a.seg""")
     con.execute("CREATE OR REPLACE TEMP TABLE segment_starts AS SELECT rank, seg, min(step) AS first_step "
                 "FROM steps GROUP BY rank, seg")
     for table in TIMELINE_TABLES:
@@ -309,7 +400,7 @@ PIECES_SQL = """
 def _reduce_gradients(con: duckdb.DuckDBPyConnection, pieces: str, reduced: str) -> None:
     """`reduced` = every rank's whole-tensor norms, rebuilt from all the ranks' pieces."""
     if not first_row(con, "SELECT count(*) FROM params WHERE coalesce(kind, 'local') <> 'local'")[0]:
-        con.execute(f"CREATE OR REPLACE TABLE {reduced} AS SELECT * FROM {pieces}")  # one process per rank: as is
+        con.execute(f"DROP TABLE IF EXISTS {reduced}")  # one process per rank: grad_norms is the pieces, as is
         return
     con.execute(f"""
         CREATE OR REPLACE TABLE {reduced} AS
@@ -342,6 +433,93 @@ def _reduced_step_totals(con: duckdb.DuckDBPyConnection) -> None:
                    CASE WHEN count(g.norm) = count(*) THEN sqrt(sum(g.norm * g.norm)) END AS total
             FROM grad_pieces p LEFT JOIN grad_norms g USING (rank, seg, step, idx) GROUP BY ALL) t
         WHERE steps.rank = t.rank AND steps.seg = t.seg AND steps.step = t.step""")
+
+
+_PART = re.compile(r"part-(\d{9,18})\.parquet")
+_JOURNAL = re.compile(r"journal-(\d{9,18})\.bin")
+# What a gradient-norm part must hold (Parquet physical types).
+_PART_COLUMNS = {"step": "INT64", "idx": "INT32", "norm": "FLOAT"}
+
+
+def _series_folders(run_dir: str | Path) -> list[tuple[int, int, Path]]:
+    """(rank, segment, folder) of the gradient-norm series (other names there are not ours: ignored)."""
+    out = []
+    for by_rank in (artifact_root(run_dir) / SERIES_DIR / GRAD_SERIES).glob("rank=*"):
+        r = re.fullmatch(r"rank=(\d{1,6})", by_rank.name)
+        if r and by_rank.is_dir() and not by_rank.is_symlink():
+            out += [(int(r.group(1)), int(g.group(1)), folder) for folder in by_rank.glob("seg=*")
+                    if (g := re.fullmatch(r"seg=(\d{1,6})", folder.name)) and folder.is_dir() and not folder.is_symlink()]
+    return sorted(out)
+
+
+def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> None:
+    """New Parquet parts are validated and listed (they are read in place, never copied); the journal
+    tails are read again whole (small: a journal becomes a part every few thousand steps)."""
+    root = artifact_root(run_dir)
+    known = {f for (f,) in con.execute("SELECT file FROM ingest_state WHERE file LIKE ?", [f"{SERIES_DIR}/%"]).fetchall()}
+    con.execute("DELETE FROM grad_journal")
+    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    recorded = " UNION ALL ".join(f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if t in tables)
+    for rank, seg, folder in _series_folders(run_dir):
+        journals = sorted(folder.glob("journal-*.bin"))  # listed first: one may turn into a part meanwhile
+        parts = {q.name for q in folder.glob("part-*.parquet") if _PART.fullmatch(q.name)}
+        for name in sorted(parts):
+            key = str((folder / name).relative_to(root))
+            if key not in known:
+                _add_part(con, run_dir, folder / name, key, limits)
+        # A journal's last step may lack its steps record (killed between the two): it is left out.
+        last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
+        for journal in journals:
+            m = _JOURNAL.fullmatch(journal.name)
+            if not m or part_name(int(m.group(1))) in parts or last is None:
+                continue  # a part holds it (killed between the part's rename and the journal's delete)
+            columns = _read_journal(journal, run_dir, limits)
+            keep = columns["step"] <= last
+            if keep.any():
+                import pyarrow as pa  # only a run with a journal tail needs it
+
+                con.register("journal_rows", pa.table({"step": columns["step"][keep], "idx": columns["idx"][keep],
+                                                       "norm": columns["norm"][keep]}))
+                con.execute("INSERT INTO grad_journal SELECT ?, ?, step, idx, norm FROM journal_rows", [rank, seg])
+                con.unregister("journal_rows")
+
+
+def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> dict:
+    try:
+        fd, st = _open_artifact(path, run_dir, limits[1])
+    except InputError:
+        if not os.path.lexists(path):  # it became a part since it was listed: that part is read next time
+            return read_journal(b"")
+        raise
+    try:
+        return read_journal(os.pread(fd, st.st_size, 0))
+    finally:
+        os.close(fd)
+
+
+def _add_part(con: duckdb.DuckDBPyConnection, run_dir: str | Path, path: Path, key: str,
+              limits: tuple[int, int]) -> None:
+    """A part is listed for the views once its header, footer and schema are what the shim writes."""
+    fd, st = _open_artifact(path, run_dir, limits[1])
+    try:
+        framed = st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"
+        head = _head(fd, st.st_size)
+    finally:
+        os.close(fd)
+    again = "the shim writes these parts: delete the file to audit the rest, or record the run again"
+    if not framed:
+        raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
+    try:
+        columns = dict(con.execute("SELECT name, type FROM parquet_schema(?)", [os.path.realpath(path)]).fetchall())
+        rows = first_row(con, "SELECT sum(num_rows) FROM parquet_file_metadata(?)", [os.path.realpath(path)])[0]
+    except duckdb.Error as exc:
+        raise InputError(f"{path}: not a readable Parquet part ({one_line(exc)[:200]}); {again}") from None
+    wrong = [f"{k} {columns.get(k, 'missing')}" for k, v in _PART_COLUMNS.items() if columns.get(k) != v]
+    if wrong:
+        raise InputError(f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
+                         f"found {', '.join(wrong)}); {again}")
+    con.execute("INSERT OR REPLACE INTO ingest_state (file, \"offset\", records, bad_lines, lines, device, inode, head) "
+                "VALUES (?, ?, ?, 0, ?, ?, ?, ?)", [key, st.st_size, rows or 0, rows or 0, st.st_dev, st.st_ino, head])
 
 
 def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int, kind: str, path: Path,
@@ -445,16 +623,15 @@ def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, tmp: s
     names = ", ".join(f'"{k}"' for k in stored)
     con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT {rank}, {names} FROM new_records')
     if kind == "steps":
-        con.execute(
+        con.execute(  # schema version 1: the norms are in the record (version 2 leaves grad_norms out)
             """
-            INSERT INTO grad_pieces
-            SELECT ?, s.seg, s.step, s.idx, p.name, s.norm
+            INSERT INTO grad_rows
+            SELECT ?, seg, step, idx, norm
             FROM (SELECT seg, step, unnest(grad_norms) AS norm,
-                         generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records) s
-            JOIN params p ON p.rank = ? AND p.seg = s.seg AND p.idx = s.idx
-            WHERE s.norm IS NOT NULL
+                         generate_subscripts(grad_norms, 1) - 1 AS idx FROM new_records)
+            WHERE norm IS NOT NULL
             """,
-            [rank, rank],
+            [rank],
         )
     con.execute("DROP TABLE new_records")
     return n

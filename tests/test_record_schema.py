@@ -22,7 +22,7 @@ from sftaudit.fixtures.train import build_tokenizer, train_hf
 from sftaudit.imports import import_run
 from sftaudit.ingest import _PARAM_FIELDS, _PARAM_OPTIONAL, _manifest_problem, connect
 from sftaudit.preflight import preflight
-from sftaudit.schema.records import DATASET, IMPORT, PARAM_FIELDS, RECORDS, SHIM
+from sftaudit.schema.records import DATASET, IMPORT, PARAM_FIELDS, RECORDS, SERIES, SHIM
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET_EVENTS = ("render_failed", "content_dropped")  # the events the dataset path writes in an imported run
@@ -61,15 +61,22 @@ def _tables(out: Path) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def written(runs, tmp_path_factory, tokenizer_cache) -> dict[tuple[str, str], list[dict]]:
-    """(writer, kind) -> the records that writer wrote, from one short run of each."""
-    out: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    # The plain loop, every kind on: probes, generations, evals, histograms, checkpoints, metrics.
+def recorded(runs, tmp_path_factory, tokenizer_cache) -> tuple[Path, Path]:
+    """A plain-loop run with every kind on (probes, generations, evals, histograms, checkpoints, metrics)
+    and a Trainer run, both through the shim."""
     plain = runs("record-schema", steps=4, checkpoint_every=2, eval_loss_every=2, probe_every=2, generate_every=2,
                  eval_every=2, grad_hist_every=2, generations_per_prompt=1, max_new_tokens=4)
-    root = tmp_path_factory.mktemp("record-schema")
-    trainer = train_hf(root / "trainer", steps=3, save_steps=2, batch_size=4, max_length=64, probe_every=0,
-                       generate_every=0, eval_every=0, tokenizer_cache=tokenizer_cache)
+    trainer = train_hf(tmp_path_factory.mktemp("record-schema") / "trainer", steps=3, save_steps=2, batch_size=4,
+                       max_length=64, probe_every=0, generate_every=0, eval_every=0, tokenizer_cache=tokenizer_cache)
+    return plain, trainer
+
+
+@pytest.fixture(scope="module")
+def written(recorded, tmp_path_factory, tokenizer_cache) -> dict[tuple[str, str], list[dict]]:
+    """(writer, kind) -> the records that writer wrote, from one short run of each."""
+    out: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    plain, trainer = recorded
+    root = tmp_path_factory.mktemp("record-schema-import")
     for run in (plain, trainer):
         for kind, records in _files(run).items():
             out[SHIM, kind] += records
@@ -120,6 +127,19 @@ def test_every_declared_field_is_written_by_its_writers(written):
     assert declared - seen == RARE, "declared fields no writer wrote (or RARE is stale)"
 
 
+def test_every_series_part_has_the_declared_columns(recorded):
+    import pyarrow.parquet as pq
+
+    arrow = {"BIGINT": "int64", "INTEGER": "int32", "FLOAT": "float"}
+    for run in recorded:
+        for name, series in SERIES.items():
+            parts = sorted((artifact_root(run) / "series" / name).glob("rank=*/seg=*/part-*.parquet"))
+            assert parts, f"{run}: no {name} part"
+            for part in parts:
+                columns = {f.name: str(f.type) for f in pq.read_schema(part)}
+                assert columns == {f.name: arrow[f.type] for f in series.fields}, part
+
+
 def test_manifest_parameter_entries_are_declared(written):
     names = {f.name for f in PARAM_FIELDS}
     required = {f.name for f in PARAM_FIELDS if f.required}
@@ -138,7 +158,7 @@ def test_a_stray_key_or_a_missing_required_one_is_caught(written):
     assert undeclared(SHIM, "steps", steps) == {"grad_norm_typo"}
     assert missing(SHIM, "steps", steps) == {"loss"}
     # A field the shim writes is not the import's to write.
-    assert undeclared(IMPORT, "steps", written[SHIM, "steps"]) >= {"grad_norms", "tokens"}
+    assert undeclared(IMPORT, "steps", written[SHIM, "steps"]) >= {"dt", "tokens"}
 
 
 VALUES = {"int": 1, "float": 1.5, "str": "x", "bool": True, "object": {}, "list": []}

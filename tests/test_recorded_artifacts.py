@@ -4,13 +4,13 @@ import json
 
 import duckdb
 
-from sftaudit.artifacts import rank_dir
+from sftaudit.artifacts import SCHEMA_VERSION, rank_dir, series_dir
 from sftaudit.ingest import connect, database_path, ingest
 
 
 def test_manifest_describes_model_tokenizer_and_dataset(clean_run):
     manifest = json.loads((rank_dir(clean_run, 0) / "manifest.jsonl").read_text().splitlines()[0])
-    assert manifest["schema_version"] == 1 and manifest["rank"] == 0 and manifest["world_size"] == 1
+    assert manifest["schema_version"] == SCHEMA_VERSION == 2 and manifest["rank"] == 0 and manifest["world_size"] == 1
     names = [p["name"] for p in manifest["params"]]
     assert "lm_head.weight" in names and names[0] == "model.embed_tokens.weight"
     tok = manifest["tokenizer"]
@@ -33,6 +33,12 @@ def test_every_step_has_loss_lr_and_one_norm_per_tensor(clean_run):
     diff = con.execute("""SELECT max(abs(s.grad_norm - g.total)) FROM steps s JOIN
         (SELECT step, sqrt(sum(norm * norm)) total FROM grad_norms GROUP BY step) g USING (step)""").fetchall()[0][0]
     assert diff < 1e-4
+    # The norms live in the columnar series (a part once the recorder closed), not in steps.jsonl.
+    assert "grad_norms" not in (rank_dir(clean_run, 0) / "steps.jsonl").read_text()
+    parts = list(series_dir(clean_run, 0).rglob("part-*.parquet"))
+    assert parts and not list(series_dir(clean_run, 0).rglob("journal-*"))
+    values = len(steps) * n_params
+    print(f"series: {sum(p.stat().st_size for p in parts) / values:.2f} bytes per recorded value ({values} values)")
 
 
 def test_batches_samples_probes_evals_and_checkpoints(clean_run):

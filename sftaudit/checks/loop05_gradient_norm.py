@@ -100,10 +100,10 @@ class GradientNormAnomaly(Check):
         # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
         skips = ctx.frame("SELECT step FROM steps WHERE rank = 0 ORDER BY step")["step"].to_numpy()[skipped].tolist()
         where = "NOT isfinite(norm) AND step NOT IN (SELECT unnest(?::BIGINT[]))"
-        first = ctx.scalar(f"SELECT min(step) FROM grad_norms WHERE {where}", [skips])
+        first = ctx.scalar(f"SELECT min(step) FROM grad_cells WHERE {where}", [skips])
         if first is None:
             return []
-        last, n = ctx.row(f"SELECT max(step), count(DISTINCT step) FROM grad_norms WHERE {where}", [skips])
+        last, n = ctx.row(f"SELECT max(step), count(DISTINCT step) FROM grad_cells WHERE {where}", [skips])
         tensors = ctx.frame(
             """
             SELECT g.tensor, g.norm, s.nonfinite_grads[g.tensor] AS nonfinite_elements

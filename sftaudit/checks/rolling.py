@@ -279,10 +279,22 @@ def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:
         names = [r[0] for r in ctx.con.execute(
             "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
             "ORDER BY idx").fetchall()]
-        cells = ctx.con.sql("SELECT step, idx, norm FROM grad_norms WHERE rank = 0").fetchnumpy()
         norms = np.full((steps.size, len(names)), np.nan)
         contiguous = steps.size and steps[-1] - steps[0] == steps.size - 1  # the usual case: no search needed
-        rows = cells["step"] - steps[0] if contiguous else np.searchsorted(steps, cells["step"])
-        norms[rows, cells["idx"]] = cells["norm"]
+        # Streamed in batches straight into the matrix: the rows are never all in memory at once.
+        query = ctx.con.sql("SELECT step, idx, norm FROM grad_cells WHERE rank = 0 AND idx < ? AND step BETWEEN ? AND ?",
+                            params=[len(names), int(steps[0]), int(steps[-1])]) if steps.size else None
+        for batch in query.to_arrow_reader(1 << 22) if query is not None else ():
+            step, idx, norm = (_column(batch.column(i), t) for i, t in enumerate((np.int64, np.int32, np.float64)))
+            rows = step - steps[0] if contiguous else np.searchsorted(steps, step)
+            if not contiguous:  # a gradient row of a step without its step record (a crash) has no row here
+                ok = steps[np.minimum(rows, steps.size - 1)] == step
+                rows, idx, norm = rows[ok], idx[ok], norm[ok]
+            norms[rows, idx] = norm
         cached = ctx.__dict__["_grad_norm_matrix"] = (np.asarray(steps), names, norms)
     return cached
+
+
+def _column(array, dtype) -> np.ndarray:
+    """A null-free Arrow column as numpy, over its buffer (`to_numpy` would import pandas: seconds)."""
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * np.dtype(dtype).itemsize)

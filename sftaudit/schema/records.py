@@ -134,8 +134,9 @@ STEPS = RecordKind("steps", "optimizer step", (
     Field("lr", "DOUBLE", "the learning rate", (SHIM, IMPORT), True),
     Field("grad_norm", "DOUBLE", "the global L2 gradient norm of this rank's pieces (an imported run: the Trainer's "
           "pre-clip norm of the window's last step)", (SHIM, IMPORT), True),
-    Field("grad_norms", "DOUBLE[]", "per-tensor L2 norm of this rank's piece, aligned with `manifest.params`; null "
-          "where a tensor had no gradient", (SHIM,), True),
+    # Schema version 1 only: since version 2 the per-tensor norms are the `grad_norms` series (below).
+    Field("grad_norms", "DOUBLE[]", "schema version 1: per-tensor L2 norm of this rank's piece, aligned with "
+          "`manifest.params`; null where a tensor had no gradient (version 2: the `grad_norms` series)", ()),
     Field("nonfinite_grads", "MAP(VARCHAR, BIGINT)", "{tensor: count of non-finite elements}; empty at a finite "
           "step", (SHIM,), True),
     Field("micro_batches", "INTEGER", "micro-batches in the step", (SHIM,), True),
@@ -144,7 +145,8 @@ STEPS = RecordKind("steps", "optimizer step", (
     # norms could only be read after the clip.
     Field("grad_norm_post_clip", "DOUBLE", "under the Trainer (`grad_norm_read: backward_end`): the global norm "
           "after its clip (what the optimizer stepped with)"),
-    Field("grad_norms_post_clip", "DOUBLE[]", "... and the per-tensor norms after it"),
+    Field("grad_norms_post_clip", "DOUBLE[]", "schema version 1: ... and the per-tensor norms after it "
+          "(version 2: `norm_post_clip` of the `grad_norms` series)", ()),
     Field("grad_norm_source", "VARCHAR", "`post_clip` at a step whose norms could only be read after the clip"),
 ))
 
@@ -282,3 +284,16 @@ EVENTS = RecordKind("events", "lifecycle event or error", (
 # Every record kind, one file each, in ingest order (the manifests first: the other kinds refer to them).
 RECORDS: dict[str, RecordKind] = {k.name: k for k in (MANIFEST, STEPS, BATCHES, SAMPLES, GRAD_HISTS, PROBES,
                                                       GENERATIONS, EVALS, METRICS, CHECKPOINTS, EVENTS)}
+
+
+# The columnar series (schema version 2): Parquet parts under RUN_DIR/sftaudit/series/<name>/rank=<r>/seg=<s>/
+# (the layout: `sftaudit.artifacts`); `rank` and `seg` are the hive partitions, not columns.
+GRAD_NORM_SERIES = RecordKind("grad_norms", "tensor with a gradient at an optimizer step (a Parquet row)", (
+    Field("step", "BIGINT", "the optimizer step", (SHIM,), True),
+    Field("idx", "INTEGER", "the tensor's index in that rank's `manifest.params`", (SHIM,), True),
+    Field("norm", "FLOAT", "the L2 norm of this rank's piece of the tensor's gradient (pre-clip under the "
+          "Trainer; NaN and inf kept)", (SHIM,), True),
+    Field("norm_post_clip", "FLOAT", "the same after the Trainer's clip (null unless it was read: "
+          "`manifest.grad_norm_read: backward_end`)", (SHIM,), True),
+))
+SERIES: dict[str, RecordKind] = {GRAD_NORM_SERIES.name: GRAD_NORM_SERIES}

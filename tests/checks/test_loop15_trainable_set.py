@@ -30,3 +30,50 @@ def test_stale_gradients_fail_at_their_first_step_naming_the_layer(runs):
 def test_clean_and_failed_runs_raise_nothing(clean_run, nan_run):
     for run_dir in (clean_run, nan_run):
         assert of(audit(run_dir), "LOOP-15") == []
+
+
+def _series(tmp_path, name, stale=(), chance_cells=0, steps=10_000, tensors=200, seed=15):
+    """A 2-million-norm recorded series (float32 norms varying ~15% a step, as the synthetic benchmark's);
+    `chance_cells` isolated equal neighbours stand for what chance gives at 10^8 norms; `stale`:
+    (first step, tensors, steps) blocks of norms repeated from the step before."""
+    import numpy as np
+
+    from .dynamics_runs import recorded_series_run
+
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.normal(-3, 1.0, tensors))
+    norms = (scale * np.exp(0.15 * rng.standard_normal((steps, tensors)))).astype(np.float32).astype(np.float64)
+    for step, tensor in zip(rng.integers(100, steps, chance_cells), rng.integers(0, tensors, chance_cells)):
+        norms[step - 1, tensor] = norms[step - 2, tensor]
+    for first, which, length in stale:
+        norms[first - 1:first - 1 + length, which] = norms[first - 2, which]
+    names = [f"model.layers.{i // 8}.block.{i % 8}.weight" for i in range(tensors)]
+    lr = [1e-4] * steps
+    loss = (2.0 + 0.01 * rng.standard_normal(steps)).tolist()
+    return recorded_series_run(tmp_path / name, lr, loss, norms, names)
+
+
+def test_isolated_equal_norms_chance_explains_at_scale_stay_quiet(tmp_path):
+    """12 single equal neighbours among 2 million norms: about what chance gives at 10^8 float32
+    norms (the synthetic 1,000-tensor benchmark's false fail), so no finding."""
+    findings = [f for f in of(audit(_series(tmp_path, "chance", chance_cells=12)), "LOOP-15")
+                if "bit-identical" in f["message"]]
+    assert findings == []
+
+
+def test_a_stale_buffer_among_chance_equalities_fails_at_its_step(tmp_path):
+    """The same run with chance equalities, plus a reused buffer: 3 tensors repeat step 7,199's norm for
+    3 steps. Chance does not explain it: a fail at 7,200 naming those tensors; the chance ones stay out."""
+    run_dir = _series(tmp_path, "stale", chance_cells=12, stale=[(7_200, [40, 41, 42], 3)])
+    [finding] = [f for f in of(audit(run_dir), "LOOP-15") if "bit-identical" in f["message"]]
+    assert (finding["severity"], finding["step"]) == ("fail", 7_200)
+    assert [t["tensor"] for t in finding["evidence"]["tensors"]] == [
+        "model.layers.5.block.0.weight", "model.layers.5.block.1.weight", "model.layers.5.block.2.weight"]
+    assert finding["evidence"]["steps_affected"] == 3
+    assert finding["evidence"]["chance_expected"] < finding["evidence"]["threshold"]
+
+
+def test_one_tensor_repeated_twice_is_beyond_chance_too(tmp_path):
+    run_dir = _series(tmp_path, "single", stale=[(5_000, [7], 2)])
+    [finding] = [f for f in of(audit(run_dir), "LOOP-15") if "bit-identical" in f["message"]]
+    assert (finding["step"], finding["evidence"]["tensor_count"]) == (5_000, 1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sftaudit.artifacts import TOKENIZER_DIR, artifact_root, rank_dir
+from sftaudit.artifacts import TOKENIZER_DIR, artifact_root, rank_dir, series_dir
 from sftaudit.audit import audit
 from sftaudit.config import AuditConfig
 
@@ -50,6 +50,7 @@ def test_a_run_without_batch_or_gradient_records_is_unjudged(clean_run, tmp_path
     (rank_dir(run, 0) / "batches.jsonl").unlink()
     rewrite(rank_dir(run, 0) / "steps.jsonl",
             lambda line: json.dumps({**json.loads(line), "grad_norms": None}).encode())
+    shutil.rmtree(series_dir(run, 0))  # schema version 2 keeps the norms in the columnar series
     verdict = audit(run)
     assert verdict["verdict"] == "unjudged"
     assert "30 of 30 recorded steps lack their batch records" in verdict["cannot_judge"]
