@@ -26,12 +26,11 @@ import json
 import math
 from pathlib import Path
 
-from .artifacts import artifact_root
+from .artifacts import GRAD_SERIES as GRAD_NORMS
+from .artifacts import SERIES_DIR, artifact_root
 from .errors import InputError
 from .safe_io import read_bytes, regular_file
 
-SERIES_DIR = "series"
-GRAD_NORMS = "grad_norms"
 # LOOP-05's defaults and constants (tests/test_second_engine.py holds them equal to the check's).
 WINDOW_MIN, WINDOW_MAX, WINDOW_SHARE = 8, 128, 16
 SIGMA_BLOCKS = 4

@@ -14,25 +14,25 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .artifacts import ARTIFACT_DIR
+from .artifacts import ARTIFACT_DIR, GRAD_SERIES, SERIES_DIR
 from .checks import registered_checks
 from .checks.base import alternatives
-from .report.evidence import check_doc
+from .report.evidence import check_doc, check_page
 
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 LEVELS = {"fail": "error", "warn": "warning"}
 RUN_BASE = "RUN_DIR"  # results' file locations are relative to the audited run folder
 # The artifact a kind of evidence is read from (rank 0's folder; imported runs are written there too).
-EVIDENCE_FILES = {"steps": "steps", "grad_norms": "steps", "batches": "batches", "samples": "samples",
+EVIDENCE_FILES = {"steps": "steps", "batches": "batches", "samples": "samples",
                   "probes": "probes", "generations": "generations", "evals": "evals", "checkpoints": "checkpoints",
                   "metrics": "metrics", "tokenizer": "manifest", "chat_template": "manifest"}
 
 
-def to_sarif(verdict: dict[str, Any], run_dir: str | Path, docs_url: str = "docs/checks/") -> dict[str, Any]:
-    """The verdict as one SARIF run; `docs_url` is where the check pages live (LOOP-NN.md under it)."""
+def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    """The verdict as one SARIF run, each rule linking its check's documentation page."""
     checks = registered_checks()
     index = {c.code: i for i, c in enumerate(checks)}
-    rules = [_rule(c, docs_url) for c in checks]
+    rules = [_rule(c) for c in checks]
     files = {c.code: _artifact(c) for c in checks}
     results = [_result(f, index, files) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in index]
     notes = [{"level": "error" if c["status"] == "error" else "note",
@@ -62,18 +62,20 @@ def write_sarif(verdict: dict[str, Any], run_dir: str | Path, path: str | Path) 
     return path
 
 
-def _rule(check, docs_url: str) -> dict[str, Any]:
+def _rule(check) -> dict[str, Any]:
     doc = check_doc(check)
     detects = dict(doc["sections"]).get("What it detects", doc["summary"])
     return {"id": check.code, "name": check.name.title().replace(" ", "").replace("-", ""),
             "shortDescription": {"text": doc["summary"]}, "fullDescription": {"text": detects},
-            "helpUri": f"{docs_url}{check.code}.md",
+            "helpUri": check_page(check.code),
             "help": {"text": "\n\n".join(f"{name}: {body}" for name, body in doc["sections"])},
             "properties": {"name": check.name}}
 
 
 def _artifact(check) -> str:
     first = alternatives(check)[0][0]
+    if first == "grad_norms":  # per-tensor norms: rank 0's part of the columnar series (schema version 2)
+        return f"{ARTIFACT_DIR}/{SERIES_DIR}/{GRAD_SERIES}/rank=0/"
     return f"{ARTIFACT_DIR}/rank-0/{EVIDENCE_FILES.get(first, 'steps')}.jsonl"
 
 

@@ -33,7 +33,7 @@ def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
     (sarif_run,) = doc["runs"]
     rules = sarif_run["tool"]["driver"]["rules"]
     assert [r["id"] for r in rules] == [c.code for c in registered_checks()]
-    assert all(r["shortDescription"]["text"] and r["helpUri"].endswith(f"{r['id']}.md") for r in rules)
+    assert all(r["shortDescription"]["text"] and r["helpUri"].endswith(f"/checks/{r['id']}/") for r in rules)
     flagged = [f for f in verdict["findings"] if f["severity"] in ("warn", "fail")]
     results = sarif_run["results"]
     assert [(r["ruleId"], r["message"]["text"]) for r in results] == [(f["code"], f["message"]) for f in flagged]
