@@ -84,9 +84,9 @@ def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
 
 
 def test_clean_run_masks_exactly_the_template_spans(clean_run):
-    from sftaudit.audit import audit
+    from ..shared import cached_audit
 
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert clean_data_findings(verdict) == []
     assert verdict["check_errors"] == []
 

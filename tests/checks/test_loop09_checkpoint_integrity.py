@@ -16,6 +16,7 @@ from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, N
 from sftaudit.ingest import connect, ingest, load_manifest
 
 from ..conftest import HF_CHECKPOINT_FAULTS
+from ..shared import cached_audit
 
 
 def loop09(verdict):
@@ -124,7 +125,7 @@ def test_trainer_checkpoints(hf_checkpoint_fault_run):
 
 
 def test_clean_run_checkpoints_pass(clean_run):
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert loop09(verdict) == {} and resume_risk(verdict) == {}
     assert all(c["intact"] for c in verdict["checkpoints"]) and len(verdict["checkpoints"]) == 3
 
