@@ -100,7 +100,7 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
         "assert v['check_errors'] == [], v['check_errors']\n"
         "print(sorted({f['evidence'].get('kind') for f in v['findings'] if f['code'] == 'LOOP-04'} - {None}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_confused', 'padding_trained']"
 
