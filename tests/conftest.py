@@ -18,6 +18,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs on two workers (pypr
 
 NAN_STEP = 13
 
+# Fixtures that train a model (or launch a training): a test using one, itself or through another fixture,
+# is marked slow, so that `pytest -m "not slow"` runs what needs no training run.
+TRAINING_FIXTURES = {
+    "runs", "hf_checkpoint_fault_run", "trl_packing_run", "resumed_run", "distributed_runs",  # this file's
+    "pad_eos_default_profile", "killed_at_3_of_80", "rotated_run", "trainer_resumed_run", "order_runs", "trainer_run",
+    "head_runs", "trainer_nan_run", "trainer_grads_x1000", "window_run", "clean_trl_run",  # module fixtures' elsewhere
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tokenizer")

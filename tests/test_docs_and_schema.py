@@ -71,6 +71,7 @@ def test_check_pages_are_generated_from_the_checks():
 
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
                     reason="mkdocs-material is a test dependency; not installed here")
+@pytest.mark.slow
 def test_docs_site_builds_strict(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
     done = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,

@@ -35,6 +35,7 @@ def test_a_data_bug_from_step_1_is_dated_step_1_and_fails_the_first_checkpoint(p
     assert main(["gate", str(pad_eos_default_profile), "--checkpoint", "checkpoint-2"]) == 1
 
 
+@pytest.mark.slow
 def test_each_resume_records_its_first_step_whole(tmp_path, tokenizer_cache):
     run = tmp_path / "resumed"
     train_plain(run, steps=4, checkpoint_every=2, profile="prod", tokenizer_cache=tokenizer_cache, **QUIET)

@@ -11,6 +11,8 @@ from sftaudit.ingest import connect, ingest
 
 from .shared import shared_dir
 
+pytestmark = pytest.mark.slow  # Trainer / TRL runs
+
 HF_NAN_STEP = 7
 SCALED_STEP = 11  # every gradient x1000 there, as backward computes it; the Trainer clips at max_grad_norm 1.0
 QUIET = dict(steps=14, save_steps=7, batch_size=4, max_length=64, probe_every=0, generate_every=0, eval_every=0)

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 from sftaudit.ingest import connect
@@ -150,6 +152,7 @@ def trl_assistant_only_run(run_dir, tokenizer_cache, template):
     return run_dir
 
 
+@pytest.mark.slow
 def test_trl_assistant_only_loss_with_the_end_of_turn_outside_the_generation_block(tmp_path, tokenizer_cache):
     """The fixture template with `{% endgeneration %}` moved before `<|eot_id|>`: TRL trains no end-of-turn marker
     (the model never learns to stop) and LOOP-04 fails at step 1; the template as shipped is clean."""

@@ -144,6 +144,7 @@ def test_a_configured_dtype_names_every_other_tensor(clean_run):
 
 
 
+@pytest.mark.slow
 def test_updates_that_round_away_are_not_stale(tmp_path):
     """Plain SGD at lr 1e-5 leaves the norm weights (1.0, tiny gradients) byte-identical between saves:
     their updates round away in float32. That is not a tensor missing from the optimizer."""

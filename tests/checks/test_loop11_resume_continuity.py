@@ -138,6 +138,7 @@ def state_saver(drop: str):
 
 
 @pytest.mark.parametrize("drop", ["scheduler", "rng_states"])
+@pytest.mark.slow
 def test_a_resume_from_a_checkpoint_lacking_state(drop, tmp_path, tokenizer_cache):
     """Resumed from checkpoint-5, saved without its scheduler (the warmup restarts: the risk bit, one
     warn) or without its RNG states (the seeded data order and dropout-free model continue exactly:
@@ -223,6 +224,7 @@ def test_epochs_are_inferred_from_the_order():
     assert epoch_starts(numbered_occurrences(duplicated, len(duplicated))).tolist() == [0, 10, 20]
 
 
+@pytest.mark.slow
 def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
     """The Trainer's own seeded sampler over 10 rows in batches of 4 (3 steps an epoch, the last
     partial): resumed from checkpoint-4 with `ignore_data_skip`, it trains epoch 2 from its start."""
