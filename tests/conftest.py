@@ -21,9 +21,11 @@ NAN_STEP = 13
 # Fixtures that train a model (or launch a training): a test using one, itself or through another fixture,
 # is marked slow, so that `pytest -m "not slow"` runs what needs no training run.
 TRAINING_FIXTURES = {
-    "runs", "hf_checkpoint_fault_run", "trl_packing_run", "resumed_run", "distributed_runs",  # this file's
+    # this file's
+    "runs", "checkpoint_fault_run", "hf_checkpoint_fault_run", "trl_packing_run", "resumed_run", "distributed_runs",
+    # module fixtures of the test files
     "pad_eos_default_profile", "killed_at_3_of_80", "rotated_run", "trainer_resumed_run", "order_runs", "trainer_run",
-    "head_runs", "trainer_nan_run", "trainer_grads_x1000", "window_run", "clean_trl_run",  # module fixtures' elsewhere
+    "head_runs", "trainer_nan_run", "trainer_grads_x1000", "window_run", "clean_trl_run",
 }
 
 
@@ -71,8 +73,11 @@ HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
 
 
 @pytest.fixture(scope="session")
-def checkpoint_fault_run(runs) -> Path:
-    return runs("checkpoint-faults", steps=20, checkpoint_every=2, faults=CHECKPOINT_FAULTS)
+def checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
+    # Trained by each worker where it lies, not shared: checkpoint-14's pickle payload names the absolute
+    # path of the marker it would write (inside the run), and a copy elsewhere cannot rewrite it.
+    return train_plain(tmp_path_factory.mktemp("checkpoint-faults") / "checkpoint-faults", steps=20, checkpoint_every=2,
+                       faults=CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
 
 
 @pytest.fixture(scope="session")
@@ -127,9 +132,10 @@ def distributed_runs(tmp_path_factory) -> Path:
     import sys
 
     def launch(folder: Path) -> None:
-        # The bound only stops a wedged launch from hanging the suite (it takes ~1 min on 2 idle cores).
+        # The bound only stops a wedged launch from hanging the suite: a loaded machine takes many minutes.
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "-m", "sftaudit.fixtures.distributed", "runs", str(folder), *DISTRIBUTED_SCENARIOS],
-                       check=True, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       check=True, capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     return shared_dir(tmp_path_factory, "distributed", launch)
