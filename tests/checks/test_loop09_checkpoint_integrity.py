@@ -244,6 +244,7 @@ REAL_RUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
 
 
 @pytest.mark.skipif(not (REAL_RUNS / "tiny-gpt2-as-checkpoint").is_dir(), reason="no real runs here")
+@pytest.mark.slow  # a real run
 def test_a_released_trainer_checkpoint_resumes_exactly(tmp_path):
     """A Trainer checkpoint as published (weights, optimizer.pt, scheduler.pt, rng_state.pth,
     trainer_state.json; no training_args.bin, no collator state): nothing is missing."""

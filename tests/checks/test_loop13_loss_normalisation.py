@@ -117,6 +117,7 @@ def _hf(tmp_path_factory, tokenizer_cache, name, **options):
                     **options)
 
 
+@pytest.mark.slow
 def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_agree(tmp_path_factory, tokenizer_cache):
     """Planted: the installed Trainer made to behave as transformers 4.47 does with a model whose forward takes
     no **kwargs (GPT-2): no num_items_in_batch, no division by GA. Each micro-batch backpropagates its own mean,
@@ -130,6 +131,7 @@ def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_a
     assert "gradients are scaled" in logged["message"] and "GPT-2" in logged["message"]
 
 
+@pytest.mark.slow
 def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenizer_cache):
     run = _hf(tmp_path_factory, tokenizer_cache, "hf-ga-clean")
     verdict = audit(run)
@@ -143,6 +145,7 @@ def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenize
     assert len(rows) == 4 and all(pre == pytest.approx(total, rel=1e-5) and src is None for pre, total, src in rows)
 
 
+@pytest.mark.slow
 def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_factory, tokenizer_cache):
     """TRL >= 1.15 computes the loss from its fused LM head's log-probs: the model's `loss` never reaches
     backward. The weights come from the log-probs' gradient, so a planted logged loss x GA is still found."""

@@ -66,6 +66,7 @@ def test_clean_shim_runs_do_not_diverge(clean_run):
 
 
 @pytest.mark.skipif(not (REALRUNS / "qlora-lr5-diverge").is_dir(), reason="../shared/realruns not present")
+@pytest.mark.slow  # a real run
 def test_real_diverging_qlora_runs_fail_and_a_real_clean_run_passes(tmp_path):
     import shutil
 
