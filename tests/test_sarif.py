@@ -24,6 +24,7 @@ def assert_valid(doc: dict) -> None:
     assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
 
 
+@pytest.mark.slow  # the fixture runs, taken by name (the conftest hook cannot see them)
 @pytest.mark.parametrize("name", ["clean_run", "nan_run"])
 def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
     run = request.getfixturevalue(name)
