@@ -1,4 +1,5 @@
-"""Shared real runs: each is trained once per test session through the real shim."""
+"""Shared real runs: each is trained once per pytest invocation through the real shim (the first xdist
+worker to ask builds it, the others wait and copy it: tests/shared.py), into a copy of its own per worker."""
 
 from __future__ import annotations
 
@@ -10,10 +11,28 @@ import torch
 
 from sftaudit.fixtures.train import train_plain
 
+from .shared import shared_dir
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs on two workers (pyproject): one thread each
     torch.set_num_threads(1)
 
 NAN_STEP = 13
+
+# Fixtures that train a model (or launch a training): a test using one, itself or through another fixture,
+# is marked slow, so that `pytest -m "not slow"` runs what needs no training run.
+TRAINING_FIXTURES = {
+    # this file's
+    "runs", "checkpoint_fault_run", "hf_checkpoint_fault_run", "trl_packing_run", "resumed_run", "distributed_runs",
+    # module fixtures of the test files
+    "pad_eos_default_profile", "killed_at_3_of_80", "rotated_run", "trainer_resumed_run", "order_runs", "trainer_run",
+    "head_runs", "trainer_nan_run", "trainer_grads_x1000", "window_run", "clean_trl_run",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +42,14 @@ def tokenizer_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, tokenizer_cache):
-    """Train a named run once per session: runs(name, **train_plain options) -> run_dir."""
+    """Train a named run once per invocation: runs(name, **train_plain options) -> this worker's run_dir.
+    A name stands for one set of options wherever it is requested."""
     made: dict[str, Path] = {}
 
     def make(name: str, **options) -> Path:
         if name not in made:
-            made[name] = train_plain(tmp_path_factory.mktemp(name) / name, tokenizer_cache=tokenizer_cache, **options)
+            made[name] = shared_dir(tmp_path_factory, name, lambda folder: train_plain(
+                folder / name, tokenizer_cache=tokenizer_cache, **options)) / name
         return made[name]
 
     return make
@@ -52,16 +73,20 @@ HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
 
 
 @pytest.fixture(scope="session")
-def checkpoint_fault_run(runs) -> Path:
-    return runs("checkpoint-faults", steps=20, checkpoint_every=2, faults=CHECKPOINT_FAULTS)
+def checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
+    # Trained by each worker where it lies, not shared: checkpoint-14's pickle payload names the absolute
+    # path of the marker it would write (inside the run), and a copy elsewhere cannot rewrite it.
+    return train_plain(tmp_path_factory.mktemp("checkpoint-faults") / "checkpoint-faults", steps=20, checkpoint_every=2,
+                       faults=CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
     from sftaudit.fixtures.train import train_hf
 
-    return train_hf(tmp_path_factory.mktemp("hf-ckpt") / "hf-checkpoint-faults", steps=20, save_steps=5,
-                    faults=HF_CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
+    return shared_dir(tmp_path_factory, "hf-ckpt", lambda folder: train_hf(
+        folder / "hf-checkpoint-faults", steps=20, save_steps=5, faults=HF_CHECKPOINT_FAULTS,
+        tokenizer_cache=tokenizer_cache)) / "hf-checkpoint-faults"
 
 
 # One plain run resumed four times from its checkpoints (every 5 steps): cleanly at 10 (the first
@@ -76,18 +101,21 @@ def trl_packing_run(tmp_path_factory, tokenizer_cache) -> Path:
     padding-free, per-sample position_ids, no attention mask, use_cache=False; every token trained."""
     from sftaudit.fixtures.train import train_hf
 
-    return train_hf(tmp_path_factory.mktemp("trl-packing") / "run", steps=3, save_steps=100, trl=True, packing=True,
-                    batch_size=4, max_length=96, tokenizer_cache=tokenizer_cache)
+    return shared_dir(tmp_path_factory, "trl-packing", lambda folder: train_hf(
+        folder / "run", steps=3, save_steps=100, trl=True, packing=True, batch_size=4, max_length=96,
+        tokenizer_cache=tokenizer_cache)) / "run"
 
 
 @pytest.fixture(scope="session")
 def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
-    run = tmp_path_factory.mktemp("resumed") / "resumed"
-    train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
-    for step, fault in RESUMES:
-        train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
-                    resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)
-    return run
+    def build(folder: Path) -> None:
+        run = folder / "resumed"
+        train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
+        for step, fault in RESUMES:
+            train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
+                        resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)
+
+    return shared_dir(tmp_path_factory, "resumed", build) / "resumed"
 
 
 # Distributed runs (issue 14): every 2-rank scenario of sftaudit.fixtures.distributed in one torchrun
@@ -100,21 +128,14 @@ DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_
 
 @pytest.fixture(scope="session")
 def distributed_runs(tmp_path_factory) -> Path:
-    import shutil
     import subprocess
     import sys
 
-    from filelock import FileLock
+    def launch(folder: Path) -> None:
+        # The bound only stops a wedged launch from hanging the suite: a loaded machine takes many minutes.
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "-m", "sftaudit.fixtures.distributed", "runs", str(folder), *DISTRIBUTED_SCENARIOS],
+                       check=True, capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    # One launch per test session, shared by the xdist workers (their base temps share a parent):
-    # the first to get the lock trains, the other waits; each audits its own copy (one DuckDB writer).
-    session = tmp_path_factory.getbasetemp()
-    trained = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "distributed"
-    with FileLock(f"{trained}.lock"):
-        if not (trained / "done").exists():
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "-m", "sftaudit.fixtures.distributed", "runs", str(trained), *DISTRIBUTED_SCENARIOS],
-                           check=True, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-            (trained / "done").touch()
-    return Path(shutil.copytree(trained, tmp_path_factory.mktemp("distributed") / "runs"))
+    return shared_dir(tmp_path_factory, "distributed", launch)

@@ -18,6 +18,8 @@ from sftaudit.preflight import preflight
 
 from .corpus import CLEAN_CHATS, CORPUS, TOOL_CHATS, real_tokenizer, template, tokenizer_cache
 
+pytestmark = pytest.mark.slow  # the released tokenizers and templates of the corpus
+
 FAMILIES = ("llama3", "qwen2", "mistral")
 # Templates with no marker that ends an assistant turn (the next turn's header stops generation):
 # their assistant spans cannot be derived from the template alone, so preflight needs --collator.

@@ -6,9 +6,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.ingest import connect
+
+pytestmark = pytest.mark.slow  # trains in a subprocess until it kills it
 
 TRAIN = """
 import sys

@@ -11,8 +11,11 @@ from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.ingest import connect, ingest
 
+pytestmark = pytest.mark.slow  # torchrun launches
+
 CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4, "zero1": 6, "zero2": 6,
          "zero3": 6}  # run -> steps
+
 PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
 ZERO = ("zero1", "zero2", "zero3")  # the same too, DeepSpeed's default clipping switched off as the reference has none
 

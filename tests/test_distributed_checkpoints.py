@@ -3,6 +3,7 @@ DistributedDataParallel-wrapped model."""
 
 import json
 
+import pytest
 import torch
 
 from sftaudit.artifacts import rank_dir
@@ -11,6 +12,8 @@ from sftaudit.cli import main
 from sftaudit.fixtures import layouts
 from sftaudit.fixtures.distributed import process_group
 from sftaudit.ingest import connect, load_manifest
+
+pytestmark = pytest.mark.slow  # torchrun launches
 
 
 def gate(run, checkpoint):

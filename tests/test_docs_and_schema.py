@@ -19,6 +19,8 @@ from sftaudit.audit import audit
 from sftaudit.checks.base import Finding
 from sftaudit.verdict import build_verdict
 
+from .shared import cached_audit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,7 +36,7 @@ def assert_valid(verdict: dict) -> None:
 
 
 def test_pass_and_fail_verdicts_follow_the_schema(clean_run, nan_run):
-    passed, failed = audit(clean_run), audit(nan_run)
+    passed, failed = cached_audit(clean_run), cached_audit(nan_run)
     assert (passed["verdict"], failed["verdict"]) == ("pass", "fail")
     assert passed["schema_version"] == SCHEMA_VERSION
     assert_valid(passed)
@@ -42,7 +44,7 @@ def test_pass_and_fail_verdicts_follow_the_schema(clean_run, nan_run):
 
 
 def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
-    passed = audit(clean_run)
+    passed = cached_audit(clean_run)
     warned = build_verdict(passed["run"], [Finding("LOOP-03", "warn", "padding wastes 70% of the batch", step=3)],
                            passed["checkpoints"], [], 1, passed["evidence"]) | {"checks": passed["checks"]}
     assert warned["verdict"] == "warn"
@@ -57,7 +59,7 @@ def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
 
 
 def test_a_verdict_with_a_wrong_field_is_refused_by_the_schema(clean_run):
-    broken = audit(clean_run) | {"verdict": "ok"}
+    broken = cached_audit(clean_run) | {"verdict": "ok"}
     assert list(validator().iter_errors(broken))
 
 
@@ -69,6 +71,7 @@ def test_check_pages_are_generated_from_the_checks():
 
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
                     reason="mkdocs-material is a test dependency; not installed here")
+@pytest.mark.slow
 def test_docs_site_builds_strict(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
     done = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,

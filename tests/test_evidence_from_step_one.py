@@ -8,14 +8,17 @@ from sftaudit.cli import main
 from sftaudit.fixtures.train import train_plain
 from sftaudit.ingest import connect, ingest
 
+from .shared import shared_dir
+
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
 
 
 @pytest.fixture(scope="module")
 def pad_eos_default_profile(tmp_path_factory, tokenizer_cache):
     """pad = eos with the padding masked, from step 1, under the default profile (rows every 50 steps)."""
-    return train_plain(tmp_path_factory.mktemp("pad-eos") / "pad-eos", steps=6, checkpoint_every=2, profile="preprod",
-                       faults={"pad_is_eos": True}, tokenizer_cache=tokenizer_cache, **QUIET)
+    return shared_dir(tmp_path_factory, "pad-eos", lambda folder: train_plain(
+        folder / "pad-eos", steps=6, checkpoint_every=2, profile="preprod", faults={"pad_is_eos": True},
+        tokenizer_cache=tokenizer_cache, **QUIET)) / "pad-eos"
 
 
 def test_the_first_step_is_recorded_whole_and_the_schedule_after_it(pad_eos_default_profile):
@@ -32,6 +35,7 @@ def test_a_data_bug_from_step_1_is_dated_step_1_and_fails_the_first_checkpoint(p
     assert main(["gate", str(pad_eos_default_profile), "--checkpoint", "checkpoint-2"]) == 1
 
 
+@pytest.mark.slow
 def test_each_resume_records_its_first_step_whole(tmp_path, tokenizer_cache):
     run = tmp_path / "resumed"
     train_plain(run, steps=4, checkpoint_every=2, profile="prod", tokenizer_cache=tokenizer_cache, **QUIET)
@@ -69,11 +73,12 @@ def killed_at_3_of_80(tmp_path_factory, tokenizer_cache):
     import subprocess
     import sys
 
-    run = tmp_path_factory.mktemp("killed") / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILLED, str(run), str(tokenizer_cache)], capture_output=True,
-                          timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    return run
+    def kill(folder):
+        proc = subprocess.run([sys.executable, "-c", KILLED, str(folder / "killed"), str(tokenizer_cache)],
+                              capture_output=True, timeout=600)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+    return shared_dir(tmp_path_factory, "killed", kill) / "killed"
 
 
 def test_a_killed_run_records_its_plan_and_no_close(killed_at_3_of_80):

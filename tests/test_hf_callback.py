@@ -9,6 +9,10 @@ from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_hf
 from sftaudit.ingest import connect, ingest
 
+from .shared import shared_dir
+
+pytestmark = pytest.mark.slow  # Trainer / TRL runs
+
 HF_NAN_STEP = 7
 SCALED_STEP = 11  # every gradient x1000 there, as backward computes it; the Trainer clips at max_grad_norm 1.0
 QUIET = dict(steps=14, save_steps=7, batch_size=4, max_length=64, probe_every=0, generate_every=0, eval_every=0)
@@ -16,8 +20,8 @@ QUIET = dict(steps=14, save_steps=7, batch_size=4, max_length=64, probe_every=0,
 
 @pytest.fixture(scope="module")
 def trainer_nan_run(tmp_path_factory, tokenizer_cache):
-    return train_hf(tmp_path_factory.mktemp("hf") / "hf-nan", steps=12, save_steps=5,
-                    faults={"nan_at": HF_NAN_STEP}, tokenizer_cache=tokenizer_cache)
+    return shared_dir(tmp_path_factory, "hf-nan", lambda folder: train_hf(
+        folder / "hf-nan", steps=12, save_steps=5, faults={"nan_at": HF_NAN_STEP}, tokenizer_cache=tokenizer_cache)) / "hf-nan"
 
 
 def test_trainer_nan_is_found_at_its_step(trainer_nan_run):
@@ -57,8 +61,8 @@ def test_trl_sft_trainer_clean_run(tmp_path, tokenizer_cache):
 
 @pytest.fixture(scope="module")
 def trainer_grads_x1000(tmp_path_factory, tokenizer_cache):
-    return train_hf(tmp_path_factory.mktemp("hf-x1000") / "hf-x1000", faults={"grads_times_at": SCALED_STEP},
-                    tokenizer_cache=tokenizer_cache, **QUIET)
+    return shared_dir(tmp_path_factory, "hf-x1000", lambda folder: train_hf(
+        folder / "hf-x1000", faults={"grads_times_at": SCALED_STEP}, tokenizer_cache=tokenizer_cache, **QUIET)) / "hf-x1000"
 
 
 def _norms(run):

@@ -27,6 +27,7 @@ def clean_trl_run(tmp_path_factory, tokenizer_cache):
     return posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl")
 
 
+@pytest.mark.slow
 def test_a_nan_inside_a_logging_window_names_the_window_and_the_checkpoint_before_it(tmp_path_factory, tokenizer_cache):
     """logging_steps=5, NaN at step 13: the Trainer logged a finite loss and a NaN grad_norm at step 15.
     The logged NaN is the dynamics checks' to find from the log (with or without checkpoints); LOOP-18
@@ -48,6 +49,7 @@ def test_a_nan_inside_a_logging_window_names_the_window_and_the_checkpoint_befor
     assert verdict["check_errors"] == []
 
 
+@pytest.mark.slow
 def test_with_logging_steps_1_the_step_is_exact(tmp_path_factory, tokenizer_cache):
     code, _, verdict = audited(tmp_path_factory, tokenizer_cache, "exact")
     assert code == 1
@@ -60,6 +62,7 @@ def test_with_logging_steps_1_the_step_is_exact(tmp_path_factory, tokenizer_cach
     assert verdict["check_errors"] == []
 
 
+@pytest.mark.slow
 def test_a_clean_run_without_the_shim_passes_on_what_it_saw_and_says_what_it_did_not(tmp_path_factory, tokenizer_cache,
                                                                                       clean_trl_run):
     code, printed, verdict = audited(tmp_path_factory, tokenizer_cache, "clean_trl")

@@ -17,6 +17,8 @@ import pytest
 from sftaudit.cli import main
 
 REAL_RUNS = Path(os.environ.get("SFTAUDIT_REAL_RUNS") or Path(__file__).resolve().parents[1] / ".." / "shared" / "realruns")
+pytestmark = pytest.mark.slow  # every real run audited
+
 SHAPES = [
     "lf-two-writers",           # a LLaMA-Factory log two processes wrote at once, then a resume
     # TensorBoard event files that are Git LFS pointers, last-checkpoint/

@@ -19,6 +19,8 @@ from sftaudit.audit import audit
 from .corpus import CLEAN_CHATS, real_tokenizer, template, tokenizer_cache
 from .test_corpus import incremental_collator
 
+pytestmark = pytest.mark.slow  # Trainer / TRL runs on released vocabularies
+
 STEPS, BATCH = 2, 2
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)  # no probes: the data layer is under test
 ROWS = [{"id": f"chat-{i}", "messages": chat} for i, chat in enumerate(CLEAN_CHATS)]  # STEPS x BATCH

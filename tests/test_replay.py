@@ -118,6 +118,7 @@ def timeline(run):
     return live, abandoned
 
 
+@pytest.mark.slow
 def test_a_plain_run_resumed_with_the_printed_command_audits_pass(tmp_path, tokenizer_cache):
     from sftaudit.fixtures.train import train_plain
 
@@ -136,6 +137,7 @@ def test_a_plain_run_resumed_with_the_printed_command_audits_pass(tmp_path, toke
     assert timeline(run) == ([(0, 1, 6), (1, 7, 8)], [(0, 7, 8)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trl", [False, True], ids=["trainer", "trl"])
 def test_a_trainer_run_resumed_from_the_named_checkpoint_audits_pass(trl, tmp_path, tokenizer_cache):
     from sftaudit.fixtures.train import train_hf
@@ -180,6 +182,7 @@ def test_configuration_findings_are_changes_not_batches_to_skip():
         "  LOOP-04 warn: only the last turn is trained"]
 
 
+@pytest.mark.slow
 def test_replay_of_a_run_saving_weights_only(tmp_path, tokenizer_cache):
     from sftaudit.fixtures import layouts
     from sftaudit.fixtures.train import train_plain

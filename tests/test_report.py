@@ -358,6 +358,7 @@ def test_a_metric_every_rank_recorded_alike_is_drawn_once():
     assert lanes["trained tokens"]["frames"][0]["value"].to_list() == [110.0] * 10
 
 
+@pytest.mark.slow
 def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory, tokenizer_cache):
     """The Trainer run imported from its logs (logging_steps=5, a NaN at step 13 logged at 15): the
     report says the window the anomaly lies in, as the verdict does, not a step it cannot know."""

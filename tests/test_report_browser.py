@@ -21,7 +21,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
                  "--disable-component-update", "--disable-sync"]
 LOAD_TIMEOUT_MS = 60_000  # generous: the CI box is shared; the load-time budget is measured by benchmarks/
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")]
 
 
 @pytest.fixture(scope="module")

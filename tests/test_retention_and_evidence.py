@@ -13,6 +13,8 @@ from sftaudit.fixtures import build_model, build_tokenizer, collate, load_datase
 from sftaudit.fixtures.train import train_hf
 from sftaudit.shim import Recorder
 
+from .shared import shared_dir
+
 
 def gate(run, checkpoint, *extra):
     return main(["gate", str(run), "--checkpoint", str(checkpoint), *map(str, extra)])
@@ -21,8 +23,9 @@ def gate(run, checkpoint, *extra):
 @pytest.fixture(scope="module")
 def rotated_run(tmp_path_factory, tokenizer_cache):
     """The Trainer with save_total_limit=2: checkpoint-5 and -10 rotated out; checkpoint-15 has a NaN."""
-    return train_hf(tmp_path_factory.mktemp("rotated") / "rotated", steps=20, save_steps=5, save_total_limit=2,
-                    faults={"ckpt_nan_tensor": 15}, tokenizer_cache=tokenizer_cache, profile="prod")
+    return shared_dir(tmp_path_factory, "rotated", lambda folder: train_hf(
+        folder / "rotated", steps=20, save_steps=5, save_total_limit=2, faults={"ckpt_nan_tensor": 15},
+        tokenizer_cache=tokenizer_cache, profile="prod")) / "rotated"
 
 
 def test_rotated_checkpoints_are_info_and_cannot_be_gated(rotated_run, capsys):

@@ -8,9 +8,10 @@ import json
 import pytest
 from jsonschema import Draft4Validator
 
-from sftaudit.audit import audit
 from sftaudit.checks import registered_checks
 from sftaudit.sarif import to_sarif, write_sarif
+
+from .shared import cached_audit
 
 
 def sarif_validator() -> Draft4Validator:
@@ -23,10 +24,11 @@ def assert_valid(doc: dict) -> None:
     assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
 
 
+@pytest.mark.slow  # the fixture runs, taken by name (the conftest hook cannot see them)
 @pytest.mark.parametrize("name", ["clean_run", "nan_run"])
 def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
     run = request.getfixturevalue(name)
-    verdict = audit(run)
+    verdict = cached_audit(run)
     path = write_sarif(verdict, run, tmp_path / "audit.sarif")
     doc = json.loads(path.read_text())
     assert_valid(doc)
@@ -47,7 +49,7 @@ def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
 
 
 def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
-    verdict = audit(nan_run)
+    verdict = cached_audit(nan_run)
     results = to_sarif(verdict, nan_run)["runs"][0]["results"]
     grads = next(f for f in verdict["findings"] if f["code"] == "LOOP-05" and "tensors" in f["evidence"])
     (location,) = next(r for r in results if r["message"]["text"] == grads["message"])["locations"]

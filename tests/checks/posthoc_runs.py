@@ -1,10 +1,13 @@
 """Real Trainer / TRL runs trained WITHOUT the shim (no callback), with planted faults, shared by the
-import tests and LOOP-18's: each is trained once per session, then audited from what it left on disk.
+import tests and LOOP-18's: each is trained once per invocation (a copy per worker), then audited from what it
+left on disk.
 Several independent faults share one training where their windows do not overlap."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..shared import shared_dir
 
 GRAD_DROPPED = "model.layers.0.mlp.up_proj.weight"
 SCALED = "model.layers.1.self_attn.v_proj.weight"
@@ -32,8 +35,8 @@ def posthoc_run(tmp_path_factory, tokenizer_cache, name: str) -> Path:
     from sftaudit.fixtures.train import train_hf
 
     if name not in _MADE:
-        _MADE[name] = train_hf(tmp_path_factory.mktemp("posthoc") / name, tokenizer_cache=tokenizer_cache,
-                               **TINY, **RUNS[name])
+        _MADE[name] = shared_dir(tmp_path_factory, f"posthoc-{name}", lambda folder: train_hf(
+            folder / name, tokenizer_cache=tokenizer_cache, **TINY, **RUNS[name])) / name
     return _MADE[name]
 
 

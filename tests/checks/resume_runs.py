@@ -11,6 +11,8 @@ import shutil
 from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_plain
 
+from ..shared import shared_dir
+
 ORDERS = ("cyclic", "sampler", "dataloader")
 RUN = dict(dataset_rows=10, batch_size=4, max_length=64, checkpoint_every=2,
            probe_every=0, generate_every=0, eval_every=0)
@@ -26,17 +28,22 @@ _made: dict = {}
 
 
 def resume_runs(order, tmp_path_factory, tokenizer_cache):
-    """(clean run, its verdict, faulty run, its verdict) of an order, trained and audited once per session."""
+    """(clean run, its verdict, faulty run, its verdict) of an order: trained once per invocation, audited once
+    per worker (on its copy)."""
     if order not in _made:
         base = ORDER_FAULTS.get(order, {})
-        clean = tmp_path_factory.mktemp(f"resume-{order}") / "clean"
-        for source, last in CLEAN:
-            train_plain(clean, steps=last, order=order, tokenizer_cache=tokenizer_cache, faults=base,
-                        resume_from=clean / f"checkpoint-{source}" if source else None, **RUN)
-        faulty = clean.parent / "faulty"
-        shutil.copytree(clean, faulty, ignore=shutil.ignore_patterns("audit.duckdb*"))
-        for first, fault in FAULTS.items():
-            train_plain(faulty, steps=LAST_STEP[first], order=order, tokenizer_cache=tokenizer_cache,
-                        faults={**base, fault: True}, resume_from=faulty / f"checkpoint-{first - 1}", **RUN)
-        _made[order] = (clean, audit(clean), faulty, audit(faulty))
+
+        def build(folder):
+            clean = folder / "clean"
+            for source, last in CLEAN:
+                train_plain(clean, steps=last, order=order, tokenizer_cache=tokenizer_cache, faults=base,
+                            resume_from=clean / f"checkpoint-{source}" if source else None, **RUN)
+            faulty = folder / "faulty"
+            shutil.copytree(clean, faulty, ignore=shutil.ignore_patterns("audit.duckdb*"))
+            for first, fault in FAULTS.items():
+                train_plain(faulty, steps=LAST_STEP[first], order=order, tokenizer_cache=tokenizer_cache,
+                            faults={**base, fault: True}, resume_from=faulty / f"checkpoint-{first - 1}", **RUN)
+
+        folder = shared_dir(tmp_path_factory, f"resume-{order}", build)
+        _made[order] = (folder / "clean", audit(folder / "clean"), folder / "faulty", audit(folder / "faulty"))
     return _made[order]

@@ -53,6 +53,6 @@ def test_tokenizer_swapped_mid_run_fails_at_the_step_and_the_checkpoint(runs):
 
 
 def test_clean_run_raises_nothing(clean_run):
-    from sftaudit.audit import audit
+    from ..shared import cached_audit
 
-    assert [f for f in clean_data_findings(audit(clean_run)) if f["code"] == "LOOP-02"] == []
+    assert [f for f in clean_data_findings(cached_audit(clean_run)) if f["code"] == "LOOP-02"] == []

@@ -32,9 +32,9 @@ def test_grouped_batching_pads_only_to_the_sorted_neighbours():
 
 
 def test_clean_run_gets_only_the_waste_summary(clean_run):
-    from sftaudit.audit import audit
+    from ..shared import cached_audit
 
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert [f for f in clean_data_findings(verdict) if f["code"] == "LOOP-03"] == []
     (info,) = findings(verdict, "LOOP-03", "info")
     assert 0 < info["evidence"]["grouped_padded_tokens"] < info["evidence"]["padded_tokens"]

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 from sftaudit.ingest import connect
@@ -84,9 +86,9 @@ def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
 
 
 def test_clean_run_masks_exactly_the_template_spans(clean_run):
-    from sftaudit.audit import audit
+    from ..shared import cached_audit
 
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert clean_data_findings(verdict) == []
     assert verdict["check_errors"] == []
 
@@ -100,7 +102,7 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
         "assert v['check_errors'] == [], v['check_errors']\n"
         "print(sorted({f['evidence'].get('kind') for f in v['findings'] if f['code'] == 'LOOP-04'} - {None}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['assistant_masked', 'off_by_one', 'padding_confused', 'padding_trained']"
 
@@ -150,6 +152,7 @@ def trl_assistant_only_run(run_dir, tokenizer_cache, template):
     return run_dir
 
 
+@pytest.mark.slow
 def test_trl_assistant_only_loss_with_the_end_of_turn_outside_the_generation_block(tmp_path, tokenizer_cache):
     """The fixture template with `{% endgeneration %}` moved before `<|eot_id|>`: TRL trains no end-of-turn marker
     (the model never learns to stop) and LOOP-04 fails at step 1; the template as shipped is clean."""

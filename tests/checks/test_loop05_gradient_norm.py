@@ -7,6 +7,7 @@ from sftaudit.config import AuditConfig
 from sftaudit.ingest import connect
 
 from ..conftest import NAN_STEP
+from ..shared import cached_audit
 from .dynamics_runs import (DEFAULT_SCALED_TENSOR, FROZEN_TENSOR, SCALE_STEP, SPIKE_EVERY, SPIKE_START, of, recorded_series_run,
                             run)
 
@@ -16,7 +17,7 @@ def loop05(verdict):
 
 
 def test_nan_loss_and_gradients_fail_at_the_planted_step(nan_run):
-    verdict = audit(nan_run)
+    verdict = cached_audit(nan_run)
     assert verdict["verdict"] == "fail"
     assert verdict["first_anomalous_step"] == NAN_STEP
     findings = loop05(verdict)
@@ -75,7 +76,7 @@ def test_parameter_left_out_of_the_optimizer_fails_from_step_1(runs):
 
 
 def test_clean_run_raises_nothing(clean_run):
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert loop05(verdict) == []
     assert verdict["first_anomalous_step"] is None
     assert verdict["first_anomaly_chain"] == []

@@ -16,6 +16,7 @@ from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, N
 from sftaudit.ingest import connect, ingest, load_manifest
 
 from ..conftest import HF_CHECKPOINT_FAULTS
+from ..shared import cached_audit
 
 
 def loop09(verdict):
@@ -124,7 +125,7 @@ def test_trainer_checkpoints(hf_checkpoint_fault_run):
 
 
 def test_clean_run_checkpoints_pass(clean_run):
-    verdict = audit(clean_run)
+    verdict = cached_audit(clean_run)
     assert loop09(verdict) == {} and resume_risk(verdict) == {}
     assert all(c["intact"] for c in verdict["checkpoints"]) and len(verdict["checkpoints"]) == 3
 
@@ -143,6 +144,7 @@ def test_a_configured_dtype_names_every_other_tensor(clean_run):
 
 
 
+@pytest.mark.slow
 def test_updates_that_round_away_are_not_stale(tmp_path):
     """Plain SGD at lr 1e-5 leaves the norm weights (1.0, tiny gradients) byte-identical between saves:
     their updates round away in float32. That is not a tensor missing from the optimizer."""
@@ -242,6 +244,7 @@ REAL_RUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
 
 
 @pytest.mark.skipif(not (REAL_RUNS / "tiny-gpt2-as-checkpoint").is_dir(), reason="no real runs here")
+@pytest.mark.slow  # a real run
 def test_a_released_trainer_checkpoint_resumes_exactly(tmp_path):
     """A Trainer checkpoint as published (weights, optimizer.pt, scheduler.pt, rng_state.pth,
     trainer_state.json; no training_args.bin, no collator state): nothing is missing."""

@@ -14,6 +14,7 @@ from sftaudit.audit import audit
 from sftaudit.checks.loop11_resume_continuity import epoch_starts, numbered_occurrences
 from sftaudit.ingest import connect
 
+from ..shared import cached_audit, shared_dir
 from .resume_runs import FAULTS, ORDERS, resume_runs
 
 
@@ -69,7 +70,7 @@ def test_resume_from_a_checkpoint_that_fails_integrity(resumed_run, tmp_path):
 
 
 def test_runs_never_resumed_are_silent(clean_run):
-    assert loop11(audit(clean_run)) == []
+    assert loop11(cached_audit(clean_run)) == []
 
 
 def test_resume_from_a_checkpoint_never_recorded(resumed_run, tmp_path):
@@ -90,12 +91,14 @@ def trainer_resumed_run(tmp_path_factory, tokenizer_cache):
     after it lost its scheduler.pt (the Trainer then starts a fresh schedule and optimizer)."""
     from sftaudit.fixtures.train import train_hf
 
-    run = tmp_path_factory.mktemp("hf-resumed") / "hf-resumed"
-    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache)
-    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-10")
-    (run / "checkpoint-5" / "scheduler.pt").unlink()
-    train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-5")
-    return run
+    def build(folder):
+        run = folder / "hf-resumed"
+        train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache)
+        train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-10")
+        (run / "checkpoint-5" / "scheduler.pt").unlink()
+        train_hf(run, steps=12, save_steps=5, tokenizer_cache=tokenizer_cache, resume_from=run / "checkpoint-5")
+
+    return shared_dir(tmp_path_factory, "hf-resumed", build) / "hf-resumed"
 
 
 def test_trainer_resumes(trainer_resumed_run):
@@ -135,6 +138,7 @@ def state_saver(drop: str):
 
 
 @pytest.mark.parametrize("drop", ["scheduler", "rng_states"])
+@pytest.mark.slow
 def test_a_resume_from_a_checkpoint_lacking_state(drop, tmp_path, tokenizer_cache):
     """Resumed from checkpoint-5, saved without its scheduler (the warmup restarts: the risk bit, one
     warn) or without its RNG states (the seeded data order and dropout-free model continue exactly:
@@ -220,6 +224,7 @@ def test_epochs_are_inferred_from_the_order():
     assert epoch_starts(numbered_occurrences(duplicated, len(duplicated))).tolist() == [0, 10, 20]
 
 
+@pytest.mark.slow
 def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
     """The Trainer's own seeded sampler over 10 rows in batches of 4 (3 steps an epoch, the last
     partial): resumed from checkpoint-4 with `ignore_data_skip`, it trains epoch 2 from its start."""

@@ -8,6 +8,7 @@ from sftaudit.audit import audit
 from sftaudit.ingest import connect, ingest
 
 from ..conftest import NAN_STEP
+from ..shared import cached_audit, shared_dir
 from .dynamics_runs import MEAN_OF_MEANS_STEP, of, recorded_loop, run
 
 HF_NAN_STEP = 4
@@ -20,9 +21,10 @@ def trainer_run(tmp_path_factory, tokenizer_cache):
     model), the logged loss multiplied by GA (Z23) and a NaN loss at HF_NAN_STEP (Z18)."""
     from sftaudit.fixtures.train import train_hf
 
-    return train_hf(tmp_path_factory.mktemp("hf-loss") / "hf-loss", steps=6, grad_accum=GA, batch_size=2, save_steps=100,
-                    tokenizer_cache=tokenizer_cache, probe_every=0, generate_every=0, eval_every=0,
-                    faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP})
+    return shared_dir(tmp_path_factory, "hf-loss", lambda folder: train_hf(
+        folder / "hf-loss", steps=6, grad_accum=GA, batch_size=2, save_steps=100, tokenizer_cache=tokenizer_cache,
+        probe_every=0, generate_every=0, eval_every=0,
+        faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP})) / "hf-loss"
 
 
 def test_mean_of_micro_batch_means_fails_at_its_step_naming_the_over_weighted_samples(runs):
@@ -82,9 +84,9 @@ def test_nan_hidden_by_the_trainers_logging_filter_is_found_at_its_step(trainer_
 
 
 def test_clean_and_failed_plain_runs_raise_nothing(clean_run, nan_run):
-    assert of(audit(clean_run), "LOOP-13") == []
+    assert of(cached_audit(clean_run), "LOOP-13") == []
     # The plain loop logs no trainer loss: a NaN step is LOOP-05's, not a hidden one.
-    assert of(audit(nan_run), "LOOP-13") == [] and NAN_STEP
+    assert of(cached_audit(nan_run), "LOOP-13") == [] and NAN_STEP
 
 
 def test_a_loss_computed_outside_the_model_is_not_run_saying_why(tmp_path, tokenizer_cache):
@@ -115,6 +117,7 @@ def _hf(tmp_path_factory, tokenizer_cache, name, **options):
                     **options)
 
 
+@pytest.mark.slow
 def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_agree(tmp_path_factory, tokenizer_cache):
     """Planted: the installed Trainer made to behave as transformers 4.47 does with a model whose forward takes
     no **kwargs (GPT-2): no num_items_in_batch, no division by GA. Each micro-batch backpropagates its own mean,
@@ -128,6 +131,7 @@ def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_a
     assert "gradients are scaled" in logged["message"] and "GPT-2" in logged["message"]
 
 
+@pytest.mark.slow
 def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenizer_cache):
     run = _hf(tmp_path_factory, tokenizer_cache, "hf-ga-clean")
     verdict = audit(run)
@@ -141,6 +145,7 @@ def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenize
     assert len(rows) == 4 and all(pre == pytest.approx(total, rel=1e-5) and src is None for pre, total, src in rows)
 
 
+@pytest.mark.slow
 def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_factory, tokenizer_cache):
     """TRL >= 1.15 computes the loss from its fused LM head's log-probs: the model's `loss` never reaches
     backward. The weights come from the log-probs' gradient, so a planted logged loss x GA is still found."""

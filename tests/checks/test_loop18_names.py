@@ -10,6 +10,7 @@ from sftaudit.audit import audit
 from sftaudit.imports import import_run
 from sftaudit.optimizer_state import checkpoint_weights, map_names, read_adam_state
 
+from ..shared import shared_dir
 from .dynamics_runs import of
 
 VOCAB, HIDDEN = 531, 64  # untied: model.embed_tokens.weight and lm_head.weight are both [531, 64]
@@ -44,8 +45,10 @@ def _train(run_dir, zero_head: bool):
 
 @pytest.fixture(scope="module")
 def head_runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("loop18-names")
-    return {zero: _train(base / ("zero-head" if zero else "clean"), zero) for zero in (True, False)}
+    names = {True: "zero-head", False: "clean"}
+    base = shared_dir(tmp_path_factory, "loop18-names",
+                      lambda folder: [_train(folder / names[zero], zero) for zero in names])
+    return {zero: base / name for zero, name in names.items()}
 
 
 def test_the_entry_that_never_updated_is_the_tensor_that_never_moved(head_runs):

@@ -21,6 +21,8 @@ from sftaudit.optimizer_state import UnsafeOptimizerState, checkpoint_weights, m
 from .dynamics_runs import of
 from .posthoc_runs import GRAD_DROPPED, SCALED, SCALED_WEIGHTS, audited, posthoc_run
 
+pytestmark = pytest.mark.slow  # Trainer runs without the shim
+
 
 def loop18(verdict):
     return of(verdict, "LOOP-18")

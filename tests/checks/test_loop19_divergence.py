@@ -6,6 +6,7 @@ import pytest
 
 from sftaudit.audit import audit
 
+from ..shared import cached_audit
 from .dynamics_runs import LR_JUMP_STEP, of, run
 from .logged_runs import REALRUNS, audited, falling, findings, status, trainer_run
 
@@ -61,10 +62,11 @@ def test_the_divergence_after_a_learning_rate_jump_fails_at_the_step_after_it(ru
 
 
 def test_clean_shim_runs_do_not_diverge(clean_run):
-    assert of(audit(clean_run), "LOOP-19") == []
+    assert of(cached_audit(clean_run), "LOOP-19") == []
 
 
 @pytest.mark.skipif(not (REALRUNS / "qlora-lr5-diverge").is_dir(), reason="../shared/realruns not present")
+@pytest.mark.slow  # a real run
 def test_real_diverging_qlora_runs_fail_and_a_real_clean_run_passes(tmp_path):
     import shutil
 

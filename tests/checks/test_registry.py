@@ -8,6 +8,8 @@ from sftaudit.checks import registered_checks
 from sftaudit.checks.base import DOC_SECTIONS, EVIDENCE, needed
 from sftaudit.config import AuditConfig
 
+from ..shared import cached_audit
+
 HERE = Path(__file__).parent
 
 
@@ -44,11 +46,11 @@ def test_every_check_names_the_evidence_it_needs():
 
 
 def test_coverage_says_which_checks_ran_and_why_the_others_did_not(clean_run):
-    coverage = {c["code"]: c for c in audit(clean_run)["checks"]}
+    coverage = {c["code"]: c for c in cached_audit(clean_run)["checks"]}
     assert set(coverage) == {c.code for c in registered_checks()}
     # The 30-step clean run records steps and gradients but no generations or evals (dev profile).
     assert coverage["LOOP-05"]["status"] == "ran" and coverage["LOOP-05"]["sources"] == ["shim"]
     assert coverage["LOOP-07"] == {"code": "LOOP-07", "name": "generation diversity", "status": "not_run",
                                    "reason": "not recorded: generations on the probe prompts", "evidence": [],
                                    "sources": []}
-    assert audit(clean_run, AuditConfig(disabled=["LOOP-10"]))["checks"][9]["status"] == "disabled"
+    assert cached_audit(clean_run, AuditConfig(disabled=["LOOP-10"]))["checks"][9]["status"] == "disabled"

@@ -45,7 +45,7 @@ def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
         with pytest.raises(InputError, match="another sftaudit has used this run's database for over 1 s"):
             with run_lock(run, timeout=1.0):
                 pass
-        assert time.monotonic() - start_time < 10
+        assert time.monotonic() - start_time < 30  # gave up, never waited out the holder's 60 s (load only adds seconds)
     finally:
         holder.kill()
         holder.wait()

@@ -38,7 +38,7 @@ BAD_CONFIGS = [
 
 def run_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+                          capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 @pytest.mark.parametrize("text, reason", BAD_CONFIGS)

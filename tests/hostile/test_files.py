@@ -74,6 +74,7 @@ REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "r
 
 
 @pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")
+@pytest.mark.slow  # a real run
 def test_the_real_lfs_clone_gets_one_pointer_finding_per_checkpoint(tmp_path):
     run = tmp_path / "gemma3-kaggle-lfs-clone"
     shutil.copytree(REALRUNS / run.name, run)

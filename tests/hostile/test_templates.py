@@ -37,7 +37,7 @@ def test_a_template_bomb_exceeds_its_budget(name):
     # A subprocess with a memory cap: a bomb that escaped the budget would die there, not fill the machine.
     capped = "import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n" + PROGRAM
     done = subprocess.run([sys.executable, "-c", capped, BOMBS[name] + BASE], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.strip().startswith("chat template exceeded its render budget")
     assert len(done.stdout.strip().splitlines()) == 1
@@ -50,6 +50,7 @@ def test_a_plain_template_renders_as_before():
     assert text == "<|user|>hi<|end|>"
 
 
+@pytest.mark.slow  # a run audited in a subprocess
 @pytest.mark.parametrize("bomb", ["nested ranges", "constant power"])
 def test_a_run_whose_tokenizer_carries_a_bomb_fails_naming_the_budget(tmp_path, bomb):
     """The audit of a run whose saved tokenizer has a hostile template: LOOP-01 fails it with the budget
@@ -68,6 +69,7 @@ def test_a_run_whose_tokenizer_carries_a_bomb_fails_naming_the_budget(tmp_path, 
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # preflight in a subprocess
 def test_preflight_with_a_bomb_template_fails_naming_the_budget(tmp_path):
     from sftaudit.fixtures import build_tokenizer
 

@@ -65,6 +65,7 @@ REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "r
 
 
 @pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")
+@pytest.mark.slow  # a real run
 def test_gemma3s_real_template_gives_a_layout_with_a_whole_tokenizer(tmp_path):
     """The template is not what broke LOOP-01/02 on the Gemma 3 run: the 22-token tokenizer rebuilt from its
     tokenizer_config.json alone was. With a whole vocabulary the template's markers are found."""
