@@ -50,13 +50,21 @@ def rep_ratios(a: np.ndarray, b_base: np.ndarray, b_events: np.ndarray, shares: 
     return {"per_step": base / a_mean, "probe_share": excess / a_mean, "amortised": (base + excess) / a_mean}
 
 
-def median_ci(values: np.ndarray, confidence: float = 0.95, seed: int = 0, resamples: int = 10_000) -> tuple[float, float, float]:
+def median_ci(
+    values: np.ndarray, confidence: float = 0.95, seed: int = 0, resamples: int = 10_000
+) -> tuple[float, float, float]:
     """Median of `values` and its percentile-bootstrap interval (repetitions resampled with
     replacement; a fixed seed, so a rerun on the same figures prints the same interval)."""
     values = np.asarray(values, dtype=float)
     if len(values) < 2 or np.ptp(values) == 0:  # no spread to resample: the interval is the point
         m = float(np.median(values))
         return m, m, m
-    res = stats.bootstrap((values,), np.median, confidence_level=confidence, n_resamples=resamples,
-                          method="percentile", random_state=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (values,),
+        np.median,
+        confidence_level=confidence,
+        n_resamples=resamples,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
     return float(np.median(values)), float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -36,12 +36,14 @@ def _timed_checks() -> dict[str, float]:
     """Each check's `run` wrapped to add its wall time to the returned dict (code -> seconds)."""
     spent: dict[str, float] = {}
     for cls in registered_checks():
+
         def timed(self, ctx, _run=cls.run, _code=cls.code):
             t = time.perf_counter()
             try:
                 return _run(self, ctx)
             finally:
                 spent[_code] = spent.get(_code, 0.0) + time.perf_counter() - t
+
         cls.run = timed
     return spent
 
@@ -68,16 +70,24 @@ def main() -> int:
         files = [p for p in (run / "sftaudit").rglob("*") if p.is_file() and p.name != "audit.duckdb"]
         series = sum(p.stat().st_size for p in files if "series" in p.parts)
         jsonl = sum(p.stat().st_size for p in files if p.suffix == ".jsonl")
-        print(f"run: {args.steps:,} steps x {args.tensors} tensors = {values:,} norms, schema {args.schema}; "
-              f"written in {t1 - t0:.1f} s ({(t1 - t0) / args.steps * 1e6:.0f} us a step through the writer)")
-        print(f"on disk: series {series / 1e6:.0f} MB, JSONL {jsonl / 1e6:.0f} MB; "
-              f"{(series + jsonl) / values:.2f} bytes per recorded value in all ({series / values:.2f} the series)")
+        print(
+            f"run: {args.steps:,} steps x {args.tensors} tensors = {values:,} norms, schema {args.schema}; "
+            f"written in {t1 - t0:.1f} s ({(t1 - t0) / args.steps * 1e6:.0f} us a step through the writer)"
+        )
+        print(
+            f"on disk: series {series / 1e6:.0f} MB, JSONL {jsonl / 1e6:.0f} MB; "
+            f"{(series + jsonl) / values:.2f} bytes per recorded value in all ({series / values:.2f} the series)"
+        )
         print(f"ingest: {t2 - t1:.1f} s (CPU {c2 - c1:.1f} s, all threads)")
-        print(f"audit (checks + verdict): {t3 - t2:.1f} s (CPU {c3 - c2:.1f} s), of which checks {sum(spent.values()):.1f} s")
+        print(
+            f"audit (checks + verdict): {t3 - t2:.1f} s (CPU {c3 - c2:.1f} s), of which checks {sum(spent.values()):.1f} s"
+        )
         for code, s in sorted(spent.items(), key=lambda kv: -kv[1])[:5]:
             print(f"  {code}: {s:.1f} s")
-        print(f"total ingest + audit: {t3 - t1:.1f} s wall, {c3 - c1:.1f} s CPU (a loaded machine stretches the wall "
-              f"time, the CPU time less so); peak RSS {_peak_rss_mb():,.0f} MB (writing: {rss_write:,.0f} MB)")
+        print(
+            f"total ingest + audit: {t3 - t1:.1f} s wall, {c3 - c1:.1f} s CPU (a loaded machine stretches the wall "
+            f"time, the CPU time less so); peak RSS {_peak_rss_mb():,.0f} MB (writing: {rss_write:,.0f} MB)"
+        )
         found = {(f["code"], f["severity"], f["step"]) for f in verdict["findings"]}
         expected = {
             "grad_scale": ("LOOP-05", "fail", planted["grad_scale"]["step"]),
@@ -89,8 +99,10 @@ def main() -> int:
         for name, key in expected.items():
             print(f"planted {name}: {'found' if key in found else 'MISSED'} {key}")
         first = min(key[2] for key in expected.values())
-        print(f"first anomalous step: {verdict['first_anomalous_step']} (earliest planted: {first}); "
-              f"findings: {len(verdict['findings'])}")
+        print(
+            f"first anomalous step: {verdict['first_anomalous_step']} (earliest planted: {first}); "
+            f"findings: {len(verdict['findings'])}"
+        )
         for f in verdict["findings"]:
             print(f"  {f['code']} {f['severity']} step {f['step']}: {f['message'][:110]}")
         t4 = time.perf_counter()
@@ -98,8 +110,10 @@ def main() -> int:
         t5 = time.perf_counter()
         ingest(run)
         t6 = time.perf_counter()
-        print(f"incremental: 1,000 more steps written in {t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s "
-              f"(new records and new parts only; the first ingest took {t2 - t1:.1f} s)")
+        print(
+            f"incremental: 1,000 more steps written in {t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s "
+            f"(new records and new parts only; the first ingest took {t2 - t1:.1f} s)"
+        )
         ok = all(key in found for key in expected.values()) and verdict["first_anomalous_step"] == first
         return 0 if ok else 1
 

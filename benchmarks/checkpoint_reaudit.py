@@ -14,8 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_plain
+
+from sftaudit.audit import audit
 from sftaudit.ingest import connect
 
 

@@ -22,15 +22,23 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
 from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset, load_eval_set
-from sftaudit.fixtures.train import PROBE_PROMPTS
 from sftaudit.fixtures.distributed import process_group, wrap
+from sftaudit.fixtures.train import PROBE_PROMPTS
+
 from sftaudit.shim import Recorder
 
 
-def alternating_blocks(model, opt, rec: Recorder, prepared: list[dict], steps: int, block: int, warmup: int,
-                       before_step: Callable[[], None] | None = None) -> dict:
+def alternating_blocks(
+    model,
+    opt,
+    rec: Recorder,
+    prepared: list[dict],
+    steps: int,
+    block: int,
+    warmup: int,
+    before_step: Callable[[], None] | None = None,
+) -> dict:
     """Train `block` steps bare, then `block` through `rec`, and so on (`steps` per arm, after
     `warmup` unmeasured steps that settle allocators and caches); `before_step` runs before each
     step's clock starts (here a barrier, so the slower rank sets the step time).
@@ -57,8 +65,10 @@ def alternating_blocks(model, opt, rec: Recorder, prepared: list[dict], steps: i
         opt.zero_grad(set_to_none=True)
         if i >= 0:
             times["shim" if shimmed else "bare"].append(time.perf_counter() - start)
-        if shimmed and any(every and shim_step % every == 0 for every in (
-                rec.schedule.probe_every, rec.schedule.generate_every, rec.schedule.eval_every)):
+        if shimmed and any(
+            every and shim_step % every == 0
+            for every in (rec.schedule.probe_every, rec.schedule.generate_every, rec.schedule.eval_every)
+        ):
             probe_steps.append(len(times["shim"]) - 1)
     rec.close()
     bare, shim = times["bare"], times["shim"]
@@ -80,7 +90,9 @@ def measure(mode: str, profile: str, steps: int, block: int, rows_per_rank: int,
     rows = load_dataset()
     rank = dist.get_rank()
     world, n = dist.get_world_size(), rows_per_rank
-    prepared = [collate(tok, rows[(world * n * i + n * rank) % (len(rows) - n):][:n], max_length=256) for i in range(16)]
+    prepared = [
+        collate(tok, rows[(world * n * i + n * rank) % (len(rows) - n) :][:n], max_length=256) for i in range(16)
+    ]
     with tempfile.TemporaryDirectory() as run_dir:
         # The probes of a one-process run: rank 0 alone runs them under DDP, every rank under FSDP.
         rec = Recorder(run_dir, model, tok, profile=profile, probe_prompts=PROBE_PROMPTS, eval_set=load_eval_set())
@@ -98,12 +110,17 @@ def main() -> None:
     args = p.parse_args()
     with process_group() as (rank, world):
         if rank == 0:
-            print(f"{'mode':<6} {'ranks':>5} {'rows':>5} {'bare step':>10} {'amortised':>10} {'per step':>9} {'probe steps':>12} {'steps':>6}")
+            print(
+                f"{'mode':<6} {'ranks':>5} {'rows':>5} {'bare step':>10} {'amortised':>10} {'per step':>9} {'probe steps':>12} {'steps':>6}"
+            )
         for mode in args.modes:
             r = measure(mode, args.profile, args.steps, args.block, args.rows)
             if rank == 0:
-                print(f"{mode:<6} {world:>5} {args.rows:>5} {r['bare_ms']:>8.1f}ms {r['mean_overhead']:>+9.1%} "
-                      f"{r['median_overhead']:>+8.1%} {r['probe_overhead']:>+11.1%} {r['steps']:>6}", flush=True)
+                print(
+                    f"{mode:<6} {world:>5} {args.rows:>5} {r['bare_ms']:>8.1f}ms {r['mean_overhead']:>+9.1%} "
+                    f"{r['median_overhead']:>+8.1%} {r['probe_overhead']:>+11.1%} {r['steps']:>6}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

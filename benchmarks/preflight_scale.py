@@ -94,8 +94,21 @@ def child(args: list[str]) -> tuple[float, float, str]:
 
 
 def preflight_cli(data: Path, tokenizer: Path, out: Path, batch_size: int) -> list[str]:
-    return ["-m", "sftaudit.cli", "preflight", "--data", str(data), "--tokenizer", str(tokenizer), "--out", str(out),
-            "--batch-size", str(batch_size), "--no-report", "--quiet"]
+    return [
+        "-m",
+        "sftaudit.cli",
+        "preflight",
+        "--data",
+        str(data),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        "--batch-size",
+        str(batch_size),
+        "--no-report",
+        "--quiet",
+    ]
 
 
 def main() -> None:
@@ -123,19 +136,31 @@ def main() -> None:
     many_wall, many_cpu = median(w for w, _ in many), median(c for _, c in many)
     per_wall = (args.samples - 1) / max(many_wall - fixed_wall, 1e-9)
     per_cpu = (args.samples - 1) / max(many_cpu - fixed_cpu, 1e-9)
-    print(f"preflight on the {args.vocab} vocabulary: {args.samples} samples ({size_mb:.0f} MB JSONL), batch size "
-          f"{args.batch_size}, medians of {args.repeat} runs, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}")
-    print("  time to the first sample (fresh interpreter), wall / CPU s: " + ", ".join(
-        f"{k} {median(s[k][0] for s in stamps):.2f} / {median(s[k][1] for s in stamps):.2f}" for k in stamps[0])
-          + f"; total {median(sum(v[0] for v in s.values()) for s in stamps):.2f} / "
-          f"{median(sum(v[1] for v in s.values()) for s in stamps):.2f}")
-    print(f"  fixed cost (a one-sample preflight, process start to exit): {fixed_wall:.2f} s wall, {fixed_cpu:.2f} s CPU "
-          f"(goal <= 3 s)")
-    print(f"  {args.samples} samples: {many_wall:.1f} s wall, {many_cpu:.1f} s CPU; throughput past the fixed cost "
-          f"{per_wall:,.0f} samples/s wall, {per_cpu:,.0f} samples/s per CPU second (goal >= 2,000)")
-    print(f"  verdict {verdict['verdict']}, {len(verdict['findings'])} finding(s), "
-          f"check errors {len(verdict['check_errors'])}")
+    print(
+        f"preflight on the {args.vocab} vocabulary: {args.samples} samples ({size_mb:.0f} MB JSONL), batch size "
+        f"{args.batch_size}, medians of {args.repeat} runs, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "  time to the first sample (fresh interpreter), wall / CPU s: "
+        + ", ".join(
+            f"{k} {median(s[k][0] for s in stamps):.2f} / {median(s[k][1] for s in stamps):.2f}" for k in stamps[0]
+        )
+        + f"; total {median(sum(v[0] for v in s.values()) for s in stamps):.2f} / "
+        f"{median(sum(v[1] for v in s.values()) for s in stamps):.2f}"
+    )
+    print(
+        f"  fixed cost (a one-sample preflight, process start to exit): {fixed_wall:.2f} s wall, {fixed_cpu:.2f} s CPU "
+        f"(goal <= 3 s)"
+    )
+    print(
+        f"  {args.samples} samples: {many_wall:.1f} s wall, {many_cpu:.1f} s CPU; throughput past the fixed cost "
+        f"{per_wall:,.0f} samples/s wall, {per_cpu:,.0f} samples/s per CPU second (goal >= 2,000)"
+    )
+    print(
+        f"  verdict {verdict['verdict']}, {len(verdict['findings'])} finding(s), "
+        f"check errors {len(verdict['check_errors'])}"
+    )
 
 
 if __name__ == "__main__":

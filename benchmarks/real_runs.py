@@ -43,7 +43,10 @@ def audit(run: Path, timeout: float) -> dict:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             rc, stderr = proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as exc:
-            rc, stderr = None, exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            rc, stderr = (
+                None,
+                exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or ""),
+            )
         seconds = time.monotonic() - start
         try:
             verdict = json.loads((out / "verdict.json").read_text(encoding="utf-8"))
@@ -66,7 +69,9 @@ def noise(result: dict) -> list[str]:
 def line(result: dict) -> str:
     v = result["verdict"] or {}
     rc = "timeout" if result["rc"] is None else str(result["rc"])
-    parts = [f"{result['name']:<26} {v.get('verdict', '-'):<9} exit {rc:<7} first {str(v.get('first_anomalous_step')):<6}"]
+    parts = [
+        f"{result['name']:<26} {v.get('verdict', '-'):<9} exit {rc:<7} first {str(v.get('first_anomalous_step')):<6}"
+    ]
     groups: dict[tuple[str, str], list[dict]] = {}
     for f in v.get("findings", []):
         if f["severity"] in ("warn", "fail"):
@@ -95,14 +100,16 @@ def summary(results: list[dict]) -> str:
     verdicts = [(r["verdict"] or {}).get("verdict") for r in results]
     count = {k: verdicts.count(k) for k in ("pass", "warn", "fail", "unjudged")}
     stderr = [noise(r) for r in results]
-    return (f"{len(results)} runs: {count['pass']} pass, {count['warn']} warn, {count['fail']} fail, "
-            f"{count['unjudged']} unjudged, {sum(v is None for v in verdicts)} without a verdict; "
-            f"check errors {sum(len((r['verdict'] or {}).get('check_errors', [])) for r in results)}, "
-            f"timeouts {sum(r['rc'] is None for r in results)}, "
-            f"tracebacks {sum(any('Traceback' in ln for ln in s) for s in stderr)}, "
-            f"warnings on stderr {sum(any('Warning' in ln for ln in s) for s in stderr)}, "
-            f"exit codes outside 0/1/2 {sum(r['rc'] not in (0, 1, 2, None) for r in results)}; "
-            f"{sum(r['seconds'] for r in results):.0f} s")
+    return (
+        f"{len(results)} runs: {count['pass']} pass, {count['warn']} warn, {count['fail']} fail, "
+        f"{count['unjudged']} unjudged, {sum(v is None for v in verdicts)} without a verdict; "
+        f"check errors {sum(len((r['verdict'] or {}).get('check_errors', [])) for r in results)}, "
+        f"timeouts {sum(r['rc'] is None for r in results)}, "
+        f"tracebacks {sum(any('Traceback' in ln for ln in s) for s in stderr)}, "
+        f"warnings on stderr {sum(any('Warning' in ln for ln in s) for s in stderr)}, "
+        f"exit codes outside 0/1/2 {sum(r['rc'] not in (0, 1, 2, None) for r in results)}; "
+        f"{sum(r['seconds'] for r in results):.0f} s"
+    )
 
 
 def main() -> int:

@@ -30,8 +30,7 @@ from pathlib import Path
 
 # The Hugging Face stack of early 2025, which these transformers/TRL releases were built against
 # (huggingface-hub < 1.0, and a datasets that imports with it).
-HUB_STACK = ["huggingface-hub==0.36.0", "datasets==3.6.0", "dill==0.3.8", "multiprocess==0.70.16",
-             "fsspec==2025.3.0"]
+HUB_STACK = ["huggingface-hub==0.36.0", "datasets==3.6.0", "dill==0.3.8", "multiprocess==0.70.16", "fsspec==2025.3.0"]
 
 # packages: the pins of the side environment ([]: the main environment's current releases, the clean
 # twins); expect: (code, severity, step, text in the message); absent: (code, severity) that must not appear.
@@ -39,33 +38,63 @@ CASES = {
     # Trainer before 4.46 averages each micro-batch's loss, then the micro-batches: rows with fewer
     # trained tokens weigh more than under one big batch (huggingface/trl#2175; fixed in 4.46).
     "ga-4.45": {
-        "packages": ["transformers==4.45.2", "tokenizers==0.20.3"], "trainer": "trainer", "model": "llama",
-        "expect": [("LOOP-13", "fail", 1, "")], "absent": []},
+        "packages": ["transformers==4.45.2", "tokenizers==0.20.3"],
+        "trainer": "trainer",
+        "model": "llama",
+        "expect": [("LOOP-13", "fail", 1, "")],
+        "absent": [],
+    },
     # TRL 0.16.1 renders `messages` with the template (which writes BOS), then tokenizes the text with
     # the tokenizer's special tokens (which prepends BOS again): two BOS (huggingface/trl#3328).
     "double-bos-trl-0.16.1": {
-        "packages": ["trl==0.16.1", "transformers==4.50.3", "tokenizers==0.21.1"], "trainer": "trl",
-        "model": "llama", "data": "messages",
-        "expect": [("LOOP-02", "fail", 1, "two BOS")], "absent": [("LOOP-16", "fail")]},
+        "packages": ["trl==0.16.1", "transformers==4.50.3", "tokenizers==0.21.1"],
+        "trainer": "trl",
+        "model": "llama",
+        "data": "messages",
+        "expect": [("LOOP-02", "fail", 1, "two BOS")],
+        "absent": [("LOOP-16", "fail")],
+    },
     # 4.47.1 with a model whose forward takes no **kwargs (GPT-2) under gradient accumulation: the
     # logged loss is the accumulation steps (4) x the loss trained. The finding must name that scale.
     "ga-logged-4.47.1-gpt2": {
-        "packages": ["transformers==4.47.1", "tokenizers==0.21.0"], "trainer": "trainer", "model": "gpt2",
-        "expect": [("LOOP-13", "fail", 1, "x the trained loss")], "absent": []},
+        "packages": ["transformers==4.47.1", "tokenizers==0.21.0"],
+        "trainer": "trainer",
+        "model": "gpt2",
+        "expect": [("LOOP-13", "fail", 1, "x the trained loss")],
+        "absent": [],
+    },
     # Not version-bound: any TRL given a `text` column rendered by the template adds BOS again.
     "double-bos-text-trl-current": {
-        "packages": [], "trainer": "trl", "model": "llama", "data": "text",
-        "expect": [("LOOP-02", "fail", 1, "two BOS")], "absent": [("LOOP-16", "fail")]},
+        "packages": [],
+        "trainer": "trl",
+        "model": "llama",
+        "data": "text",
+        "expect": [("LOOP-02", "fail", 1, "two BOS")],
+        "absent": [("LOOP-16", "fail")],
+    },
     # The clean twins on current releases: the same runs, bugs fixed upstream, must stay silent.
     "clean-ga-current": {
-        "packages": [], "trainer": "trainer", "model": "llama",
-        "expect": [], "absent": [("LOOP-13", "fail"), ("LOOP-13", "warn")]},
+        "packages": [],
+        "trainer": "trainer",
+        "model": "llama",
+        "expect": [],
+        "absent": [("LOOP-13", "fail"), ("LOOP-13", "warn")],
+    },
     "clean-ga-gpt2-current": {
-        "packages": [], "trainer": "trainer", "model": "gpt2",
-        "expect": [], "absent": [("LOOP-13", "fail"), ("LOOP-13", "warn")]},
+        "packages": [],
+        "trainer": "trainer",
+        "model": "gpt2",
+        "expect": [],
+        "absent": [("LOOP-13", "fail"), ("LOOP-13", "warn")],
+    },
     "clean-messages-trl-current": {
-        "packages": [], "trainer": "trl", "model": "llama", "data": "messages",
-        "expect": [], "absent": [("LOOP-02", "fail"), ("LOOP-16", "fail")]},
+        "packages": [],
+        "trainer": "trl",
+        "model": "llama",
+        "data": "messages",
+        "expect": [],
+        "absent": [("LOOP-02", "fail"), ("LOOP-16", "fail")],
+    },
 }
 
 STEPS = 8
@@ -86,8 +115,12 @@ def child(case: str, run_dir: Path) -> None:
     from sftaudit.hf import SFTAuditCallback
 
     spec = CASES[case]
-    versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                "accelerate": accelerate.__version__, "torch": torch.__version__}
+    versions = {
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "accelerate": accelerate.__version__,
+        "torch": torch.__version__,
+    }
     if spec["trainer"] == "trl":
         import trl
 
@@ -99,17 +132,35 @@ def child(case: str, run_dir: Path) -> None:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=-(-len(tokenizer) // 8) * 8, n_positions=512, n_embd=64,
-                                           n_layer=2, n_head=4, bos_token_id=tokenizer.bos_token_id,
-                                           eos_token_id=tokenizer.eos_token_id,
-                                           pad_token_id=tokenizer.pad_token_id))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=-(-len(tokenizer) // 8) * 8,
+                n_positions=512,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
     else:
         model = build_model(tokenizer)
     rows = load_dataset()[: STEPS * GRAD_ACCUM * MICRO_BATCH]
-    common = {"output_dir": str(run_dir), "max_steps": STEPS, "per_device_train_batch_size": MICRO_BATCH,
-              "gradient_accumulation_steps": GRAD_ACCUM, "learning_rate": 3e-3, "logging_steps": 1,
-              "save_strategy": "no", "report_to": [], "use_cpu": True, "seed": 0, "dataloader_num_workers": 0,
-              "disable_tqdm": True}
+    common = {
+        "output_dir": str(run_dir),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": MICRO_BATCH,
+        "gradient_accumulation_steps": GRAD_ACCUM,
+        "learning_rate": 3e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
     callback = SFTAuditCallback(run_dir, dataset=rows)
     if spec["trainer"] == "trl":
         from datasets import Dataset
@@ -117,26 +168,53 @@ def child(case: str, run_dir: Path) -> None:
 
         # The dataset as a TRL user passes it: conversations, or text already rendered by the template;
         # TRL tokenizes (and renders) it itself.
-        dataset = Dataset.from_list([{"messages": r["messages"]} if spec["data"] == "messages" else
-                                     {"text": tokenizer.apply_chat_template(r["messages"], tokenize=False)}
-                                     for r in rows])
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common, max_length=128), train_dataset=dataset,
-                             processing_class=tokenizer, callbacks=[callback])
+        dataset = Dataset.from_list(
+            [
+                {"messages": r["messages"]}
+                if spec["data"] == "messages"
+                else {"text": tokenizer.apply_chat_template(r["messages"], tokenize=False)}
+                for r in rows
+            ]
+        )
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, max_length=128),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
     else:
         # The fixture's completion-only collator (template BOS only); the bug is the Trainer's loss.
         # The Trainer took the tokenizer as `tokenizer` before 4.46, as `processing_class` since.
-        tokenizer_arg = "processing_class" if "processing_class" in inspect.signature(Trainer).parameters \
-            else "tokenizer"
-        trainer = Trainer(model=model, args=TrainingArguments(**common, remove_unused_columns=False),
-                          train_dataset=rows, data_collator=lambda feats: collate(tokenizer, feats, 128),
-                          callbacks=[callback], **{tokenizer_arg: tokenizer})
+        tokenizer_arg = (
+            "processing_class" if "processing_class" in inspect.signature(Trainer).parameters else "tokenizer"
+        )
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common, remove_unused_columns=False),
+            train_dataset=rows,
+            data_collator=lambda feats: collate(tokenizer, feats, 128),
+            callbacks=[callback],
+            **{tokenizer_arg: tokenizer},
+        )
     trainer.train()
 
 
 # --------------------------------------------------------------------------- parent
 def side_env(packages: list[str], target: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check",
-           "--target", str(target), *packages, *HUB_STACK]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--target",
+        str(target),
+        *packages,
+        *HUB_STACK,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise RuntimeError("pip: " + (proc.stderr.strip().splitlines() or ["failed"])[-1])
@@ -144,15 +222,21 @@ def side_env(packages: list[str], target: Path) -> None:
 
 def run_case(name: str) -> str:
     spec = CASES[name]
-    expected = ", ".join(f"{c} {s} at step {st}" + (f" saying '{say}'" if say else "")
-                         for c, s, st, say in spec["expect"])
+    expected = ", ".join(
+        f"{c} {s} at step {st}" + (f" saying '{say}'" if say else "") for c, s, st, say in spec["expect"]
+    )
     expected = "; ".join([expected] * bool(expected) + [f"no {c} {s}" for c, s in spec["absent"]])
     tmp = Path(tempfile.mkdtemp(prefix="sftaudit-released-"))
     started = time.perf_counter()
     try:
         env_dir, run_dir = tmp / "env", tmp / "run"
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        }
         env.pop("PYTHONPATH", None)
         if spec["packages"]:
             try:
@@ -160,10 +244,18 @@ def run_case(name: str) -> str:
             except Exception as exc:  # noqa: BLE001 - one case's environment must not stop the others
                 return f"{name} | could not build its environment: {exc} | expected {expected} | SKIP"
             env["PYTHONPATH"] = str(env_dir)
-        proc = subprocess.run([sys.executable, __file__, "--child", name, str(run_dir)], env=env,
-                              capture_output=True, text=True, timeout=600, check=False)
-        versions = next((json.loads(line[len("VERSIONS "):]) for line in proc.stdout.splitlines()
-                         if line.startswith("VERSIONS ")), {})
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", name, str(run_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        versions = next(
+            (json.loads(line[len("VERSIONS ") :]) for line in proc.stdout.splitlines() if line.startswith("VERSIONS ")),
+            {},
+        )
         shown = " ".join(f"{k} {v}" for k, v in versions.items()) or "not imported"
         pinned = {p.split("==")[0]: p.split("==")[1] for p in spec["packages"]}
         wrong = {k: v for k, v in versions.items() if k in pinned and pinned[k] != v}
@@ -180,8 +272,9 @@ def run_case(name: str) -> str:
         said, ok = [], True
         for code, severity, step, says in spec["expect"]:
             hits = [f for f in findings if f["code"] == code]
-            said += [f"{f['code']} {f['severity']} step {f['step']}: {f['message'].split(' (')[0]}"
-                     for f in hits] or [f"no {code} finding"]
+            said += [f"{f['code']} {f['severity']} step {f['step']}: {f['message'].split(' (')[0]}" for f in hits] or [
+                f"no {code} finding"
+            ]
             ok &= any(f["severity"] == severity and f["step"] == step and says in f["message"] for f in hits)
         # Silence proves nothing from a check that did not run on this run's evidence.
         status = {c["code"]: (c["status"], c["reason"]) for c in verdict["checks"]}
@@ -193,8 +286,10 @@ def run_case(name: str) -> str:
                 said.append(f"{code} {ran}" + (f": {reason}" if reason else ""))
             ok &= not bad and ran == "ran"
         seconds = time.perf_counter() - started
-        return (f"{name} | {shown} | expected {expected} | audit: {'; '.join(said)} "
-                f"(verdict {verdict['verdict']}) | {'PASS' if ok else 'MISS'} | {seconds:.0f} s")
+        return (
+            f"{name} | {shown} | expected {expected} | audit: {'; '.join(said)} "
+            f"(verdict {verdict['verdict']}) | {'PASS' if ok else 'MISS'} | {seconds:.0f} s"
+        )
     except subprocess.TimeoutExpired:
         return f"{name} | timed out | expected {expected} | SKIP"
     finally:

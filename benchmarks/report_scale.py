@@ -30,8 +30,15 @@ from sftaudit.audit import audit, stored_verdict  # noqa: E402
 from sftaudit.report import write_report  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, float, float, float, float]]]:
@@ -55,10 +62,16 @@ def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, fl
                 page.wait_for_selector("body[data-first-chart]", timeout=120_000)
                 metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
                 page.wait_for_selector("body[data-open-ready]", timeout=120_000)
-                ready, chart, parsed = (float(page.locator("body").get_attribute(a)) / 1000
-                                        for a in ("data-open-ready", "data-first-chart", "data-plotly-ready"))
-                paint = page.evaluate(
-                    "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: NaN}).startTime") / 1000
+                ready, chart, parsed = (
+                    float(page.locator("body").get_attribute(a)) / 1000
+                    for a in ("data-open-ready", "data-first-chart", "data-plotly-ready")
+                )
+                paint = (
+                    page.evaluate(
+                        "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: NaN}).startTime"
+                    )
+                    / 1000
+                )
                 out[path].append((paint, ready, chart, parsed, metrics.get("ThreadTime", float("nan"))))
                 page.close()
         browser.close()
@@ -68,10 +81,14 @@ def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, fl
 def plotly_floor(folder: Path, name: str, bundle: str) -> Path:
     path = folder / f"{name}-only.html"
     stamp = "String(performance.now())"
-    path.write_text("<!doctype html><meta charset='utf-8'><p>plotly.js only</p><script>" + bundle
-                    + f"</script><script>document.body.setAttribute('data-open-ready', {stamp});"
-                    + f"document.body.setAttribute('data-first-chart', {stamp});"
-                    + f"document.body.setAttribute('data-plotly-ready', {stamp})</script>", encoding="utf-8")
+    path.write_text(
+        "<!doctype html><meta charset='utf-8'><p>plotly.js only</p><script>"
+        + bundle
+        + f"</script><script>document.body.setAttribute('data-open-ready', {stamp});"
+        + f"document.body.setAttribute('data-first-chart', {stamp});"
+        + f"document.body.setAttribute('data-plotly-ready', {stamp})</script>",
+        encoding="utf-8",
+    )
     return path
 
 
@@ -112,8 +129,10 @@ def main() -> None:
         floor = statistics.median(t[1] for t in times[floor_page])
         full = statistics.median(t[1] for t in times[full_page])
 
-        print(f"run: {args.steps} steps x {args.tensors} tensors, verdict {verdict['verdict']}, "
-              f"{len(verdict['findings'])} findings")
+        print(
+            f"run: {args.steps} steps x {args.tensors} tensors, verdict {verdict['verdict']}, "
+            f"{len(verdict['findings'])} findings"
+        )
         print(f"write synthetic run  {t1 - t0:7.1f} s")
         print(f"ingest + audit       {t2 - t1:7.1f} s")
         print(f"render report        {t3 - t2:7.1f} s")
@@ -126,7 +145,9 @@ def main() -> None:
         print(f"plotly.js-only page  {floor:7.2f} s  (the cartesian bundle the report inlines: its floor)")
         print(f"  main-thread CPU    {floor_cpu:7.2f} s")
         print(f"full plotly.js page  {full:7.2f} s  (the full bundle, for comparison)")
-        print(f"load average         {os.getloadavg()[0]:7.1f}    on {os.cpu_count()} cores (shared machines time slower)")
+        print(
+            f"load average         {os.getloadavg()[0]:7.1f}    on {os.cpu_count()} cores (shared machines time slower)"
+        )
 
 
 if __name__ == "__main__":

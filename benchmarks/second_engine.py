@@ -27,15 +27,16 @@ import polars as pl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sftaudit import engines
-from tests.series_data import noisy_norms, write_manifest, write_parts
+from sftaudit import engines  # noqa: E402
+from tests.series_data import noisy_norms, write_manifest, write_parts  # noqa: E402
 
 
 def build(run: Path, steps: int, tensors: int, ranks: int) -> tuple[int, int, int]:
     """The test run; returns the planted spike (rank, idx, step)."""
     rng = np.random.default_rng(0)
-    names = [f"model.layers.{i // 7}.{['q', 'k', 'v', 'o', 'gate', 'up', 'down'][i % 7]}_proj.weight"
-             for i in range(tensors)]
+    names = [
+        f"model.layers.{i // 7}.{['q', 'k', 'v', 'o', 'gate', 'up', 'down'][i % 7]}_proj.weight" for i in range(tensors)
+    ]
     spike = (ranks - 1, tensors * 3 // 8, steps * 61 // 100 + 7)
     resume = steps * 6 // 10  # rank 0: segment 0 ran 500 steps past its last checkpoint at `resume`
     for rank in range(ranks):
@@ -50,7 +51,7 @@ def build(run: Path, steps: int, tensors: int, ranks: int) -> tuple[int, int, in
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def spark_session(master: str):
@@ -59,10 +60,14 @@ def spark_session(master: str):
     except ImportError:
         return None
     warnings.filterwarnings("ignore", module="pyspark")
-    spark = (SparkSession.builder.master(master).appName("sftaudit-second-engine")
-             .config("spark.ui.enabled", "false").config("spark.driver.memory", "3g")
-             .config("spark.sql.shuffle.partitions", "8")  # the default 200 is for clusters
-             .getOrCreate())
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("sftaudit-second-engine")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "3g")
+        .config("spark.sql.shuffle.partitions", "8")  # the default 200 is for clusters
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -74,8 +79,11 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=100)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--spark-master", default="local[2]")
-    parser.add_argument("--engines", default="duckdb,polars,spark",
-                        help="comma-separated; DuckDB always runs (the others are compared with it)")
+    parser.add_argument(
+        "--engines",
+        default="duckdb,polars,spark",
+        help="comma-separated; DuckDB always runs (the others are compared with it)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run, spike = args.run, None
@@ -83,8 +91,10 @@ def main() -> int:
             run = Path(tmp) / "run"
             t0 = time.perf_counter()
             spike = build(run, args.steps, args.tensors, args.ranks)
-            print(f"wrote {args.steps:,} steps x {args.tensors} tensors x {args.ranks} ranks in "
-                  f"{time.perf_counter() - t0:.1f} s")
+            print(
+                f"wrote {args.steps:,} steps x {args.tensors} tensors x {args.ranks} ranks in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         parts = engines.series_files(run)
         size = sum(Path(p).stat().st_size for p in parts)
         values = pl.scan_parquet(parts).select(pl.len()).collect().item()
@@ -104,15 +114,20 @@ def main() -> int:
         t0 = time.perf_counter()
         spark = spark_session(args.spark_master) if "spark" in wanted else None
         if spark is None:
-            print("spark: skipped (" + ("not in --engines" if "spark" not in wanted
-                                        else "pyspark is not installed: pip install pyspark") + ")")
+            print(
+                "spark: skipped ("
+                + ("not in --engines" if "spark" not in wanted else "pyspark is not installed: pip install pyspark")
+                + ")"
+            )
         else:
             started = time.perf_counter() - t0
             t0 = time.perf_counter()
             results["spark"] = engines.spark_statistic(str(engines.series_root(run)), spark)
             times["spark"] = time.perf_counter() - t0
-            print(f"spark {spark.version} {args.spark_master}: {times['spark']:.1f} s "
-                  f"(+ {started:.1f} s to start the session; JVM memory not in the RSS above)")
+            print(
+                f"spark {spark.version} {args.spark_master}: {times['spark']:.1f} s "
+                f"(+ {started:.1f} s to start the session; JVM memory not in the RSS above)"
+            )
             spark.stop()
 
         ok = True
@@ -121,14 +136,22 @@ def main() -> int:
                 continue
             problems = engines.disagreement(results["duckdb"], frame)
             ok &= not problems
-            print(f"duckdb vs {name}: " + ("equal (integers exactly, max_z within 1e-9 relative; largest relative "
-                                           f"difference {max_relative(results['duckdb'], frame):.1e})"
-                                           if not problems else "DIFFER: " + "; ".join(problems)))
+            print(
+                f"duckdb vs {name}: "
+                + (
+                    "equal (integers exactly, max_z within 1e-9 relative; largest relative "
+                    f"difference {max_relative(results['duckdb'], frame):.1e})"
+                    if not problems
+                    else "DIFFER: " + "; ".join(problems)
+                )
+            )
         flagged = engines.with_names(results["duckdb"], run).filter(pl.col("flagged") > 0)
         print(f"flagged tensors: {flagged.height}")
         for row in flagged.head(10).iter_rows(named=True):
-            print(f"  rank {row['rank']} {row['tensor']}: first flagged step {row['first_flagged_step']}, "
-                  f"max z {row['max_z']:.1f} at step {row['max_z_step']}")
+            print(
+                f"  rank {row['rank']} {row['tensor']}: first flagged step {row['first_flagged_step']}, "
+                f"max z {row['max_z']:.1f} at step {row['max_z_step']}"
+            )
         if spike is not None:
             found = [(r["rank"], r["idx"], r["first_flagged_step"]) for r in flagged.iter_rows(named=True)]
             print(f"planted spike {spike}: {'found' if found == [spike] else 'MISSED'} (flagged: {found[:5]})")

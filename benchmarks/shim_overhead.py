@@ -43,9 +43,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ab_stats import median_ci, next_step, rep_ratios, step_classes  # benchmarks/ is on the path
-
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset, load_eval_set
 from sftaudit.fixtures.train import PROBE_PROMPTS
+
 from sftaudit.shim import PROFILES, Recorder
 
 DEFAULT_PROFILE = inspect.signature(Recorder).parameters["profile"].default
@@ -82,15 +82,30 @@ class SftauditArm(Arm):
         self.profile = profile
         self.name = f"sftaudit {profile}" + (" (default)" if profile == DEFAULT_PROFILE else "")
         s = PROFILES[profile]
-        self.intervals = {"samples": s.samples_every, "histograms": s.grad_hist_every, "probes": s.probe_every,
-                          "generations": s.generate_every if s.generations_per_prompt else 0, "evals": s.eval_every}
+        self.intervals = {
+            "samples": s.samples_every,
+            "histograms": s.grad_hist_every,
+            "probes": s.probe_every,
+            "generations": s.generate_every if s.generations_per_prompt else 0,
+            "evals": s.eval_every,
+        }
 
     def open(self, model, opt, tokenizer, rows, folder):
-        self.rec = Recorder(folder, model, tokenizer, profile=self.profile, probe_prompts=PROBE_PROMPTS,
-                            eval_set=load_eval_set(), dataset=rows, optimizer=opt)
+        self.rec = Recorder(
+            folder,
+            model,
+            tokenizer,
+            profile=self.profile,
+            probe_prompts=PROBE_PROMPTS,
+            eval_set=load_eval_set(),
+            dataset=rows,
+            optimizer=opt,
+        )
         # The Recorder's forward hook runs inside forward: timed by a hook just before it and one after.
-        self._timers = [model.register_forward_hook(self._forward_started, prepend=True),
-                        model.register_forward_hook(self._forward_hooked)]
+        self._timers = [
+            model.register_forward_hook(self._forward_started, prepend=True),
+            model.register_forward_hook(self._forward_hooked),
+        ]
         self._forward_end = None
         self.active = False  # within a B block: the timers run in A blocks too, and count nothing there
 
@@ -181,8 +196,12 @@ class WandbArm(NormsArm):
         self.run.unwatch(self.model)
 
     def on_backward(self, step, loss):
-        self._row = self.timed(lambda: {"train/loss": loss.item(),
-                                        **{f"grad_norm/{name}": n for (name, _), n in zip(self.named, self.norms())}})
+        self._row = self.timed(
+            lambda: {
+                "train/loss": loss.item(),
+                **{f"grad_norm/{name}": n for (name, _), n in zip(self.named, self.norms())},
+            }
+        )
 
     def on_step_end(self, step, lr):
         self.timed(self.run.log, {**self._row, "train/lr": lr})  # commits the step's row (with watch's histograms)
@@ -210,10 +229,16 @@ def build_model(tokenizer, args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
-        intermediate_size=args.intermediate, max_position_embeddings=max(512, args.seq),
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=-(-len(tokenizer) // 8) * 8,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=max(512, args.seq),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -227,11 +252,16 @@ def make_batches(tokenizer, rows: list[dict], batch: int, seq: int, count: int =
     """`count` batches of `batch` rows padded to `seq` tokens (padding="max_length"): every step does the same work."""
     out = []
     for i in range(count):
-        b = collate(tokenizer, rows[i * batch:(i + 1) * batch], max_length=seq)
+        b = collate(tokenizer, rows[i * batch : (i + 1) * batch], max_length=seq)
         pad = (0, seq - b["input_ids"].shape[1])
-        out.append({"input_ids": F.pad(b["input_ids"], pad, value=tokenizer.pad_token_id),
-                    "attention_mask": F.pad(b["attention_mask"], pad, value=0),
-                    "labels": F.pad(b["labels"], pad, value=-100), "sample_ids": b["sample_ids"]})
+        out.append(
+            {
+                "input_ids": F.pad(b["input_ids"], pad, value=tokenizer.pad_token_id),
+                "attention_mask": F.pad(b["attention_mask"], pad, value=0),
+                "labels": F.pad(b["labels"], pad, value=-100),
+                "sample_ids": b["sample_ids"],
+            }
+        )
     return out
 
 
@@ -269,7 +299,9 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
     with tempfile.TemporaryDirectory() as folder:
         arm.open(model, opt, tokenizer, rows, folder)
         for rep in range(-args.warmup_reps, args.reps):
-            plan = [(step := next_step(arm.intervals, step, base_class), base_class) for _ in range(1 + args.base_steps)]
+            plan = [
+                (step := next_step(arm.intervals, step, base_class), base_class) for _ in range(1 + args.base_steps)
+            ]
             plan += [(step := next_step(arm.intervals, step, cls), cls) for cls in classes]
             for kind in rng.permutation(["A", "B"]):
                 if kind == "A":
@@ -285,9 +317,9 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
                     hook.append(arm.hook_s)
                 arm.end_block()
                 if rep >= 0:
-                    b_base.append(times[1:1 + args.base_steps])
-                    b_events.append(times[1 + args.base_steps:])
-                    hooks.extend(hook[1:1 + args.base_steps])
+                    b_base.append(times[1 : 1 + args.base_steps])
+                    b_events.append(times[1 + args.base_steps :])
+                    hooks.extend(hook[1 : 1 + args.base_steps])
         arm.close()
     a, b_base, b_events, hooks = np.array(a), np.array(b_base), np.array(b_events), 1000 * np.array(hooks)
     out = {"hooks_cpu_ms": np.percentile(hooks[:, 1], [50, 10, 90]), "hooks_wall_ms": float(np.median(hooks[:, 0]))}
@@ -295,11 +327,15 @@ def measure(arm: Arm, tokenizer, rows, batches: list[dict], args, rng: np.random
         ta, tb, te = a[..., clock], b_base[..., clock], b_events[..., clock]
         r = rep_ratios(ta, tb, te, np.array([shares[c] for c in classes]))
         out[name] = {
-            "a_ms": 1000 * np.median(ta.mean(axis=1)), "b_ms": 1000 * np.median(tb.mean(axis=1)),
-            "per_step": median_ci(r["per_step"]), "probe_share": float(np.median(r["probe_share"])),
+            "a_ms": 1000 * np.median(ta.mean(axis=1)),
+            "b_ms": 1000 * np.median(tb.mean(axis=1)),
+            "per_step": median_ci(r["per_step"]),
+            "probe_share": float(np.median(r["probe_share"])),
             "amortised": median_ci(r["amortised"]),
-            "classes": [("+".join(sorted(c)), shares[c], 1000 * float(np.median(te[:, j] - tb.mean(axis=1))))
-                        for j, c in enumerate(classes)],
+            "classes": [
+                ("+".join(sorted(c)), shares[c], 1000 * float(np.median(te[:, j] - tb.mean(axis=1))))
+                for j, c in enumerate(classes)
+            ],
         }
     return out
 
@@ -330,8 +366,12 @@ def versions() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", nargs="+", help=f"profiles ({', '.join(PROFILES)}), tensorboard, wandb (default: all; "
-                                            f"--quick: {DEFAULT_PROFILE}, tensorboard, wandb)")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        help=f"profiles ({', '.join(PROFILES)}), tensorboard, wandb (default: all; "
+        f"--quick: {DEFAULT_PROFILE}, tensorboard, wandb)",
+    )
     p.add_argument("--reps", type=int, default=9, help="A/B repetitions per arm (after the warmup)")
     p.add_argument("--warmup-reps", type=int, default=1, help="repetitions run first and left out")
     p.add_argument("--base-steps", type=int, default=4, help="timed ordinary steps per block")
@@ -342,12 +382,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="the A/B order within each pair")
-    p.add_argument("--quick", action="store_true", help="smoke run: default profile, tensorboard, wandb; 3 reps, 2 steps")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: default profile, tensorboard, wandb; 3 reps, 2 steps"
+    )
     args = p.parse_args()
     started = time.time()
     if args.quick:
         args.reps, args.base_steps = 3, 2
-    args.arms = args.arms or ([DEFAULT_PROFILE, "tensorboard", "wandb"] if args.quick else [*PROFILES, "tensorboard", "wandb"])
+    args.arms = args.arms or (
+        [DEFAULT_PROFILE, "tensorboard", "wandb"] if args.quick else [*PROFILES, "tensorboard", "wandb"]
+    )
     torch.set_num_threads(args.threads)
     tokenizer = build_tokenizer()
     rows = load_dataset()
@@ -355,25 +399,39 @@ def main() -> None:
     model = build_model(tokenizer, args)
     params = list(model.parameters())
     c = model.config
-    print(f"sftaudit shim overhead, interleaved A/B ({'--quick smoke run: too few repetitions to be evidence' if args.quick else 'benchmarks/shim_overhead.py'})")
-    print(f"model: LlamaForCausalLM from a config: hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
-          f"{c.num_attention_heads} heads ({c.num_key_value_heads} kv), intermediate {c.intermediate_size}, "
-          f"vocab {c.vocab_size}: {sum(x.numel() for x in params) / 1e6:.1f}M parameters in {len(params)} tensors; AdamW")
-    print(f"step: {args.batch} x {args.seq} tokens (rows padded to {args.seq}); torch threads {args.threads} "
-          f"(torch.set_num_threads) on {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at start")
+    print(
+        f"sftaudit shim overhead, interleaved A/B ({'--quick smoke run: too few repetitions to be evidence' if args.quick else 'benchmarks/shim_overhead.py'})"
+    )
+    print(
+        f"model: LlamaForCausalLM from a config: hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+        f"{c.num_attention_heads} heads ({c.num_key_value_heads} kv), intermediate {c.intermediate_size}, "
+        f"vocab {c.vocab_size}: {sum(x.numel() for x in params) / 1e6:.1f}M parameters in {len(params)} tensors; AdamW"
+    )
+    print(
+        f"step: {args.batch} x {args.seq} tokens (rows padded to {args.seq}); torch threads {args.threads} "
+        f"(torch.set_num_threads) on {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at start"
+    )
     print(f"versions: {versions()}")
-    print(f"protocol: per arm {args.warmup_reps} warmup + {args.reps} repetitions of an A and a B block in random order; "
-          f"a block = 1 settling step + {args.base_steps} ordinary steps + 1 step of each rarer kind (B; A as many bare)")
-    print(f"TensorBoard, W&B: per-tensor gradient norms every step, histograms every {HIST_EVERY} steps "
-          f"(the {DEFAULT_PROFILE} profile's grad_hist_every); W&B watch(log=\"all\") also histograms the weights")
-    print(f"the per-tensor norm pass alone (one torch._foreach_norm over the gradients, as every arm computes it): "
-          f"{norm_pass_ms(model, batches[0]):.2f} ms CPU; part of each arm's hooks")
+    print(
+        f"protocol: per arm {args.warmup_reps} warmup + {args.reps} repetitions of an A and a B block in random order; "
+        f"a block = 1 settling step + {args.base_steps} ordinary steps + 1 step of each rarer kind (B; A as many bare)"
+    )
+    print(
+        f"TensorBoard, W&B: per-tensor gradient norms every step, histograms every {HIST_EVERY} steps "
+        f'(the {DEFAULT_PROFILE} profile\'s grad_hist_every); W&B watch(log="all") also histograms the weights'
+    )
+    print(
+        f"the per-tensor norm pass alone (one torch._foreach_norm over the gradients, as every arm computes it): "
+        f"{norm_pass_ms(model, batches[0]):.2f} ms CPU; part of each arm's hooks"
+    )
     print()
     rng = np.random.default_rng(args.seed)
     results = []
     print("wall time")
-    print(f"{'arm':<26} {'A ms':>7} {'B ms':>7}  {'per step [95% CI]':<24} {'probes':>7}  "
-          f"{'amortised [95% CI]':<24} hooks ms/step: CPU (p10-p90), wall")
+    print(
+        f"{'arm':<26} {'A ms':>7} {'B ms':>7}  {'per step [95% CI]':<24} {'probes':>7}  "
+        f"{'amortised [95% CI]':<24} hooks ms/step: CPU (p10-p90), wall"
+    )
     for name in args.arms:
         arm = make_arm(name)
         if arm is None:
@@ -387,20 +445,28 @@ def main() -> None:
         print(row(arm.name, r["cpu"]))
     print("\nrarer steps, wall: each kind's share of steps and its median excess over the arm's ordinary B step")
     for arm, r in results:
-        parts = [f"{cls} {Fraction(share).limit_denominator(10_000)}: {ms:+.0f} ms" for cls, share, ms in r["wall"]["classes"]]
+        parts = [
+            f"{cls} {Fraction(share).limit_denominator(10_000)}: {ms:+.0f} ms"
+            for cls, share, ms in r["wall"]["classes"]
+        ]
         print(f"  {arm.name:<24} {'; '.join(parts)}")
     for arm, r in results:
         if isinstance(arm, SftauditArm) and arm.profile == DEFAULT_PROFILE:
             hi, cpu_hi, hooks = r["wall"]["amortised"][2], r["cpu"]["amortised"][2], r["hooks_cpu_ms"][0]
-            print(f"\ngoal, {arm.name}: amortised upper bound {hi:.3f}x (CPU time {cpu_hi:.3f}x) vs 1.030x: "
-                  f"{'met' if hi <= 1.03 else 'missed'}; hooks {hooks:.2f} ms/step (CPU) vs 1 ms: {'met' if hooks <= 1 else 'missed'}")
+            print(
+                f"\ngoal, {arm.name}: amortised upper bound {hi:.3f}x (CPU time {cpu_hi:.3f}x) vs 1.030x: "
+                f"{'met' if hi <= 1.03 else 'missed'}; hooks {hooks:.2f} ms/step (CPU) vs 1 ms: {'met' if hooks <= 1 else 'missed'}"
+            )
     print(f"\n{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def row(name: str, r: dict) -> str:
     (pm, plo, phi), (am, alo, ahi) = r["per_step"], r["amortised"]
-    return (f"{name:<26} {r['a_ms']:>7.1f} {r['b_ms']:>7.1f}  {pm:.3f}x [{plo:.3f}, {phi:.3f}]{'':<4} "
-            f"{r['probe_share']:>+7.2%}  {am:.3f}x [{alo:.3f}, {ahi:.3f}]{'':<4}")
+    return (
+        f"{name:<26} {r['a_ms']:>7.1f} {r['b_ms']:>7.1f}  {pm:.3f}x [{plo:.3f}, {phi:.3f}]{'':<4} "
+        f"{r['probe_share']:>+7.2%}  {am:.3f}x [{alo:.3f}, {ahi:.3f}]{'':<4}"
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

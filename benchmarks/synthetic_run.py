@@ -23,16 +23,27 @@ from sftaudit.shim.writer import JsonlWriter
 def default_anomalies(steps: int, tensors: int) -> dict:
     """Planted at fixed fractions of the run (for 100,000 steps: 60,000 / 20,096 every 128 / 30,000 / 90,000)."""
     return {
-        "grad_scale": {"step": steps * 6 // 10, "tensor": min(37, tensors - 2), "factor": 100.0},   # LOOP-05 fail
-        "periodic_spike": {"start": steps // 5 + 96, "every": 128, "factor": 30.0},               # LOOP-05 warn, lm_head
-        "loss_spike": {"step": steps * 3 // 10, "steps": 2},                                      # LOOP-10 warn
-        "lr_jump": {"step": steps * 9 // 10, "factor": 100.0},                                    # LOOP-10 warn + fail
-        "stale": {"step": steps * 7 // 10, "tensors": [min(60, tensors - 3) + i for i in range(3)], "steps": 3},  # LOOP-15
+        "grad_scale": {"step": steps * 6 // 10, "tensor": min(37, tensors - 2), "factor": 100.0},  # LOOP-05 fail
+        "periodic_spike": {"start": steps // 5 + 96, "every": 128, "factor": 30.0},  # LOOP-05 warn, lm_head
+        "loss_spike": {"step": steps * 3 // 10, "steps": 2},  # LOOP-10 warn
+        "lr_jump": {"step": steps * 9 // 10, "factor": 100.0},  # LOOP-10 warn + fail
+        "stale": {
+            "step": steps * 7 // 10,
+            "tensors": [min(60, tensors - 3) + i for i in range(3)],
+            "steps": 3,
+        },  # LOOP-15
     }
 
 
-def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int = 200, seed: int = 0,
-                        anomalies: dict | None = None, schema_version: int = SCHEMA_VERSION, block: int = 10_000) -> dict:
+def write_synthetic_run(
+    run_dir: str | Path,
+    steps: int = 100_000,
+    tensors: int = 200,
+    seed: int = 0,
+    anomalies: dict | None = None,
+    schema_version: int = SCHEMA_VERSION,
+    block: int = 10_000,
+) -> dict:
     """Write the artifacts; returns the anomalies planted (with defaults filled in). The norms are made
     `block` steps at a time, so a billion of them never sit in memory at once."""
     anomalies = default_anomalies(steps, tensors) if anomalies is None else anomalies
@@ -40,13 +51,32 @@ def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int 
     folder = rank_dir(run_dir, 0)
     folder.mkdir(parents=True, exist_ok=True)
     names = [f"model.layers.{i // 8}.block.{i % 8}.weight" for i in range(tensors - 1)] + ["lm_head.weight"]
-    params = [{"name": n, "shape": [64, 64], "dtype": "torch.bfloat16", "numel": 4096, "requires_grad": True} for n in names]
+    params = [
+        {"name": n, "shape": [64, 64], "dtype": "torch.bfloat16", "numel": 4096, "requires_grad": True} for n in names
+    ]
     now = time.time()
-    manifest = {"schema_version": SCHEMA_VERSION, "run_id": Path(run_dir).name, "seg": 0, "rank": 0, "world_size": 1,
-                "profile": "prod", "schedule": {}, "started": now, "versions": {}, "instance_id": "synthetic",
-                "model": {"class": "Synthetic"}, "params": params, "tied": {}, "grad_norm_source": "pre_clip",
-                "tokenizer": None, "dataset": None, "probe_prompts": [], "eval_set": [], "config": {},
-                "param_norms": None}
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": Path(run_dir).name,
+        "seg": 0,
+        "rank": 0,
+        "world_size": 1,
+        "profile": "prod",
+        "schedule": {},
+        "started": now,
+        "versions": {},
+        "instance_id": "synthetic",
+        "model": {"class": "Synthetic"},
+        "params": params,
+        "tied": {},
+        "grad_norm_source": "pre_clip",
+        "tokenizer": None,
+        "dataset": None,
+        "probe_prompts": [],
+        "eval_set": [],
+        "config": {},
+        "param_norms": None,
+    }
 
     step = np.arange(1, steps + 1)
     warm = 500
@@ -55,11 +85,11 @@ def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int 
     scale = np.exp(rng.normal(-3, 1.0, tensors))  # tensors differ by orders of magnitude, as in a real model
     if "loss_spike" in anomalies:
         a = anomalies["loss_spike"]
-        loss[a["step"] - 1:a["step"] - 1 + a["steps"]] += 3.0
+        loss[a["step"] - 1 : a["step"] - 1 + a["steps"]] += 3.0
     if "lr_jump" in anomalies:
         a = anomalies["lr_jump"]
-        lr[a["step"] - 1:] *= a["factor"]
-        loss[a["step"]:] += np.linspace(2, 8, steps - a["step"])
+        lr[a["step"] - 1 :] *= a["factor"]
+        loss[a["step"] :] += np.linspace(2, 8, steps - a["step"])
 
     if schema_version == 1:
         folder.mkdir(parents=True, exist_ok=True)
@@ -78,12 +108,26 @@ def write_synthetic_run(run_dir: str | Path, steps: int = 100_000, tensors: int 
         previous = norms[-1]
         global_norm = np.sqrt((norms.astype(np.float64) ** 2).sum(axis=1))
         for i in range(lo, hi):
-            record = {"seg": 0, "step": int(step[i]), "time": now + i, "dt": 0.1, "loss": float(loss[i]),
-                      "lr": float(lr[i]), "grad_norm": float(global_norm[i - lo]), "grad_norms": norms[i - lo],
-                      "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096}
+            record = {
+                "seg": 0,
+                "step": int(step[i]),
+                "time": now + i,
+                "dt": 0.1,
+                "loss": float(loss[i]),
+                "lr": float(lr[i]),
+                "grad_norm": float(global_norm[i - lo]),
+                "grad_norms": norms[i - lo],
+                "nonfinite_grads": {},
+                "micro_batches": 1,
+                "tokens": 4096,
+            }
             if schema_version == 1:
-                out.write(json.dumps({**record, "grad_norms": norms[i - lo].astype(np.float64).tolist()},
-                                     separators=(",", ":")) + "\n")
+                out.write(
+                    json.dumps(
+                        {**record, "grad_norms": norms[i - lo].astype(np.float64).tolist()}, separators=(",", ":")
+                    )
+                    + "\n"
+                )
             else:
                 writer.write("steps", record)  # the recorder hands a list; an array of float32 reads the same
     if schema_version == 1:
@@ -120,7 +164,20 @@ def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed
     norms = np.exp(rng.normal(-3, 1.0, tensors)) * np.exp(0.15 * rng.standard_normal((steps, tensors)))
     norms = norms.astype(np.float32)
     for i in range(steps):
-        writer.write("steps", {"seg": 0, "step": after + i + 1, "time": time.time(), "dt": 0.1, "loss": 2.0,
-                               "lr": 3e-4, "grad_norm": float(np.sqrt((norms[i].astype(np.float64) ** 2).sum())),
-                               "grad_norms": norms[i], "nonfinite_grads": {}, "micro_batches": 1, "tokens": 4096})
+        writer.write(
+            "steps",
+            {
+                "seg": 0,
+                "step": after + i + 1,
+                "time": time.time(),
+                "dt": 0.1,
+                "loss": 2.0,
+                "lr": 3e-4,
+                "grad_norm": float(np.sqrt((norms[i].astype(np.float64) ** 2).sum())),
+                "grad_norms": norms[i],
+                "nonfinite_grads": {},
+                "micro_batches": 1,
+                "tokens": 4096,
+            },
+        )
     writer.close()

@@ -23,7 +23,7 @@ WRITER_DOCS = {
     SHIM: "the shim's `Recorder` (a plain loop, the Trainer callback, `sftaudit probe`)",
     IMPORT: "`sftaudit import` (a Trainer output trained without the shim)",
     DATASET: "the dataset path: `sftaudit preflight`, and `sftaudit import --data` for the batches, samples and "
-             "render failures",
+    "render failures",
 }
 
 LAYOUT = """The shim writes, the analyzer reads; nothing else couples them. This page is enough to
@@ -144,17 +144,28 @@ def _cell(text: str) -> str:
 
 def field_table(fields: tuple[Field, ...]) -> list[str]:
     lines = ["| field | type | required | written by | meaning |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{f.name}` | `{f.type}` | {'yes' if f.required else ''} | {', '.join(f.writers)} | {_cell(f.doc)} |"
-              for f in fields]
+    lines += [
+        f"| `{f.name}` | `{f.type}` | {'yes' if f.required else ''} | {', '.join(f.writers)} | {_cell(f.doc)} |"
+        for f in fields
+    ]
     return lines + [""]
 
 
 def page() -> str:
     names = [f"{kind}.jsonl" for kind in RECORDS]
-    files = "\n".join("      " + "  ".join(names[i:i + 5]) for i in range(0, len(names), 5))
-    lines = [GENERATED, "", f"# The sftaudit artifact format (schema version {SCHEMA_VERSION})", "",
-             LAYOUT.format(files=files).rstrip(), "",
-             "## Records", "", RECORDS_INTRO.rstrip(), ""]
+    files = "\n".join("      " + "  ".join(names[i : i + 5]) for i in range(0, len(names), 5))
+    lines = [
+        GENERATED,
+        "",
+        f"# The sftaudit artifact format (schema version {SCHEMA_VERSION})",
+        "",
+        LAYOUT.format(files=files).rstrip(),
+        "",
+        "## Records",
+        "",
+        RECORDS_INTRO.rstrip(),
+        "",
+    ]
     lines += [f"- `{w}`: {doc}" for w, doc in WRITER_DOCS.items()] + [""]
     lines += ["| file | one record per |", "| --- | --- |"]
     lines += [f"| [`{k.name}`](#{k.name}) | {_cell(k.per)} |" for k in RECORDS.values()] + [""]
@@ -175,8 +186,10 @@ def main() -> int:
     expected = page()
     if args.check:
         if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != expected:
-            print("docs/artifacts.md drifted from sftaudit/schema/records.py; run scripts/gen_artifact_docs.py",
-                  file=sys.stderr)
+            print(
+                "docs/artifacts.md drifted from sftaudit/schema/records.py; run scripts/gen_artifact_docs.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     PAGE.write_text(expected, encoding="utf-8")

@@ -41,22 +41,38 @@ def check_page(check) -> str:
         lines += [f"- {EVIDENCE[t]}" for t in check.uses] + [""]
     if check.defaults:
         lines += ["## Options", "", "| option | default |", "| --- | --- |"]
-        lines += [f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} |"
-                  for k, v in check.defaults.items()]
+        lines += [
+            f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} |"
+            for k, v in check.defaults.items()
+        ]
         settable = [(k, v) for k, v in check.defaults.items() if v is not None]
         if settable:
-            lines += ["", "Override them in the audit config:", "", "```toml", f'[checks."{check.code}"]',
-                      f"{settable[0][0]} = {_toml(settable[0][1])}", "```"]
+            lines += [
+                "",
+                "Override them in the audit config:",
+                "",
+                "```toml",
+                f'[checks."{check.code}"]',
+                f"{settable[0][0]} = {_toml(settable[0][1])}",
+                "```",
+            ]
         lines += [""]
     lines += ["## Source", "", f"`{module}`", ""]
     return "\n".join(lines)
 
 
 def index_page(checks) -> str:
-    lines = [GENERATED, "", "# The checks", "",
-             "Each check is one file in `sftaudit/checks/` with a stable code. Its page says what it detects, "
-             "why it matters, its statistic, threshold and evidence, and the options a config overrides.", "",
-             "| code | check | what it detects |", "| --- | --- | --- |"]
+    lines = [
+        GENERATED,
+        "",
+        "# The checks",
+        "",
+        "Each check is one file in `sftaudit/checks/` with a stable code. Its page says what it detects, "
+        "why it matters, its statistic, threshold and evidence, and the options a config overrides.",
+        "",
+        "| code | check | what it detects |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| [{c.code}]({page_name(c)}) | {c.name} | {check_doc(c)['summary']} |" for c in checks]
     return "\n".join(lines + [""])
 
@@ -81,8 +97,10 @@ def main() -> int:
     if args.check:
         drifted = sorted(n for n in expected.keys() | present.keys() if expected.get(n) != present.get(n))
         if drifted:
-            print(f"docs/checks drifted from the checks: {', '.join(drifted)}; "
-                  "run scripts/gen_check_pages.py", file=sys.stderr)
+            print(
+                f"docs/checks drifted from the checks: {', '.join(drifted)}; run scripts/gen_check_pages.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     PAGES.mkdir(parents=True, exist_ok=True)

@@ -112,10 +112,15 @@ def journal_name(first_step: int) -> str:
 
 def journal_record(step: int, idx: np.ndarray, norm: np.ndarray, post: np.ndarray | None) -> bytes:
     """One step of a journal: `idx` int32, `norm` (and `post`) float32, all of one length."""
-    payload = idx.astype("<i4").tobytes() + norm.astype("<f4").tobytes() + \
-        (b"" if post is None else post.astype("<f4").tobytes())
-    return JOURNAL_HEADER.pack(JOURNAL_MAGIC, step, len(idx), 0 if post is None else POST_CLIP,
-                               zlib.crc32(payload)) + payload
+    payload = (
+        idx.astype("<i4").tobytes()
+        + norm.astype("<f4").tobytes()
+        + (b"" if post is None else post.astype("<f4").tobytes())
+    )
+    return (
+        JOURNAL_HEADER.pack(JOURNAL_MAGIC, step, len(idx), 0 if post is None else POST_CLIP, zlib.crc32(payload))
+        + payload
+    )
 
 
 def read_journal(data: bytes) -> dict[str, np.ndarray]:
@@ -126,8 +131,12 @@ def read_journal(data: bytes) -> dict[str, np.ndarray]:
     while pos + JOURNAL_HEADER.size <= size:
         magic, step, n, flags, crc = JOURNAL_HEADER.unpack_from(data, pos)
         end = pos + JOURNAL_HEADER.size + n * (12 if flags & POST_CLIP else 8)
-        if magic != JOURNAL_MAGIC or flags & ~POST_CLIP or end > size or \
-                zlib.crc32(data[pos + JOURNAL_HEADER.size:end]) != crc:
+        if (
+            magic != JOURNAL_MAGIC
+            or flags & ~POST_CLIP
+            or end > size
+            or zlib.crc32(data[pos + JOURNAL_HEADER.size : end]) != crc
+        ):
             break
         at = pos + JOURNAL_HEADER.size
         steps.append(np.full(n, step, dtype=np.int64))
@@ -137,8 +146,17 @@ def read_journal(data: bytes) -> dict[str, np.ndarray]:
         recorded.append(np.full(n, bool(flags & POST_CLIP)))
         pos = end
     if not steps:
-        return {"step": np.zeros(0, np.int64), "idx": np.zeros(0, np.int32), "norm": np.zeros(0, np.float32),
-                "norm_post_clip": np.zeros(0, np.float32), "post_recorded": np.zeros(0, bool)}
-    return {"step": np.concatenate(steps), "idx": np.concatenate(idxs).astype(np.int32),
-            "norm": np.concatenate(norms).astype(np.float32), "norm_post_clip": np.concatenate(posts).astype(np.float32),
-            "post_recorded": np.concatenate(recorded)}
+        return {
+            "step": np.zeros(0, np.int64),
+            "idx": np.zeros(0, np.int32),
+            "norm": np.zeros(0, np.float32),
+            "norm_post_clip": np.zeros(0, np.float32),
+            "post_recorded": np.zeros(0, bool),
+        }
+    return {
+        "step": np.concatenate(steps),
+        "idx": np.concatenate(idxs).astype(np.int32),
+        "norm": np.concatenate(norms).astype(np.float32),
+        "norm_post_clip": np.concatenate(posts).astype(np.float32),
+        "post_recorded": np.concatenate(recorded),
+    }

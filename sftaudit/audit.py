@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import CheckpointError, inside_run
 from .checks import AuditContext, Finding, registered_checks
 from .checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from .config import DEFAULT_MAX_MISSING_SHARE, AuditConfig
 from .errors import InputError
-from .checkpoints import CheckpointError, inside_run
-from .resolution import at_logging_resolution, first_window
 from .ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
+from .resolution import at_logging_resolution, first_window
 from .verdict import build_verdict
 
 
@@ -58,18 +58,30 @@ MIN_JUDGED_STEPS = 3
 ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
 
 
-def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str],
-                      manifest: dict[str, Any] | None = None,
-                      max_missing_share: float = DEFAULT_MAX_MISSING_SHARE) -> dict[str, Any]:
+def evidence_coverage(
+    con,
+    check_errors: list[dict[str, str]],
+    not_judged: dict[str, str],
+    manifest: dict[str, Any] | None = None,
+    max_missing_share: float = DEFAULT_MAX_MISSING_SHARE,
+) -> dict[str, Any]:
     """What the evidence covers: steps recorded per rank, shim components switched off (from which
     step, with which error), unreadable artifact lines, recorded steps without their batch or
     gradient records, checks that could not run; and why the run cannot be judged, if so."""
-    ranks = [{"rank": r, "steps": n, "first_step": lo, "last_step": hi} for r, n, lo, hi in con.execute(
-        """SELECT m.rank, count(s.step), min(s.step), max(s.step) FROM (SELECT DISTINCT rank FROM manifest) m
-           LEFT JOIN steps s USING (rank) GROUP BY m.rank ORDER BY m.rank""").fetchall()]
-    off = [{"rank": r, "component": c, "from_step": step, "error": error} for r, c, step, error in con.execute(
-        """SELECT rank, probe, min(step), arg_min(error, coalesce(step, -1)) FROM events
-           WHERE kind = 'shim_error' GROUP BY rank, probe ORDER BY rank, probe""").fetchall()]
+    ranks = [
+        {"rank": r, "steps": n, "first_step": lo, "last_step": hi}
+        for r, n, lo, hi in con.execute(
+            """SELECT m.rank, count(s.step), min(s.step), max(s.step) FROM (SELECT DISTINCT rank FROM manifest) m
+           LEFT JOIN steps s USING (rank) GROUP BY m.rank ORDER BY m.rank"""
+        ).fetchall()
+    ]
+    off = [
+        {"rank": r, "component": c, "from_step": step, "error": error}
+        for r, c, step, error in con.execute(
+            """SELECT rank, probe, min(step), arg_min(error, coalesce(step, -1)) FROM events
+           WHERE kind = 'shim_error' GROUP BY rank, probe ORDER BY rank, probe"""
+        ).fetchall()
+    ]
     first = {r["rank"]: r["first_step"] for r in ranks}
     reasons = []
     logged = first_row(con, "SELECT count(DISTINCT step) FROM steps WHERE rank = 0 AND loss IS NOT NULL")[0]
@@ -77,39 +89,65 @@ def evidence_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[
         reasons.append("no training step was recorded")
     # No trend, spike or plateau can be told from one or two points: a run with nothing found on so
     # little is unjudged, not a pass (what was found on it still stands).
-    too_little = (f"only {logged} step(s) logged a loss: too little to judge the training (at least "
-                  f"{MIN_JUDGED_STEPS} are needed)") if 0 < logged < MIN_JUDGED_STEPS else None
+    too_little = (
+        (
+            f"only {logged} step(s) logged a loss: too little to judge the training (at least "
+            f"{MIN_JUDGED_STEPS} are needed)"
+        )
+        if 0 < logged < MIN_JUDGED_STEPS
+        else None
+    )
     for o in off:
         start = first.get(o["rank"])
-        if o["component"] in ESSENTIAL_COMPONENTS and (o["from_step"] is None or start is None
-                                                         or o["from_step"] <= start):
-            reasons.append(f"rank {o['rank']}'s {o['component']} recording was switched off from the start "
-                           f"(step {o['from_step']}: {o['error']})")
-    partial = [f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']} ({o['error']}); "
-               f"later steps are judged without it" for o in off
-               if o["component"] not in ESSENTIAL_COMPONENTS or first.get(o["rank"]) is not None
-               and o["from_step"] is not None and o["from_step"] > first[o["rank"]]]
+        if o["component"] in ESSENTIAL_COMPONENTS and (
+            o["from_step"] is None or start is None or o["from_step"] <= start
+        ):
+            reasons.append(
+                f"rank {o['rank']}'s {o['component']} recording was switched off from the start "
+                f"(step {o['from_step']}: {o['error']})"
+            )
+    partial = [
+        f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']} ({o['error']}); "
+        f"later steps are judged without it"
+        for o in off
+        if o["component"] not in ESSENTIAL_COMPONENTS
+        or first.get(o["rank"]) is not None
+        and o["from_step"] is not None
+        and o["from_step"] > first[o["rank"]]
+    ]
     bad = bad_lines(con)
     for b in bad:
         if b["lines"] > max_missing_share * b["of"]:
-            reasons.append(f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable (more than "
-                           f"{max_missing_share:.0%}): repair or re-record the artifacts")
+            reasons.append(
+                f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable (more than "
+                f"{max_missing_share:.0%}): repair or re-record the artifacts"
+            )
         else:
             partial.append(f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable and were skipped")
     missing = []
     if any(r["steps"] for r in ranks) and not (manifest or {}).get("imported"):
         missing = missing_step_evidence(con, off)
         for m in missing:
-            note = (f"rank {m['rank']}: {m['steps']} of {m['of']} recorded steps lack their {m['evidence']}"
-                    + (f" (first step {m['first_step']})" if m["first_step"] is not None else ""))
+            note = f"rank {m['rank']}: {m['steps']} of {m['of']} recorded steps lack their {m['evidence']}" + (
+                f" (first step {m['first_step']})" if m["first_step"] is not None else ""
+            )
             if m["steps"] > max_missing_share * m["of"]:
-                reasons.append(f"{note}: the shim records them at every step, so the artifacts are incomplete; "
-                               f"re-record the run, or audit the complete artifacts")
+                reasons.append(
+                    f"{note}: the shim records them at every step, so the artifacts are incomplete; "
+                    f"re-record the run, or audit the complete artifacts"
+                )
             else:
                 partial.append(f"{note}; those steps are judged without it")
-    return {"ranks": ranks, "components_off": off, "bad_lines": bad, "missing": missing,
-            "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
-            "partial": partial, "too_little": too_little, "cannot_judge": "; ".join(reasons) or None}
+    return {
+        "ranks": ranks,
+        "components_off": off,
+        "bad_lines": bad,
+        "missing": missing,
+        "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
+        "partial": partial,
+        "too_little": too_little,
+        "cannot_judge": "; ".join(reasons) or None,
+    }
 
 
 def bad_lines(con) -> list[dict[str, Any]]:
@@ -127,8 +165,10 @@ def bad_lines(con) -> list[dict[str, Any]]:
 
 
 # Per-step evidence the shim writes at every step in every profile, and its component's name.
-PER_STEP_EVIDENCE = (("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
-                     ("grad_pieces", "gradients", "gradient norms"))
+PER_STEP_EVIDENCE = (
+    ("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
+    ("grad_pieces", "gradients", "gradient norms"),
+)
 
 
 def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -138,13 +178,20 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
     out = []
     for table, component, words in PER_STEP_EVIDENCE:
         con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
-        stopped = [(o["rank"], o["from_step"] if o["from_step"] is not None else -1) for o in off
-                   if o["component"] == component]
+        stopped = [
+            (o["rank"], o["from_step"] if o["from_step"] is not None else -1)
+            for o in off
+            if o["component"] == component
+        ]
         if stopped:
             con.executemany("INSERT INTO stopped_from VALUES (?, ?)", stopped)
-        orphans = "" if table != "batches" else """
+        orphans = (
+            ""
+            if table != "batches"
+            else """
             UNION SELECT e.rank, e.step FROM e JOIN last USING (rank) WHERE e.step < last.last
                   AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
+        )
         rows = con.execute(f"""
             WITH s AS (SELECT DISTINCT rank, step FROM steps),
                  e AS (SELECT DISTINCT rank, step FROM "{table}"),
@@ -157,34 +204,55 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
                    (SELECT min(step) FROM counted c WHERE c.rank = s.rank)
             FROM s GROUP BY s.rank ORDER BY s.rank""").fetchall()
         con.execute("DROP TABLE stopped_from")
-        out += [{"rank": rank, "evidence": words, "steps": int(gaps), "of": int(total), "first_step": first_gap}
-                for rank, total, gaps, first_gap in rows if gaps]
+        out += [
+            {"rank": rank, "evidence": words, "steps": int(gaps), "of": int(total), "first_step": first_gap}
+            for rank, total, gaps, first_gap in rows
+            if gaps
+        ]
     return out
 
 
-def preflight_coverage(con, check_errors: list[dict[str, str]], not_judged: dict[str, str],
-                       explained: bool = False) -> dict[str, Any]:
+def preflight_coverage(
+    con, check_errors: list[dict[str, str]], not_judged: dict[str, str], explained: bool = False
+) -> dict[str, Any]:
     """A preflight's evidence: the dataset's rows that rendered into batches. None rendered is unjudged,
     unless a failing finding already says why (LOOP-01's render failures: the verdict is then FAIL)."""
-    rows, rendered = first_row(con, "SELECT (SELECT manifest->>'$.dataset.rows' FROM manifest LIMIT 1)::BIGINT, "
-                                    "(SELECT count(*) FROM samples)")
-    failed = first_row(con, "SELECT count(DISTINCT sample_id), any_value(error) FROM events "
-                            "WHERE kind = 'render_failed'")
+    rows, rendered = first_row(
+        con, "SELECT (SELECT manifest->>'$.dataset.rows' FROM manifest LIMIT 1)::BIGINT, (SELECT count(*) FROM samples)"
+    )
+    failed = first_row(
+        con, "SELECT count(DISTINCT sample_id), any_value(error) FROM events WHERE kind = 'render_failed'"
+    )
     reason = None
     if not rendered and not explained:
-        reason = (f"no sample of the {rows or 0} dataset rows rendered"
-                  + (f" (first error: {failed[1]})" if failed[0] else "")
-                  + ": fix the rows or the chat template (--template) and run again")
-    return {"ranks": [], "components_off": [], "bad_lines": [], "missing": [],
-            "dataset": {"rows": rows, "rendered": rendered, "render_failed": failed[0]},
-            "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
-            "partial": [], "cannot_judge": reason}
+        reason = (
+            f"no sample of the {rows or 0} dataset rows rendered"
+            + (f" (first error: {failed[1]})" if failed[0] else "")
+            + ": fix the rows or the chat template (--template) and run again"
+        )
+    return {
+        "ranks": [],
+        "components_off": [],
+        "bad_lines": [],
+        "missing": [],
+        "dataset": {"rows": rows, "rendered": rendered, "render_failed": failed[0]},
+        "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
+        "partial": [],
+        "cannot_judge": reason,
+    }
 
 
 # Shim components (as `shim_error` events name them) -> the evidence table each one writes.
-COMPONENT_TABLES = {"steps": "steps", "gradients": "grad_norms", "batches": "batches", "probes": "probes",
-                    "generations": "generations", "evals": "evals", "checkpoints": "checkpoints",
-                    "metrics": "metrics"}
+COMPONENT_TABLES = {
+    "steps": "steps",
+    "gradients": "grad_norms",
+    "batches": "batches",
+    "probes": "probes",
+    "generations": "generations",
+    "evals": "evals",
+    "checkpoints": "checkpoints",
+    "metrics": "metrics",
+}
 
 
 def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
@@ -204,12 +272,20 @@ def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> st
     said = (manifest.get("unjudged") or {}).get(check.code)
     if said:
         return said
-    missing = [" or ".join(EVIDENCE[t] for t in need) for need in alternatives(check) if not any(recorded[t] for t in need)]
+    missing = [
+        " or ".join(EVIDENCE[t] for t in need) for need in alternatives(check) if not any(recorded[t] for t in need)
+    ]
     return "not recorded: " + ", ".join(missing) if missing else None
 
 
-def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_errors: list[dict[str, str]],
-                   evidence: dict[str, Any] | None, not_judged: dict[str, str]) -> list[dict[str, Any]]:
+def check_coverage(
+    con,
+    manifest: dict[str, Any],
+    config: AuditConfig,
+    check_errors: list[dict[str, str]],
+    evidence: dict[str, Any] | None,
+    not_judged: dict[str, str],
+) -> list[dict[str, Any]]:
     """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
     judges more finely with was not recorded), "not_run"
     (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
@@ -233,16 +309,25 @@ def check_coverage(con, manifest: dict[str, Any], config: AuditConfig, check_err
             status, reason = "not_run", unjudged or not_judged[check.code]
         elif cut:
             status = "partial"
-            reason = "; ".join(f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}"
-                               for o in cut)
+            reason = "; ".join(
+                f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}" for o in cut
+            )
         elif lacking:
             status, reason = "partial", "not recorded: " + ", ".join(EVIDENCE[t] for t in lacking)
         else:
             status, reason = "ran", None
-        out.append({"code": check.code, "name": check.name, "status": status, "reason": reason,
-                    "evidence": [EVIDENCE[t] for t in dict.fromkeys(needed(check) + list(check.uses)) if recorded[t]],
-                    "sources": list(dict.fromkeys(sources.get(t, source) for t in needed(check) if recorded[t]))
-                    if status in ("ran", "partial") else []})
+        out.append(
+            {
+                "code": check.code,
+                "name": check.name,
+                "status": status,
+                "reason": reason,
+                "evidence": [EVIDENCE[t] for t in dict.fromkeys(needed(check) + list(check.uses)) if recorded[t]],
+                "sources": list(dict.fromkeys(sources.get(t, source) for t in needed(check) if recorded[t]))
+                if status in ("ran", "partial")
+                else [],
+            }
+        )
     return out
 
 
@@ -266,15 +351,26 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     findings, errors = run_checks(ctx, config)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
-    evidence = preflight_coverage(con, errors, ctx.not_judged, any(f.severity == "fail" for f in findings)) \
-        if manifest.get("profile") == "preflight" else \
-        evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
+    evidence = (
+        preflight_coverage(con, errors, ctx.not_judged, any(f.severity == "fail" for f in findings))
+        if manifest.get("profile") == "preflight"
+        else evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
+    )
     checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
     if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
-        evidence["cannot_judge"] = "no check could run on what was recorded (" + "; ".join(
-            f"{c['code']}: {c['reason']}" for c in checks if c["status"] != "disabled")[:500] + ")"
-    verdict = build_verdict(manifest.get("run_id") or run_dir.name, findings, saved_checkpoints(ctx), errors,
-                            config.rollback_margin, evidence)
+        evidence["cannot_judge"] = (
+            "no check could run on what was recorded ("
+            + "; ".join(f"{c['code']}: {c['reason']}" for c in checks if c["status"] != "disabled")[:500]
+            + ")"
+        )
+    verdict = build_verdict(
+        manifest.get("run_id") or run_dir.name,
+        findings,
+        saved_checkpoints(ctx),
+        errors,
+        config.rollback_margin,
+        evidence,
+    )
     verdict["checks"] = checks
     if resolution:  # an imported run: how finely its evidence places a step
         verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
@@ -282,8 +378,10 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
                    checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
-    rows = [(f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
-            for f in verdict["findings"]]
+    rows = [
+        (f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
+        for f in verdict["findings"]
+    ]
     if rows:
         con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
     _store_series(con, ctx.series)
@@ -321,6 +419,8 @@ def unjudged_reason(verdict: dict) -> str:
     advice = []
     if verdict.get("check_errors"):
         codes = ", ".join(f'"{c}"' for c in sorted({e["code"] for e in verdict["check_errors"]}))
-        advice.append(f"a check that fails on this input is a bug in sftaudit: report it; to judge without it, "
-                      f"disable it in the config ([audit] disable = [{codes}])")
+        advice.append(
+            f"a check that fails on this input is a bug in sftaudit: report it; to judge without it, "
+            f"disable it in the config ([audit] disable = [{codes}])"
+        )
     return f"{verdict['run']}: could not judge: {verdict['cannot_judge']}" + "".join(f"; {a}" for a in advice)

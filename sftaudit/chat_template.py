@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import re
 import threading
 import time
@@ -28,8 +27,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
-import jinja2.sandbox
 import jinja2.nodes as nodes
+import jinja2.sandbox
 import numpy as np
 
 from .errors import InputError, one_line
@@ -42,8 +41,11 @@ CATEGORY_NAMES = ("masked", "trained", "padding", "either")
 _OPTIONAL_TESTS = {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable"}
 _CHAT_ROLES = {"system", "user", "assistant", "role"}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_SENTINEL = {"system": "SFTAUDITSYSTEMSENTINEL", "user": "SFTAUDITUSERSENTINEL",
-             "assistant": "SFTAUDITASSISTANTSENTINEL"}
+_SENTINEL = {
+    "system": "SFTAUDITSYSTEMSENTINEL",
+    "user": "SFTAUDITUSERSENTINEL",
+    "assistant": "SFTAUDITASSISTANTSENTINEL",
+}
 
 
 def template_source(chat_template: Any) -> str | None:
@@ -88,7 +90,8 @@ class _GenerationTag(jinja2.ext.Extension):
 
 # transformers' environment options, for parsing when its own compiled template is not available.
 _PARSE_ENVIRONMENT = jinja2.sandbox.ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+)
 _PARSE_ENVIRONMENT.globals.update(dict.fromkeys(("raise_exception", "strftime_now")))  # its globals: not context
 
 
@@ -109,9 +112,9 @@ def _compiled(source: str) -> jinja2.Template | None:
 
 # Budgets of one render (one conversation): far above any real one (a 128k-token chat is ~600k characters).
 MAX_RENDER_CHARS = 4_000_000
-MAX_RENDER_STEPS = 2_000_000     # attribute reads, calls, operators and loop iterations
+MAX_RENDER_STEPS = 2_000_000  # attribute reads, calls, operators and loop iterations
 MAX_RENDER_SECONDS = 10.0
-_MAX_POWER_BITS = 1 << 16        # an integer power's result; 9 ** 999999999 would take minutes and 400 MB
+_MAX_POWER_BITS = 1 << 16  # an integer power's result; 9 ** 999999999 would take minutes and 400 MB
 _BIG_FORMAT = re.compile(r"%[-+ #0]*(\*|\d{7,})|%[-+ #0]*\d*\.(\*|\d{7,})|\{[^{}]*?\d{7,}[^{}]*\}")
 _BUDGET = threading.local()
 
@@ -176,13 +179,19 @@ def _guard_result(value: Any) -> Any:
 def _budgeted_callable(func: Any) -> Any:
     """A filter or global with its arguments and result size-checked (the wrapper keeps jinja's
     pass_context/pass_eval_context marks)."""
+
     @functools.wraps(func)
     def checked(*args, **kwargs):
         _tick()
         _guard_call(args[1:] if getattr(func, "jinja_pass_arg", None) else args, kwargs)
-        if func is _LIPSUM and (args[0] if args else kwargs.get("n", 5)) * (args[3] if len(args) > 3 else kwargs.get("max", 100)) > 10_000:
+        if (
+            func is _LIPSUM
+            and (args[0] if args else kwargs.get("n", 5)) * (args[3] if len(args) > 3 else kwargs.get("max", 100))
+            > 10_000
+        ):
             raise TemplateBudget("lipsum asked for over 10000 words")
         return _guard_result(func(*args, **kwargs))
+
     return checked
 
 
@@ -233,8 +242,11 @@ class _BudgetEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
         _tick()
         _guard_call(args, kwargs)
-        if getattr(__obj, "__name__", None) in ("format", "format_map") and isinstance(
-                getattr(__obj, "__self__", None), str) and _BIG_FORMAT.search(__obj.__self__):
+        if (
+            getattr(__obj, "__name__", None) in ("format", "format_map")
+            and isinstance(getattr(__obj, "__self__", None), str)
+            and _BIG_FORMAT.search(__obj.__self__)
+        ):
             raise TemplateBudget("a format with a huge width")
         return _guard_result(super().call(__context, __obj, *args, **kwargs))
 
@@ -262,12 +274,20 @@ def _budgeted(source: str) -> jinja2.Template:
     taken from its own compiled environment), in `_BudgetEnvironment`."""
     compile_template, _ = _internals()
     theirs = compile_template("").environment
-    env = _BudgetEnvironment(trim_blocks=theirs.trim_blocks, lstrip_blocks=theirs.lstrip_blocks,
-                             extensions=[type(e) for e in theirs.extensions.values()])
+    env = _BudgetEnvironment(
+        trim_blocks=theirs.trim_blocks,
+        lstrip_blocks=theirs.lstrip_blocks,
+        extensions=[type(e) for e in theirs.extensions.values()],
+    )
     for mine, given in ((env.filters, theirs.filters), (env.globals, theirs.globals)):
         mine.update({k: v for k, v in given.items() if mine.get(k) is not v})
-        mine.update({k: _budgeted_callable(v) for k, v in mine.items()
-                     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType))})
+        mine.update(
+            {
+                k: _budgeted_callable(v)
+                for k, v in mine.items()
+                if isinstance(v, (types.FunctionType, types.BuiltinFunctionType))
+            }
+        )
     env.filters.update(_sftaudit_count=_count_iterations, _sftaudit_concat=_concat)
     _refuse_constant_bombs(env.parse(source))
     return env.from_string(source)
@@ -277,6 +297,7 @@ def _refuse_constant_bombs(ast: nodes.Template) -> None:
     """Constant expressions checked as the budget would at render time. The template may also be
     compiled by transformers itself (`render_jinja_template`), whose jinja folds constants at compile
     time: `9 ** 999999999` would hang there."""
+
     def fold(node):
         if isinstance(node, nodes.Const):
             return node.value
@@ -298,7 +319,9 @@ def _refuse_constant_bombs(ast: nodes.Template) -> None:
     for node in ast.find_all((nodes.Call, nodes.Filter)):
         for arg in [*node.args, *(k.value for k in node.kwargs)]:
             if isinstance(arg, nodes.Const) and type(arg.value) is int and arg.value > MAX_RENDER_CHARS:
-                raise TemplateOverBudget(str(TemplateBudget(f"a call with the argument {arg.value} at line {node.lineno}")))
+                raise TemplateOverBudget(
+                    str(TemplateBudget(f"a call with the argument {arg.value} at line {node.lineno}"))
+                )
 
 
 def _render_budgeted(template: jinja2.Template, blocks: list[str] | None = None, **context: Any) -> str:
@@ -382,10 +405,18 @@ def _template_fields(source: str) -> TemplateFields:  # LOOP-01, LOOP-02 and the
     out.literals |= {n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)}
 
     def field_read(node):
-        if isinstance(node, nodes.Getitem) and is_message(node.node) and isinstance(node.arg, nodes.Const) \
-                and isinstance(node.arg.value, str):
+        if (
+            isinstance(node, nodes.Getitem)
+            and is_message(node.node)
+            and isinstance(node.arg, nodes.Const)
+            and isinstance(node.arg.value, str)
+        ):
             return node.arg.value
-        if isinstance(node, nodes.Getattr) and is_message(node.node) and node.attr not in ("get", "items", "keys", "values"):
+        if (
+            isinstance(node, nodes.Getattr)
+            and is_message(node.node)
+            and node.attr not in ("get", "items", "keys", "values")
+        ):
             return node.attr
         return None
 
@@ -403,11 +434,22 @@ def _template_fields(source: str) -> TemplateFields:  # LOOP-01, LOOP-02 and the
         m.tool_calls | length > 0`, `m.x and m.x[0]`): those reads are optional too."""
         checked = {field_read(t.node) for t in test.find_all(nodes.Test) if t.name in _OPTIONAL_TESTS}
         # Presence tests: `m.get('f', none) is not none and m['f'] | length`, `'f' in m and m['f']`.
-        checked |= {c.args[0].value for c in test.find_all(nodes.Call) if isinstance(c.node, nodes.Getattr)
-                    and c.node.attr == "get" and is_message(c.node.node) and c.args
-                    and isinstance(c.args[0], nodes.Const)}
-        checked |= {c.expr.value for c in [test, *test.find_all(nodes.Compare)] if isinstance(c, nodes.Compare)
-                    and isinstance(c.expr, nodes.Const) and any(op.op == "in" and is_message(op.expr) for op in c.ops)}
+        checked |= {
+            c.args[0].value
+            for c in test.find_all(nodes.Call)
+            if isinstance(c.node, nodes.Getattr)
+            and c.node.attr == "get"
+            and is_message(c.node.node)
+            and c.args
+            and isinstance(c.args[0], nodes.Const)
+        }
+        checked |= {
+            c.expr.value
+            for c in [test, *test.find_all(nodes.Compare)]
+            if isinstance(c, nodes.Compare)
+            and isinstance(c.expr, nodes.Const)
+            and any(op.op == "in" and is_message(op.expr) for op in c.ops)
+        }
         return (checked - {None}) | truthy_reads(test)
 
     macros = {m.name: m for m in ast.find_all(nodes.Macro)}
@@ -420,8 +462,12 @@ def _template_fields(source: str) -> TemplateFields:  # LOOP-01, LOOP-02 and the
         `if message.get('tool_calls')`); a macro never called reads nothing."""
         if isinstance(node, nodes.Macro):
             return
-        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name) and node.node.name in macros \
-                and node.node.name not in expanding:
+        if (
+            isinstance(node, nodes.Call)
+            and isinstance(node.node, nodes.Name)
+            and node.node.name in macros
+            and node.node.name not in expanding
+        ):
             expanding.append(node.node.name)
             for child in macros[node.node.name].body:
                 visit(child, node, conditional, guarded)
@@ -429,32 +475,52 @@ def _template_fields(source: str) -> TemplateFields:  # LOOP-01, LOOP-02 and the
         if isinstance(node, (nodes.If, nodes.CondExpr)):
             test = node.test
             tested = {field_read(n) for n in [test, *test.find_all((nodes.Getitem, nodes.Getattr))]} - {None}
-            tested |= {c.expr.value for c in [test, *test.find_all(nodes.Compare)] if isinstance(c, nodes.Compare)
-                       and isinstance(c.expr, nodes.Const) and any(op.op in ("in", "notin") and is_message(op.expr)
-                                                                    for op in c.ops)}
+            tested |= {
+                c.expr.value
+                for c in [test, *test.find_all(nodes.Compare)]
+                if isinstance(c, nodes.Compare)
+                and isinstance(c.expr, nodes.Const)
+                and any(op.op in ("in", "notin") and is_message(op.expr) for op in c.ops)
+            }
             roles = {c.value for c in test.find_all(nodes.Const) if isinstance(c.value, str)}
-            role_dispatch = tested == {"role"} and roles <= _CHAT_ROLES and not any(
-                n.name not in messages and n.name not in lists for n in test.find_all(nodes.Name))
+            role_dispatch = (
+                tested == {"role"}
+                and roles <= _CHAT_ROLES
+                and not any(n.name not in messages and n.name not in lists for n in test.find_all(nodes.Name))
+            )
             out.message_optional.update(truthy_reads(test))
             visit(test, node, conditional, guarded | guarded_reads(test))
-            branches = [node.expr1, node.expr2] if isinstance(node, nodes.CondExpr) else \
-                node.body + node.elif_ + node.else_
+            branches = (
+                [node.expr1, node.expr2] if isinstance(node, nodes.CondExpr) else node.body + node.elif_ + node.else_
+            )
             for child in branches:
                 if child is not None:
                     visit(child, node, conditional or not role_dispatch, guarded)
             return
         name = field_read(node)
-        if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get" \
-                and is_message(node.node.node) and node.args and isinstance(node.args[0], nodes.Const):
+        if (
+            isinstance(node, nodes.Call)
+            and isinstance(node.node, nodes.Getattr)
+            and node.node.attr == "get"
+            and is_message(node.node.node)
+            and node.args
+            and isinstance(node.args[0], nodes.Const)
+        ):
             out.message_optional.add(node.args[0].value)
-        elif isinstance(node, nodes.Compare) and isinstance(node.expr, nodes.Const) and \
-                any(op.op in ("in", "notin") and is_message(op.expr) for op in node.ops):
+        elif (
+            isinstance(node, nodes.Compare)
+            and isinstance(node.expr, nodes.Const)
+            and any(op.op in ("in", "notin") and is_message(op.expr) for op in node.ops)
+        ):
             out.message_optional.add(node.expr.value)
         if name is not None:
-            optional = (conditional or name in guarded
-                        or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
-                        or (isinstance(parent, nodes.Filter) and parent.name in ("default", "d") and parent.node is node)
-                        or isinstance(parent, (nodes.Not, nodes.And, nodes.Or, nodes.If, nodes.CondExpr)))
+            optional = (
+                conditional
+                or name in guarded
+                or (isinstance(parent, nodes.Test) and parent.name in _OPTIONAL_TESTS)
+                or (isinstance(parent, nodes.Filter) and parent.name in ("default", "d") and parent.node is node)
+                or isinstance(parent, (nodes.Not, nodes.And, nodes.Or, nodes.If, nodes.CondExpr))
+            )
             (out.message_optional if optional else out.message_required).add(name)
         for child in node.iter_child_nodes():
             visit(child, node, conditional, guarded)
@@ -515,17 +581,23 @@ class Renderer:
             from transformers.utils.chat_template_utils import render_jinja_template
 
             (text,), spans = render_jinja_template(
-                [_without_none(messages)], chat_template=self.source, add_generation_prompt=add_generation_prompt,
-                return_assistant_tokens_mask=self.tracks_generation, **self.kwargs)
+                [_without_none(messages)],
+                chat_template=self.source,
+                add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=self.tracks_generation,
+                **self.kwargs,
+            )
             return text, [tuple(s) for s in spans[0]] if spans else []
         if self.tracks_generation:  # as transformers' _render_with_assistant_indices, within the budget
             blocks, spans = [], []
             with self.compiled.environment.activate_tracker(blocks, spans):
-                text = _render_budgeted(self.compiled, blocks, messages=chat, add_generation_prompt=add_generation_prompt,
-                                        **context)
+                text = _render_budgeted(
+                    self.compiled, blocks, messages=chat, add_generation_prompt=add_generation_prompt, **context
+                )
             return text, [tuple(s) for s in spans]
-        return _render_budgeted(self.compiled, messages=chat, add_generation_prompt=add_generation_prompt,
-                                **context), []
+        return _render_budgeted(
+            self.compiled, messages=chat, add_generation_prompt=add_generation_prompt, **context
+        ), []
 
 
 @functools.cache
@@ -612,7 +684,7 @@ class TemplateLayout:
     starts_with_bos: bool = False  # the render opens with the BOS string: inference sends BOS first
 
     @classmethod
-    def derive(cls, tokenizer: Any, source: str) -> "TemplateLayout":
+    def derive(cls, tokenizer: Any, source: str) -> TemplateLayout:
         renderer = Renderer(source, tokenizer_specials(tokenizer))
         s = _SENTINEL
 
@@ -700,19 +772,27 @@ class TemplateLayout:
         before = text_ua[:a_start]
         header_at = before.rfind(texts["assistant"])
         prefix = (header_at + len(texts["assistant"]), a_start) if header_at >= 0 else None
-        assistant_prefix = [i for i, _, _ in tokens(text_ua, *prefix)] if prefix and text_ua[prefix[0]:prefix[1]].strip() else []
+        assistant_prefix = (
+            [i for i, _, _ in tokens(text_ua, *prefix)] if prefix and text_ua[prefix[0] : prefix[1]].strip() else []
+        )
         text_sua, _ = render("system", "user", "assistant")
         if text_sua and s["system"] in text_sua and "user" in texts:
             system_at = text_sua.index(s["system"])
             user_header_at = text_ua.rfind(texts["user"], 0, text_ua.index(s["user"]))
             preamble = text_ua[:user_header_at] if user_header_at >= 0 else ""
-            if text_sua.startswith(preamble) and text_sua[len(preamble):system_at].strip():
+            if text_sua.startswith(preamble) and text_sua[len(preamble) : system_at].strip():
                 header(text_sua, len(preamble), system_at, "system")
         headers = {role: markers[role] for role in ("system", "user", "assistant") if markers.get(role)}
         bos = getattr(tokenizer, "bos_token", None)
-        return cls(headers=headers, turn_end=markers["turn_end"], texts=texts, assistant_prefix=assistant_prefix,
-                   blank_ids=blank, eos_id=tokenizer.eos_token_id,
-                   starts_with_bos=bool(bos) and text_ua.startswith(str(bos)))
+        return cls(
+            headers=headers,
+            turn_end=markers["turn_end"],
+            texts=texts,
+            assistant_prefix=assistant_prefix,
+            blank_ids=blank,
+            eos_id=tokenizer.eos_token_id,
+            starts_with_bos=bool(bos) and text_ua.startswith(str(bos)),
+        )
 
 
 def _blank_ids(tokenizer: Any) -> np.ndarray:
@@ -737,8 +817,8 @@ def matches(ids: np.ndarray, seq: list[int]) -> np.ndarray:
         return out
     hit = np.ones((n, t - k + 1), dtype=bool)
     for j, token in enumerate(seq):
-        hit &= ids[:, j:t - k + 1 + j] == token
-    out[:, :t - k + 1] = hit
+        hit &= ids[:, j : t - k + 1 + j] == token
+    out[:, : t - k + 1] = hit
     return out
 
 
@@ -746,7 +826,7 @@ def _shift(mask: np.ndarray, by: int) -> np.ndarray:
     """Move True marks `by` positions to the right (marks past the end drop)."""
     out = np.zeros_like(mask)
     if by < mask.shape[1]:
-        out[:, by:] = mask[:, :mask.shape[1] - by]
+        out[:, by:] = mask[:, : mask.shape[1] - by]
     return out
 
 
@@ -758,8 +838,9 @@ def _covered(starts: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
-def expected_labels(ids: np.ndarray, attention: np.ndarray, layout: TemplateLayout, pad_id: int | None,
-                    last_turn_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def expected_labels(
+    ids: np.ndarray, attention: np.ndarray, layout: TemplateLayout, pad_id: int | None, last_turn_only: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Expected category (MASKED / TRAINED / PADDING / EITHER) of every position of right-aligned rows.
 
     Trained: from the end of each assistant header through the next end-of-turn marker
@@ -850,8 +931,12 @@ def sample_blocks(frame: Any, rows: int = 8192):
     """(part, input_ids, labels, attention) per block of recorded rows, as [N, T] matrices."""
     for offset in range(0, frame.height, rows):
         part = frame.slice(offset, rows)
-        yield (part, to_matrix(part["input_ids"], -1), to_matrix(part["labels"], IGNORE_INDEX),
-               to_matrix(part["attention_mask"], 0))
+        yield (
+            part,
+            to_matrix(part["input_ids"], -1),
+            to_matrix(part["labels"], IGNORE_INDEX),
+            to_matrix(part["attention_mask"], 0),
+        )
 
 
 # --------------------------------------------------------------------------- tokenizer

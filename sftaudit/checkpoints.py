@@ -27,9 +27,10 @@ import pickletools
 import struct
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -65,33 +66,79 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, str, int | None]] = {
 
 # torch storage class name -> (torch dtype name, element bytes)
 TORCH_STORAGES = {
-    "DoubleStorage": ("float64", 8), "FloatStorage": ("float32", 4), "HalfStorage": ("float16", 2),
-    "BFloat16Storage": ("bfloat16", 2), "LongStorage": ("int64", 8), "IntStorage": ("int32", 4),
-    "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1),
+    "DoubleStorage": ("float64", 8),
+    "FloatStorage": ("float32", 4),
+    "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2),
+    "LongStorage": ("int64", 8),
+    "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2),
+    "CharStorage": ("int8", 1),
+    "ByteStorage": ("uint8", 1),
     "BoolStorage": ("bool", 1),
 }
 
 # Imports a weights-only loader allows (torch's own allowlist, in spirit): rebuilding tensors,
 # containers, dtypes/devices, numpy arrays for RNG states. Everything else is reported.
-SAFE_GLOBALS = frozenset({
-    "collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.slice", "builtins.complex",
-    "builtins.bytearray", "_codecs.encode", "torch.Size", "torch.device", "torch.serialization._get_layout",
-    "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
-    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
-    "torch._tensor._rebuild_from_type_v2", "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
-    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
-    *(f"torch.{name}" for name in TORCH_STORAGES),
-    *(f"torch.{name}" for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                                   "uint8", "bool", "strided", "sparse_coo")),
-})
+SAFE_GLOBALS = frozenset(
+    {
+        "collections.OrderedDict",
+        "builtins.set",
+        "builtins.frozenset",
+        "builtins.slice",
+        "builtins.complex",
+        "builtins.bytearray",
+        "_codecs.encode",
+        "torch.Size",
+        "torch.device",
+        "torch.serialization._get_layout",
+        "torch._utils._rebuild_tensor",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_tensor_v3",
+        "torch._utils._rebuild_parameter",
+        "torch._utils._rebuild_parameter_with_state",
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.storage.UntypedStorage",
+        "torch.storage.TypedStorage",
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray.scalar",
+        *(f"torch.{name}" for name in TORCH_STORAGES),
+        *(
+            f"torch.{name}"
+            for name in (
+                "float64",
+                "float32",
+                "float16",
+                "bfloat16",
+                "int64",
+                "int32",
+                "int16",
+                "int8",
+                "uint8",
+                "bool",
+                "strided",
+                "sparse_coo",
+            )
+        ),
+    }
+)
 # Classes the Hugging Face Trainer itself pickles into training_args.bin (plain config objects).
 TRAINER_GLOBALS = (
-    "transformers.training_args.*", "transformers.training_args_seq2seq.*", "transformers.trainer_utils.*",
-    "transformers.trainer_pt_utils.AcceleratorConfig", "accelerate.state.PartialState",
-    "accelerate.utils.dataclasses.*", "trl.trainer.*_config.*", "numpy.dtypes.*",
+    "transformers.training_args.*",
+    "transformers.training_args_seq2seq.*",
+    "transformers.trainer_utils.*",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.*",
+    "trl.trainer.*_config.*",
+    "numpy.dtypes.*",
     # DeepSpeed's optimizer shards: its loss scaler and bf16 fragment addresses (plain objects).
-    "deepspeed.runtime.fp16.loss_scaler.*", "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.fp16.loss_scaler.*",
+    "deepspeed.utils.tensor_fragment.fragment_address",
 )
 
 
@@ -154,11 +201,11 @@ def inside_run(run_dir: str | Path, relative: str) -> Path:
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: str          # torch-style name: "float32", "bfloat16", ...
+    dtype: str  # torch-style name: "float32", "bfloat16", ...
     shape: tuple[int, ...]
-    begin: int          # absolute byte offsets in the file
+    begin: int  # absolute byte offsets in the file
     end: int
-    raw: str            # safetensors dtype code
+    raw: str  # safetensors dtype code
 
 
 @dataclass(frozen=True)
@@ -166,8 +213,8 @@ class TensorScan:
     """What streaming one tensor's bytes found."""
 
     nonfinite: int
-    digest: str         # blake2b of the raw bytes: equal digests = identical values
-    all_zero: bool      # every byte zero (a LoRA B matrix never trained is exactly zero)
+    digest: str  # blake2b of the raw bytes: equal digests = identical values
+    all_zero: bool  # every byte zero (a LoRA B matrix never trained is exactly zero)
 
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
@@ -180,8 +227,9 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
             raise CheckpointError(f"{path.name}: {size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES or length > size - 8:
-            raise CheckpointError(f"{path.name}: header claims {length} bytes but the file holds {size} "
-                                  f"(truncated or hostile header)")
+            raise CheckpointError(
+                f"{path.name}: header claims {length} bytes but the file holds {size} (truncated or hostile header)"
+            )
         raw = f.read(length)
     try:
         header = json.loads(raw)
@@ -212,16 +260,20 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not 0 <= begin <= end:
         raise CheckpointError(f"{bad} has malformed data_offsets [{begin}, {end}]")
     if begin > data_size:
-        raise CheckpointError(f"{bad} has data_offsets [{begin}, {end}] pointing outside the file's {data_size} "
-                              f"data bytes (hostile or corrupt header)")
+        raise CheckpointError(
+            f"{bad} has data_offsets [{begin}, {end}] pointing outside the file's {data_size} "
+            f"data bytes (hostile or corrupt header)"
+        )
     if end > data_size:
         raise CheckpointError(f"{bad} ends at data byte {end} but the file holds {data_size}: the file is truncated")
     item = np.dtype(SAFETENSORS_DTYPES[spec["dtype"]][0]).itemsize
     if end - begin != math.prod(shape) * item:
-        raise CheckpointError(f"{bad}: shape {shape} needs {math.prod(shape) * item} bytes, "
-                              f"data_offsets give {end - begin}")
-    return TensorEntry(name, SAFETENSORS_DTYPES[spec["dtype"]][1], tuple(shape), data_start + begin,
-                       data_start + end, spec["dtype"])
+        raise CheckpointError(
+            f"{bad}: shape {shape} needs {math.prod(shape) * item} bytes, data_offsets give {end - begin}"
+        )
+    return TensorEntry(
+        name, SAFETENSORS_DTYPES[spec["dtype"]][1], tuple(shape), data_start + begin, data_start + end, spec["dtype"]
+    )
 
 
 def scan_safetensors(path: Path, entries: list[TensorEntry]) -> Iterator[tuple[TensorEntry, TensorScan]]:
@@ -293,7 +345,7 @@ class Call:
 class TensorRef:
     dtype: str
     shape: tuple[int, ...]
-    storage: str        # the storage record's key in the archive
+    storage: str  # the storage record's key in the archive
     storage_numel: int | None = None  # elements of that storage, as the pickle declares them
 
 
@@ -304,8 +356,9 @@ class PickleContents:
 
     def unsafe_globals(self, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> list[str]:
         """Imports a weights-only load would refuse (and that could run code on a plain load)."""
-        return sorted(g for g in self.globals
-                      if g not in SAFE_GLOBALS and not any(fnmatch.fnmatchcase(g, p) for p in trusted))
+        return sorted(
+            g for g in self.globals if g not in SAFE_GLOBALS and not any(fnmatch.fnmatchcase(g, p) for p in trusted)
+        )
 
 
 _MARK = object()
@@ -329,15 +382,17 @@ def read_pickle(path: Path) -> PickleContents:
                     if len(names) != 1:
                         raise CheckpointError(f"{path.name}: a zip archive without exactly one data.pkl")
                     if names[0].file_size > MAX_PICKLE_BYTES:
-                        raise CheckpointError(f"{path.name}: its pickle is {names[0].file_size} bytes, too large "
-                                              f"to inspect")
+                        raise CheckpointError(
+                            f"{path.name}: its pickle is {names[0].file_size} bytes, too large to inspect"
+                        )
                     data = z.read(names[0])
             else:
                 f.seek(0)
                 data = f.read(MAX_PICKLE_BYTES + 1)
                 if len(data) > MAX_PICKLE_BYTES:
-                    raise CheckpointError(f"{path.name}: over {MAX_PICKLE_BYTES} bytes, too large to inspect as a "
-                                          f"pickle")
+                    raise CheckpointError(
+                        f"{path.name}: over {MAX_PICKLE_BYTES} bytes, too large to inspect as a pickle"
+                    )
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path.name}: not a readable file ({type(exc).__name__}: {one_line(exc)})") from None
     seen: set[str] = set()
@@ -345,8 +400,17 @@ def read_pickle(path: Path) -> PickleContents:
         return _walk(data, seen)
     except _Unwalkable as exc:
         why = str(exc)
-    except (ValueError, IndexError, KeyError, TypeError, EOFError, AttributeError, RecursionError,
-            MemoryError, OverflowError) as exc:
+    except (
+        ValueError,
+        IndexError,
+        KeyError,
+        TypeError,
+        EOFError,
+        AttributeError,
+        RecursionError,
+        MemoryError,
+        OverflowError,
+    ) as exc:
         why = f"{type(exc).__name__}: {one_line(exc, 120)}"
     raise UnreadablePickle(path, why, sorted(seen))
 
@@ -355,8 +419,9 @@ class UnreadablePickle(CheckpointError):
     """A pickle the static walk could not finish: refuse to load it (it may hide anything)."""
 
     def __init__(self, path: Path, why: str, seen: list[str]):
-        unsafe = [g for g in seen if g not in SAFE_GLOBALS and not any(fnmatch.fnmatchcase(g, p) for p in
-                                                                       TRAINER_GLOBALS)]
+        unsafe = [
+            g for g in seen if g not in SAFE_GLOBALS and not any(fnmatch.fnmatchcase(g, p) for p in TRAINER_GLOBALS)
+        ]
         also = f"; before that it asked to import {', '.join(unsafe[:3])}" if unsafe else ""
         super().__init__(f"{path.name}: unreadable pickle ({why}): refuse to load{also}")
         self.imports = unsafe
@@ -578,8 +643,11 @@ def _call(func: Any, args: Any) -> Any:
     name = str(func) if isinstance(func, Global) else ""
     args = args if isinstance(args, tuple) else ()
     if name == "collections.OrderedDict":
-        return _as_dict([x for pair in (args[0] if args and isinstance(args[0], list) else []) for x in pair]) \
-            if args else {}
+        return (
+            _as_dict([x for pair in (args[0] if args and isinstance(args[0], list) else []) for x in pair])
+            if args
+            else {}
+        )
     if name.startswith("torch._utils._rebuild_tensor") and len(args) >= 3:
         storage = args[0]
         pid = storage[1] if isinstance(storage, tuple) and len(storage) == 2 else ()
@@ -644,12 +712,16 @@ def _check_storage_size(path: Path, ref: TensorRef, record: zipfile.ZipInfo) -> 
     item = np.dtype(_BITS_BY_TORCH_DTYPE.get(ref.dtype, ("u1", None))[0]).itemsize
     declared = ref.storage_numel * item if ref.storage_numel is not None else None
     if declared is None or record.file_size != declared:
-        raise CheckpointError(f"{path.name}: storage record {ref.storage} holds {record.file_size} bytes but the "
-                              f"pickle declares {declared if declared is not None else 'no size'} for it "
-                              f"({ref.dtype} x {ref.storage_numel}); refusing to decompress it (hostile or corrupt)")
+        raise CheckpointError(
+            f"{path.name}: storage record {ref.storage} holds {record.file_size} bytes but the "
+            f"pickle declares {declared if declared is not None else 'no size'} for it "
+            f"({ref.dtype} x {ref.storage_numel}); refusing to decompress it (hostile or corrupt)"
+        )
     if record.compress_type != zipfile.ZIP_STORED and record.file_size > 1100 * max(record.compress_size, 1):
-        raise CheckpointError(f"{path.name}: storage record {ref.storage} claims to inflate {record.compress_size} "
-                              f"bytes to {record.file_size}, more than deflate can; refusing to decompress it")
+        raise CheckpointError(
+            f"{path.name}: storage record {ref.storage} claims to inflate {record.compress_size} "
+            f"bytes to {record.file_size}, more than deflate can; refusing to decompress it"
+        )
 
 
 def _scan_stream(stream: Any, bits: str, mask: int | None) -> TensorScan:

@@ -17,8 +17,10 @@ from .terminal import json_safe, safe_name, shown
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
 DEFAULT_REPORTS = Path("reports")
-DATA_HELP = ("a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
-             "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it")
+DATA_HELP = (
+    "a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
+    "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _at_least(low: int):
     """An argparse type: an integer >= low, refused in one line otherwise."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -36,6 +39,7 @@ def _at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is less than {low}")
         return value
+
     parse.__name__ = f"integer >= {low}"
     return parse
 
@@ -44,13 +48,19 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sftaudit", description="Audit a supervised fine-tuning run from its sftaudit artifacts.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("import", help="write artifacts for a Trainer/TRL output_dir trained without the shim "
-                                      "(audit, replay and gate import such a folder themselves)")
+    s = sub.add_parser(
+        "import",
+        help="write artifacts for a Trainer/TRL output_dir trained without the shim "
+        "(audit, replay and gate import such a folder themselves)",
+    )
     s.add_argument("run_dir", type=Path)
     s.add_argument("--data", type=Path, help=DATA_HELP)
 
-    s = sub.add_parser("probe", help="run each surviving checkpoint of a run on probe prompts and an eval set "
-                                     "(needs torch), so LOOP-06/07/08 run at checkpoint granularity")
+    s = sub.add_parser(
+        "probe",
+        help="run each surviving checkpoint of a run on probe prompts and an eval set "
+        "(needs torch), so LOOP-06/07/08 run at checkpoint granularity",
+    )
     s.add_argument("run_dir", type=Path)
     s.add_argument("--prompts", type=Path, required=True, help="text file: one probe prompt (user message) per line")
     s.add_argument("--eval", type=Path, help="JSONL eval set: {id, messages, reference} per line")
@@ -82,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--template", type=Path, help="chat template file to use instead of the tokenizer's")
     s.add_argument("--collator", help="module:function called as function(tokenizer, rows) (default: completion-only)")
     s.add_argument("--batch-size", type=_at_least(1), default=8)
-    s.add_argument("--max-length", type=_at_least(1), help="truncate to this many tokens (default: the tokenizer's limit)")
+    s.add_argument(
+        "--max-length", type=_at_least(1), help="truncate to this many tokens (default: the tokenizer's limit)"
+    )
     s.add_argument("--out", type=Path, help="output folder (default: reports/preflight-<data>/)")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
@@ -106,12 +118,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, help="write the gate result as JSON here")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 of the findings up to the checkpoint here")
 
-    s = sub.add_parser("diff", help="where run B starts to differ from run A (or from a golden file): exit 0 same, "
-                                    "1 diverged, 2 cannot compare")
+    s = sub.add_parser(
+        "diff",
+        help="where run B starts to differ from run A (or from a golden file): exit 0 same, "
+        "1 diverged, 2 cannot compare",
+    )
     s.add_argument("run_a", type=Path, help="a run folder or a golden file")
     s.add_argument("run_b", type=Path, help="a run folder or a golden file")
-    s.add_argument("--tolerance", type=float, help="a relative difference above this diverges (default: against "
-                                                   "the runs' own step-to-step noise)")
+    s.add_argument(
+        "--tolerance",
+        type=float,
+        help="a relative difference above this diverges (default: against the runs' own step-to-step noise)",
+    )
     s.add_argument("--exact", action="store_true", help="any difference diverges (same-seed CPU runs)")
     s.add_argument("--json", action="store_true", help="print the comparison as JSON")
     s.add_argument("--out", type=Path, help="write diff.html here")
@@ -184,7 +202,9 @@ def _write(path: Path, text: str, what: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise InputError(f"{what} {path}: cannot write ({exc.strerror or one_line(exc)}); give a writable file path") from None
+        raise InputError(
+            f"{what} {path}: cannot write ({exc.strerror or one_line(exc)}); give a writable file path"
+        ) from None
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -192,10 +212,12 @@ def _import(args: argparse.Namespace) -> int:
 
     done = import_run(args.run_dir, args.data, progress=True)
     resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
-    _say(f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
-          f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
-          + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
-          + ("" if done["tokenizer"] else "; no saved tokenizer"))
+    _say(
+        f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
+        f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
+        + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
+        + ("" if done["tokenizer"] else "; no saved tokenizer")
+    )
     return EXIT_PASS
 
 
@@ -215,9 +237,18 @@ def _probe(args: argparse.Namespace) -> int:
     try:
         from .shim.posthoc import probe_checkpoints
     except ImportError as exc:
-        raise InputError(f"probing runs the checkpoints and needs the training side: pip install 'sftaudit[shim]' ({exc})") from None
-    timings = probe_checkpoints(args.run_dir, prompts, eval_set, base=args.base, progress=not args.quiet,
-                                max_new_tokens=args.max_new_tokens, generations_per_prompt=args.samples)
+        raise InputError(
+            f"probing runs the checkpoints and needs the training side: pip install 'sftaudit[shim]' ({exc})"
+        ) from None
+    timings = probe_checkpoints(
+        args.run_dir,
+        prompts,
+        eval_set,
+        base=args.base,
+        progress=not args.quiet,
+        max_new_tokens=args.max_new_tokens,
+        generations_per_prompt=args.samples,
+    )
     ensure_artifacts(args.run_dir)  # the manifest gains the prompts and the eval set
     for t in timings:
         _say(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
@@ -239,9 +270,8 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from .ingest import ingest
-
     from .config import AuditConfig
+    from .ingest import ingest
 
     config = AuditConfig.load(args.config)
     added = ingest(args.run_dir, config.max_record_bytes, config.max_file_bytes)
@@ -290,9 +320,17 @@ def _preflight(args: argparse.Namespace) -> int:
 
     config = AuditConfig.load(args.config)
     out = _out_dir(args, f"preflight-{args.data.stem}")
-    verdict = preflight(args.data, args.tokenizer, out, template=args.template, collator=args.collator,
-                        batch_size=args.batch_size, max_length=args.max_length, config=config,
-                        progress=not args.quiet)
+    verdict = preflight(
+        args.data,
+        args.tokenizer,
+        out,
+        template=args.template,
+        collator=args.collator,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        config=config,
+        progress=not args.quiet,
+    )
     _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
     report = None
     if not args.no_report:
@@ -348,13 +386,30 @@ def _diff(args: argparse.Namespace) -> int:
 
         write_diff_report(result, args.out)
     if args.json:
-        keys = ("a", "b", "mode", "tolerance", "steps_compared", "first_divergent_step", "series", "tensors",
-                "differences", "findings_only_in")
+        keys = (
+            "a",
+            "b",
+            "mode",
+            "tolerance",
+            "steps_compared",
+            "first_divergent_step",
+            "series",
+            "tensors",
+            "differences",
+            "findings_only_in",
+        )
         print(json_safe(json.dumps({k: result[k] for k in keys}, indent=2, default=str)))
     else:
         first = result["first_divergent_step"]
-        _say(f"{result['b']} against {result['a']}: " + (f"diverged at step {first}" if first is not None else
-             f"no divergence over {result['steps_compared']} steps") + f" ({result['mode']})")
+        _say(
+            f"{result['b']} against {result['a']}: "
+            + (
+                f"diverged at step {first}"
+                if first is not None
+                else f"no divergence over {result['steps_compared']} steps"
+            )
+            + f" ({result['mode']})"
+        )
         if result["tensors"]:
             _say("  tensors that moved first: " + ", ".join(result["tensors"]))
         for d in result["differences"]:
@@ -362,9 +417,13 @@ def _diff(args: argparse.Namespace) -> int:
         for side in ("a", "b"):
             only = (result["findings_only_in"] or {}).get(side) or []
             if only:
-                _say(f"  only in {result[side]}: " + ", ".join(f"{f['code']} {f['severity']}"
-                                                            + (f" @{f['step']}" if f["step"] is not None else "")
-                                                            for f in only))
+                _say(
+                    f"  only in {result[side]}: "
+                    + ", ".join(
+                        f"{f['code']} {f['severity']}" + (f" @{f['step']}" if f["step"] is not None else "")
+                        for f in only
+                    )
+                )
     return EXIT_FAIL if result["first_divergent_step"] is not None else EXIT_PASS
 
 
@@ -408,7 +467,9 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
     lines += [f"  {e['code']} could not run: {shown(e['error'])}" for e in verdict["check_errors"]]
     evidence = verdict.get("evidence") or {}
     lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]
-    lines += [f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])]
+    lines += [
+        f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
+    ]
     lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
     not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
     if not_run:
@@ -419,8 +480,19 @@ def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> No
     _say("\n".join(lines))
 
 
-_COMMANDS = {"import": _import, "probe": _probe, "ingest": _ingest, "audit": _audit, "report": _report, "preflight": _preflight,
-             "replay": _replay, "gate": _gate, "diff": _diff, "golden": _golden, "demo": _demo}
+_COMMANDS = {
+    "import": _import,
+    "probe": _probe,
+    "ingest": _ingest,
+    "audit": _audit,
+    "report": _report,
+    "preflight": _preflight,
+    "replay": _replay,
+    "gate": _gate,
+    "diff": _diff,
+    "golden": _golden,
+    "demo": _demo,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

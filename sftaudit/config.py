@@ -75,9 +75,17 @@ def _type_name(kind: type) -> str:
 
 def _checked(where: str, value: Any, kind: type) -> Any:
     """`value` if it has the type `kind` (an integer is a number too; a bool is neither), else InputError."""
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-        isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
+    ok = (
+        isinstance(value, bool)
+        if kind is bool
+        else (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind is float
+            else isinstance(value, int) and not isinstance(value, bool)
+            if kind is int
+            else isinstance(value, kind)
+        )
+    )
     if not ok:
         raise InputError(f"{where} must be {_type_name(kind)}, not {value!r}")
     if kind in (int, float) and not (math.isfinite(value) and value >= 0):
@@ -97,7 +105,7 @@ def _check_options(path: Any, checks: Any, known: dict[str, dict[str, Any]]) -> 
         defaults = known[code]
         for name, value in options.items():
             if name not in defaults:
-                raise InputError(f'config {path}: {code}: unknown options [{name!r}]; known: {sorted(defaults)}')
+                raise InputError(f"config {path}: {code}: unknown options [{name!r}]; known: {sorted(defaults)}")
             default = defaults[name]
             kind = _OPTIONAL_TYPES.get(name, str) if default is None else type(default)
             _checked(f'config {path}: checks."{code}".{name}', value, kind)
@@ -128,7 +136,7 @@ class AuditConfig:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     @classmethod
-    def load(cls, path: str | Path | None) -> "AuditConfig":
+    def load(cls, path: str | Path | None) -> AuditConfig:
         if path is None:
             return cls()
         try:
@@ -138,34 +146,51 @@ class AuditConfig:
         return cls.from_dict(data, path)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], path: Any = "<dict>") -> "AuditConfig":
+    def from_dict(cls, data: dict[str, Any], path: Any = "<dict>") -> AuditConfig:
         from .checks import registered_checks  # the known codes and their option types
 
         known = {c.code: c.defaults for c in registered_checks()}
         unknown = sorted(set(data) - _SECTIONS)
         if unknown:
-            raise InputError(f"config {path}: unknown section [{unknown[0]}]; known: "
-                             + ", ".join(f"[{s}]" for s in sorted(_SECTIONS)))
+            raise InputError(
+                f"config {path}: unknown section [{unknown[0]}]; known: "
+                + ", ".join(f"[{s}]" for s in sorted(_SECTIONS))
+            )
         audit = _table(path, data, "audit", {"disable", "strict"})
         verdict = _table(path, data, "verdict", {"rollback_margin", "max_missing_share"})
         ingest = _table(path, data, "ingest", {"max_record_bytes", "max_file_bytes"})
         disabled = _checked(f"config {path}: audit.disable", audit.get("disable", []), list)
         for code in disabled:
             if code not in known:
-                raise InputError(f"config {path}: audit.disable names unknown check {code!r}; known: {', '.join(known)}")
-        margin = _checked(f"config {path}: verdict.rollback_margin",
-                          verdict.get("rollback_margin", DEFAULT_ROLLBACK_MARGIN), int)
+                raise InputError(
+                    f"config {path}: audit.disable names unknown check {code!r}; known: {', '.join(known)}"
+                )
+        margin = _checked(
+            f"config {path}: verdict.rollback_margin", verdict.get("rollback_margin", DEFAULT_ROLLBACK_MARGIN), int
+        )
         if margin < 1:
             raise InputError(f"config {path}: verdict.rollback_margin must be an integer >= 1")
-        share = _checked(f"config {path}: verdict.max_missing_share",
-                         verdict.get("max_missing_share", DEFAULT_MAX_MISSING_SHARE), float)
+        share = _checked(
+            f"config {path}: verdict.max_missing_share",
+            verdict.get("max_missing_share", DEFAULT_MAX_MISSING_SHARE),
+            float,
+        )
         if share > 1:
             raise InputError(f"config {path}: verdict.max_missing_share is a share between 0 and 1, not {share}")
-        limits = {k: _checked(f"config {path}: ingest.{k}", ingest.get(k, default), int)
-                  for k, default in (("max_record_bytes", DEFAULT_MAX_RECORD_BYTES),
-                                     ("max_file_bytes", DEFAULT_MAX_FILE_BYTES))}
+        limits = {
+            k: _checked(f"config {path}: ingest.{k}", ingest.get(k, default), int)
+            for k, default in (
+                ("max_record_bytes", DEFAULT_MAX_RECORD_BYTES),
+                ("max_file_bytes", DEFAULT_MAX_FILE_BYTES),
+            )
+        }
         if min(limits.values()) < 1:
             raise InputError(f"config {path}: ingest limits must be at least 1 byte")
-        return cls(check_options=_check_options(path, data.get("checks", {}), known), disabled=list(disabled),
-                   strict=_checked(f"config {path}: audit.strict", audit.get("strict", False), bool),
-                   rollback_margin=margin, max_missing_share=share, **limits)
+        return cls(
+            check_options=_check_options(path, data.get("checks", {}), known),
+            disabled=list(disabled),
+            strict=_checked(f"config {path}: audit.strict", audit.get("strict", False), bool),
+            rollback_margin=margin,
+            max_missing_share=share,
+            **limits,
+        )

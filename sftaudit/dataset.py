@@ -8,9 +8,10 @@ import importlib
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -72,8 +73,15 @@ def load_collator(spec: str) -> Callable[..., dict]:
         raise InputError(f"--collator {spec}: {one_line(exc)}") from None
 
 
-def dataset_batches(tokenizer, rows: list[dict], *, collator: str | None = None, batch_size: int = 8,
-                    max_length: int | None = None, progress: bool = True):
+def dataset_batches(
+    tokenizer,
+    rows: list[dict],
+    *,
+    collator: str | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+):
     """Every row rendered with the tokenizer's chat template, tokenized and collated (by `collator`, or the
     standard completion-only one): (sample ids, renders, render failures, batches, max_length used).
     Also the dataset path of an imported run (`sftaudit import --data`)."""
@@ -85,6 +93,7 @@ def dataset_batches(tokenizer, rows: list[dict], *, collator: str | None = None,
     # The standard collator's tokenization runs on a worker thread, a chunk of renders at a time, while
     # the next chunk renders (the tokenizer's Rust backend releases the GIL): both cores work.
     with ThreadPoolExecutor(max_workers=1) as pool:
+
         def encode(texts):
             return pool.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
 
@@ -113,12 +122,19 @@ def layout_or_none(tokenizer):
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="sample", desc="preflight", file=sys.stderr,
-                disable=not enabled or total < PROGRESS_FROM, mininterval=0.5)
+    return tqdm(
+        total=total,
+        unit="sample",
+        desc="preflight",
+        file=sys.stderr,
+        disable=not enabled or total < PROGRESS_FROM,
+        mininterval=0.5,
+    )
 
 
-def _render(rows, ids, renderer: Renderer, bar, encode=None) -> tuple[dict[int, tuple[str, list]],
-                                                                      list[tuple[str, str, str]], list]:
+def _render(
+    rows, ids, renderer: Renderer, bar, encode=None
+) -> tuple[dict[int, tuple[str, list]], list[tuple[str, str, str]], list]:
     """Every row rendered; the failures as (sample id, kind, message): the template refusing the row
     (`render_failed`) or a message's content missing from its render (`content_dropped`). With
     `encode`, each chunk of rendered texts (in row order) is handed to it as soon as it is complete;
@@ -139,8 +155,9 @@ def _render(rows, ids, renderer: Renderer, bar, encode=None) -> tuple[dict[int, 
             for m in messages:
                 content = m.get("content") if isinstance(m, dict) else None
                 if isinstance(content, str) and content.strip() and content.strip() not in text:
-                    failures.append((ids[i], "content_dropped",
-                                     f"the {m.get('role')} message's content is missing from the render"))
+                    failures.append(
+                        (ids[i], "content_dropped", f"the {m.get('role')} message's content is missing from the render")
+                    )
                     break
             if encode is not None:
                 pending.append(text)
@@ -159,8 +176,9 @@ def _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max
     without generation spans, on each assistant turn of the template's `layout` (content through
     the end-of-turn marker)."""
     lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
-    flat_ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
-                           count=int(lengths.sum()))
+    flat_ids = np.fromiter(
+        itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=int(lengths.sum())
+    )
     row_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     # +1 where an assistant span starts, -1 after it ends; the running sum marks the span tokens.
     edges = np.zeros(len(flat_ids) + 1, dtype=np.int64)
@@ -191,22 +209,33 @@ def _standard_batches(tokenizer, rendered, encodings, ids, keep, batch_size, max
         else:
             expected, _ = expected_labels(np.where(inside, input_ids, -1), inside, layout, tokenizer.pad_token_id)
             labels = np.where(expected == TRAINED, input_ids, IGNORE_INDEX)
-        batches.append({"sample_ids": [ids[keep[r]] for r in rows], "input_ids": input_ids, "labels": labels,
-                        "attention_mask": inside.astype(np.int64)})
+        batches.append(
+            {
+                "sample_ids": [ids[keep[r]] for r in rows],
+                "input_ids": input_ids,
+                "labels": labels,
+                "attention_mask": inside.astype(np.int64),
+            }
+        )
     return batches
 
 
 def _custom_batches(collate, tokenizer, rows, ids, keep, batch_size, max_length, bar) -> list[dict]:
     batches = []
     for b in range(0, len(keep), batch_size):
-        chunk = keep[b:b + batch_size]
+        chunk = keep[b : b + batch_size]
         try:
             out = collate(tokenizer, [rows[i] for i in chunk], **({"max_length": max_length} if max_length else {}))
             batch = {k: np.asarray(out[k]) for k in ("input_ids", "labels")}
-            batch["attention_mask"] = np.asarray(out["attention_mask"]) if out.get("attention_mask") is not None \
+            batch["attention_mask"] = (
+                np.asarray(out["attention_mask"])
+                if out.get("attention_mask") is not None
                 else np.ones_like(batch["input_ids"])
+            )
         except Exception as exc:  # noqa: BLE001 - the user's collator failing is bad input
-            raise InputError(f"--collator failed on rows from {ids[chunk[0]]}: {type(exc).__name__}: {one_line(exc)}") from None
+            raise InputError(
+                f"--collator failed on rows from {ids[chunk[0]]}: {type(exc).__name__}: {one_line(exc)}"
+            ) from None
         batch["sample_ids"] = [ids[i] for i in chunk]
         batches.append(batch)
         bar.update(len(chunk))
@@ -217,17 +246,28 @@ def batch_record(batch: dict, step: int, micro: int, tokenizer_length: int, fing
     """The ``batches`` record of one collated batch: the fields the dataset path writes
     (`sftaudit.schema.records`; the rest need the run's forward and backward)."""
     real, trained = batch["attention_mask"] != 0, batch["labels"] != IGNORE_INDEX
-    return {"seg": 0, "step": step, "micro": micro, "rows": len(batch["sample_ids"]),
-            "seq_len": int(batch["input_ids"].shape[1]), "sample_ids": batch["sample_ids"],
-            "lengths": real.sum(1).tolist(), "label_tokens": trained.sum(1).tolist(),
-            "padding_trained": (trained & ~real).sum(1).tolist(), "left_padded_rows": int((~real[:, 0]).sum()),
-            "tokenizer_length": tokenizer_length, "template_fingerprint": fingerprint}
+    return {
+        "seg": 0,
+        "step": step,
+        "micro": micro,
+        "rows": len(batch["sample_ids"]),
+        "seq_len": int(batch["input_ids"].shape[1]),
+        "sample_ids": batch["sample_ids"],
+        "lengths": real.sum(1).tolist(),
+        "label_tokens": trained.sum(1).tolist(),
+        "padding_trained": (trained & ~real).sum(1).tolist(),
+        "left_padded_rows": int((~real[:, 0]).sum()),
+        "tokenizer_length": tokenizer_length,
+        "template_fingerprint": fingerprint,
+    }
 
 
 def failure_records(failures: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
     """The rows the template refused or dropped content from, as ``events`` records (LOOP-01)."""
-    return [{"seg": 0, "kind": kind, "time": float(i), "error": error, "sample_id": sample}
-            for i, (sample, kind, error) in enumerate(failures)]
+    return [
+        {"seg": 0, "kind": kind, "time": float(i), "error": error, "sample_id": sample}
+        for i, (sample, kind, error) in enumerate(failures)
+    ]
 
 
 def describe_rows(rows: list[dict]) -> dict[str, Any]:

@@ -59,8 +59,12 @@ def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) ->
                             ORDER BY step, prompt""").fetchall()
         order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
                            GROUP BY step ORDER BY step""").fetchall()
-        templates = [t for (t,) in con.sql("SELECT DISTINCT template_fingerprint FROM batches "
-                                            "WHERE template_fingerprint IS NOT NULL ORDER BY 1").fetchall()]
+        templates = [
+            t
+            for (t,) in con.sql(
+                "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
+            ).fetchall()
+        ]
         digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
                              GROUP BY path ORDER BY path""").fetchall()
     finally:
@@ -75,15 +79,20 @@ def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) ->
         "tensors": {name: {"steps": s, "norms": [_plain(v) for v in n]} for name, s, n in grads},
         "probes": [[s, p, i, _plain(v)] for s, p, i, v in probes],
         "data_order": {str(s): hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for s, ids in order},
-        "fingerprints": {"tokenizer": tokenizer.get("fingerprint"),
-                         "chat_template": template_fingerprint(tokenizer.get("chat_template")),
-                         "templates_trained": templates},
+        "fingerprints": {
+            "tokenizer": tokenizer.get("fingerprint"),
+            "chat_template": template_fingerprint(tokenizer.get("chat_template")),
+            "templates_trained": templates,
+        },
         "config": _without_location(manifest.get("config") or {}, run_dir),
         "versions": manifest.get("versions") or {},
         "checkpoints": {path: json.loads(sha) if isinstance(sha, str) else sha for path, sha in digests},
-        "findings": None if verdict is None else sorted(
+        "findings": None
+        if verdict is None
+        else sorted(
             {(f["code"], f["severity"], f["step"]) for f in verdict["findings"] if f["severity"] != "info"},
-            key=lambda f: (f[2] is None, f[2] or 0, f[0])),
+            key=lambda f: (f[2] is None, f[2] or 0, f[0]),
+        ),
     }
 
 
@@ -104,16 +113,24 @@ def load(source: str | Path) -> dict[str, Any]:
     try:
         golden = json.loads(source.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{source}: not a golden file ({exc.__class__.__name__.lower()}); "
-                         f"write one with `sftaudit golden RUN --out {source.name}`") from None
+        raise InputError(
+            f"{source}: not a golden file ({exc.__class__.__name__.lower()}); "
+            f"write one with `sftaudit golden RUN --out {source.name}`"
+        ) from None
     if not isinstance(golden, dict) or golden.get("sftaudit_golden") != GOLDEN_VERSION:
-        raise InputError(f"{source}: not a golden file of version {GOLDEN_VERSION}; "
-                         f"write it again with `sftaudit golden RUN --out {source.name}`")
-    golden["findings"] = [tuple(f) for f in golden.get("findings") or []] if golden.get("findings") is not None else None
+        raise InputError(
+            f"{source}: not a golden file of version {GOLDEN_VERSION}; "
+            f"write it again with `sftaudit golden RUN --out {source.name}`"
+        )
+    golden["findings"] = (
+        [tuple(f) for f in golden.get("findings") or []] if golden.get("findings") is not None else None
+    )
     return golden
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], tolerance: float | None = None, exact: bool = False) -> dict[str, Any]:
+def compare(
+    a: dict[str, Any], b: dict[str, Any], tolerance: float | None = None, exact: bool = False
+) -> dict[str, Any]:
     """Where b starts to differ from a: first divergent step, the tensors that moved first, what else
     differs, and the findings one run has that the other lacks."""
     if tolerance is not None and not (tolerance >= 0):
@@ -137,14 +154,15 @@ def compare(a: dict[str, Any], b: dict[str, Any], tolerance: float | None = None
     first = min(firsts) if firsts else None
     moved = sorted((t for t in tensors if t["step"] is not None), key=lambda t: (t["step"], -t["gap"]))
     return {
-        "a": a["run"], "b": b["run"],
+        "a": a["run"],
+        "b": b["run"],
         "mode": "exact" if exact else ("tolerance" if tolerance is not None else "noise"),
         "tolerance": tolerance,
         "steps_compared": int(common.size),
         "first_divergent_step": first,
         "series": series,
-        "tensors": [t["tensor"] for t in moved if t["step"] == first][:TENSORS_LISTED] or
-                   [t["tensor"] for t in moved][:TENSORS_LISTED],
+        "tensors": [t["tensor"] for t in moved if t["step"] == first][:TENSORS_LISTED]
+        or [t["tensor"] for t in moved][:TENSORS_LISTED],
         "differences": _differences(a, b, steps_a, steps_b),
         "findings_only_in": _findings_only_in(a, b),
     }
@@ -152,6 +170,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], tolerance: float | None = None
 
 def _judge(tolerance: float | None, exact: bool):
     """A function (x, y, log) -> per-step bool array: does y diverge from x there."""
+
     def differs(x, y, log):
         nan_mismatch = np.isnan(x) != np.isnan(y)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -166,6 +185,7 @@ def _judge(tolerance: float | None, exact: bool):
             noise = _noise(x, y)
             limit = NOISE_K * noise if noise > 0 else CONSTANT_RTOL * np.fmax(np.abs(x), np.abs(y))
             return nan_mismatch | (np.nan_to_num(gap, nan=0.0) > limit)
+
     return differs
 
 
@@ -186,8 +206,9 @@ def _tensor_divergence(a, b, judge) -> list[dict[str, Any]]:
     out = []
     for name in a["tensors"].keys() & b["tensors"].keys():
         ta, tb = a["tensors"][name], b["tensors"][name]
-        common, ia, ib = np.intersect1d(np.array(ta["steps"], dtype=np.int64), np.array(tb["steps"], dtype=np.int64),
-                                        return_indices=True)
+        common, ia, ib = np.intersect1d(
+            np.array(ta["steps"], dtype=np.int64), np.array(tb["steps"], dtype=np.int64), return_indices=True
+        )
         if not common.size:
             continue
         x, y = np.array(ta["norms"], dtype=float)[ia], np.array(tb["norms"], dtype=float)[ib]
@@ -220,18 +241,33 @@ def _differences(a, b, steps_a, steps_b) -> list[dict[str, Any]]:
         out.append({"what": "steps recorded", "a": _span(steps_a), "b": _span(steps_b)})
     for key in ("tokenizer", "chat_template", "templates_trained"):
         if a["fingerprints"].get(key) != b["fingerprints"].get(key):
-            out.append({"what": f"{key.replace('_', ' ')} fingerprint", "a": a["fingerprints"].get(key),
-                        "b": b["fingerprints"].get(key)})
+            out.append(
+                {
+                    "what": f"{key.replace('_', ' ')} fingerprint",
+                    "a": a["fingerprints"].get(key),
+                    "b": b["fingerprints"].get(key),
+                }
+            )
     out += _dict_diff("config", a["config"], b["config"]) + _dict_diff("version", a["versions"], b["versions"])
     order_a, order_b = a["data_order"], b["data_order"]
     differing = sorted(int(s) for s in order_a.keys() & order_b.keys() if order_a[s] != order_b[s])
     if differing:
-        out.append({"what": "data order", "a": f"first differs at step {differing[0]}",
-                    "b": f"{len(differing)} step(s) differ"})
+        out.append(
+            {
+                "what": "data order",
+                "a": f"first differs at step {differing[0]}",
+                "b": f"{len(differing)} step(s) differ",
+            }
+        )
     for path in sorted(a["checkpoints"].keys() & b["checkpoints"].keys()):
         if a["checkpoints"][path] != b["checkpoints"][path]:
-            out.append({"what": f"checkpoint digest {path}", "a": _digest(a["checkpoints"][path]),
-                        "b": _digest(b["checkpoints"][path])})
+            out.append(
+                {
+                    "what": f"checkpoint digest {path}",
+                    "a": _digest(a["checkpoints"][path]),
+                    "b": _digest(b["checkpoints"][path]),
+                }
+            )
     return out
 
 

@@ -39,8 +39,17 @@ LOG_SIGMA_FLOOR = math.log(1.2)
 SIGMA_OWN, MIN_RATIO, SIGMA_ACROSS = 6.0, 10.0, 3.0
 
 # One row per (rank, idx) in every engine, in this order and of these types.
-COLUMNS = {"rank": "Int32", "idx": "Int32", "steps": "Int64", "nonfinite": "Int64", "max_z": "Float64",
-           "max_z_step": "Int64", "spikes": "Int64", "flagged": "Int64", "first_flagged_step": "Int64"}
+COLUMNS = {
+    "rank": "Int32",
+    "idx": "Int32",
+    "steps": "Int64",
+    "nonfinite": "Int64",
+    "max_z": "Float64",
+    "max_z_step": "Int64",
+    "spikes": "Int64",
+    "flagged": "Int64",
+    "first_flagged_step": "Int64",
+}
 
 
 def _double(x: float) -> str:
@@ -120,12 +129,20 @@ ORDER BY rank, idx
 """
 
 
-def spike_sql(first_judged: int | None = None, sigma_own: float = SIGMA_OWN, min_ratio: float = MIN_RATIO,
-              sigma_across: float = SIGMA_ACROSS) -> str:
+def spike_sql(
+    first_judged: int | None = None,
+    sigma_own: float = SIGMA_OWN,
+    min_ratio: float = MIN_RATIO,
+    sigma_across: float = SIGMA_ACROSS,
+) -> str:
     """`SPIKE_SQL` with the check's thresholds (a config may override them) and the first judged step
     (LOOP-05's end of warmup; None: every step)."""
-    return SPIKE_SQL.format(first_judged=int(first_judged or -(2 ** 62)), sigma_own=_double(float(sigma_own)),
-                            log_min_ratio=_double(math.log(float(min_ratio))), sigma_across=_double(float(sigma_across)))
+    return SPIKE_SQL.format(
+        first_judged=int(first_judged or -(2**62)),
+        sigma_own=_double(float(sigma_own)),
+        log_min_ratio=_double(math.log(float(min_ratio))),
+        sigma_across=_double(float(sigma_across)),
+    )
 
 
 def series_root(run_dir: str | Path, name: str = GRAD_NORMS) -> Path:
@@ -166,59 +183,110 @@ def spark_statistic(source: str, spark, **thresholds):
     # Only closed parts: the journal of the steps since (journal-*.bin) is no Parquet file.
     spark.read.option("pathGlobFilter", "part-*.parquet").parquet(str(source)).createOrReplaceTempView(GRAD_NORMS)
     rows = spark.sql(spike_sql(**thresholds)).collect()
-    return _normalise(pl.DataFrame([tuple(r) for r in rows], schema={c: getattr(pl, t) for c, t in COLUMNS.items()},
-                                   orient="row"))
+    return _normalise(
+        pl.DataFrame([tuple(r) for r in rows], schema={c: getattr(pl, t) for c, t in COLUMNS.items()}, orient="row")
+    )
 
 
-def polars_statistic(run_dir: str | Path, first_judged: int | None = None, sigma_own: float = SIGMA_OWN,
-                     min_ratio: float = MIN_RATIO, sigma_across: float = SIGMA_ACROSS):
+def polars_statistic(
+    run_dir: str | Path,
+    first_judged: int | None = None,
+    sigma_own: float = SIGMA_OWN,
+    min_ratio: float = MIN_RATIO,
+    sigma_across: float = SIGMA_ACROSS,
+):
     """The statistic by Polars' lazy scan, written as expressions (not the SQL): a second implementation."""
     import polars as pl
 
     src = pl.scan_parquet(series_files(run_dir), hive_partitioning=True).select(
-        pl.col("rank").cast(pl.Int32), pl.col("seg").cast(pl.Int32), pl.col("step").cast(pl.Int64),
-        pl.col("idx").cast(pl.Int32), pl.col("norm").cast(pl.Float64))
+        pl.col("rank").cast(pl.Int32),
+        pl.col("seg").cast(pl.Int32),
+        pl.col("step").cast(pl.Int64),
+        pl.col("idx").cast(pl.Int32),
+        pl.col("norm").cast(pl.Float64),
+    )
     starts = src.group_by("rank", "seg").agg(first_step=pl.col("step").min())
-    cutoff = (starts.join(starts, on="rank", suffix="_later").filter(pl.col("seg_later") > pl.col("seg"))
-              .group_by("rank", "seg").agg(cut=pl.col("first_step_later").min()))
-    kept = (src.join(cutoff, on=["rank", "seg"], how="left")
-            .filter(pl.col("cut").is_null() | (pl.col("step") < pl.col("cut"))).drop("seg", "cut"))
-    positions = (kept.select("rank", "step").unique()
-                 .with_columns(pos=pl.col("step").rank("ordinal").over("rank").cast(pl.Int64) - 1))
+    cutoff = (
+        starts.join(starts, on="rank", suffix="_later")
+        .filter(pl.col("seg_later") > pl.col("seg"))
+        .group_by("rank", "seg")
+        .agg(cut=pl.col("first_step_later").min())
+    )
+    kept = (
+        src.join(cutoff, on=["rank", "seg"], how="left")
+        .filter(pl.col("cut").is_null() | (pl.col("step") < pl.col("cut")))
+        .drop("seg", "cut")
+    )
+    positions = (
+        kept.select("rank", "step")
+        .unique()
+        .with_columns(pos=pl.col("step").rank("ordinal").over("rank").cast(pl.Int64) - 1)
+    )
     widths = positions.group_by("rank").agg(
-        width=(pl.len().cast(pl.Int64) // WINDOW_SHARE).clip(WINDOW_MIN, WINDOW_MAX))
+        width=(pl.len().cast(pl.Int64) // WINDOW_SHARE).clip(WINDOW_MIN, WINDOW_MAX)
+    )
     norm = pl.col("norm")
     finite = norm.is_finite()
-    y = (kept.join(positions, on=["rank", "step"]).join(widths, on="rank")
-         .with_columns(blk=pl.col("pos") // pl.col("width"),
-                       y=pl.when(finite & (norm > 0) & (pl.col("step") >= (first_judged or -(2 ** 62))))
-                       .then(norm.log()),
-                       bad=norm.is_not_null() & ~finite))
-    block_median = (y.group_by("rank", "idx", "blk").agg(med=pl.col("y").median(), finite=pl.col("y").count(),
-                                                          width=pl.col("width").first())
-                    .filter(2 * pl.col("finite") >= pl.col("width")).select("rank", "idx", "blk", "med"))
-    block_sigma = (y.join(block_median, on=["rank", "idx", "blk"]).group_by("rank", "idx", "blk")
-                   .agg(pl.col("med").first(), sig=MAD_TO_SIGMA * (pl.col("y") - pl.col("med")).abs().median()))
-    history = (block_sigma.join(block_sigma.select("rank", "idx", h_blk="blk", h_sig="sig"), on=["rank", "idx"])
-               .filter(pl.col("h_blk").is_between(pl.col("blk") - (SIGMA_BLOCKS - 1), pl.col("blk"))))
-    baseline = (history.group_by("rank", "idx", "blk").agg(pl.col("med").first(), sigma=pl.col("h_sig").median())
-                .with_columns(blk=pl.col("blk") + 1))
-    scored = (y.filter(pl.col("y").is_not_null()).join(baseline, on=["rank", "idx", "blk"])
-              .with_columns(log_ratio=pl.col("y") - pl.col("med"))
-              .with_columns(z=pl.col("log_ratio") / pl.max_horizontal(pl.col("sigma"), pl.lit(LOG_SIGMA_FLOOR))))
+    y = (
+        kept.join(positions, on=["rank", "step"])
+        .join(widths, on="rank")
+        .with_columns(
+            blk=pl.col("pos") // pl.col("width"),
+            y=pl.when(finite & (norm > 0) & (pl.col("step") >= (first_judged or -(2**62)))).then(norm.log()),
+            bad=norm.is_not_null() & ~finite,
+        )
+    )
+    block_median = (
+        y.group_by("rank", "idx", "blk")
+        .agg(med=pl.col("y").median(), finite=pl.col("y").count(), width=pl.col("width").first())
+        .filter(2 * pl.col("finite") >= pl.col("width"))
+        .select("rank", "idx", "blk", "med")
+    )
+    block_sigma = (
+        y.join(block_median, on=["rank", "idx", "blk"])
+        .group_by("rank", "idx", "blk")
+        .agg(pl.col("med").first(), sig=MAD_TO_SIGMA * (pl.col("y") - pl.col("med")).abs().median())
+    )
+    history = block_sigma.join(block_sigma.select("rank", "idx", h_blk="blk", h_sig="sig"), on=["rank", "idx"]).filter(
+        pl.col("h_blk").is_between(pl.col("blk") - (SIGMA_BLOCKS - 1), pl.col("blk"))
+    )
+    baseline = (
+        history.group_by("rank", "idx", "blk")
+        .agg(pl.col("med").first(), sigma=pl.col("h_sig").median())
+        .with_columns(blk=pl.col("blk") + 1)
+    )
+    scored = (
+        y.filter(pl.col("y").is_not_null())
+        .join(baseline, on=["rank", "idx", "blk"])
+        .with_columns(log_ratio=pl.col("y") - pl.col("med"))
+        .with_columns(z=pl.col("log_ratio") / pl.max_horizontal(pl.col("sigma"), pl.lit(LOG_SIGMA_FLOOR)))
+    )
     spike = (pl.col("z") >= sigma_own) & (pl.col("log_ratio") >= math.log(min_ratio))
-    across = (scored.filter(spike).select("rank", "step").unique().join(scored, on=["rank", "step"])
-              .group_by("rank", "step").agg(centre=pl.col("log_ratio").mean(), spread=pl.col("log_ratio").std(ddof=0)))
-    judged = (scored.join(across, on=["rank", "step"], how="left")
-              .with_columns(spike=spike, flag=spike & (pl.when(pl.col("spread") > 0).then(
-                  (pl.col("log_ratio") - pl.col("centre")) / pl.col("spread")) >= sigma_across).fill_null(False)))
+    across = (
+        scored.filter(spike)
+        .select("rank", "step")
+        .unique()
+        .join(scored, on=["rank", "step"])
+        .group_by("rank", "step")
+        .agg(centre=pl.col("log_ratio").mean(), spread=pl.col("log_ratio").std(ddof=0))
+    )
+    judged = scored.join(across, on=["rank", "step"], how="left").with_columns(
+        spike=spike,
+        flag=spike
+        & (
+            pl.when(pl.col("spread") > 0).then((pl.col("log_ratio") - pl.col("centre")) / pl.col("spread"))
+            >= sigma_across
+        ).fill_null(False),
+    )
     per_tensor = judged.group_by("rank", "idx").agg(
-        max_z=pl.col("z").max(), max_z_step=pl.col("step").filter(pl.col("z") == pl.col("z").max()).min(),
-        spikes=pl.col("spike").sum(), flagged=pl.col("flag").sum(),
-        first_flagged_step=pl.col("step").filter(pl.col("flag")).min())
+        max_z=pl.col("z").max(),
+        max_z_step=pl.col("step").filter(pl.col("z") == pl.col("z").max()).min(),
+        spikes=pl.col("spike").sum(),
+        flagged=pl.col("flag").sum(),
+        first_flagged_step=pl.col("step").filter(pl.col("flag")).min(),
+    )
     counts = y.group_by("rank", "idx").agg(steps=pl.col("y").count(), nonfinite=pl.col("bad").sum())
-    out = (counts.join(per_tensor, on=["rank", "idx"], how="left")
-           .with_columns(pl.col("spikes", "flagged").fill_null(0)))
+    out = counts.join(per_tensor, on=["rank", "idx"], how="left").with_columns(pl.col("spikes", "flagged").fill_null(0))
     return _normalise(out.collect())
 
 
@@ -237,19 +305,26 @@ def tensor_names(run_dir: str | Path):
                 record = json.loads(line)
             except (ValueError, RecursionError):  # a torn last line: the record in flight at a crash
                 continue
-            if isinstance(record, dict) and isinstance(record.get("seg", 0), int) and \
-                    record.get("seg", 0) >= latest.get("seg", 0):
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get("seg", 0), int)
+                and record.get("seg", 0) >= latest.get("seg", 0)
+            ):
                 latest = record
         params = latest.get("params") if isinstance(latest.get("params"), list) else []
-        rows += [(int(rank), i, p["name"]) for i, p in enumerate(params)
-                 if isinstance(p, dict) and isinstance(p.get("name"), str)]
+        rows += [
+            (int(rank), i, p["name"])
+            for i, p in enumerate(params)
+            if isinstance(p, dict) and isinstance(p.get("name"), str)
+        ]
     return pl.DataFrame(rows, schema={"rank": pl.Int32, "idx": pl.Int32, "tensor": pl.String}, orient="row")
 
 
 def with_names(statistic, run_dir: str | Path):
     """The statistic with each tensor's name beside its index."""
     return statistic.join(tensor_names(run_dir), on=["rank", "idx"], how="left").select(
-        "rank", "idx", "tensor", *[c for c in COLUMNS if c not in ("rank", "idx")])
+        "rank", "idx", "tensor", *[c for c in COLUMNS if c not in ("rank", "idx")]
+    )
 
 
 def disagreement(a, b, rel: float = 1e-9) -> list[str]:
@@ -269,6 +344,8 @@ def disagreement(a, b, rel: float = 1e-9) -> list[str]:
             wrong = ~(both_null | (x == y))
         if wrong.any():
             i = int(np.argmax(wrong))
-            problems.append(f"{column}: {int(wrong.sum())} row(s) differ, first rank {a['rank'][i]} idx {a['idx'][i]}: "
-                            f"{a[column][i]} vs {b[column][i]}")
+            problems.append(
+                f"{column}: {int(wrong.sum())} row(s) differ, first rank {a['rank'][i]} idx {a['idx'][i]}: "
+                f"{a[column][i]} vs {b[column][i]}"
+            )
     return problems

@@ -49,7 +49,7 @@ class Policy:
     require_resume_state: bool = False
 
     @classmethod
-    def load(cls, path: str | Path | None, strict: bool = False) -> "Policy":
+    def load(cls, path: str | Path | None, strict: bool = False) -> Policy:
         data: dict[str, Any] = {}
         if path is not None:
             try:
@@ -63,8 +63,10 @@ class Policy:
                 raise InputError(f"policy {path}: [gate] must be a table")
             keys = {"block", "codes", "ignore", "require_resume_state"}
             if set(data) - keys:
-                raise InputError(f"policy {path}: unknown key {sorted(set(data) - keys)[0]!r} in [gate]; "
-                                 f"known: {', '.join(sorted(keys))}")
+                raise InputError(
+                    f"policy {path}: unknown key {sorted(set(data) - keys)[0]!r} in [gate]; "
+                    f"known: {', '.join(sorted(keys))}"
+                )
         lists = {}
         for key, default in (("block", ["fail"]), ("codes", []), ("ignore", [])):
             value = data.get(key, default)
@@ -75,7 +77,9 @@ class Policy:
         for key in ("codes", "ignore"):
             for code in lists[key]:
                 if code not in known:
-                    raise InputError(f"policy {path}: gate.{key} names unknown check {code!r}; known: {', '.join(known)}")
+                    raise InputError(
+                        f"policy {path}: gate.{key} names unknown check {code!r}; known: {', '.join(known)}"
+                    )
         resume = data.get("require_resume_state", False)
         if not isinstance(resume, bool):
             raise InputError(f"policy {path}: gate.require_resume_state must be true or false, not {resume!r}")
@@ -83,12 +87,19 @@ class Policy:
         unknown = block - set(SEVERITIES)
         if unknown:
             raise InputError(f"policy {path}: unknown severities {sorted(unknown)}; use {list(SEVERITIES)}")
-        return cls(tuple(s for s in SEVERITIES if s in block), tuple(sorted(lists["codes"])),
-                   tuple(sorted(lists["ignore"])), resume)
+        return cls(
+            tuple(s for s in SEVERITIES if s in block),
+            tuple(sorted(lists["codes"])),
+            tuple(sorted(lists["ignore"])),
+            resume,
+        )
 
     def blocks(self, finding: dict[str, Any]) -> bool:
-        return (finding["severity"] in self.block and finding["code"] not in self.ignore
-                and (not self.codes or finding["code"] in self.codes))
+        return (
+            finding["severity"] in self.block
+            and finding["code"] not in self.ignore
+            and (not self.codes or finding["code"] in self.codes)
+        )
 
 
 @dataclass
@@ -112,8 +123,11 @@ class GateResult:
             "run": self.run,
             "checkpoint": self.checkpoint,
             "result": "pass" if self.passed else "fail",
-            "policy": {"block": list(self.policy.block), "codes": list(self.policy.codes),
-                       "ignore": list(self.policy.ignore)},
+            "policy": {
+                "block": list(self.policy.block),
+                "codes": list(self.policy.codes),
+                "ignore": list(self.policy.ignore),
+            },
             "blocking": self.blocking,
             "findings": self.findings,
         }
@@ -127,8 +141,9 @@ class GateResult:
         suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
         counts = {"tests": 0, "failures": 0, "skipped": 0}
         for code, title, status, reason in self.checks:
-            case = ET.SubElement(suite, "testcase", {"classname": xml_text(f"sftaudit.{name}"),
-                                                     "name": xml_text(f"{code} {title}")})
+            case = ET.SubElement(
+                suite, "testcase", {"classname": xml_text(f"sftaudit.{name}"), "name": xml_text(f"{code} {title}")}
+            )
             counts["tests"] += 1
             mine = [f for f in self.findings if f["code"] == code]
             if status in ("disabled", "not_run"):
@@ -139,8 +154,9 @@ class GateResult:
             blocking = [f for f in mine if self.policy.blocks(f)]
             if blocking:
                 counts["failures"] += 1
-                failure = ET.SubElement(case, "failure", {"type": blocking[0]["severity"],
-                                                          "message": xml_text(blocking[0]["message"])})
+                failure = ET.SubElement(
+                    case, "failure", {"type": blocking[0]["severity"], "message": xml_text(blocking[0]["message"])}
+                )
                 failure.text = xml_text("\n".join(_line(f) for f in blocking))
             others = [f for f in mine if not self.policy.blocks(f)]
             if others:
@@ -178,17 +194,28 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
     except CheckpointError as exc:
         raise InputError(f"cannot judge {target['name']}: {exc}") from None
     if not on_disk:
-        raise InputError(f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']} "
-                         f"(rotated out or deleted)")
+        raise InputError(
+            f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']} "
+            f"(rotated out or deleted)"
+        )
     checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
     considered = findings_up_to(verdict["findings"], target["name"], target["step"])
-    if target["name"] in lacking and not any(f["code"] == "LOOP-09" and f["scope"] == "checkpoint"
-                                             and "missing_state" in f["evidence"] for f in considered):
+    if target["name"] in lacking and not any(
+        f["code"] == "LOOP-09" and f["scope"] == "checkpoint" and "missing_state" in f["evidence"] for f in considered
+    ):
         # The policy's rule is LOOP-09's `require_resume_state` for this checkpoint: its failure, as LOOP-09 words it.
-        considered.append({"code": "LOOP-09", "severity": "fail", "step": target["step"], "checkpoint": target["name"],
-                           "message": cannot_resume(target["name"], lacking[target["name"]]),
-                           "evidence": {"missing_state": lacking[target["name"]]}, "category": "risk",
-                           "scope": "checkpoint"})
+        considered.append(
+            {
+                "code": "LOOP-09",
+                "severity": "fail",
+                "step": target["step"],
+                "checkpoint": target["name"],
+                "message": cannot_resume(target["name"], lacking[target["name"]]),
+                "evidence": {"missing_state": lacking[target["name"]]},
+                "category": "risk",
+                "scope": "checkpoint",
+            }
+        )
     return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
 
 
@@ -220,8 +247,10 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
         later = [c for c in checkpoints if int(wanted) in c.get("saves", ())]
         if later:
             c = later[-1]
-            raise InputError(f"cannot judge step {wanted}'s checkpoint: {c['path']} was overwritten at step "
-                             f"{c['step']}; only that save is on disk (judge it with --checkpoint {c['name']})")
+            raise InputError(
+                f"cannot judge step {wanted}'s checkpoint: {c['path']} was overwritten at step "
+                f"{c['step']}; only that save is on disk (judge it with --checkpoint {c['name']})"
+            )
     if not found:
         saved = ", ".join(c["name"] for c in checkpoints) or "none"
         raise InputError(f"checkpoint {wanted!r} is not among the run's saved checkpoints ({saved})")

@@ -22,8 +22,9 @@ model sees them (set ``remove_unused_columns=False`` so the ids reach the collat
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -49,8 +50,9 @@ class SFTAuditCallback(TrainerCallback):
 
     # -- lifecycle
 
-    def on_train_begin(self, args, state, control, model=None, processing_class=None, tokenizer=None,
-                       lr_scheduler=None, **kwargs):
+    def on_train_begin(
+        self, args, state, control, model=None, processing_class=None, tokenizer=None, lr_scheduler=None, **kwargs
+    ):
         if self.recorder is not None or model is None:
             return
         options = dict(self.options)
@@ -65,9 +67,14 @@ class SFTAuditCallback(TrainerCallback):
         # Under DeepSpeed, accelerate runs the ZeRO step (and frees the gradients) inside backward,
         # before on_pre_optimizer_step: they are read at the start of that step instead, pre-clip.
         zero = zero_optimizer(kwargs.get("optimizer"))
-        self.recorder = Recorder(self.run_dir or args.output_dir, model, grad_norm_source="pre_clip",
-                                 norms_at_backward_end=zero is None,
-                                 accumulation_steps=args.gradient_accumulation_steps, **options)
+        self.recorder = Recorder(
+            self.run_dir or args.output_dir,
+            model,
+            grad_norm_source="pre_clip",
+            norms_at_backward_end=zero is None,
+            accumulation_steps=args.gradient_accumulation_steps,
+            **options,
+        )
         if zero is not None:
             read_before_step(zero, lambda: self.recorder.record_gradients(self._current_step()))
         self._reads_in_step = zero is not None

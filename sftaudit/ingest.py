@@ -61,10 +61,10 @@ from .schema.records import RECORDS
 from .terminal import shown
 
 # Bounded reads (configurable in the audit config's [ingest] section): one record (line) and one file.
-DEFAULT_MAX_RECORD_BYTES = 64 * 2**20   # a full sample row of a long context is a few MB
+DEFAULT_MAX_RECORD_BYTES = 64 * 2**20  # a full sample row of a long context is a few MB
 DEFAULT_MAX_FILE_BYTES = 16 * 2**30
-HEAD_BYTES = 4096                       # an artifact is the file ingested before if its first block is unchanged
-LOCK_TIMEOUT = 600.0                    # seconds one audit waits for another on the same run
+HEAD_BYTES = 4096  # an artifact is the file ingested before if its first block is unchanged
+LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 _COPY_BLOCK = 8 * 2**20
 # The database's own layout: a database of another format is rebuilt from the artifacts.
 # 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
@@ -72,8 +72,9 @@ DATABASE_FORMAT = 2
 
 # Column types of each record kind (the JSON field names), from the declaration in sftaudit/schema/records.py;
 # the manifest has its own table.
-RECORD_COLUMNS: dict[str, dict[str, str]] = {kind: {f.name: f.type for f in spec.fields}
-                                             for kind, spec in RECORDS.items() if kind != "manifest"}
+RECORD_COLUMNS: dict[str, dict[str, str]] = {
+    kind: {f.name: f.type for f in spec.fields} for kind, spec in RECORDS.items() if kind != "manifest"
+}
 
 _SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT);
@@ -115,10 +116,13 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
         con = duckdb.connect(str(path), read_only=read_only)
     except duckdb.Error as exc:
         if "lock" in str(exc).lower():
-            raise InputError(f"{path}: the database is open in another program; close it (or wait for it) "
-                             f"and run again") from None
-        raise InputError(f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
-                         f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts") from None
+            raise InputError(
+                f"{path}: the database is open in another program; close it (or wait for it) and run again"
+            ) from None
+        raise InputError(
+            f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
+            f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts"
+        ) from None
     if _format(con) == DATABASE_FORMAT:
         gradient_views(con, run_dir)
     return con
@@ -141,38 +145,66 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
     pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` (grad_norms
     without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
     root = artifact_root(run_dir).resolve()
-    parts = [root / f for (f,) in con.execute(
-        "SELECT file FROM ingest_state WHERE file LIKE ? ORDER BY file", [f"{SERIES_DIR}/%"]).fetchall()]
-    sources = ["SELECT rank, seg, step, idx, norm FROM grad_rows", "SELECT rank, seg, step, idx, norm FROM grad_journal"]
+    parts = [
+        root / f
+        for (f,) in con.execute(
+            "SELECT file FROM ingest_state WHERE file LIKE ? ORDER BY file", [f"{SERIES_DIR}/%"]
+        ).fetchall()
+    ]
+    sources = [
+        "SELECT rank, seg, step, idx, norm FROM grad_rows",
+        "SELECT rank, seg, step, idx, norm FROM grad_journal",
+    ]
     if parts:
         files = "[" + ", ".join(_sql_text(str(f)) for f in parts) + "]"
-        sources.insert(0, f"SELECT rank, seg, step, idx, norm::DOUBLE AS norm FROM read_parquet({files}, "
-                          "hive_partitioning = true, hive_types = {'rank': INTEGER, 'seg': INTEGER})")
+        sources.insert(
+            0,
+            f"SELECT rank, seg, step, idx, norm::DOUBLE AS norm FROM read_parquet({files}, "
+            "hive_partitioning = true, hive_types = {'rank': INTEGER, 'seg': INTEGER})",
+        )
     series = " UNION ALL ".join(sources)
-    named = (f"SELECT g.rank, g.seg, g.step, g.idx, p.name AS tensor, g.norm FROM ({series}) g "
-             "JOIN params p ON p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx")
+    named = (
+        f"SELECT g.rank, g.seg, g.step, g.idx, p.name AS tensor, g.norm FROM ({series}) g "
+        "JOIN params p ON p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx"
+    )
     resumed = bool(first_row(con, "SELECT count(*) FROM segment_cutoffs")[0])
     cut = "LEFT JOIN segment_cutoffs c ON c.rank = g.rank AND c.seg = g.seg"
     kept = " WHERE c.cutoff IS NULL OR g.step < c.cutoff"
     con.execute(f"CREATE OR REPLACE TEMP VIEW grad_pieces AS {named} {cut + kept if resumed else ''}")
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     reduced = "grad_norms_reduced" in tables
-    con.execute("CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM " + ("grad_norms_reduced" if reduced else "grad_pieces"))
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM "
+        + ("grad_norms_reduced" if reduced else "grad_pieces")
+    )
     # grad_norms without the tensor names, for the checks that scan every norm: the join with params costs
     # as much as reading the parts. The same rows: an index the manifest lists (every segment of every rank
     # lists 0..n-1, so one range test does it when they agree on n).
     counts = con.execute("SELECT DISTINCT count(*) FROM params WHERE idx IS NOT NULL GROUP BY rank, seg").fetchall()
-    listed = (f"g.idx >= 0 AND g.idx < {int(counts[0][0])}" if len(counts) == 1 else
-              "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)")
+    listed = (
+        f"g.idx >= 0 AND g.idx < {int(counts[0][0])}"
+        if len(counts) == 1
+        else "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)"
+    )
     cells = f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({series}) g {cut if resumed else ''} WHERE {listed}"
-    con.execute("CREATE OR REPLACE TEMP VIEW grad_cells AS " + (
-        "SELECT rank, seg, step, idx, norm FROM grad_norms_reduced" if reduced else
-        cells + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")))
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW grad_cells AS "
+        + (
+            "SELECT rank, seg, step, idx, norm FROM grad_norms_reduced"
+            if reduced
+            else cells + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
+        )
+    )
     if resumed:
         con.execute(f"CREATE OR REPLACE TEMP VIEW superseded_grad_pieces AS {named} {cut} WHERE g.step >= c.cutoff")
-        con.execute("CREATE OR REPLACE TEMP VIEW superseded_grad_norms AS SELECT * FROM " +
-                    ("superseded_grad_norms_reduced" if "superseded_grad_norms_reduced" in tables
-                     else "superseded_grad_pieces"))
+        con.execute(
+            "CREATE OR REPLACE TEMP VIEW superseded_grad_norms AS SELECT * FROM "
+            + (
+                "superseded_grad_norms_reduced"
+                if "superseded_grad_norms_reduced" in tables
+                else "superseded_grad_pieces"
+            )
+        )
 
 
 _held: dict[str, list] = {}  # artifact folder -> [descriptor, depth]: the lock is re-entrant within a process
@@ -215,8 +247,10 @@ def _acquire(key: str, run_dir: str | Path, timeout: float) -> int | None:
         except BlockingIOError:
             if time.monotonic() > deadline:
                 os.close(fd)
-                raise InputError(f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
-                                 f"(it holds a lock on {key}); wait for it to finish, or stop it, and run again") from None
+                raise InputError(
+                    f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
+                    f"(it holds a lock on {key}); wait for it to finish, or stop it, and run again"
+                ) from None
             if not told:
                 print(f"sftaudit: waiting for another sftaudit using {shown(str(run_dir))} to finish", file=sys.stderr)
                 told = True
@@ -226,10 +260,15 @@ def _acquire(key: str, run_dir: str | Path, timeout: float) -> int | None:
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = artifact_root(run_dir)
     if not Path(run_dir).is_dir():
-        raise InputError(f"{run_dir}: " + ("not a directory; give the run's output folder" if Path(run_dir).exists()
-                                           else "no such run directory"))
-    ranks = sorted((int(m.group(1)), p) for p in root.glob("rank-*")
-                   if (m := re.fullmatch(r"rank-(\d{1,6})", p.name)) and p.is_dir())
+        raise InputError(
+            f"{run_dir}: "
+            + ("not a directory; give the run's output folder" if Path(run_dir).exists() else "no such run directory")
+        )
+    ranks = sorted(
+        (int(m.group(1)), p)
+        for p in root.glob("rank-*")
+        if (m := re.fullmatch(r"rank-(\d{1,6})", p.name)) and p.is_dir()
+    )
     if not ranks:
         raise InputError(f"{run_dir}: no sftaudit artifacts (expected {root}/rank-<r>/)")
     return ranks
@@ -247,8 +286,9 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(f'ALTER TABLE "{kind}" ADD COLUMN IF NOT EXISTS "{k}" {v}')
 
 
-def ingest(run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-           max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, int]:
+def ingest(
+    run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> dict[str, int]:
     """Load new records into the run's DuckDB file; returns the number of new records per kind.
     A database that no longer matches the artifacts (a file replaced, shortened or rewritten, rows
     deleted) is rebuilt from scratch: offsets are only trusted for the files they were taken on."""
@@ -267,8 +307,9 @@ def ingest(run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
             con.close()
 
 
-def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list[tuple[int, Path]],
-                limits: tuple[int, int]) -> dict[str, int]:
+def _ingest_all(
+    con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list[tuple[int, Path]], limits: tuple[int, int]
+) -> dict[str, int]:
     con.begin()  # all or nothing: offsets only move with the rows they stand for
     create_tables(con)
     added = {kind: 0 for kind in RECORD_KINDS}
@@ -276,8 +317,10 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list
         for kind in RECORD_KINDS:
             added[kind] += _ingest_file(con, run_dir, rank, kind, folder / f"{kind}.jsonl", limits)
     if not first_row(con, "SELECT count(*) FROM manifest")[0]:
-        raise InputError(f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
-                         f"the shim writes it when recording starts: record the run again")
+        raise InputError(
+            f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
+            f"the shim writes it when recording starts: record the run again"
+        )
     _ingest_series(con, run_dir, limits)
     _supersede_abandoned_steps(con)
     gradient_views(con, run_dir)
@@ -292,15 +335,20 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list
 
 def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> bool:
     """Whether the database describes other files than the artifacts now on disk, or lost rows."""
-    tables = {t for (t,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog <> 'temp'").fetchall()}
+    tables = {
+        t
+        for (t,) in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_catalog <> 'temp'"
+        ).fetchall()
+    }
     if not tables:
         return False
     if _format(con) != DATABASE_FORMAT:
         return True  # made by another sftaudit (or not by sftaudit): rebuilt from the artifacts
     root = artifact_root(run_dir)
     for key, offset, records, inode, device, head in con.execute(
-            'SELECT file, "offset", records, inode, device, head FROM ingest_state').fetchall():
+        'SELECT file, "offset", records, inode, device, head FROM ingest_state'
+    ).fetchall():
         path = root / key
         if not os.path.lexists(path):
             return True
@@ -324,8 +372,11 @@ def _file_kind(key: str) -> tuple[int, str | None]:
 
 def _stored_rows(con: duckdb.DuckDBPyConnection, tables: set[str], rank: int, kind: str) -> int:
     """The rows a kind's records became (the timeline moved by a resume included)."""
-    return sum(first_row(con, f'SELECT count(*) FROM "{t}" WHERE rank = ?', [rank])[0]
-               for t in (kind, f"superseded_{kind}") if t in tables)
+    return sum(
+        first_row(con, f'SELECT count(*) FROM "{t}" WHERE rank = ?', [rank])[0]
+        for t in (kind, f"superseded_{kind}")
+        if t in tables
+    )
 
 
 def _open_artifact(path: Path, run_dir: str | Path, max_file_bytes: int) -> tuple[int, os.stat_result]:
@@ -344,8 +395,10 @@ def _open_artifact(path: Path, run_dir: str | Path, max_file_bytes: int) -> tupl
         raise InputError(f"{path}: not a regular file (a FIFO, device or folder); artifacts must be plain files")
     if st.st_size > max_file_bytes:
         os.close(fd)
-        raise InputError(f"{path}: {st.st_size} bytes, over the {max_file_bytes}-byte limit per artifact file; "
-                         f"raise [ingest] max_file_bytes in the config if the run is really that large")
+        raise InputError(
+            f"{path}: {st.st_size} bytes, over the {max_file_bytes}-byte limit per artifact file; "
+            f"raise [ingest] max_file_bytes in the config if the run is really that large"
+        )
     return fd, st
 
 
@@ -355,37 +408,55 @@ def _head(fd: int, offset: int) -> str:
 
 
 # Tables whose rows belong to a step of the timeline (events stay: they are the run's history).
-TIMELINE_TABLES = ("steps", "batches", "samples", "grad_hists", "probes", "generations", "evals",
-                   "metrics", "checkpoints")
+TIMELINE_TABLES = (
+    "steps",
+    "batches",
+    "samples",
+    "grad_hists",
+    "probes",
+    "generations",
+    "evals",
+    "metrics",
+    "checkpoints",
+)
 
 
 def _supersede_abandoned_steps(con: duckdb.DuckDBPyConnection) -> None:
     if first_row(con, "SELECT count(DISTINCT seg) FROM steps")[0] < 2:
         return
     # The gradient norms stay where they are; a segment's first abandoned step filters them (in the views).
-    superseded = first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_steps'")[0]
+    superseded = first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_steps'")[
+        0
+    ]
     con.execute(f"""CREATE OR REPLACE TABLE segment_cutoffs AS
         WITH starts AS (SELECT rank, seg, min(step) AS first_step
                         FROM (SELECT rank, seg, step FROM steps
-                              {'UNION ALL SELECT rank, seg, step FROM superseded_steps' if superseded else ''})
+                              {"UNION ALL SELECT rank, seg, step FROM superseded_steps" if superseded else ""})
                         GROUP BY rank, seg)
         SELECT a.rank, a.seg, min(b.first_step) AS cutoff FROM starts a JOIN starts b ON b.rank = a.rank AND b.seg > a.seg
         GROUP BY a.rank, a.seg""")
-    con.execute("CREATE OR REPLACE TEMP TABLE segment_starts AS SELECT rank, seg, min(step) AS first_step "
-                "FROM steps GROUP BY rank, seg")
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE segment_starts AS SELECT rank, seg, min(step) AS first_step "
+        "FROM steps GROUP BY rank, seg"
+    )
     for table in TIMELINE_TABLES:
-        abandoned = (f"FROM segment_starts s WHERE s.rank = {table}.rank AND s.seg > {table}.seg "
-                     f"AND s.first_step <= {table}.step")
+        abandoned = (
+            f"FROM segment_starts s WHERE s.rank = {table}.rank AND s.seg > {table}.seg "
+            f"AND s.first_step <= {table}.step"
+        )
         con.execute(f"CREATE TABLE IF NOT EXISTS superseded_{table} AS SELECT * FROM {table} WITH NO DATA")
         # A database ingested by an older sftaudit: its superseded copy gains the newer fields too.
         for name, dtype in con.execute(
-                "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? AND column_name "
-                "NOT IN (SELECT column_name FROM information_schema.columns WHERE table_name = ?)",
-                [table, f"superseded_{table}"]).fetchall():
+            "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? AND column_name "
+            "NOT IN (SELECT column_name FROM information_schema.columns WHERE table_name = ?)",
+            [table, f"superseded_{table}"],
+        ).fetchall():
             con.execute(f'ALTER TABLE superseded_{table} ADD COLUMN "{name}" {dtype}')
         con.execute(f"INSERT INTO superseded_{table} BY NAME SELECT * FROM {table} WHERE EXISTS (SELECT 1 {abandoned})")
-        con.execute(f"DELETE FROM {table} USING segment_starts s WHERE s.rank = {table}.rank "
-                    f"AND s.seg > {table}.seg AND s.first_step <= {table}.step")
+        con.execute(
+            f"DELETE FROM {table} USING segment_starts s WHERE s.rank = {table}.rank "
+            f"AND s.seg > {table}.seg AND s.first_step <= {table}.step"
+        )
     con.execute("DROP TABLE segment_starts")
 
 
@@ -447,8 +518,11 @@ def _series_folders(run_dir: str | Path) -> list[tuple[int, int, Path]]:
     for by_rank in (artifact_root(run_dir) / SERIES_DIR / GRAD_SERIES).glob("rank=*"):
         r = re.fullmatch(r"rank=(\d{1,6})", by_rank.name)
         if r and by_rank.is_dir() and not by_rank.is_symlink():
-            out += [(int(r.group(1)), int(g.group(1)), folder) for folder in by_rank.glob("seg=*")
-                    if (g := re.fullmatch(r"seg=(\d{1,6})", folder.name)) and folder.is_dir() and not folder.is_symlink()]
+            out += [
+                (int(r.group(1)), int(g.group(1)), folder)
+                for folder in by_rank.glob("seg=*")
+                if (g := re.fullmatch(r"seg=(\d{1,6})", folder.name)) and folder.is_dir() and not folder.is_symlink()
+            ]
     return sorted(out)
 
 
@@ -456,10 +530,14 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
     """New Parquet parts are validated and listed (they are read in place, never copied); the journal
     tails are read again whole (small: a journal becomes a part every few thousand steps)."""
     root = artifact_root(run_dir)
-    known = {f for (f,) in con.execute("SELECT file FROM ingest_state WHERE file LIKE ?", [f"{SERIES_DIR}/%"]).fetchall()}
+    known = {
+        f for (f,) in con.execute("SELECT file FROM ingest_state WHERE file LIKE ?", [f"{SERIES_DIR}/%"]).fetchall()
+    }
     con.execute("DELETE FROM grad_journal")
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    recorded = " UNION ALL ".join(f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if t in tables)
+    recorded = " UNION ALL ".join(
+        f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if t in tables
+    )
     for rank, seg, folder in _series_folders(run_dir):
         journals = sorted(folder.glob("journal-*.bin"))  # listed first: one may turn into a part meanwhile
         parts = {q.name for q in folder.glob("part-*.parquet") if _PART.fullmatch(q.name)}
@@ -478,8 +556,12 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
             if keep.any():
                 import pyarrow as pa  # only a run with a journal tail needs it
 
-                con.register("journal_rows", pa.table({"step": columns["step"][keep], "idx": columns["idx"][keep],
-                                                       "norm": columns["norm"][keep]}))
+                con.register(
+                    "journal_rows",
+                    pa.table(
+                        {"step": columns["step"][keep], "idx": columns["idx"][keep], "norm": columns["norm"][keep]}
+                    ),
+                )
                 con.execute("INSERT INTO grad_journal SELECT ?, ?, step, idx, norm FROM journal_rows", [rank, seg])
                 con.unregister("journal_rows")
 
@@ -497,8 +579,9 @@ def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> d
         os.close(fd)
 
 
-def _add_part(con: duckdb.DuckDBPyConnection, run_dir: str | Path, path: Path, key: str,
-              limits: tuple[int, int]) -> None:
+def _add_part(
+    con: duckdb.DuckDBPyConnection, run_dir: str | Path, path: Path, key: str, limits: tuple[int, int]
+) -> None:
     """A part is listed for the views once its header, footer and schema are what the shim writes."""
     fd, st = _open_artifact(path, run_dir, limits[1])
     try:
@@ -516,14 +599,20 @@ def _add_part(con: duckdb.DuckDBPyConnection, run_dir: str | Path, path: Path, k
         raise InputError(f"{path}: not a readable Parquet part ({one_line(exc)[:200]}); {again}") from None
     wrong = [f"{k} {columns.get(k, 'missing')}" for k, v in _PART_COLUMNS.items() if columns.get(k) != v]
     if wrong:
-        raise InputError(f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
-                         f"found {', '.join(wrong)}); {again}")
-    con.execute("INSERT OR REPLACE INTO ingest_state (file, \"offset\", records, bad_lines, lines, device, inode, head) "
-                "VALUES (?, ?, ?, 0, ?, ?, ?, ?)", [key, st.st_size, rows or 0, rows or 0, st.st_dev, st.st_ino, head])
+        raise InputError(
+            f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
+            f"found {', '.join(wrong)}); {again}"
+        )
+    con.execute(
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
+        "VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
+        [key, st.st_size, rows or 0, rows or 0, st.st_dev, st.st_ino, head],
+    )
 
 
-def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int, kind: str, path: Path,
-                 limits: tuple[int, int]) -> int:
+def _ingest_file(
+    con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int, kind: str, path: Path, limits: tuple[int, int]
+) -> int:
     if not os.path.lexists(path):
         return 0
     key = str(path.relative_to(path.parent.parent))
@@ -536,8 +625,11 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int,
             with os.fdopen(fd_tmp, "wb") as out:
                 end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, limits[0], out)
             if copied:
-                new = _ingest_manifests(con, rank, tmp, path, lines) if kind == "manifest" \
+                new = (
+                    _ingest_manifests(con, rank, tmp, path, lines)
+                    if kind == "manifest"
                     else _ingest_records(con, rank, kind, tmp)
+                )
             else:
                 new = 0
         finally:
@@ -547,10 +639,11 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int,
         os.close(fd)
     if end == offset and row:
         return 0
-    con.execute("INSERT OR REPLACE INTO ingest_state (file, \"offset\", records, bad_lines, lines, device, inode, head) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [key, end, records + new, bad + copied - new + refused, lines + copied + refused, st.st_dev, st.st_ino,
-                 head])
+    con.execute(
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [key, end, records + new, bad + copied - new + refused, lines + copied + refused, st.st_dev, st.st_ino, head],
+    )
     return new
 
 
@@ -600,8 +693,15 @@ def _typed(name: str, dtype: str) -> str:
         return f'"{name}"'
     if dtype == "VARCHAR":
         return f"""CASE WHEN json_type("{name}") = 'VARCHAR' THEN "{name}"->>'$' END"""
-    kind = ("'ARRAY'" if dtype.endswith("[]") else "'OBJECT'" if dtype.startswith("MAP") else
-            "'BOOLEAN'" if dtype == "BOOLEAN" else None)
+    kind = (
+        "'ARRAY'"
+        if dtype.endswith("[]")
+        else "'OBJECT'"
+        if dtype.startswith("MAP")
+        else "'BOOLEAN'"
+        if dtype == "BOOLEAN"
+        else None
+    )
     allowed = f"= {kind}" if kind else f"IN {_NUMBER}"
     return f"""CASE WHEN json_type("{name}") {allowed} THEN TRY_CAST("{name}" AS {dtype}) END"""
 
@@ -616,8 +716,10 @@ def _ingest_records(con: duckdb.DuckDBPyConnection, rank: int, kind: str, tmp: s
     wrong = " OR ".join(f'("{k}" IS NOT NULL AND {_typed(k, v)} IS NULL)' for k, v in columns.items())
     typed = ", ".join(f'{_typed(k, v)} AS "{k}"' for k, v in columns.items())
     # A corrupt line parses to all-NULL columns (no `seg`): drop those rather than invent records.
-    con.execute(f"CREATE OR REPLACE TEMP TABLE new_records AS SELECT {typed} FROM {source} "
-                f"WHERE seg IS NOT NULL AND NOT ({wrong})")
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE new_records AS SELECT {typed} FROM {source} "
+        f"WHERE seg IS NOT NULL AND NOT ({wrong})"
+    )
     n = first_row(con, "SELECT count(*) FROM new_records")[0]
     stored = [k for k in columns if not (kind == "steps" and k == "grad_norms")]
     names = ", ".join(f'"{k}"' for k in stored)
@@ -647,11 +749,20 @@ def _int32(value) -> bool:
 
 
 # What a manifest's parameter entry must hold (the shim writes these; ingest reads them into `params`).
-_PARAM_FIELDS = {"name": lambda v: isinstance(v, str), "dtype": lambda v: isinstance(v, str),
-                 "shape": lambda v: isinstance(v, list) and all(_int32(d) and d >= 0 for d in v),
-                 "numel": lambda v: _is_int(v) and v >= 0, "requires_grad": lambda v: isinstance(v, bool)}
-_PARAM_OPTIONAL = {"kind": lambda v: isinstance(v, str), "start": _is_int, "stop": _is_int,
-                   "local_numel": lambda v: _is_int(v) and v >= 0, "replica": _int32}
+_PARAM_FIELDS = {
+    "name": lambda v: isinstance(v, str),
+    "dtype": lambda v: isinstance(v, str),
+    "shape": lambda v: isinstance(v, list) and all(_int32(d) and d >= 0 for d in v),
+    "numel": lambda v: _is_int(v) and v >= 0,
+    "requires_grad": lambda v: isinstance(v, bool),
+}
+_PARAM_OPTIONAL = {
+    "kind": lambda v: isinstance(v, str),
+    "start": _is_int,
+    "stop": _is_int,
+    "local_numel": lambda v: _is_int(v) and v >= 0,
+    "replica": _int32,
+}
 
 
 def _manifest_problem(m) -> str | None:
@@ -665,8 +776,9 @@ def _manifest_problem(m) -> str | None:
         if m.get(name) is not None and not isinstance(m[name], str):
             return f"{name} must be a string, not {str(m[name])[:40]!r}"
     started = m.get("started")
-    if started is not None and (not isinstance(started, (int, float)) or isinstance(started, bool)
-                                or not abs(started) < 1e300):
+    if started is not None and (
+        not isinstance(started, (int, float)) or isinstance(started, bool) or not abs(started) < 1e300
+    ):
         return f"started must be a number (seconds since 1970), not {str(started)[:40]!r}"
     params, tied = m.get("params", []), m.get("tied", {})
     if not isinstance(params, list):
@@ -674,14 +786,24 @@ def _manifest_problem(m) -> str | None:
     for i, p in enumerate(params):
         if not isinstance(p, dict):
             return f"params[{i}] must be an object"
-        bad = [k for k, ok in {**_PARAM_FIELDS, **_PARAM_OPTIONAL}.items()  # null: not known (an imported run)
-               if (k == "name" or p.get(k) is not None) and not ok(p.get(k))]
+        bad = [
+            k
+            for k, ok in {**_PARAM_FIELDS, **_PARAM_OPTIONAL}.items()  # null: not known (an imported run)
+            if (k == "name" or p.get(k) is not None) and not ok(p.get(k))
+        ]
         if bad:
             return f"params[{i}].{bad[0]} is missing or of the wrong type"
     if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
         return "tied must map parameter names to parameter names"
-    for name, kind in (("tokenizer", dict), ("config", dict), ("model", dict), ("dataset", dict), ("unjudged", dict),
-                       ("sources", dict), ("argv", list)):
+    for name, kind in (
+        ("tokenizer", dict),
+        ("config", dict),
+        ("model", dict),
+        ("dataset", dict),
+        ("unjudged", dict),
+        ("sources", dict),
+        ("argv", list),
+    ):
         if m.get(name) is not None and not isinstance(m[name], kind):
             return f"{name} must be a JSON {'object' if kind is dict else 'list'}, not {type(m[name]).__name__}"
     return None
@@ -699,27 +821,59 @@ def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path:
                 continue
             problem = _manifest_problem(m)
             if problem:
-                raise InputError(f"{path}, line {before + number + 1}: {problem}; the shim writes this record: "
-                                 f"record the run again, or repair that field")
+                raise InputError(
+                    f"{path}, line {before + number + 1}: {problem}; the shim writes this record: "
+                    f"record the run again, or repair that field"
+                )
             if m.get("schema_version", 0) > SCHEMA_VERSION:
-                raise InputError(f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to "
-                                 f"{SCHEMA_VERSION}: upgrade sftaudit (pip install -U sftaudit)")
+                raise InputError(
+                    f"artifacts use schema version {m['schema_version']}; this sftaudit reads up to "
+                    f"{SCHEMA_VERSION}: upgrade sftaudit (pip install -U sftaudit)"
+                )
             seg = m.get("seg", 0)
             con.execute(
                 "INSERT INTO manifest VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [rank, seg, m.get("run_id"), m.get("schema_version"), m.get("profile"), m.get("world_size"),
-                 m.get("started"), m.get("grad_norm_source"), json.dumps(m)],
+                [
+                    rank,
+                    seg,
+                    m.get("run_id"),
+                    m.get("schema_version"),
+                    m.get("profile"),
+                    m.get("world_size"),
+                    m.get("started"),
+                    m.get("grad_norm_source"),
+                    json.dumps(m),
+                ],
             )
-            rows = [(rank, seg, i, p["name"], p.get("shape"), p.get("dtype"), p.get("numel"), p.get("requires_grad"),
-                     None, p.get("kind", "local"), p.get("start"), p.get("stop"), p.get("local_numel", p.get("numel")),
-                     p.get("replica", rank))
-                    for i, p in enumerate(m.get("params", []))]
-            rows += [(rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)
-                     for alias, target in m.get("tied", {}).items()]
+            rows = [
+                (
+                    rank,
+                    seg,
+                    i,
+                    p["name"],
+                    p.get("shape"),
+                    p.get("dtype"),
+                    p.get("numel"),
+                    p.get("requires_grad"),
+                    None,
+                    p.get("kind", "local"),
+                    p.get("start"),
+                    p.get("stop"),
+                    p.get("local_numel", p.get("numel")),
+                    p.get("replica", rank),
+                )
+                for i, p in enumerate(m.get("params", []))
+            ]
+            rows += [
+                (rank, seg, None, alias, None, None, None, None, target, None, None, None, None, None)
+                for alias, target in m.get("tied", {}).items()
+            ]
             if rows:
-                con.executemany("INSERT INTO params (rank, seg, idx, name, shape, dtype, numel, requires_grad, tied_to, "
-                                "kind, start, stop, local_numel, replica) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                rows)
+                con.executemany(
+                    "INSERT INTO params (rank, seg, idx, name, shape, dtype, numel, requires_grad, tied_to, "
+                    "kind, start, stop, local_numel, replica) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
             n += 1
     return n
 
@@ -745,10 +899,20 @@ def recorded_checkpoints(con: duckdb.DuckDBPyConnection) -> list[dict]:
                            WHERE event = 'hashed' AND rank = 0 GROUP BY path, step, seg)
            SELECT l.path, l.step, l.seg, s.saves, h.sha256 FROM last l JOIN saves s USING (path)
            LEFT JOIN hashed h ON h.path = l.path AND h.step = l.step AND h.seg = l.seg
-           ORDER BY l.step, l.path""").fetchall()
+           ORDER BY l.step, l.path"""
+    ).fetchall()
     names = checkpoint_names([r[0] for r in rows])
-    return [{"name": names[path], "path": path, "step": step, "seg": seg, "saves": saves,
-             "sha256": json.loads(sha) if sha else {}} for path, step, seg, saves, sha in rows]
+    return [
+        {
+            "name": names[path],
+            "path": path,
+            "step": step,
+            "seg": seg,
+            "saves": saves,
+            "sha256": json.loads(sha) if sha else {},
+        }
+        for path, step, seg, saves, sha in rows
+    ]
 
 
 def checkpoint_names(paths: list[str]) -> dict[str, str]:
@@ -757,8 +921,10 @@ def checkpoint_names(paths: list[str]) -> dict[str, str]:
     parts = {p: PurePosixPath(p.replace("\\", "/")).parts or (p,) for p in paths}
     shared = 0  # trailing components every checkpoint has in common (model.safetensors)
     if len(parts) > 1:
-        while all(len(q) > shared + 1 for q in parts.values()) and \
-                len({q[len(q) - shared - 1] for q in parts.values()}) == 1:
+        while (
+            all(len(q) > shared + 1 for q in parts.values())
+            and len({q[len(q) - shared - 1] for q in parts.values()}) == 1
+        ):
             shared += 1
     trimmed = {p: q[: len(q) - shared] for p, q in parts.items()}
     names = {}

@@ -68,7 +68,7 @@ class Inspection:
     name: str
     step: int
     problems: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
-    digests: dict[str, str] | None = None   # None: the weights could not be read
+    digests: dict[str, str] | None = None  # None: the weights could not be read
     on_disk: bool = True
     state_found: list[str] | None = None  # training-state parts its files hold (None: not read)
     rng_missing: list[str] = field(default_factory=list)  # RNG streams its RNG state lacks
@@ -80,11 +80,16 @@ class Inspection:
         return self.on_disk and not any(sev in ("warn", "fail") for sev, _, _ in self.problems)
 
 
-
-def inspect_checkpoint(con: duckdb.DuckDBPyConnection, run_dir: Path, checkpoint: dict[str, Any], *,
-                       checkpoint_paths: Sequence[str] = (), expected_dtype: str | None = None,
-                       trusted_pickle_globals: Sequence[str] = TRAINER_GLOBALS,
-                       max_tensors_listed: int = 20) -> Inspection:
+def inspect_checkpoint(
+    con: duckdb.DuckDBPyConnection,
+    run_dir: Path,
+    checkpoint: dict[str, Any],
+    *,
+    checkpoint_paths: Sequence[str] = (),
+    expected_dtype: str | None = None,
+    trusted_pickle_globals: Sequence[str] = TRAINER_GLOBALS,
+    max_tensors_listed: int = 20,
+) -> Inspection:
     """Read one recorded checkpoint (name, step, path, recorded sha256, the params and tied names it is
     judged against) safely; never raises on bad files (they are problems). `checkpoint_paths`: the
     run's recorded checkpoints (a weight file's folder holding another one is not its own);
@@ -115,30 +120,51 @@ class _Inspector:
         try:
             path = inside_run(self.run_dir, checkpoint["path"])
         except CheckpointError as exc:
-            out.problems.append(("fail", f"{name} was saved outside the run directory and was not read ({exc})",
-                                 {"path": checkpoint["path"]}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{name} was saved outside the run directory and was not read ({exc})",
+                    {"path": checkpoint["path"]},
+                )
+            )
             out.digests = None
             return out
         if not path.exists():
             out.on_disk = False
-            out.problems.append(("info", f"{name} is no longer on disk (rotated out or deleted); it cannot be "
-                                 f"rolled back to", {"path": checkpoint["path"]}))
+            out.problems.append(
+                (
+                    "info",
+                    f"{name} is no longer on disk (rotated out or deleted); it cannot be rolled back to",
+                    {"path": checkpoint["path"]},
+                )
+            )
             return out
         folder = state_folder(self.run_dir, path, checkpoint["path"], self.checkpoint_paths)
         # A weight file's own folder holds its training state: its files are listed (safely) too.
         files, refused = _checkpoint_files(self.run_dir, folder if folder is not None and path.is_file() else path)
         if refused:
-            out.problems.append(("fail", f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
-                                 f"into the checkpoint folder)", {"files": refused}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
+                    f"into the checkpoint folder)",
+                    {"files": refused},
+                )
+            )
             return out
         pointers = [f for f in files if is_lfs_pointer(f)]
         if pointers:
             # The weights are not on disk to judge: one finding for the checkpoint, and it is not intact.
             names = listed([str(f.relative_to(path)) if path.is_dir() else f.name for f in pointers], 3)
-            out.problems.append(("warn", f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
-                                 f"({names}): run `git lfs pull` in the clone, then audit again; until then "
-                                 f"this checkpoint cannot be verified or rolled back to",
-                                 {"lfs_pointers": [f.name for f in pointers]}))
+            out.problems.append(
+                (
+                    "warn",
+                    f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
+                    f"({names}): run `git lfs pull` in the clone, then audit again; until then "
+                    f"this checkpoint cannot be verified or rolled back to",
+                    {"lfs_pointers": [f.name for f in pointers]},
+                )
+            )
             return out
         key = self._cache_key(path, checkpoint, files)
         cached = _cache_get(self.con, key)
@@ -155,8 +181,17 @@ class _Inspector:
         training state beside a weight file), the hashes the shim recorded, the parameters it is judged
         against, and the options."""
         stats = [(str(f.relative_to(path.parent)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-        key = [CACHE_VERSION, checkpoint["name"], checkpoint["path"], checkpoint["step"], stats,
-               checkpoint.get("sha256"), checkpoint["params"], checkpoint["tied"], asdict(self.options)]
+        key = [
+            CACHE_VERSION,
+            checkpoint["name"],
+            checkpoint["path"],
+            checkpoint["step"],
+            stats,
+            checkpoint.get("sha256"),
+            checkpoint["params"],
+            checkpoint["tied"],
+            asdict(self.options),
+        ]
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
     def _check_hashes(self, checkpoint: dict, out: Inspection) -> None:
@@ -170,9 +205,14 @@ class _Inspector:
             if current != recorded:
                 changed.append(rel)
         if changed:
-            out.problems.append(("fail", f"{out.name}: {len(changed)} file(s) changed or vanished since the shim "
-                                 f"hashed them at save, first {changed[0]}; do not trust this checkpoint",
-                                 {"files": changed}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: {len(changed)} file(s) changed or vanished since the shim "
+                    f"hashed them at save, first {changed[0]}; do not trust this checkpoint",
+                    {"files": changed},
+                )
+            )
 
     def _check_weights(self, path: Path, checkpoint: dict, out: Inspection) -> Weights | None:
         try:
@@ -184,13 +224,15 @@ class _Inspector:
             return None
         except FileError as exc:
             rel = self._rel(path, exc.file)
-            out.problems.append(("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
-                                 {"file": rel}))
+            out.problems.append(
+                ("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded", {"file": rel})
+            )
             out.unread.add(exc.file.name)
             return None
         except MissingWeights as exc:
-            out.problems.append(("warn", f"{out.name}: {exc}: it cannot be verified or rolled back to",
-                                 {"file": path.name}))
+            out.problems.append(
+                ("warn", f"{out.name}: {exc}: it cannot be verified or rolled back to", {"file": path.name})
+            )
             return None
         except (CheckpointError, OSError) as exc:
             out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
@@ -203,13 +245,21 @@ class _Inspector:
             self._check_keys(entries, params, checkpoint["tied"], out)
             self._check_tied(weights, checkpoint, out)
         self._check_dtypes(entries, params, out)
-        bad = [{"tensor": n, "nonfinite_elements": s.nonfinite, "shape": list(entries[n].shape)}
-               for n, s in scans.items() if s.nonfinite]
+        bad = [
+            {"tensor": n, "nonfinite_elements": s.nonfinite, "shape": list(entries[n].shape)}
+            for n, s in scans.items()
+            if s.nonfinite
+        ]
         if bad:
-            out.problems.append(("fail", f"{out.name} holds non-finite values in {len(bad)} tensor(s), first "
-                                 f"{bad[0]['tensor']} ({bad[0]['nonfinite_elements']} element(s)); do not resume "
-                                 f"from or ship it", {"tensors": bad[: self.options.max_tensors_listed],
-                                                     "tensor_count": len(bad)}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name} holds non-finite values in {len(bad)} tensor(s), first "
+                    f"{bad[0]['tensor']} ({bad[0]['nonfinite_elements']} element(s)); do not resume "
+                    f"from or ship it",
+                    {"tensors": bad[: self.options.max_tensors_listed], "tensor_count": len(bad)},
+                )
+            )
         return weights
 
     @staticmethod
@@ -221,35 +271,60 @@ class _Inspector:
         parameters the model trained), not the base model."""
         config, entries, scans = weights.adapter, weights.tensors, weights.scans
         if not entries:
-            out.problems.append(("fail", f"{out.name}: the adapter file holds no tensors; the trained adapter was "
-                                 f"not saved (a state_dict filter applied twice keeps nothing)", {"keys": {
-                                     "missing": [], "unexpected": []}, "tensor_count": 0}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: the adapter file holds no tensors; the trained adapter was "
+                    f"not saved (a state_dict filter applied twice keeps nothing)",
+                    {"keys": {"missing": [], "unexpected": []}, "tensor_count": 0},
+                )
+            )
             return
         rank, targets = config.get("r"), config.get("target_modules")
         lora = {n: adapter_module(n) for n in entries}
         untargeted = sorted(n for n, m in lora.items() if m and targets is not None and not targeted(m[0], targets))
-        wrong_rank = [{"tensor": n, "shape": list(entries[n].shape), "rank": rank} for n, m in lora.items()
-                      if m and isinstance(rank, int) and not config.get("rank_pattern") and len(entries[n].shape) == 2
-                      and entries[n].shape[0 if m[1].endswith("A") else 1] != rank]
+        wrong_rank = [
+            {"tensor": n, "shape": list(entries[n].shape), "rank": rank}
+            for n, m in lora.items()
+            if m
+            and isinstance(rank, int)
+            and not config.get("rank_pattern")
+            and len(entries[n].shape) == 2
+            and entries[n].shape[0 if m[1].endswith("A") else 1] != rank
+        ]
         trained = {adapter_module(p["name"]) for p in params if p["requires_grad"]} - {None}
         saved = {m for m in lora.values() if m}
         missing = sorted(f"{m}.{kind}" for m, kind in trained - saved)
         if missing or untargeted:
-            out.problems.append(("fail", f"{out.name} does not match the adapter: {len(missing)} trained LoRA "
-                                 f"matrices missing and {len(untargeted)} key(s) outside target_modules "
-                                 f"{targets}, first {(missing or untargeted)[0]}",
-                                 {"keys": {"missing": missing, "unexpected": untargeted}}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name} does not match the adapter: {len(missing)} trained LoRA "
+                    f"matrices missing and {len(untargeted)} key(s) outside target_modules "
+                    f"{targets}, first {(missing or untargeted)[0]}",
+                    {"keys": {"missing": missing, "unexpected": untargeted}},
+                )
+            )
         if wrong_rank:
-            out.problems.append(("fail", f"{out.name}: {len(wrong_rank)} LoRA matrices do not have the rank r={rank} "
-                                 f"of adapter_config.json, first {wrong_rank[0]['tensor']} {wrong_rank[0]['shape']}",
-                                 {"tensors": wrong_rank[: self.options.max_tensors_listed]}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: {len(wrong_rank)} LoRA matrices do not have the rank r={rank} "
+                    f"of adapter_config.json, first {wrong_rank[0]['tensor']} {wrong_rank[0]['shape']}",
+                    {"tensors": wrong_rank[: self.options.max_tensors_listed]},
+                )
+            )
         b = [n for n, m in lora.items() if m and m[1] in ("lora_B", "lora_embedding_B") and n in scans]
         if b and step > 0 and all(scans[n].all_zero for n in b):
-            out.problems.append(("fail", f"{out.name}: every lora_B matrix ({len(b)}) is still zero after {step} "
-                                 f"step(s), so the adapter changes nothing; the LoRA parameters were not trained "
-                                 f"(not in the optimizer, learning rate 0, or saved before training)",
-                                 {"tensors": [{"tensor": n} for n in b[: self.options.max_tensors_listed]],
-                                  "tensor_count": len(b)}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: every lora_B matrix ({len(b)}) is still zero after {step} "
+                    f"step(s), so the adapter changes nothing; the LoRA parameters were not trained "
+                    f"(not in the optimizer, learning rate 0, or saved before training)",
+                    {"tensors": [{"tensor": n} for n in b[: self.options.max_tensors_listed]], "tensor_count": len(b)},
+                )
+            )
 
     def _check_tied(self, weights: Weights, checkpoint: dict, out: Inspection) -> None:
         """A config that ties the output head to the input embeddings while the saved tensors differ:
@@ -263,10 +338,15 @@ class _Inspector:
         if head is None or embed is None or head not in weights.scans or embed not in weights.scans:
             return
         if weights.scans[head].digest != weights.scans[embed].digest:
-            out.problems.append(("fail", f"{out.name}: the config ties {head} to {embed} "
-                                 f"(tie_word_embeddings) but the saved tensors differ; a reload overwrites one with "
-                                 f"the other. Save with tie_word_embeddings=false or tie them again before saving",
-                                 {"tensors": [{"tensor": head}, {"tensor": embed}]}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: the config ties {head} to {embed} "
+                    f"(tie_word_embeddings) but the saved tensors differ; a reload overwrites one with "
+                    f"the other. Save with tie_word_embeddings=false or tie them again before saving",
+                    {"tensors": [{"tensor": head}, {"tensor": embed}]},
+                )
+            )
 
     def _check_keys(self, entries: dict, params: list[dict], tied: dict[str, str], out: Inspection) -> None:
         groups: dict[str, set[str]] = {p["name"]: {p["name"]} for p in params}
@@ -277,17 +357,30 @@ class _Inspector:
         unexpected = sorted(entries.keys() - known)
         if missing or unexpected:
             first = (missing or unexpected)[0]
-            out.problems.append(("fail", f"{out.name} does not match the model: {len(missing)} missing and "
-                                 f"{len(unexpected)} unexpected key(s), first {first}; a strict load fails and a "
-                                 f"lenient one silently re-initialises weights", {"keys": {"missing": missing,
-                                                                                       "unexpected": unexpected}}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name} does not match the model: {len(missing)} missing and "
+                    f"{len(unexpected)} unexpected key(s), first {first}; a strict load fails and a "
+                    f"lenient one silently re-initialises weights",
+                    {"keys": {"missing": missing, "unexpected": unexpected}},
+                )
+            )
         shapes = {p["name"]: tuple(p["shape"]) for p in params}
-        wrong = [{"tensor": n, "shape": list(e.shape), "expected": list(shapes[groups_of(n, tied)])}
-                 for n, e in entries.items() if groups_of(n, tied) in shapes and e.shape != shapes[groups_of(n, tied)]]
+        wrong = [
+            {"tensor": n, "shape": list(e.shape), "expected": list(shapes[groups_of(n, tied)])}
+            for n, e in entries.items()
+            if groups_of(n, tied) in shapes and e.shape != shapes[groups_of(n, tied)]
+        ]
         if wrong:
-            out.problems.append(("fail", f"{out.name}: {len(wrong)} tensor(s) have the wrong shape, first "
-                                 f"{wrong[0]['tensor']} {wrong[0]['shape']} instead of {wrong[0]['expected']}",
-                                 {"tensors": wrong[: self.options.max_tensors_listed]}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: {len(wrong)} tensor(s) have the wrong shape, first "
+                    f"{wrong[0]['tensor']} {wrong[0]['shape']} instead of {wrong[0]['expected']}",
+                    {"tensors": wrong[: self.options.max_tensors_listed]},
+                )
+            )
 
     def _check_dtypes(self, entries: dict, params: list[dict], out: Inspection) -> None:
         floats = {n: e.dtype for n, e in entries.items() if e.dtype in FLOAT_DTYPES}
@@ -301,9 +394,14 @@ class _Inspector:
             expected = trained[0][0] if trained and trained[0][0] in top and len(top) > 1 else counts[0][0]
         stray = [{"tensor": n, "dtype": d, "expected": expected} for n, d in floats.items() if d != expected]
         if stray:
-            out.problems.append(("fail", f"{out.name}: {len(stray)} tensor(s) not saved as {expected}, first "
-                                 f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
-                                 {"dtypes": stray[: self.options.max_tensors_listed], "tensor_count": len(stray)}))
+            out.problems.append(
+                (
+                    "fail",
+                    f"{out.name}: {len(stray)} tensor(s) not saved as {expected}, first "
+                    f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
+                    {"dtypes": stray[: self.options.max_tensors_listed], "tensor_count": len(stray)},
+                )
+            )
 
     def _check_state(self, path: Path, folder: Path | None, weights: Weights | None, out: Inspection) -> None:
         """The training state a checkpoint holds: the pickles of its folder (a weight file's own folder
@@ -313,14 +411,22 @@ class _Inspector:
         pickles: dict[str, Any] = dict(weights.state) if weights else {}
         read = ({f.name for f in weights.files} if weights else {path.name}) | out.unread
         shown = out.name if path.is_dir() else folder.name if folder else ""
-        for f in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES
-                        and p.name not in read and p != path) if folder else []:
+        for f in (
+            sorted(
+                p
+                for p in folder.iterdir()
+                if p.is_file() and p.suffix in PICKLE_SUFFIXES and p.name not in read and p != path
+            )
+            if folder
+            else []
+        ):
             rel = f"{shown}/{f.name}"
             try:
                 contents = read_pickle(f)
             except UnreadablePickle as exc:
-                out.problems.append(("fail", f"{rel}: {str(exc).partition(': ')[2]}", {"file": rel,
-                                                                                   "imports": exc.imports}))
+                out.problems.append(
+                    ("fail", f"{rel}: {str(exc).partition(': ')[2]}", {"file": rel, "imports": exc.imports})
+                )
                 continue
             except CheckpointError as exc:
                 out.problems.append(("fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
@@ -346,7 +452,9 @@ CACHE_TABLE = "checkpoint_inspections"
 def _cache_get(con: duckdb.DuckDBPyConnection, key: str) -> Inspection | None:
     """A stored inspection of unchanged files (so a re-audit does not rescan them), or None."""
     # Results are drained (fetchall): DuckDB refuses other work on a connection with a half-read one.
-    if not con.execute(f"SELECT count(*) FROM information_schema.tables WHERE table_name = '{CACHE_TABLE}'").fetchall()[0][0]:
+    if not con.execute(f"SELECT count(*) FROM information_schema.tables WHERE table_name = '{CACHE_TABLE}'").fetchall()[
+        0
+    ][0]:
         return None
     rows = con.execute(f"SELECT inspection FROM {CACHE_TABLE} WHERE key = ?", [key]).fetchall()
     if not rows:
@@ -358,8 +466,9 @@ def _cache_get(con: duckdb.DuckDBPyConnection, key: str) -> Inspection | None:
 def _cache_put(con: duckdb.DuckDBPyConnection, key: str, inspection: Inspection) -> None:
     try:
         con.execute(f"CREATE TABLE IF NOT EXISTS {CACHE_TABLE} (key VARCHAR PRIMARY KEY, inspection JSON)")
-        con.execute(f"INSERT OR REPLACE INTO {CACHE_TABLE} VALUES (?, ?)",
-                        [key, json.dumps(asdict(inspection), default=str)])
+        con.execute(
+            f"INSERT OR REPLACE INTO {CACHE_TABLE} VALUES (?, ?)", [key, json.dumps(asdict(inspection), default=str)]
+        )
     except duckdb.Error:  # a read-only connection (a check run by hand, the gate): nothing to keep
         pass
 
@@ -409,8 +518,10 @@ def listed(names: list[str], limit: int = 5) -> str:
 
 
 def _unsafe_message(rel: str, unsafe: list[str]) -> str:
-    return (f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
-            f"statically); never torch.load it without weights_only=True and find what wrote it")
+    return (
+        f"{rel} is a pickle that would import and call {unsafe[0]} when loaded (sftaudit only read it "
+        f"statically); never torch.load it without weights_only=True and find what wrote it"
+    )
 
 
 def groups_of(name: str, tied: dict[str, str]) -> str:
@@ -447,8 +558,11 @@ def state_parts(folder: Path | None, pickles: dict[str, PickleContents]) -> tupl
     if folder and (folder / "collator.json").is_file():
         found.setdefault("collator", "collator.json")
     rng = found.get("rng_states")
-    rng_missing = [f"rng_states.{part}" for part, keys in RNG_PARTS.items()
-                   if isinstance(rng, dict) and not any(k in rng for k in keys)]
+    rng_missing = [
+        f"rng_states.{part}"
+        for part, keys in RNG_PARTS.items()
+        if isinstance(rng, dict) and not any(k in rng for k in keys)
+    ]
     return [part for part in STATE_KEYS if found.get(part) is not None], rng_missing
 
 
@@ -465,10 +579,8 @@ def state_folder(run_dir: Path, path: Path, own_path: str, checkpoint_paths: Seq
     return None if any(o == folder or folder in o.parents for o in others) else folder
 
 
-
 def _json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, ValueError):
         return None
-

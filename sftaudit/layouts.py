@@ -27,9 +27,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import (TRAINER_GLOBALS, Call, CheckpointError, Global, MissingWeights, PickleContents,
-                          TensorScan, read_pickle, read_safetensors_header, safetensors_files, scan_safetensors, scan_torch_zip,
-                          state_dict_tensors)
+from .checkpoints import (
+    TRAINER_GLOBALS,
+    Call,
+    CheckpointError,
+    Global,
+    MissingWeights,
+    PickleContents,
+    TensorScan,
+    read_pickle,
+    read_safetensors_header,
+    safetensors_files,
+    scan_safetensors,
+    scan_torch_zip,
+    state_dict_tensors,
+)
 
 PICKLE_SUFFIXES = (".pt", ".bin", ".pth", ".pkl")
 # Weights saved with torch.save(model.state_dict()), read when a folder has no safetensors.
@@ -37,10 +49,23 @@ TORCH_WEIGHT_FILES = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 DCP_METADATA = ".metadata"
 # Classes a torch.distributed.checkpoint .metadata pickle is built from (torch's own dataclasses).
-DCP_GLOBALS = ("torch.distributed.checkpoint.metadata.*", "torch.distributed.checkpoint.filesystem._StorageInfo",
-               "torch.distributed.checkpoint.planner.*", "torch.serialization._get_layout", "torch.Size",
-               "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "collections.OrderedDict",
-               "torch.float*", "torch.bfloat16", "torch.int*", "torch.uint8", "torch.bool", "torch.complex*")
+DCP_GLOBALS = (
+    "torch.distributed.checkpoint.metadata.*",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.planner.*",
+    "torch.serialization._get_layout",
+    "torch.Size",
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+    "pathlib.PurePosixPath",
+    "collections.OrderedDict",
+    "torch.float*",
+    "torch.bfloat16",
+    "torch.int*",
+    "torch.uint8",
+    "torch.bool",
+    "torch.complex*",
+)
 DEEPSPEED_MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
@@ -75,8 +100,8 @@ class Weights:
     files: list[Path] = field(default_factory=list)
     state: dict[str, PickleContents] = field(default_factory=dict)  # training-state pickles by file name
     state_keys: set[str] = field(default_factory=set)  # top-level training-state names (DCP)
-    adapter: dict[str, Any] | None = None         # PEFT adapter_config.json
-    config: dict[str, Any] | None = None          # config.json saved beside the weights
+    adapter: dict[str, Any] | None = None  # PEFT adapter_config.json
+    config: dict[str, Any] | None = None  # config.json saved beside the weights
 
 
 def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weights:
@@ -94,8 +119,10 @@ def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weig
         if deepspeed is not None and not files:  # the engine's own save: weights in its model states
             weights = _deepspeed(deepspeed, trusted)
         elif not files:
-            raise MissingWeights(f"holds no model weights (model.safetensors, shards with an index, "
-                                  f"{TORCH_WEIGHT_FILES[0]}, an adapter, a DCP or DeepSpeed folder)")
+            raise MissingWeights(
+                f"holds no model weights (model.safetensors, shards with an index, "
+                f"{TORCH_WEIGHT_FILES[0]}, an adapter, a DCP or DeepSpeed folder)"
+            )
         else:
             weights = Weights()
             for f in files:
@@ -158,8 +185,10 @@ def _peft(folder: Path, trusted: tuple[str, ...]) -> Weights:
     return weights
 
 
-ADAPTER_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
-                         r"(?:\.[^.]+)?\.weight$|^(?P<plain_module>.+)\.(?P<plain>lora_[AB])$")
+ADAPTER_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+    r"(?:\.[^.]+)?\.weight$|^(?P<plain_module>.+)\.(?P<plain>lora_[AB])$"
+)
 
 
 def adapter_module(key: str) -> tuple[str, str] | None:
@@ -205,7 +234,8 @@ def _dcp(folder: Path) -> Weights:
         props = _state(spec.get("properties"))  # TensorProperties pickles as (dtype, layout, ...)
         dtype = props.get("dtype") if isinstance(props, dict) else props[0] if isinstance(props, tuple) else None
         out.tensors[fqn.removeprefix(model_prefix)] = TensorInfo(
-            dtype.name if isinstance(dtype, Global) else "unknown", tuple(_state(spec["size"]) or ()))
+            dtype.name if isinstance(dtype, Global) else "unknown", tuple(_state(spec["size"]) or ())
+        )
     return out
 
 
@@ -256,5 +286,3 @@ def _json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, ValueError):
         return None
-
-

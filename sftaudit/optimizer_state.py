@@ -27,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoints import (SAFETENSORS_DTYPES, CheckpointError, TensorEntry, TensorRef, read_pickle,
-                           read_safetensors_header, safetensors_files)
+from .checkpoints import (
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    TensorEntry,
+    TensorRef,
+    read_pickle,
+    read_safetensors_header,
+    safetensors_files,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"
 # Elements compared per candidate pair when names must be told apart by movement (enough for a
@@ -56,8 +63,8 @@ class MomentEntry:
 
 @dataclass
 class AdamState:
-    groups: list[dict[str, Any]]        # lr, betas, eps, weight_decay, params (indices) per group
-    entries: dict[int, MomentEntry]     # parameter index -> its state (no entry: never had a gradient)
+    groups: list[dict[str, Any]]  # lr, betas, eps, weight_decay, params (indices) per group
+    entries: dict[int, MomentEntry]  # parameter index -> its state (no entry: never had a gradient)
     names: dict[int, str] = field(default_factory=dict)  # index -> parameter name, where unambiguous
 
     @property
@@ -70,10 +77,14 @@ def read_adam_state(path: Path) -> AdamState:
     contents = read_pickle(path)
     unsafe = contents.unsafe_globals(trusted=())
     if unsafe:
-        raise UnsafeOptimizerState(f"{path.name}: refused without loading it: its pickle imports {', '.join(unsafe)}, "
-                                   f"which a weights-only load would not allow")
+        raise UnsafeOptimizerState(
+            f"{path.name}: refused without loading it: its pickle imports {', '.join(unsafe)}, "
+            f"which a weights-only load would not allow"
+        )
     value = contents.value
-    if not (isinstance(value, dict) and isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list)):
+    if not (
+        isinstance(value, dict) and isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list)
+    ):
         raise CheckpointError(f"{path.name}: not an optimizer state dict (no state / param_groups)")
     groups = []
     for g in value["param_groups"]:
@@ -84,8 +95,15 @@ def read_adam_state(path: Path) -> AdamState:
             settings = ", ".join(sorted(k for k in g if k != "params"))
             raise CheckpointError(f"{path.name}: not an Adam state: its parameter groups have no betas ({settings})")
         betas = g["betas"] if isinstance(g["betas"], (tuple, list)) else (0.9, 0.999)  # tensor betas: the defaults
-        groups.append({"lr": g.get("lr"), "betas": tuple(float(b) for b in betas), "eps": float(g.get("eps") or 1e-8),
-                       "weight_decay": g.get("weight_decay"), "params": [int(i) for i in g["params"]]})
+        groups.append(
+            {
+                "lr": g.get("lr"),
+                "betas": tuple(float(b) for b in betas),
+                "eps": float(g.get("eps") or 1e-8),
+                "weight_decay": g.get("weight_decay"),
+                "params": [int(i) for i in g["params"]],
+            }
+        )
     group_of = {i: k for k, g in enumerate(groups) for i in g["params"]}
     entries = {}
     with zipfile.ZipFile(path) as archive:
@@ -94,10 +112,18 @@ def read_adam_state(path: Path) -> AdamState:
             if not isinstance(state, dict) or not isinstance(state.get("exp_avg_sq"), TensorRef):
                 raise CheckpointError(f"{path.name}: parameter {index} has no exp_avg_sq: not an Adam state")
             step = state.get("step")
-            step = float(_tensor(archive, prefix, step, path).reshape(-1)[0]) if isinstance(step, TensorRef) else float(step or 0)
-            entries[int(index)] = MomentEntry(int(index), group_of.get(int(index), 0), step,
-                                              _tensor(archive, prefix, state["exp_avg"], path),
-                                              _tensor(archive, prefix, state["exp_avg_sq"], path))
+            step = (
+                float(_tensor(archive, prefix, step, path).reshape(-1)[0])
+                if isinstance(step, TensorRef)
+                else float(step or 0)
+            )
+            entries[int(index)] = MomentEntry(
+                int(index),
+                group_of.get(int(index), 0),
+                step,
+                _tensor(archive, prefix, state["exp_avg"], path),
+                _tensor(archive, prefix, state["exp_avg_sq"], path),
+            )
     return AdamState(groups, entries)
 
 
@@ -145,8 +171,9 @@ _FLOAT_BITS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 # ---------------------------------------------------------------------------- names
 
 
-def map_names(state: AdamState, weights: dict[str, tuple[Path, TensorEntry]],
-              before: dict[str, tuple[Path, TensorEntry]]) -> dict[int, str]:
+def map_names(
+    state: AdamState, weights: dict[str, tuple[Path, TensorEntry]], before: dict[str, tuple[Path, TensorEntry]]
+) -> dict[int, str]:
     """Parameter index -> name for the entries whose tensor can be told apart (see the module doc)."""
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for name, (_, e) in weights.items():
@@ -165,7 +192,9 @@ def map_names(state: AdamState, weights: dict[str, tuple[Path, TensorEntry]],
         if len(candidates) < len(entries) or not candidates:
             continue  # ambiguous and nothing to tell the tensors apart by: refuse
         complete = len(candidates) == len(entries)  # every tensor of the shape has an entry: elimination holds
-        still = [c for c in candidates if np.array_equal(load_weight(weights[c]), load_weight(before[c]), equal_nan=True)]
+        still = [
+            c for c in candidates if np.array_equal(load_weight(weights[c]), load_weight(before[c]), equal_nan=True)
+        ]
         idle = [e for e in entries if not np.any(e.exp_avg) and not np.any(e.exp_avg_sq)]
         if len(still) == 1 and len(idle) == 1:  # the entry that never updated is the tensor that never moved
             names[idle[0].index] = still[0]
@@ -185,8 +214,9 @@ def _by_movement(entries: list[MomentEntry], candidates: list[str], weights, bef
     shape = tuple(entries[0].exp_avg.shape)
     size = math.prod(shape)
     picks = rng.choice(size, size=min(size, SAMPLE_ELEMENTS), replace=False)
-    moves = np.stack([load_weight(weights[c]).reshape(-1)[picks] - load_weight(before[c]).reshape(-1)[picks]
-                      for c in candidates])
+    moves = np.stack(
+        [load_weight(weights[c]).reshape(-1)[picks] - load_weight(before[c]).reshape(-1)[picks] for c in candidates]
+    )
     firsts = np.stack([-e.exp_avg.reshape(-1)[picks] for e in entries])
     # entries x candidates; a tensor that did not move (or went non-finite) matches nothing by movement
     corr = np.nan_to_num(_correlations(firsts, moves), nan=0.0, posinf=0.0, neginf=0.0)

@@ -42,9 +42,18 @@ from .tokenizer_info import TokenizerRefused, describe_tokenizer, load_saved_tok
 PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
 
 
-def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, template: str | Path | None = None,
-              collator: str | None = None, batch_size: int = 8, max_length: int | None = None,
-              config: AuditConfig | None = None, progress: bool = True) -> dict[str, Any]:
+def preflight(
+    data: str | Path,
+    tokenizer_dir: str | Path,
+    out: str | Path,
+    *,
+    template: str | Path | None = None,
+    collator: str | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    config: AuditConfig | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Render, tokenize, collate and check every sample; returns the verdict (stored under `out`)."""
     from .audit import judge
     from .checks import registered_checks
@@ -67,8 +76,9 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     if batch_size < 1:
         raise InputError("--batch-size must be at least 1")
     rows = load_rows(data)
-    ids, rendered, failures, batches, max_length = dataset_batches(tokenizer, rows, collator=collator, batch_size=batch_size,
-                                                                   max_length=max_length, progress=progress)
+    ids, rendered, failures, batches, max_length = dataset_batches(
+        tokenizer, rows, collator=collator, batch_size=batch_size, max_length=max_length, progress=progress
+    )
 
     out = Path(out)
     root = artifact_root(out)
@@ -77,18 +87,31 @@ def preflight(data: str | Path, tokenizer_dir: str | Path, out: str | Path, *, t
     tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
     remember_tokenizer(root / TOKENIZER_DIR, tokenizer)
     manifest = {
-        "schema_version": SCHEMA_VERSION, "run_id": f"preflight-{Path(data).stem}", "seg": 0, "rank": 0,
-        "world_size": 1, "profile": "preflight", "started": time.time(), "params": [],
+        "schema_version": SCHEMA_VERSION,
+        "run_id": f"preflight-{Path(data).stem}",
+        "seg": 0,
+        "rank": 0,
+        "world_size": 1,
+        "profile": "preflight",
+        "started": time.time(),
+        "params": [],
         "model": {"class": "none (preflight: no model)", "config": None, "tie_word_embeddings": None, "dropout": {}},
-        "tokenizer": describe_tokenizer(tokenizer), "dataset": describe_rows(rows),
-        "preflight": {"data": str(data), "tokenizer": str(tokenizer_dir), "template": str(template) if template else None,
-                      "collator": collator or "standard completion-only", "batch_size": batch_size,
-                      "max_length": max_length},
+        "tokenizer": describe_tokenizer(tokenizer),
+        "dataset": describe_rows(rows),
+        "preflight": {
+            "data": str(data),
+            "tokenizer": str(tokenizer_dir),
+            "template": str(template) if template else None,
+            "collator": collator or "standard completion-only",
+            "batch_size": batch_size,
+            "max_length": max_length,
+        },
         "preview": dataset_preview(tokenizer, source, layout_or_none(tokenizer), rendered, ids, batches),
     }
     config = config or AuditConfig()
-    config.disabled = sorted(set(config.disabled) | {c.code for c in registered_checks()
-                                                      if c.code not in PREFLIGHT_CHECKS})
+    config.disabled = sorted(
+        set(config.disabled) | {c.code for c in registered_checks() if c.code not in PREFLIGHT_CHECKS}
+    )
     con = connect(out)
     try:
         create_tables(con)
@@ -108,23 +131,44 @@ def _list_column(matrices: list[np.ndarray]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def _store(con, manifest: dict, batches: list[dict], failures: list[tuple[str, str, str]], tokenizer_length: int,
-           fingerprint: str | None) -> None:
-    con.execute("INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
-                [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)])
+def _store(
+    con,
+    manifest: dict,
+    batches: list[dict],
+    failures: list[tuple[str, str, str]],
+    tokenizer_length: int,
+    fingerprint: str | None,
+) -> None:
+    con.execute(
+        "INSERT INTO manifest VALUES (0, 0, ?, ?, 'preflight', 1, ?, NULL, ?)",
+        [manifest["run_id"], SCHEMA_VERSION, manifest["started"], json.dumps(manifest)],
+    )
     if batches:  # each batch is a step (1..N) of one micro-batch
-        _insert(con, "batches", pa.Table.from_pylist([batch_record(b, step, 0, tokenizer_length, fingerprint)
-                                                      for step, b in enumerate(batches, 1)]))
+        _insert(
+            con,
+            "batches",
+            pa.Table.from_pylist(
+                [batch_record(b, step, 0, tokenizer_length, fingerprint) for step, b in enumerate(batches, 1)]
+            ),
+        )
     sizes = np.array([len(b["sample_ids"]) for b in batches], dtype=np.int64)
     zeros = pa.array(np.zeros(int(sizes.sum()), dtype=np.int32))
-    _insert(con, "samples", pa.table({
-        "seg": zeros, "step": pa.array(np.repeat(np.arange(1, len(batches) + 1), sizes), pa.int64()), "micro": zeros,
-        "row": pa.array(np.concatenate([np.arange(s) for s in sizes]) if len(sizes) else [], pa.int32()),
-        "sample_id": pa.array([s for b in batches for s in b["sample_ids"]], pa.string()),
-        "input_ids": _list_column([b["input_ids"] for b in batches]),
-        "labels": _list_column([b["labels"] for b in batches]),
-        "attention_mask": _list_column([b["attention_mask"] for b in batches]),
-    }))
+    _insert(
+        con,
+        "samples",
+        pa.table(
+            {
+                "seg": zeros,
+                "step": pa.array(np.repeat(np.arange(1, len(batches) + 1), sizes), pa.int64()),
+                "micro": zeros,
+                "row": pa.array(np.concatenate([np.arange(s) for s in sizes]) if len(sizes) else [], pa.int32()),
+                "sample_id": pa.array([s for b in batches for s in b["sample_ids"]], pa.string()),
+                "input_ids": _list_column([b["input_ids"] for b in batches]),
+                "labels": _list_column([b["labels"] for b in batches]),
+                "attention_mask": _list_column([b["attention_mask"] for b in batches]),
+            }
+        ),
+    )
     if failures:
         _insert(con, "events", pa.Table.from_pylist(failure_records(failures)))
 

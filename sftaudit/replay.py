@@ -33,10 +33,18 @@ def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int =
 def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str, Any]:
     verdict = audit(run_dir, config or AuditConfig())
     first = verdict["first_anomalous_step"]
-    out: dict[str, Any] = {"run": verdict["run"], "verdict": verdict["verdict"], "first_anomalous_step": first,
-                           "rollback_checkpoint": None, "rollback_margin": verdict["rollback_margin"],
-                           "rollback_deleted": verdict["rollback_deleted"],
-                           "chain": [], "batches": [], "resume": None, "configuration": configuration(verdict)}
+    out: dict[str, Any] = {
+        "run": verdict["run"],
+        "verdict": verdict["verdict"],
+        "first_anomalous_step": first,
+        "rollback_checkpoint": None,
+        "rollback_margin": verdict["rollback_margin"],
+        "rollback_deleted": verdict["rollback_deleted"],
+        "chain": [],
+        "batches": [],
+        "resume": None,
+        "configuration": configuration(verdict),
+    }
     if first is None:
         return out
     rollback = next((c for c in verdict["checkpoints"] if c["name"] == verdict["rollback_checkpoint"]), None)
@@ -47,7 +55,9 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
         rows = con.execute(
             """SELECT step, flatten(list(sample_ids ORDER BY micro)) FROM (
                    SELECT step, micro, sample_ids FROM batches WHERE rank = 0 AND step > ? AND step <= ?)
-               GROUP BY step ORDER BY step""", [since, first]).fetchall()
+               GROUP BY step ORDER BY step""",
+            [since, first],
+        ).fetchall()
         manifest = load_manifest(con)
     finally:
         con.close()
@@ -63,14 +73,23 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
 def chain(verdict: dict[str, Any], since: int, until: int) -> list[dict[str, Any]]:
     """The anomalies after step `since` up to `until`: what went wrong around the first one (a
     configuration or a risk is no bad step, and skipping batches does not undo it)."""
-    return [f for f in verdict["findings"] if f["scope"] == "run" and f["step"] is not None
-            and f.get("category", "anomaly") == "anomaly" and since < f["step"] <= until]
+    return [
+        f
+        for f in verdict["findings"]
+        if f["scope"] == "run"
+        and f["step"] is not None
+        and f.get("category", "anomaly") == "anomaly"
+        and since < f["step"] <= until
+    ]
 
 
 def configuration(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     """The run's configuration findings: what to change in the setup, not batches to skip."""
-    return [{k: f[k] for k in ("code", "severity", "step", "message")} for f in verdict["findings"]
-            if f.get("category") == "configuration"]
+    return [
+        {k: f[k] for k in ("code", "severity", "step", "message")}
+        for f in verdict["findings"]
+        if f.get("category") == "configuration"
+    ]
 
 
 def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = ()) -> dict[str, str | None]:
@@ -83,8 +102,10 @@ def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = 
         return {"command": fill_template(config["resume_command"], path, list(skip_steps)), "trainer": None}
     if "training_args" in config:
         argv = manifest.get("argv")
-        return {"command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
-                "trainer": f"trainer.train(resume_from_checkpoint={path!r})"}
+        return {
+            "command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
+            "trainer": f"trainer.train(resume_from_checkpoint={path!r})",
+        }
     return {"command": None, "trainer": None}
 
 
@@ -123,14 +144,20 @@ def to_text(doc: dict[str, Any]) -> str:
     lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
     lines += changes
     rb = doc["rollback_checkpoint"]
-    deleted = f"; {doc['rollback_deleted']} would have been, but it is no longer on disk" \
-        if doc.get("rollback_deleted") else ""
+    deleted = (
+        f"; {doc['rollback_deleted']} would have been, but it is no longer on disk"
+        if doc.get("rollback_deleted")
+        else ""
+    )
     if rb is None:
-        lines.append(f"no intact checkpoint on disk at least {doc['rollback_margin']} steps before the anomaly"
-                     f"{deleted}: restart from scratch")
+        lines.append(
+            f"no intact checkpoint on disk at least {doc['rollback_margin']} steps before the anomaly"
+            f"{deleted}: restart from scratch"
+        )
     else:
-        lines.append(f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']})"
-                     f"{deleted}")
+        lines.append(
+            f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']}){deleted}"
+        )
     lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:

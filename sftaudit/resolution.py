@@ -32,9 +32,17 @@ def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]
     out = []
     for f in findings:
         if dataset and f.step == DATASET_STEP:
-            note = f" [dataset given with --data ({dataset['data']}): the step the run trained each row at is not on disk]"
-            out.append(replace(f, step=None, message=f.message + note,
-                               evidence={**f.evidence, "resolution": {"kind": "dataset", "source": DATASET_SOURCE}}))
+            note = (
+                f" [dataset given with --data ({dataset['data']}): the step the run trained each row at is not on disk]"
+            )
+            out.append(
+                replace(
+                    f,
+                    step=None,
+                    message=f.message + note,
+                    evidence={**f.evidence, "resolution": {"kind": "dataset", "source": DATASET_SOURCE}},
+                )
+            )
             continue
         if f.step is None or f.checkpoint is not None or "resolution" in f.evidence:
             out.append(f)
@@ -44,18 +52,30 @@ def at_logging_resolution(con, manifest: dict[str, Any], findings: list[Finding]
             out.append(f)  # not a logged step (a metric logged between training logs): left as is
             continue
         first = int(logged[i - 1]) + 1 if i else 1
-        resolution = {"kind": "logging window", "first_step": first, "last_step": int(f.step),
-                      "logging_steps": logging_steps}
+        resolution = {
+            "kind": "logging window",
+            "first_step": first,
+            "last_step": int(f.step),
+            "logging_steps": logging_steps,
+        }
         if first == f.step:
             resolution["kind"] = "exact step"
             out.append(replace(f, evidence={**f.evidence, "resolution": resolution}))
             continue
-        note = (f" [imported logs, logged every {logging_steps} steps: first anomalous logging window: "
-                f"steps {first}-{f.step}]")
+        note = (
+            f" [imported logs, logged every {logging_steps} steps: first anomalous logging window: "
+            f"steps {first}-{f.step}]"
+        )
         out.append(replace(f, step=first, message=f.message + note, evidence={**f.evidence, "resolution": resolution}))
-    notes = {"notes": manifest["import_notes"]} if manifest.get("import_notes") else {}  # what the import could not read
-    return out, {"kind": "logging window" if (logging_steps or 1) > 1 else "exact step", "logging_steps": logging_steps,
-                 "source": manifest.get("source"), **notes}
+    notes = (
+        {"notes": manifest["import_notes"]} if manifest.get("import_notes") else {}
+    )  # what the import could not read
+    return out, {
+        "kind": "logging window" if (logging_steps or 1) > 1 else "exact step",
+        "logging_steps": logging_steps,
+        "source": manifest.get("source"),
+        **notes,
+    }
 
 
 def first_window(verdict: dict[str, Any]) -> dict[str, Any] | None:
@@ -64,9 +84,15 @@ def first_window(verdict: dict[str, Any]) -> dict[str, Any] | None:
     first = verdict.get("first_anomalous_step")
     if first is None:
         return None
-    windows = [r for f in verdict.get("findings", [])
-               if f["step"] == first and f["severity"] != "info" and f["scope"] == "run"
-               and "last_step" in (r := (f.get("evidence") or {}).get("resolution") or {}) and r.get("first_step") == first]
+    windows = [
+        r
+        for f in verdict.get("findings", [])
+        if f["step"] == first
+        and f["severity"] != "info"
+        and f["scope"] == "run"
+        and "last_step" in (r := (f.get("evidence") or {}).get("resolution") or {})
+        and r.get("first_step") == first
+    ]
     if not windows or any(r["last_step"] == first for r in windows):
         return None
     best = min(windows, key=lambda r: (r["last_step"], r["kind"] != "logging window"))

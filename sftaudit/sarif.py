@@ -23,9 +23,18 @@ SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schem
 LEVELS = {"fail": "error", "warn": "warning"}
 RUN_BASE = "RUN_DIR"  # results' file locations are relative to the audited run folder
 # The artifact a kind of evidence is read from (rank 0's folder; imported runs are written there too).
-EVIDENCE_FILES = {"steps": "steps", "batches": "batches", "samples": "samples",
-                  "probes": "probes", "generations": "generations", "evals": "evals", "checkpoints": "checkpoints",
-                  "metrics": "metrics", "tokenizer": "manifest", "chat_template": "manifest"}
+EVIDENCE_FILES = {
+    "steps": "steps",
+    "batches": "batches",
+    "samples": "samples",
+    "probes": "probes",
+    "generations": "generations",
+    "evals": "evals",
+    "checkpoints": "checkpoints",
+    "metrics": "metrics",
+    "tokenizer": "manifest",
+    "chat_template": "manifest",
+}
 
 
 def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
@@ -35,24 +44,35 @@ def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     rules = [_rule(c) for c in checks]
     files = {c.code: _artifact(c) for c in checks}
     results = [_result(f, index, files) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in index]
-    notes = [{"level": "error" if c["status"] == "error" else "note",
-              "message": {"text": f"{c['code']} {c['status'].replace('_', ' ')}: {c['reason']}"},
-              "descriptor": {"id": c["code"], "index": index[c["code"]]}}
-             for c in verdict.get("checks", []) if c["status"] in ("not_run", "error") and c["code"] in index]
+    notes = [
+        {
+            "level": "error" if c["status"] == "error" else "note",
+            "message": {"text": f"{c['code']} {c['status'].replace('_', ' ')}: {c['reason']}"},
+            "descriptor": {"id": c["code"], "index": index[c["code"]]},
+        }
+        for c in verdict.get("checks", [])
+        if c["status"] in ("not_run", "error") and c["code"] in index
+    ]
     if verdict.get("cannot_judge"):
         notes.append({"level": "error", "message": {"text": f"the run cannot be judged: {verdict['cannot_judge']}"}})
     return {
         "$schema": SARIF_SCHEMA,
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {"name": "sftaudit", "version": __version__, "rules": rules}},
-            "originalUriBaseIds": {RUN_BASE: {"uri": Path(run_dir).resolve().as_uri() + "/"}},
-            "invocations": [{"executionSuccessful": verdict["verdict"] != "unjudged",
-                             "toolExecutionNotifications": notes}],
-            "results": results,
-            "properties": {"verdict": verdict["verdict"], "first_anomalous_step": verdict["first_anomalous_step"],
-                           "rollback_checkpoint": verdict["rollback_checkpoint"]},
-        }],
+        "runs": [
+            {
+                "tool": {"driver": {"name": "sftaudit", "version": __version__, "rules": rules}},
+                "originalUriBaseIds": {RUN_BASE: {"uri": Path(run_dir).resolve().as_uri() + "/"}},
+                "invocations": [
+                    {"executionSuccessful": verdict["verdict"] != "unjudged", "toolExecutionNotifications": notes}
+                ],
+                "results": results,
+                "properties": {
+                    "verdict": verdict["verdict"],
+                    "first_anomalous_step": verdict["first_anomalous_step"],
+                    "rollback_checkpoint": verdict["rollback_checkpoint"],
+                },
+            }
+        ],
     }
 
 
@@ -65,11 +85,15 @@ def write_sarif(verdict: dict[str, Any], run_dir: str | Path, path: str | Path) 
 def _rule(check) -> dict[str, Any]:
     doc = check_doc(check)
     detects = dict(doc["sections"]).get("What it detects", doc["summary"])
-    return {"id": check.code, "name": check.name.title().replace(" ", "").replace("-", ""),
-            "shortDescription": {"text": doc["summary"]}, "fullDescription": {"text": detects},
-            "helpUri": check_page(check.code),
-            "help": {"text": "\n\n".join(f"{name}: {body}" for name, body in doc["sections"])},
-            "properties": {"name": check.name}}
+    return {
+        "id": check.code,
+        "name": check.name.title().replace(" ", "").replace("-", ""),
+        "shortDescription": {"text": doc["summary"]},
+        "fullDescription": {"text": detects},
+        "helpUri": check_page(check.code),
+        "help": {"text": "\n\n".join(f"{name}: {body}" for name, body in doc["sections"])},
+        "properties": {"name": check.name},
+    }
 
 
 def _artifact(check) -> str:
@@ -93,10 +117,18 @@ def _result(finding: dict[str, Any], index: dict[str, int], files: dict[str, str
     location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri, "uriBaseId": RUN_BASE}}}
     if logical:
         location["logicalLocations"] = logical
-    return {"ruleId": finding["code"], "ruleIndex": index[finding["code"]], "level": LEVELS[finding["severity"]],
-            "message": {"text": finding["message"]}, "locations": [location],
-            "properties": {"category": finding.get("category", "anomaly"), "step": finding["step"],
-                           "checkpoint": finding["checkpoint"]}}
+    return {
+        "ruleId": finding["code"],
+        "ruleIndex": index[finding["code"]],
+        "level": LEVELS[finding["severity"]],
+        "message": {"text": finding["message"]},
+        "locations": [location],
+        "properties": {
+            "category": finding.get("category", "anomaly"),
+            "step": finding["step"],
+            "checkpoint": finding["checkpoint"],
+        },
+    }
 
 
 def _tensor(evidence: dict[str, Any]) -> str | None:

@@ -46,6 +46,7 @@ def json_safe(text: str) -> str:
     """A JSON document with the characters `shown` escapes written as JSON ``\\uXXXX`` escapes: the
     same document, safe to print or write as UTF-8 (json.dumps with ensure_ascii=False leaves
     bidi controls, C1 controls and lone surrogates raw)."""
+
     def sub(m: re.Match) -> str:
         ch = m.group()
         if ch == "\n" or not _unsafe(ch):  # json.dumps escapes C0 controls inside strings itself

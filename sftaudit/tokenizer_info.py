@@ -57,8 +57,19 @@ def describe_tokenizer(tokenizer: Any) -> dict[str, Any]:
 # Files any one of which holds a whole vocabulary (fast tokenizer, SentencePiece, BPE/WordPiece vocab,
 # tiktoken). Without one, transformers still builds a tokenizer, from the special tokens of
 # tokenizer_config.json alone (a few dozen tokens): its ids are wrong, so it is not used.
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model",
-               "spm.model", "vocab.json", "vocab.txt", "vocab.model", "tokenizer.tiktoken", "qwen.tiktoken")
+VOCAB_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "sentencepiece.model",
+    "spm.model",
+    "vocab.json",
+    "vocab.txt",
+    "vocab.model",
+    "tokenizer.tiktoken",
+    "qwen.tiktoken",
+)
 _CONFIG_LIMIT = 64 * 1024 * 1024
 
 
@@ -81,13 +92,17 @@ def refusal(folder: str | Path) -> str | None:
             if entries:
                 key, value = next(iter(entries.items()))
                 shown = " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
-                return (f"the tokenizer asks for code from its folder ({name} auto_map {key}: {shown}); sftaudit "
-                        f"never runs code from a run folder (trust_remote_code=False), so it was not loaded")
+                return (
+                    f"the tokenizer asks for code from its folder ({name} auto_map {key}: {shown}); sftaudit "
+                    f"never runs code from a run folder (trust_remote_code=False), so it was not loaded"
+                )
     if not any((folder / name).is_file() for name in VOCAB_FILES):
         present = sorted(p.name for p in folder.iterdir() if p.is_file())[:6] if folder.is_dir() else []
-        return (f"the tokenizer cannot be built whole: {folder.name}/ has no tokenizer.json or vocabulary file "
-                f"(tokenizer.model, vocab.json, vocab.txt, ...), only {', '.join(present) or 'nothing'}; save the "
-                f"tokenizer with the checkpoint (tokenizer.save_pretrained) to judge it")
+        return (
+            f"the tokenizer cannot be built whole: {folder.name}/ has no tokenizer.json or vocabulary file "
+            f"(tokenizer.model, vocab.json, vocab.txt, ...), only {', '.join(present) or 'nothing'}; save the "
+            f"tokenizer with the checkpoint (tokenizer.save_pretrained) to judge it"
+        )
     return None
 
 

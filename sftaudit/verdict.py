@@ -35,25 +35,39 @@ def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> lis
     return out
 
 
-
-def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str, Any]],
-                  check_errors: list[dict[str, str]] | None = None,
-                  rollback_margin: int = DEFAULT_ROLLBACK_MARGIN,
-                  evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_verdict(
+    run: str,
+    findings: list[Finding],
+    checkpoints: list[dict[str, Any]],
+    check_errors: list[dict[str, str]] | None = None,
+    rollback_margin: int = DEFAULT_ROLLBACK_MARGIN,
+    evidence: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The run's verdict; "unjudged" (never pass) when the evidence says it cannot be judged."""
     # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone
     # (scope "checkpoint"); the rest are about the run, up to the step they happened (scope "run").
     about_checkpoint = [f for f in findings if f.checkpoint is not None]
     about_run = attribute([f for f in findings if f.checkpoint is None], checkpoints)
     scoped = [(f, "checkpoint") for f in about_checkpoint] + [(f, "run") for f in about_run]
-    scoped.sort(key=lambda fs: (fs[0].step is None, fs[0].step or 0, fs[0].code, -SEVERITY_RANK[fs[0].severity],
-                                fs[0].message, fs[1]))
+    scoped.sort(
+        key=lambda fs: (
+            fs[0].step is None,
+            fs[0].step or 0,
+            fs[0].code,
+            -SEVERITY_RANK[fs[0].severity],
+            fs[0].message,
+            fs[1],
+        )
+    )
     finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
     # Only anomalies date the run: a configuration or a risk is not "where it went wrong".
     anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.category == "anomaly"]
     first = min(anomalous) if anomalous else None
-    chain = [{"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
-             for f, _ in scoped if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW]
+    chain = [
+        {"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
+        for f, _ in scoped
+        if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW
+    ]
 
     per_checkpoint = []
     for c in sorted(checkpoints, key=lambda c: c["step"]):
@@ -61,10 +75,19 @@ def build_verdict(run: str, findings: list[Finding], checkpoints: list[dict[str,
         own = [f for f in finding_dicts if f["checkpoint"] == c["name"]]
         sound = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
         on_disk = c.get("on_disk", True)
-        per_checkpoint.append({"name": c["name"], "step": c["step"], "path": c["path"],
-                               "saves": c.get("saves", [c["step"]]), "on_disk": on_disk,
-                               "verdict": worst_of(upto), "intact": sound and on_disk, "sound": sound,
-                               "findings": own})
+        per_checkpoint.append(
+            {
+                "name": c["name"],
+                "step": c["step"],
+                "path": c["path"],
+                "saves": c.get("saves", [c["step"]]),
+                "on_disk": on_disk,
+                "verdict": worst_of(upto),
+                "intact": sound and on_disk,
+                "sound": sound,
+                "findings": own,
+            }
+        )
 
     # A check that raised judged nothing: a verdict without it would pass what it exists to catch.
     reasons = [r for r in [(evidence or {}).get("cannot_judge")] if r]
@@ -92,10 +115,16 @@ def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list
     """What a checkpoint's verdict rests on: run findings up to its step (or without a step) and
     the findings about that checkpoint itself. A run finding whose evidence names the checkpoints
     it `applies_to` (one warn for several checkpoints) counts for those alone."""
-    return [f for f in findings
-            if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
-            or (f["scope"] == "run" and (f["step"] is None or f["step"] <= step)
-                and name in (f["evidence"] or {}).get("applies_to", [name]))]
+    return [
+        f
+        for f in findings
+        if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
+        or (
+            f["scope"] == "run"
+            and (f["step"] is None or f["step"] <= step)
+            and name in (f["evidence"] or {}).get("applies_to", [name])
+        )
+    ]
 
 
 def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:

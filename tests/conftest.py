@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sftaudit.fixtures.train import train_plain
 
 from .shared import shared_dir
@@ -22,10 +21,24 @@ NAN_STEP = 13
 # is marked slow, so that `pytest -m "not slow"` runs what needs no training run.
 TRAINING_FIXTURES = {
     # this file's
-    "runs", "checkpoint_fault_run", "hf_checkpoint_fault_run", "trl_packing_run", "resumed_run", "distributed_runs",
+    "runs",
+    "checkpoint_fault_run",
+    "hf_checkpoint_fault_run",
+    "trl_packing_run",
+    "resumed_run",
+    "distributed_runs",
     # module fixtures of the test files
-    "pad_eos_default_profile", "killed_at_3_of_80", "rotated_run", "trainer_resumed_run", "order_runs", "trainer_run",
-    "head_runs", "trainer_nan_run", "trainer_grads_x1000", "window_run", "clean_trl_run",
+    "pad_eos_default_profile",
+    "killed_at_3_of_80",
+    "rotated_run",
+    "trainer_resumed_run",
+    "order_runs",
+    "trainer_run",
+    "head_runs",
+    "trainer_nan_run",
+    "trainer_grads_x1000",
+    "window_run",
+    "clean_trl_run",
 }
 
 
@@ -48,8 +61,14 @@ def runs(tmp_path_factory, tokenizer_cache):
 
     def make(name: str, **options) -> Path:
         if name not in made:
-            made[name] = shared_dir(tmp_path_factory, name, lambda folder: train_plain(
-                folder / name, tokenizer_cache=tokenizer_cache, **options)) / name
+            made[name] = (
+                shared_dir(
+                    tmp_path_factory,
+                    name,
+                    lambda folder: train_plain(folder / name, tokenizer_cache=tokenizer_cache, **options),
+                )
+                / name
+            )
         return made[name]
 
     return make
@@ -67,8 +86,17 @@ def nan_run(runs) -> Path:
 
 # Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps);
 # checkpoint-2 is sound but saved with torch.save (pytorch_model.bin).
-CHECKPOINT_FAULTS = {"ckpt_torch_weights": 2, "ckpt_missing_key": 4, "ckpt_stray_dtype": 6, "ckpt_nan_tensor": 8, "ckpt_truncated": 10,
-                     "ckpt_header_outside": 12, "ckpt_pickle_payload": 14, "ckpt_no_rng": 16, "param_left_out": 17}
+CHECKPOINT_FAULTS = {
+    "ckpt_torch_weights": 2,
+    "ckpt_missing_key": 4,
+    "ckpt_stray_dtype": 6,
+    "ckpt_nan_tensor": 8,
+    "ckpt_truncated": 10,
+    "ckpt_header_outside": 12,
+    "ckpt_pickle_payload": 14,
+    "ckpt_no_rng": 16,
+    "param_left_out": 17,
+}
 HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
 
 
@@ -76,17 +104,33 @@ HF_CHECKPOINT_FAULTS = {"ckpt_nan_tensor": 10, "ckpt_no_rng": 15}
 def checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
     # Trained by each worker where it lies, not shared: checkpoint-14's pickle payload names the absolute
     # path of the marker it would write (inside the run), and a copy elsewhere cannot rewrite it.
-    return train_plain(tmp_path_factory.mktemp("checkpoint-faults") / "checkpoint-faults", steps=20, checkpoint_every=2,
-                       faults=CHECKPOINT_FAULTS, tokenizer_cache=tokenizer_cache)
+    return train_plain(
+        tmp_path_factory.mktemp("checkpoint-faults") / "checkpoint-faults",
+        steps=20,
+        checkpoint_every=2,
+        faults=CHECKPOINT_FAULTS,
+        tokenizer_cache=tokenizer_cache,
+    )
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoint_fault_run(tmp_path_factory, tokenizer_cache) -> Path:
     from sftaudit.fixtures.train import train_hf
 
-    return shared_dir(tmp_path_factory, "hf-ckpt", lambda folder: train_hf(
-        folder / "hf-checkpoint-faults", steps=20, save_steps=5, faults=HF_CHECKPOINT_FAULTS,
-        tokenizer_cache=tokenizer_cache)) / "hf-checkpoint-faults"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "hf-ckpt",
+            lambda folder: train_hf(
+                folder / "hf-checkpoint-faults",
+                steps=20,
+                save_steps=5,
+                faults=HF_CHECKPOINT_FAULTS,
+                tokenizer_cache=tokenizer_cache,
+            ),
+        )
+        / "hf-checkpoint-faults"
+    )
 
 
 # One plain run resumed four times from its checkpoints (every 5 steps): cleanly at 10 (the first
@@ -101,9 +145,23 @@ def trl_packing_run(tmp_path_factory, tokenizer_cache) -> Path:
     padding-free, per-sample position_ids, no attention mask, use_cache=False; every token trained."""
     from sftaudit.fixtures.train import train_hf
 
-    return shared_dir(tmp_path_factory, "trl-packing", lambda folder: train_hf(
-        folder / "run", steps=3, save_steps=100, trl=True, packing=True, batch_size=4, max_length=96,
-        tokenizer_cache=tokenizer_cache)) / "run"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "trl-packing",
+            lambda folder: train_hf(
+                folder / "run",
+                steps=3,
+                save_steps=100,
+                trl=True,
+                packing=True,
+                batch_size=4,
+                max_length=96,
+                tokenizer_cache=tokenizer_cache,
+            ),
+        )
+        / "run"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -112,18 +170,41 @@ def resumed_run(tmp_path_factory, tokenizer_cache) -> Path:
         run = folder / "resumed"
         train_plain(run, steps=12, checkpoint_every=5, tokenizer_cache=tokenizer_cache)
         for step, fault in RESUMES:
-            train_plain(run, steps=step + 5, checkpoint_every=5, tokenizer_cache=tokenizer_cache,
-                        resume_from=run / f"checkpoint-{step}", faults={fault: True} if fault else None)
+            train_plain(
+                run,
+                steps=step + 5,
+                checkpoint_every=5,
+                tokenizer_cache=tokenizer_cache,
+                resume_from=run / f"checkpoint-{step}",
+                faults={fault: True} if fault else None,
+            )
 
     return shared_dir(tmp_path_factory, "resumed", build) / "resumed"
 
 
 # Distributed runs (issue 14): every 2-rank scenario of sftaudit.fixtures.distributed in one torchrun
 # launch (a launch costs ~10 s of imports on 2 cores), each into DISTRIBUTED_ROOT/<name>.
-DISTRIBUTED_SCENARIOS = ("dcp", "ddp", "fsdp1", "fsdp1_flat", "fsdp2", "trainer_ddp", "fsdp2_spike", "ddp_nan_loss",
-                         "ddp_same_samples", "fsdp2_stop", "ddp_perturb", "fsdp1_local_clip", "zero1", "zero2",
-                         "zero3", "zero2_loss_x10", "zero2_spike", "zero3_spike",
-                         "zero2_bf16_spike")
+DISTRIBUTED_SCENARIOS = (
+    "dcp",
+    "ddp",
+    "fsdp1",
+    "fsdp1_flat",
+    "fsdp2",
+    "trainer_ddp",
+    "fsdp2_spike",
+    "ddp_nan_loss",
+    "ddp_same_samples",
+    "fsdp2_stop",
+    "ddp_perturb",
+    "fsdp1_local_clip",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero2_loss_x10",
+    "zero2_spike",
+    "zero3_spike",
+    "zero2_bf16_spike",
+)
 
 
 @pytest.fixture(scope="session")
@@ -133,9 +214,24 @@ def distributed_runs(tmp_path_factory) -> Path:
 
     def launch(folder: Path) -> None:
         # The bound only stops a wedged launch from hanging the suite: a loaded machine takes many minutes.
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "sftaudit.fixtures.distributed", "runs", str(folder), *DISTRIBUTED_SCENARIOS],
-                       check=True, capture_output=True, text=True, timeout=1800,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "sftaudit.fixtures.distributed",
+                "runs",
+                str(folder),
+                *DISTRIBUTED_SCENARIOS,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     return shared_dir(tmp_path_factory, "distributed", launch)

@@ -28,14 +28,20 @@ def write_manifest(run_dir: Path, rank: int, seg: int, names: list[str]) -> None
     """Append one segment's manifest record with its parameter list (the shim writes more fields)."""
     folder = rank_dir(run_dir, rank)
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"schema_version": SCHEMA_VERSION, "seg": seg, "run_id": "series-test", "world_size": 2,
-              "params": [{"name": n, "dtype": "float32", "shape": [64], "numel": 64, "requires_grad": True}
-                         for n in names]}
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "seg": seg,
+        "run_id": "series-test",
+        "world_size": 2,
+        "params": [{"name": n, "dtype": "float32", "shape": [64], "numel": 64, "requires_grad": True} for n in names],
+    }
     with open(folder / "manifest.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
-def write_parts(run_dir: Path, rank: int, seg: int, first_step: int, norms: np.ndarray, steps_per_part: int = 1000) -> int:
+def write_parts(
+    run_dir: Path, rank: int, seg: int, first_step: int, norms: np.ndarray, steps_per_part: int = 1000
+) -> int:
     """Write a steps x tensors matrix of norms (float32, NaN/inf kept) as the parts of one segment, from
     `first_step` on, `steps_per_part` steps per file; returns the bytes written."""
     folder = series_root(run_dir) / f"rank={rank}" / f"seg={seg}"
@@ -43,11 +49,12 @@ def write_parts(run_dir: Path, rank: int, seg: int, first_step: int, norms: np.n
     n_steps, n_tensors = norms.shape
     written = 0
     for start in range(0, n_steps, steps_per_part):
-        block = np.asarray(norms[start:start + steps_per_part], dtype=np.float32)
+        block = np.asarray(norms[start : start + steps_per_part], dtype=np.float32)
         steps = np.repeat(np.arange(first_step + start, first_step + start + block.shape[0], dtype=np.int64), n_tensors)
         idx = np.tile(np.arange(n_tensors, dtype=np.int32), block.shape[0])
-        table = pa.table({"step": steps, "idx": idx, "norm": block.reshape(-1),
-                          "norm_post_clip": pa.nulls(steps.size, pa.float32())})  # NULL unless the Trainer clipped
+        table = pa.table(
+            {"step": steps, "idx": idx, "norm": block.reshape(-1), "norm_post_clip": pa.nulls(steps.size, pa.float32())}
+        )  # NULL unless the Trainer clipped
         path = folder / f"part-{first_step + start:09d}.parquet"
         pq.write_table(table, path, compression="zstd")
         written += path.stat().st_size

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_spec = importlib.util.spec_from_file_location("ab_stats", Path(__file__).resolve().parents[1] / "benchmarks" / "ab_stats.py")
+_spec = importlib.util.spec_from_file_location(
+    "ab_stats", Path(__file__).resolve().parents[1] / "benchmarks" / "ab_stats.py"
+)
 ab = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab)
 
@@ -18,8 +20,10 @@ PREPROD = {"samples": 50, "histograms": 200, "probes": 50, "generations": 200, "
 def test_step_classes_of_a_schedule_share_its_period():
     base, shares = ab.step_classes(PREPROD)
     assert base == frozenset()
-    assert shares == {frozenset({"samples", "probes"}): 3 / 200,
-                      frozenset({"samples", "probes", "histograms", "generations", "evals"}): 1 / 200}
+    assert shares == {
+        frozenset({"samples", "probes"}): 3 / 200,
+        frozenset({"samples", "probes", "histograms", "generations", "evals"}): 1 / 200,
+    }
     # Work due every step is the ordinary step's, not a rarer class; a piece switched off never runs.
     base, shares = ab.step_classes({"samples": 1, "probes": 10, "evals": 0})
     assert base == frozenset({"samples"})

@@ -11,8 +11,15 @@ from .torchless import PRELUDE
 
 PACKAGE = Path(sftaudit.__file__).parent
 ANALYZER_ONLY = ("duckdb", "scipy", "plotly", "polars", "pandas", "jinja2")
-ANALYZER_MODULES = ("sftaudit.ingest", "sftaudit.checks", "sftaudit.audit", "sftaudit.verdict", "sftaudit.report",
-                    "sftaudit.config", "sftaudit.cli")
+ANALYZER_MODULES = (
+    "sftaudit.ingest",
+    "sftaudit.checks",
+    "sftaudit.audit",
+    "sftaudit.verdict",
+    "sftaudit.report",
+    "sftaudit.config",
+    "sftaudit.cli",
+)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -62,13 +69,16 @@ def test_checks_never_render_and_the_report_only_presents():
 
 def test_analyzer_runs_a_full_audit_with_torch_blocked(nan_run, tmp_path):
     """A CI box that only gates checkpoints must not need torch: import and audit with torch unimportable."""
-    code = PRELUDE + f"""
+    code = (
+        PRELUDE
+        + f"""
 import importlib
 for module in {ANALYZER_MODULES!r}:
     importlib.import_module(module)
 from sftaudit.cli import main
 sys.exit(main(["audit", {str(nan_run)!r}, "--out", {str(tmp_path)!r}]))
 """
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr  # the planted NaN fails the run
     assert "could not run" not in result.stdout, result.stdout  # no check crashed for want of torch

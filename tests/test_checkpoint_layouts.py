@@ -5,11 +5,11 @@ and gates as it should, a planted fault gates 1 (or 2 where it cannot be judged)
 import shutil
 
 import pytest
+from sftaudit.fixtures import layouts
+from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.fixtures import layouts
-from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
 from sftaudit.ingest import connect
 
 RUN = dict(steps=12, checkpoint_every=4, profile="prod")
@@ -32,7 +32,8 @@ def step_folders(runs):
 def test_same_file_name_in_step_folders_is_told_apart_by_path(step_folders, tmp_path, capsys):
     verdict = audit(step_folders)
     assert [(c["name"], c["path"]) for c in verdict["checkpoints"]] == [
-        (f"step-{s}", f"checkpoints/step-{s}/model.safetensors") for s in (4, 8, 12)]
+        (f"step-{s}", f"checkpoints/step-{s}/model.safetensors") for s in (4, 8, 12)
+    ]
     fails = [f for f in loop09(verdict) if f["severity"] == "fail"]
     assert [(f["checkpoint"], f["step"]) for f in fails] == [("step-12", 12)]
     # Weights only: a configuration stated once for the run (info), naming what no checkpoint holds.
@@ -109,8 +110,10 @@ def test_untrained_lora_b_fails(runs):
 def test_config_ties_embeddings_the_saved_tensors_do_not(runs):
     run = runs("tied-config", steps=4, checkpoint_every=4, profile="prod", saver=layouts.tied_config_untied_tensors())
     [fail] = [f for f in loop09(audit(run)) if f["severity"] == "fail"]
-    assert fail["checkpoint"] == "checkpoint-4" and "the config ties lm_head.weight to model.embed_tokens.weight" \
-        in fail["message"]
+    assert (
+        fail["checkpoint"] == "checkpoint-4"
+        and "the config ties lm_head.weight to model.embed_tokens.weight" in fail["message"]
+    )
     assert gate(run, "checkpoint-4") == 1
 
 

@@ -11,8 +11,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sftaudit.checkpoints import (CheckpointError, inside_run, read_pickle, read_safetensors_header,
-                                  safetensors_files, scan_safetensors, scan_torch_zip, state_dict_tensors)
+from sftaudit.checkpoints import (
+    CheckpointError,
+    inside_run,
+    read_pickle,
+    read_safetensors_header,
+    safetensors_files,
+    scan_safetensors,
+    scan_torch_zip,
+    state_dict_tensors,
+)
 
 
 def write_header(path, header, data=b""):
@@ -42,16 +50,25 @@ def test_a_huge_header_length_is_refused_without_allocating_it(tmp_path):
     assert peak < 1 << 20
 
 
-@pytest.mark.parametrize("header, data, message", [
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "truncated"),
-    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [2**50, 2**50 + 8]}}, b"\0" * 8, "pointing outside"),
-    ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12 bytes"),
-    ({"t": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8, "needs"),
-    ({"t": {"dtype": "PY_OBJECT", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "unknown dtype"),
-    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-      "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6, "overlap"),
-    ({"t": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0", "malformed shape"),
-])
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "truncated"),
+        ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [2**50, 2**50 + 8]}}, b"\0" * 8, "pointing outside"),
+        ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12 bytes"),
+        ({"t": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8, "needs"),
+        ({"t": {"dtype": "PY_OBJECT", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "unknown dtype"),
+        (
+            {
+                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            b"\0" * 6,
+            "overlap",
+        ),
+        ({"t": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0", "malformed shape"),
+    ],
+)
 def test_hostile_headers_are_one_line_errors(tmp_path, header, data, message):
     with pytest.raises(CheckpointError, match=message):
         read_safetensors_header(write_header(tmp_path / "x.safetensors", header, data))
@@ -64,7 +81,9 @@ def test_shard_index_cannot_point_outside_the_checkpoint(tmp_path):
 
 
 def test_paths_stay_inside_the_run(tmp_path):
-    assert inside_run(tmp_path, "checkpoint-1/model.safetensors") == tmp_path.resolve() / "checkpoint-1/model.safetensors"
+    assert (
+        inside_run(tmp_path, "checkpoint-1/model.safetensors") == tmp_path.resolve() / "checkpoint-1/model.safetensors"
+    )
     for escape in ("../elsewhere", "/etc", "checkpoint-1/../../x"):
         with pytest.raises(CheckpointError, match="outside the run directory"):
             inside_run(tmp_path, escape)
@@ -80,8 +99,11 @@ class Payload:
 
 def test_pickles_are_read_without_running_them(tmp_path):
     marker = tmp_path / "ran"
-    state = {"step": 3, "rng_states": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-             "evil": Payload(marker)}
+    state = {
+        "step": 3,
+        "rng_states": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        "evil": Payload(marker),
+    }
     path = tmp_path / "state.pt"
     torch.save(state, path)
     contents = read_pickle(path)

@@ -12,8 +12,9 @@ from sftaudit.cli import main
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_audit_writes_verdict_and_report_under_reports_by_default(nan_run, tmp_path):
@@ -36,15 +37,27 @@ def test_clean_run_passes_and_ingest_is_incremental(clean_run, tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "nothing new"
 
 
-@pytest.mark.parametrize("setup, reason", [
-    (lambda d: None, "no such run directory"),
-    (lambda d: d.mkdir(), "no sftaudit artifacts"),
-    (lambda d: (rank_dir(d, 0).mkdir(parents=True), (rank_dir(d, 0) / "steps.jsonl").write_text('{"seg":0,"step":1}\n')),
-     "no manifest"),
-    (lambda d: (rank_dir(d, 0).mkdir(parents=True),
-                (rank_dir(d, 0) / "manifest.jsonl").write_text('{"schema_version": 99, "seg": 0}\n')),
-     "schema version 99"),
-])
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        (lambda d: None, "no such run directory"),
+        (lambda d: d.mkdir(), "no sftaudit artifacts"),
+        (
+            lambda d: (
+                rank_dir(d, 0).mkdir(parents=True),
+                (rank_dir(d, 0) / "steps.jsonl").write_text('{"seg":0,"step":1}\n'),
+            ),
+            "no manifest",
+        ),
+        (
+            lambda d: (
+                rank_dir(d, 0).mkdir(parents=True),
+                (rank_dir(d, 0) / "manifest.jsonl").write_text('{"schema_version": 99, "seg": 0}\n'),
+            ),
+            "schema version 99",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, reason):
     run = tmp_path / "run"
     setup(run)

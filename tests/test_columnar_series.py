@@ -44,15 +44,21 @@ w.close()
 
 
 def _expected(seg: int, step: int) -> list[float]:
-    return [np.nan if i == 2 and step % 2 else float(np.float32(seg * 1000 + step + i / 100))
-            for i in range(TENSORS) if i != 1]
+    return [
+        np.nan if i == 2 and step % 2 else float(np.float32(seg * 1000 + step + i / 100))
+        for i in range(TENSORS)
+        if i != 1
+    ]
 
 
 def _segment(run: Path, seg: int, first: int, last: int = 0, kill_after: float | None = None) -> int:
     """Run one segment from `first`; kill it `kill_after` s after its first step. The last step it finished."""
     progress = run.parent / f"progress-{seg}"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(run), str(seg), str(first), str(last), str(progress)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(run), str(seg), str(first), str(last), str(progress)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     if kill_after is None:
         assert proc.wait(timeout=300) == 0, proc.stderr.read()
     else:
@@ -73,11 +79,17 @@ def _timeline(run: Path):
     con = connect(run, read_only=True)
     try:
         steps = con.execute("SELECT seg, step FROM steps ORDER BY step").fetchall()
-        grads = con.execute("SELECT seg, step, list(norm ORDER BY idx), list(idx ORDER BY idx) FROM grad_pieces "
-                            "GROUP BY seg, step ORDER BY step").fetchall()
-        superseded = con.execute("SELECT DISTINCT seg, step FROM superseded_grad_pieces").fetchall() \
-            if con.execute("SELECT count(*) FROM information_schema.tables "
-                           "WHERE table_name = 'superseded_grad_pieces'").fetchone()[0] else []
+        grads = con.execute(
+            "SELECT seg, step, list(norm ORDER BY idx), list(idx ORDER BY idx) FROM grad_pieces "
+            "GROUP BY seg, step ORDER BY step"
+        ).fetchall()
+        superseded = (
+            con.execute("SELECT DISTINCT seg, step FROM superseded_grad_pieces").fetchall()
+            if con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'"
+            ).fetchone()[0]
+            else []
+        )
     finally:
         con.close()
     return steps, grads, set(superseded)
@@ -112,14 +124,26 @@ def test_sigkill_at_random_points_loses_at_most_the_step_in_flight(tmp_path):
 
 def _writer_run(run: Path, steps: range, roll_steps: int = 4) -> JsonlWriter:
     w = JsonlWriter(rank_dir(run, 0), roll_steps=roll_steps)
-    params = [{"name": f"w{i}", "shape": [4], "dtype": "torch.float32", "numel": 4, "requires_grad": True}
-              for i in range(TENSORS)]
-    w.write("manifest", {"seg": 0, "schema_version": SCHEMA_VERSION, "rank": 0, "world_size": 1, "params": params,
-                         "tied": {}})
+    params = [
+        {"name": f"w{i}", "shape": [4], "dtype": "torch.float32", "numel": 4, "requires_grad": True}
+        for i in range(TENSORS)
+    ]
+    w.write(
+        "manifest",
+        {"seg": 0, "schema_version": SCHEMA_VERSION, "rank": 0, "world_size": 1, "params": params, "tied": {}},
+    )
     for s in steps:
-        w.write("steps", {"seg": 0, "step": s, "loss": 1.0, "grad_norm": 1.0,
-                          "grad_norms": [float(s + i) for i in range(TENSORS)],
-                          "grad_norms_post_clip": [float(s + i) / 2 for i in range(TENSORS)]})
+        w.write(
+            "steps",
+            {
+                "seg": 0,
+                "step": s,
+                "loss": 1.0,
+                "grad_norm": 1.0,
+                "grad_norms": [float(s + i) for i in range(TENSORS)],
+                "grad_norms_post_clip": [float(s + i) / 2 for i in range(TENSORS)],
+            },
+        )
     return w
 
 
@@ -137,8 +161,11 @@ def test_the_journal_tail_is_read_and_a_part_is_never_read_twice(tmp_path):
     w.sync()  # the part of steps 5-8 is written in a background thread: wait for it
     folder = series_dir(run, 0, 0)
     tail = (folder / journal_name(9)).read_bytes()
-    assert sorted(p.name for p in folder.iterdir()) == ["journal-000000009.bin", "part-000000001.parquet",
-                                                        "part-000000005.parquet"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "journal-000000009.bin",
+        "part-000000001.parquet",
+        "part-000000005.parquet",
+    ]
     ingest(run)
     want = [(s, i, float(s + i)) for s in range(1, 11) for i in range(TENSORS)]
     assert _rows(run) == want
@@ -153,11 +180,16 @@ def test_the_journal_tail_is_read_and_a_part_is_never_read_twice(tmp_path):
     ingest(run)
     assert _rows(run) == want
     # The post-clip norms travel beside them, in the same part.
-    got = duckdb.sql(f"SELECT step, idx, norm_post_clip FROM read_parquet('{folder}/*.parquet') ORDER BY ALL").fetchall()
+    got = duckdb.sql(
+        f"SELECT step, idx, norm_post_clip FROM read_parquet('{folder}/*.parquet') ORDER BY ALL"
+    ).fetchall()
     assert got == [(s, i, float(s + i) / 2) for s in range(1, 11) for i in range(TENSORS)]
     JsonlWriter(rank_dir(run, 0))  # a resumed shim deletes the journal a part already holds
-    assert sorted(p.name for p in folder.iterdir()) == ["part-000000001.parquet", "part-000000005.parquet",
-                                                        "part-000000009.parquet"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "part-000000001.parquet",
+        "part-000000005.parquet",
+        "part-000000009.parquet",
+    ]
 
 
 def test_reingest_lists_only_new_parts_and_a_replaced_part_rebuilds(tmp_path):
@@ -168,8 +200,10 @@ def test_reingest_lists_only_new_parts_and_a_replaced_part_rebuilds(tmp_path):
     con = connect(run, read_only=True)
     listed = con.execute("SELECT file FROM ingest_state WHERE file LIKE 'series/%' ORDER BY file").fetchall()
     con.close()
-    assert listed == [("series/grad_norms/rank=0/seg=0/part-000000001.parquet",),
-                      ("series/grad_norms/rank=0/seg=0/part-000000005.parquet",)]
+    assert listed == [
+        ("series/grad_norms/rank=0/seg=0/part-000000001.parquet",),
+        ("series/grad_norms/rank=0/seg=0/part-000000005.parquet",),
+    ]
     for s in range(9, 13):
         w.write("steps", {"seg": 0, "step": s, "loss": 1.0, "grad_norms": [float(s + i) for i in range(TENSORS)]})
     ingest(run)
@@ -188,26 +222,31 @@ def test_an_older_database_is_rebuilt_and_a_version_1_run_still_reads(tmp_path):
     run = tmp_path / "run"
     folder = rank_dir(run, 0)
     folder.mkdir(parents=True)
-    params = [{"name": f"w{i}", "shape": [4], "dtype": "torch.float32", "numel": 4, "requires_grad": True}
-              for i in range(3)]
+    params = [
+        {"name": f"w{i}", "shape": [4], "dtype": "torch.float32", "numel": 4, "requires_grad": True} for i in range(3)
+    ]
     (folder / "manifest.jsonl").write_text(
         '{"seg": 0, "schema_version": 1, "rank": 0, "world_size": 1, "params": %s, "tied": {}}\n'
-        % str(params).replace("'", '"').replace("True", "true"))
-    (folder / "steps.jsonl").write_text("".join(
-        '{"seg": 0, "step": %d, "loss": 1.0, "grad_norms": [%d, null, 0.5]}\n' % (s, s) for s in range(1, 6)))
+        % str(params).replace("'", '"').replace("True", "true")
+    )
+    (folder / "steps.jsonl").write_text(
+        "".join('{"seg": 0, "step": %d, "loss": 1.0, "grad_norms": [%d, null, 0.5]}\n' % (s, s) for s in range(1, 6))
+    )
     ingest(run)
     assert _rows(run) == [(s, i, v) for s in range(1, 6) for i, v in ((0, float(s)), (2, 0.5))]
     con = duckdb.connect(str(run / "sftaudit" / "audit.duckdb"))
     con.execute("DROP TABLE sftaudit_meta")
-    con.execute("CREATE TABLE grad_pieces (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, "
-                "norm DOUBLE)")
+    con.execute(
+        "CREATE TABLE grad_pieces (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE)"
+    )
     con.close()
     ingest(run)
     assert _rows(run) == [(s, i, v) for s in range(1, 6) for i, v in ((0, float(s)), (2, 0.5))]
     con = connect(run, read_only=True)
     assert con.execute("SELECT value FROM sftaudit_meta WHERE key = 'database_format'").fetchone() == ("2",)
-    assert con.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'grad_pieces'"
-                       ).fetchall() == [("VIEW",)]
+    assert con.execute(
+        "SELECT table_type FROM information_schema.tables WHERE table_name = 'grad_pieces'"
+    ).fetchall() == [("VIEW",)]
     con.close()
 
 

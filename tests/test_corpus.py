@@ -23,8 +23,12 @@ pytestmark = pytest.mark.slow  # the released tokenizers and templates of the co
 FAMILIES = ("llama3", "qwen2", "mistral")
 # Templates with no marker that ends an assistant turn (the next turn's header stops generation):
 # their assistant spans cannot be derived from the template alone, so preflight needs --collator.
-NO_END_OF_TURN = {"zai-org-glm-4-9b-chat", "zai-org-GLM-4-9B-0414", "zai-org-GLM-4.5-Air",
-                  "upstage-SOLAR-10.7B-Instruct-v1.0"}
+NO_END_OF_TURN = {
+    "zai-org-glm-4-9b-chat",
+    "zai-org-GLM-4-9B-0414",
+    "zai-org-GLM-4.5-Air",
+    "upstage-SOLAR-10.7B-Instruct-v1.0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,9 @@ def test_renders_are_byte_equal_with_apply_chat_template(tokenizers):
         for tokenizer in tokenizers.values():
             renderer = Renderer(source, tokenizer_specials(tokenizer))
             for chat in CLEAN_CHATS:
-                assert outcome(lambda: renderer.render(chat)[0]) == \
-                    outcome(lambda: tokenizer.apply_chat_template(chat, tokenize=False, chat_template=source)), name
+                assert outcome(lambda: renderer.render(chat)[0]) == outcome(
+                    lambda: tokenizer.apply_chat_template(chat, tokenize=False, chat_template=source)
+                ), name
                 compared += 1
     assert compared == len(CORPUS) * len(FAMILIES) * len(CLEAN_CHATS)
 
@@ -53,15 +58,22 @@ def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_pr
     """Rows with a None-valued key or a reasoning field (which transformers aliases) render as
     apply_chat_template renders them; so does every row when transformers lacks the private helpers
     the fast path uses (a version-guarded import: the public render_jinja_template takes over)."""
-    from sftaudit import chat_template
-    from sftaudit.chat_template import template_fields
     from sftaudit.fixtures import CHAT_TEMPLATE_PATH
 
+    from sftaudit import chat_template
+    from sftaudit.chat_template import template_fields
+
     assert chat_template._internals() != (None, None), "the installed transformers lost the fast path's helpers"
-    thinking = [{"role": "user", "content": "2+2?", "tool_calls": None},
-                {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]
-    cases = [(CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"), "llama3"), (template("Qwen-Qwen3-0.6B"), "qwen2"),
-             (template("meta-llama-Llama-3.1-8B-Instruct"), "llama3"), (template("mistralai-Mistral-7B-Instruct-v0.3"), "mistral")]
+    thinking = [
+        {"role": "user", "content": "2+2?", "tool_calls": None},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+    ]
+    cases = [
+        (CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"), "llama3"),
+        (template("Qwen-Qwen3-0.6B"), "qwen2"),
+        (template("meta-llama-Llama-3.1-8B-Instruct"), "llama3"),
+        (template("mistralai-Mistral-7B-Instruct-v0.3"), "mistral"),
+    ]
 
     def renders():
         out = []
@@ -69,12 +81,13 @@ def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_pr
             renderer = Renderer(source, tokenizer_specials(tokenizers[family]))
             for chat in [*NO_SYSTEM, thinking]:
                 out.append((renderer.render(chat), template_fields(source)))
-                assert out[-1][0][0] == tokenizers[family].apply_chat_template(chat, tokenize=False,
-                                                                               chat_template=source)
+                assert out[-1][0][0] == tokenizers[family].apply_chat_template(
+                    chat, tokenize=False, chat_template=source
+                )
         return out
 
     fast = renders()
-    assert all(spans for (_, spans), _ in fast[:len(NO_SYSTEM) + 1])  # the fixture template's generation spans
+    assert all(spans for (_, spans), _ in fast[: len(NO_SYSTEM) + 1])  # the fixture template's generation spans
     assert "Two and two." in fast[2 * (len(NO_SYSTEM) + 1) - 1][0][0]  # Qwen3 renders the aliased reasoning
     monkeypatch.setattr(chat_template, "_internals", lambda: (None, None))
     assert renders() == fast
@@ -98,10 +111,15 @@ def test_layout_is_derived_for_every_template_with_an_end_of_turn_marker(tokeniz
         layout = TemplateLayout.derive(tokenizer, template(name))
         derived[name] = layout.texts
         assert layout.headers["assistant"] and layout.turn_end, name
-    assert derived["Qwen-Qwen2.5-7B-Instruct"] == {"turn_end": "<|im_end|>", "assistant": "<|im_start|>assistant\n",
-                                                   "user": "<|im_start|>user\n"}
-    assert derived["microsoft-Phi-3.5-mini-instruct"]["turn_end"] == "<|end|>" or "<|end|>" not in \
-        tokenizers["llama3"].get_vocab()  # split by the Llama vocabulary, so compared as its pieces
+    assert derived["Qwen-Qwen2.5-7B-Instruct"] == {
+        "turn_end": "<|im_end|>",
+        "assistant": "<|im_start|>assistant\n",
+        "user": "<|im_start|>user\n",
+    }
+    assert (
+        derived["microsoft-Phi-3.5-mini-instruct"]["turn_end"] == "<|end|>"
+        or "<|end|>" not in tokenizers["llama3"].get_vocab()
+    )  # split by the Llama vocabulary, so compared as its pieces
     assert derived["mistralai-Mistral-7B-Instruct-v0.3"]["turn_end"] == "</s>"
 
 
@@ -125,15 +143,17 @@ def incremental_collator(tokenizer, rows, max_length=4096):
             if message["role"] != "assistant":
                 continue
             start = len(tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True, return_dict=False))
-            end = len(tokenizer.apply_chat_template(messages[:turn + 1], return_dict=False))
+            end = len(tokenizer.apply_chat_template(messages[: turn + 1], return_dict=False))
             label[start:end] = ids[start:end]
         input_ids.append(ids[:max_length])
         labels.append(label[:max_length])
     width = max(map(len, input_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return {"input_ids": np.array([r + [pad] * (width - len(r)) for r in input_ids]),
-            "labels": np.array([r + [-100] * (width - len(r)) for r in labels]),
-            "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids])}
+    return {
+        "input_ids": np.array([r + [pad] * (width - len(r)) for r in input_ids]),
+        "labels": np.array([r + [-100] * (width - len(r)) for r in labels]),
+        "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids]),
+    }
 
 
 def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, config=None, **edits):
@@ -154,9 +174,12 @@ NO_SYSTEM = [chat for chat in CLEAN_CHATS if chat[0]["role"] != "system"]
 # a training chat (ending with the assistant) loses it: a real finding (test_dropped_system_prompt_fails),
 # so its clean chats here have no system prompt. Qwen3 renders the last turn with an empty thinking block and earlier turns without, so rendering
 # turn by turn is not a correct collator for it: only the standard collator is run there.
-CLEAN_CASES = [("llama3", "meta-llama-Llama-3.1-8B-Instruct", None),
-               ("qwen2", "Qwen-Qwen2.5-7B-Instruct", USER_COLLATOR), ("qwen2", "Qwen-Qwen3-0.6B", None),
-               ("mistral", "mistralai-Mistral-7B-Instruct-v0.3", USER_COLLATOR)]
+CLEAN_CASES = [
+    ("llama3", "meta-llama-Llama-3.1-8B-Instruct", None),
+    ("qwen2", "Qwen-Qwen2.5-7B-Instruct", USER_COLLATOR),
+    ("qwen2", "Qwen-Qwen3-0.6B", None),
+    ("mistral", "mistralai-Mistral-7B-Instruct-v0.3", USER_COLLATOR),
+]
 
 
 @pytest.mark.parametrize("family,name,collator", CLEAN_CASES)
@@ -178,14 +201,16 @@ def test_no_released_template_requires_a_field_beyond_role_and_content():
 
 
 def test_clean_tool_call_chats_pass_preflight_on_qwen3_coder(tmp_path, tokenizers):
-    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "Qwen-Qwen3-Coder-30B-A3B-Instruct",
-                                      TOOL_CHATS + CLEAN_CHATS, USER_COLLATOR)
+    verdict, problems = run_preflight(
+        tmp_path, tokenizers, "qwen2", "Qwen-Qwen3-Coder-30B-A3B-Instruct", TOOL_CHATS + CLEAN_CHATS, USER_COLLATOR
+    )
     assert problems == [] and verdict["check_errors"] == [] and verdict["verdict"] == "pass", problems
 
 
 def shifted_collator(start_by=0, end_by=0, mask_pad=False, bos=False):
     """The correct collator with one planted fault: labels start `start_by` tokens early, end `end_by`
     tokens early, the pad id masked wherever it occurs, or the rendered text tokenized with its BOS added."""
+
     def collate(tokenizer, rows, max_length=4096):
         import numpy as np
 
@@ -202,9 +227,13 @@ def shifted_collator(start_by=0, end_by=0, mask_pad=False, bos=False):
             labels[ids == tokenizer.pad_token_id] = -100
         if bos:  # one more BOS in front of the template's own: every row and label moves right by one
             first = np.full((ids.shape[0], 1), tokenizer.bos_token_id)
-            batch = {"input_ids": np.hstack([first, ids]), "labels": np.hstack([np.full_like(first, -100), labels]),
-                     "attention_mask": np.hstack([np.ones_like(first), batch["attention_mask"]])}
+            batch = {
+                "input_ids": np.hstack([first, ids]),
+                "labels": np.hstack([np.full_like(first, -100), labels]),
+                "attention_mask": np.hstack([np.ones_like(first), batch["attention_mask"]]),
+            }
         return batch
+
     return collate
 
 
@@ -274,10 +303,13 @@ def test_missing_content_fails_loop01_naming_the_row(tmp_path, tokenizers, famil
     assert verdict["verdict"] == "fail" and finding["evidence"]["sample_ids"] == ["row-2"]
 
 
-@pytest.mark.parametrize("family,name,fault,kind", [
-    ("mistral", "mistralai-Mistral-7B-Instruct-v0.3", "off_by_one", "off_by_one"),
-    ("llama3", "meta-llama-Llama-3.1-8B-Instruct", "end_of_turn_masked", "assistant_masked"),
-])
+@pytest.mark.parametrize(
+    "family,name,fault,kind",
+    [
+        ("mistral", "mistralai-Mistral-7B-Instruct-v0.3", "off_by_one", "off_by_one"),
+        ("llama3", "meta-llama-Llama-3.1-8B-Instruct", "end_of_turn_masked", "assistant_masked"),
+    ],
+)
 def test_collator_faults_fail_loop04(tmp_path, tokenizers, family, name, fault, kind):
     chats = NO_SYSTEM if family == "mistral" else CLEAN_CHATS
     verdict, problems = run_preflight(tmp_path, tokenizers, family, name, chats, f"tests.test_corpus:{fault}")
@@ -287,17 +319,27 @@ def test_collator_faults_fail_loop04(tmp_path, tokenizers, family, name, fault, 
 
 
 def test_pad_set_to_the_stop_marker_and_masked_by_id_fails_loop02(tmp_path, tokenizers):
-    verdict, problems = run_preflight(tmp_path, tokenizers, "qwen2", "Qwen-Qwen2.5-7B-Instruct", CLEAN_CHATS,
-                                      "tests.test_corpus:pad_masked_by_id", pad_token="<|im_end|>")
+    verdict, problems = run_preflight(
+        tmp_path,
+        tokenizers,
+        "qwen2",
+        "Qwen-Qwen2.5-7B-Instruct",
+        CLEAN_CHATS,
+        "tests.test_corpus:pad_masked_by_id",
+        pad_token="<|im_end|>",
+    )
     stop = next(f for f in verdict["findings"] if f["code"] == "LOOP-02" and "eos_trained" in f["evidence"])
-    assert verdict["verdict"] == "fail" and stop["severity"] == "fail" and stop["evidence"]["stop_marker"] == "<|im_end|>"
+    assert (
+        verdict["verdict"] == "fail" and stop["severity"] == "fail" and stop["evidence"]["stop_marker"] == "<|im_end|>"
+    )
 
 
 def test_phi35_eos_after_the_last_turn_is_no_pad_finding(tmp_path, tokenizers):
     """Phi-3.5 appends its eos (also its pad) after the `<|end|>` that ends a turn: not pad == stop."""
     tokenizer = copy.deepcopy(tokenizers["llama3"])
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>",
-                                                                "<|endoftext|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|endoftext|>"]}
+    )
     tokenizer.eos_token = tokenizer.pad_token = "<|endoftext|>"
     tokenizers = {**tokenizers, "phi": tokenizer}
     verdict, problems = run_preflight(tmp_path, tokenizers, "phi", "microsoft-Phi-3.5-mini-instruct", CLEAN_CHATS)
@@ -310,9 +352,14 @@ def test_truncation_that_empties_samples_fails_loop04(tmp_path, tokenizers):
     folder = tmp_path / "tokenizer"
     tokenizer.save_pretrained(str(folder))
     data = write_rows(tmp_path / "data.jsonl", CLEAN_CHATS)
-    prompt_lengths = [len(tokenizer.apply_chat_template(chat[:[m["role"] for m in chat].index("assistant")],
-                                                        add_generation_prompt=True, return_dict=False))
-                      for chat in CLEAN_CHATS]
+    prompt_lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                chat[: [m["role"] for m in chat].index("assistant")], add_generation_prompt=True, return_dict=False
+            )
+        )
+        for chat in CLEAN_CHATS
+    ]
     max_length = sorted(prompt_lengths)[1]  # cuts the rows whose first answer starts there or later
     verdict = preflight(data, folder, tmp_path / "out", max_length=max_length, progress=False)
     emptied = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "emptied_by_truncation")
@@ -321,14 +368,17 @@ def test_truncation_that_empties_samples_fails_loop04(tmp_path, tokenizers):
 
 
 def test_double_bos_fails_loop02(tmp_path, tokenizers):
-    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS,
-                                      "tests.test_corpus:double_bos")
+    verdict, problems = run_preflight(
+        tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS, "tests.test_corpus:double_bos"
+    )
     bos = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "double_bos")
     assert verdict["verdict"] == "fail" and bos["code"] == "LOOP-02" and len(bos["evidence"]["sample_ids"]) == 4
 
 
 def test_dropped_system_prompt_fails_loop01(tmp_path, tokenizers):
-    verdict, problems = run_preflight(tmp_path, tokenizers, "mistral", "mistralai-Mistral-7B-Instruct-v0.3", CLEAN_CHATS)
+    verdict, problems = run_preflight(
+        tmp_path, tokenizers, "mistral", "mistralai-Mistral-7B-Instruct-v0.3", CLEAN_CHATS
+    )
     dropped = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "content_dropped")
     assert verdict["verdict"] == "fail" and dropped["code"] == "LOOP-01"
     assert dropped["evidence"]["sample_ids"] == ["row-1", "row-3"] and "system" in dropped["evidence"]["error"]
@@ -337,10 +387,17 @@ def test_dropped_system_prompt_fails_loop01(tmp_path, tokenizers):
 # Templates whose generation prompt differs from the header inside a conversation (a thinking block
 # opened by the prompt) or that close only the last message with eos: rendering them turn by turn
 # is not a correct collator, so they are left out of the agreement below.
-NOT_INCREMENTAL = {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
-                   "Qwen-Qwen3-0.6B", "Qwen-Qwen3-4B-Thinking-2507", "Qwen-QwQ-32B",
-                   "CohereForAI-c4ai-command-r7b-12-2024-tool_use", "microsoft-Phi-3-mini-4k-instruct",
-                   "microsoft-Phi-3.5-mini-instruct", "microsoft-Phi-4-mini-reasoning"}
+NOT_INCREMENTAL = {
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    "Qwen-Qwen3-0.6B",
+    "Qwen-Qwen3-4B-Thinking-2507",
+    "Qwen-QwQ-32B",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+    "microsoft-Phi-3-mini-4k-instruct",
+    "microsoft-Phi-3.5-mini-instruct",
+    "microsoft-Phi-4-mini-reasoning",
+}
 
 
 def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
@@ -350,12 +407,19 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
 
     from sftaudit.chat_template import EITHER, actual_labels, expected_labels, template_fields
 
-    marker = re.compile(r"<\|[^<>|\s]+\|>|</?[a-z_]+>|\[/?[A-Z_]{2,}\]|<\uff5c[^>]+\uff5c>|\[\|[a-z]+\|\]|<\|[a-z]+>|<[a-z]+\|>")
+    marker = re.compile(
+        r"<\|[^<>|\s]+\|>|</?[a-z_]+>|\[/?[A-Z_]{2,}\]|<\uff5c[^>]+\uff5c>|\[\|[a-z]+\|\]|<\|[a-z]+>|<[a-z]+\|>"
+    )
     home = {"qwen": "qwen2", "mistral": "mistral"}
     others = copy.deepcopy(tokenizers["llama3"])
     literals = "\0".join(lit for name, _ in CORPUS for lit in template_fields(template(name)).literals)
-    others.add_special_tokens({"additional_special_tokens": sorted(
-        m for m in set(marker.findall(literals)) if len(others(m, add_special_tokens=False)["input_ids"]) > 1)})
+    others.add_special_tokens(
+        {
+            "additional_special_tokens": sorted(
+                m for m in set(marker.findall(literals)) if len(others(m, add_special_tokens=False)["input_ids"]) > 1
+            )
+        }
+    )
     agreed = []
     for name, family in CORPUS:
         if name in NO_END_OF_TURN or name in NOT_INCREMENTAL:
@@ -364,8 +428,9 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
         tokenizer.chat_template = template(name)
         with_system = outcome(lambda: tokenizer.apply_chat_template(CLEAN_CHATS[1], tokenize=False))
         # Templates that refuse or drop a system prompt (Gemma 2, Mistral) are shown chats without one.
-        chats = CLEAN_CHATS if isinstance(with_system, str) and CLEAN_CHATS[1][0]["content"] in with_system \
-            else NO_SYSTEM
+        chats = (
+            CLEAN_CHATS if isinstance(with_system, str) and CLEAN_CHATS[1][0]["content"] in with_system else NO_SYSTEM
+        )
         batch = incremental_collator(tokenizer, [{"messages": chat} for chat in chats])
         layout = TemplateLayout.derive(tokenizer, tokenizer.chat_template)
         expected, _ = expected_labels(batch["input_ids"], batch["attention_mask"], layout, tokenizer.pad_token_id)
@@ -381,15 +446,20 @@ def test_macro_and_presence_guarded_fields_are_optional_on_released_templates():
     `function_calls` after `message.get('function_calls', none) is not none`: plain chats need neither."""
     from sftaudit.chat_template import template_fields
 
-    for name, field_name in [("moonshotai-Kimi-K2-Thinking", "tool_calls"), ("moonshotai-Kimi-K2.6", "tool_calls"),
-                             ("Kimi-K2-Thinking", "tool_calls"),
-                             ("allenai-olmo-3-tokenizer-instruct-release", "function_calls")]:
+    for name, field_name in [
+        ("moonshotai-Kimi-K2-Thinking", "tool_calls"),
+        ("moonshotai-Kimi-K2.6", "tool_calls"),
+        ("Kimi-K2-Thinking", "tool_calls"),
+        ("allenai-olmo-3-tokenizer-instruct-release", "function_calls"),
+    ]:
         fields = template_fields(template(name))
         assert field_name not in fields.message_required and field_name in fields.message_optional, name
     # A read that every row takes stays required: a macro called outside any condition.
-    source = ("{% macro turn(message) %}{{ message['role'] + message['title'] }}{% endmacro %}"
-              "{% for message in messages %}{{ turn(message) }}{% if message.get('x') %}{{ message.x }}{% endif %}"
-              "{% endfor %}")
+    source = (
+        "{% macro turn(message) %}{{ message['role'] + message['title'] }}{% endmacro %}"
+        "{% for message in messages %}{{ turn(message) }}{% if message.get('x') %}{{ message.x }}{% endif %}"
+        "{% endfor %}"
+    )
     assert template_fields(source).message_required == {"role", "title"}
 
 
@@ -416,14 +486,21 @@ def bos_stripped(tokenizer, rows, max_length=4096):
 
 
 def test_bos_missing_where_the_template_sends_one_fails_loop02(tmp_path, tokenizers):
-    verdict, problems = run_preflight(tmp_path, tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS,
-                                      "tests.test_corpus:bos_stripped")
+    verdict, problems = run_preflight(
+        tmp_path,
+        tokenizers,
+        "llama3",
+        "meta-llama-Llama-3.1-8B-Instruct",
+        CLEAN_CHATS,
+        "tests.test_corpus:bos_stripped",
+    )
     [missing] = [f for f in verdict["findings"] if f["evidence"].get("kind") == "bos_missing"]
     assert (missing["code"], missing["severity"]) == ("LOOP-02", "fail") and len(missing["evidence"]["sample_ids"]) == 4
     assert missing["evidence"]["first_token"] == "<|start_header_id|>"
     # The clean twin: the render tokenized as it is keeps its BOS.
-    verdict, problems = run_preflight(tmp_path / "clean", tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct",
-                                      CLEAN_CHATS, USER_COLLATOR)
+    verdict, problems = run_preflight(
+        tmp_path / "clean", tokenizers, "llama3", "meta-llama-Llama-3.1-8B-Instruct", CLEAN_CHATS, USER_COLLATOR
+    )
     assert problems == [], problems
 
 
@@ -435,10 +512,12 @@ LLAMA3_GENERATION = (
     "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}"
     "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
     " + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 LLAMA3_GENERATION_SHORT = LLAMA3_GENERATION.replace(
     "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}",
-    "{%- generation %}{{- message['content'] | trim }}{%- endgeneration %}{{- '<|eot_id|>' }}")
+    "{%- generation %}{{- message['content'] | trim }}{%- endgeneration %}{{- '<|eot_id|>' }}",
+)
 
 
 def test_end_of_turn_outside_the_generation_block_fails_loop04(tmp_path, tokenizers):
@@ -449,13 +528,23 @@ def test_end_of_turn_outside_the_generation_block_fails_loop04(tmp_path, tokeniz
         (tmp_path / f"{name}.jinja").write_text(source)
         tokenizer = tokenizers["llama3"]
         tokenizer.save_pretrained(str(tmp_path / name))
-        verdict = preflight(write_rows(tmp_path / "data.jsonl", CLEAN_CHATS), tmp_path / name, tmp_path / f"out-{name}",
-                            template=tmp_path / f"{name}.jinja", progress=False)
+        verdict = preflight(
+            write_rows(tmp_path / "data.jsonl", CLEAN_CHATS),
+            tmp_path / name,
+            tmp_path / f"out-{name}",
+            template=tmp_path / f"{name}.jinja",
+            progress=False,
+        )
         findings[name] = [f for f in verdict["findings"] if f["severity"] != "info"]
     [untrained] = [f for f in findings["short"] if f["severity"] == "fail"]  # beside it, the aggregate count's warn
     assert (untrained["code"], untrained["severity"], untrained["evidence"]["kind"]) == (
-        "LOOP-04", "fail", "end_of_turn_untrained")
-    assert untrained["evidence"]["markers_trained"] == 0 and untrained["evidence"]["markers_total"] == 6  # the chats' answers
+        "LOOP-04",
+        "fail",
+        "end_of_turn_untrained",
+    )
+    assert (
+        untrained["evidence"]["markers_trained"] == 0 and untrained["evidence"]["markers_total"] == 6
+    )  # the chats' answers
     assert "{% generation %} block" in untrained["message"] and "'<|eot_id|>'" in untrained["message"]
     assert findings["whole"] == []
 
@@ -476,15 +565,19 @@ def phi_collator(tokenizer, rows, max_length=4096):
             spans.append((begin, end))
             at = end
         ids = enc["input_ids"]
-        label = [i if any(b <= s and e <= end for b, end in spans) and e > s else -100
-                 for i, (s, e) in zip(ids, enc["offset_mapping"])]
+        label = [
+            i if any(b <= s and e <= end for b, end in spans) and e > s else -100
+            for i, (s, e) in zip(ids, enc["offset_mapping"])
+        ]
         input_ids.append(ids)
         labels.append(label)
     width = max(map(len, input_ids))
     pad = tokenizer.pad_token_id
-    return {"input_ids": np.array([r + [pad] * (width - len(r)) for r in input_ids]),
-            "labels": np.array([r + [-100] * (width - len(r)) for r in labels]),
-            "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids])}
+    return {
+        "input_ids": np.array([r + [pad] * (width - len(r)) for r in input_ids]),
+        "labels": np.array([r + [-100] * (width - len(r)) for r in labels]),
+        "attention_mask": np.array([[1] * len(r) + [0] * (width - len(r)) for r in input_ids]),
+    }
 
 
 def test_phi35_word_start_piece_after_the_end_marker_is_not_expected_trained(tmp_path, tokenizers):
@@ -494,12 +587,19 @@ def test_phi35_word_start_piece_after_the_end_marker_is_not_expected_trained(tmp
     tok = tokenizers["phi3"]
     pieces = tok.convert_ids_to_tokens(tok("<|end|>\n<|user|>", add_special_tokens=False)["input_ids"])
     assert pieces[:2] == ["<|end|>", "\u2581"]  # the shape of the released tokenizer
-    verdict, problems = run_preflight(tmp_path, tokenizers, "phi3", "microsoft-Phi-3.5-mini-instruct", CLEAN_CHATS,
-                                      "tests.test_corpus:phi_collator")
+    verdict, problems = run_preflight(
+        tmp_path, tokenizers, "phi3", "microsoft-Phi-3.5-mini-instruct", CLEAN_CHATS, "tests.test_corpus:phi_collator"
+    )
     assert problems == [] and verdict["verdict"] == "pass", problems
     # Its fault twin: the marker itself masked is still found.
-    verdict, problems = run_preflight(tmp_path / "masked", tokenizers, "phi3", "microsoft-Phi-3.5-mini-instruct",
-                                      CLEAN_CHATS, "tests.test_corpus:phi_end_masked")
+    verdict, problems = run_preflight(
+        tmp_path / "masked",
+        tokenizers,
+        "phi3",
+        "microsoft-Phi-3.5-mini-instruct",
+        CLEAN_CHATS,
+        "tests.test_corpus:phi_end_masked",
+    )
     assert ("LOOP-04", "fail") in codes(problems, "LOOP-04")
 
 
@@ -534,7 +634,11 @@ def test_full_sequence_loss_is_a_configuration_and_pad_eos_is_judged_on_its_own(
         kinds[name] = {f["evidence"].get("kind"): f for f in verdict["findings"] if f["code"] == "LOOP-04"}
     [config] = kinds["full_sequence"].values()
     assert (config["evidence"]["kind"], config["category"], config["step"], config["severity"]) == (
-        "full_sequence_loss", "configuration", None, "warn")
+        "full_sequence_loss",
+        "configuration",
+        None,
+        "warn",
+    )
     assert set(kinds["full_sequence_pad_masked"]) == {"full_sequence_loss", "end_of_turn_untrained"}
     untrained = kinds["full_sequence_pad_masked"]["end_of_turn_untrained"]
     assert (untrained["severity"], untrained["category"]) == ("fail", "anomaly")
@@ -552,6 +656,8 @@ def test_assistant_only_advice_holds_for_the_installed_trl_and_the_template():
     assert "TRL 0.16.1 has no assistant_only_loss" in assistant_only_advice(LLAMA3_GENERATION, ("0.16.1", frozenset()))
     assert assistant_only_advice(LLAMA3_GENERATION, trl).startswith(f"set assistant_only_loss=True (TRL {version};")
     # Llama 3's released template has a training version in TRL; Llama 3.1's has none (TRL refuses it).
-    assert "swaps in its training version" in assistant_only_advice(template("NousResearch-Meta-Llama-3-8B-Instruct"), trl)
+    assert "swaps in its training version" in assistant_only_advice(
+        template("NousResearch-Meta-Llama-3-8B-Instruct"), trl
+    )
     assert "needs {% generation %} markers" in assistant_only_advice(template("meta-llama-Llama-3.1-8B-Instruct"), trl)
     assert "axolotl" in assistant_only_advice(None, None)

@@ -23,8 +23,11 @@ train_plain(sys.argv[1], steps=10_000, checkpoint_every=7, tokenizer_cache=sys.a
 
 def test_sigkill_mid_run_leaves_an_auditable_run(tmp_path, tokenizer_cache):
     run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-c", TRAIN, str(run), str(tokenizer_cache)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAIN, str(run), str(tokenizer_cache)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     steps = rank_dir(run, 0) / "steps.jsonl"
     # Progress, not the clock, ends the wait: a loaded machine only makes it longer. The bound is
     # there only so a wedged trainer cannot hang the suite.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR
 
 from sftaudit.diff import compare, load, profile, write_golden
 from sftaudit.errors import InputError
-from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR
 
 SCALED_FROM = 30
 
@@ -38,7 +38,9 @@ def scaled_profile(scaled):
 def test_two_same_seed_runs_are_identical(clean_profile, twin):
     result = compare(clean_profile, profile(twin), exact=True)
     assert result["first_divergent_step"] is None and result["tensors"] == []
-    assert [d for d in result["differences"] if not d["what"].startswith("checkpoint digest")] == [], result["differences"]
+    assert [d for d in result["differences"] if not d["what"].startswith("checkpoint digest")] == [], result[
+        "differences"
+    ]
     assert result["findings_only_in"] == {"a": [], "b": []}
 
 

@@ -13,8 +13,16 @@ from sftaudit.ingest import connect, ingest
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
-CLEAN = {"ddp": 6, "fsdp1": 6, "fsdp1_flat": 6, "fsdp2": 6, "trainer_ddp": 4, "zero1": 6, "zero2": 6,
-         "zero3": 6}  # run -> steps
+CLEAN = {
+    "ddp": 6,
+    "fsdp1": 6,
+    "fsdp1_flat": 6,
+    "fsdp2": 6,
+    "trainer_ddp": 4,
+    "zero1": 6,
+    "zero2": 6,
+    "zero3": 6,
+}  # run -> steps
 
 PLAIN_LOOPS = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2")  # the same model, data and optimizer as the reference
 ZERO = ("zero1", "zero2", "zero3")  # the same too, DeepSpeed's default clipping switched off as the reference has none
@@ -30,8 +38,9 @@ def test_clean_run_passes_with_every_step_of_every_rank(distributed_runs, name):
     verdict = audit(run)
     assert verdict["verdict"] == "pass", [f["message"] for f in verdict["findings"] if f["severity"] != "info"]
     steps = CLEAN[name]
-    assert verdict["evidence"]["ranks"] == [{"rank": r, "steps": steps, "first_step": 1, "last_step": steps}
-                                            for r in (0, 1)]
+    assert verdict["evidence"]["ranks"] == [
+        {"rank": r, "steps": steps, "first_step": 1, "last_step": steps} for r in (0, 1)
+    ]
     assert verdict["evidence"]["components_off"] == []
     con = connect(run, read_only=True)
     n_params = con.execute("SELECT count(*) FROM params WHERE rank = 0 AND idx IS NOT NULL").fetchall()[0][0]
@@ -52,8 +61,10 @@ def test_trainer_under_torchrun_ran_ddp_over_two_processes(distributed_runs):
     pairs = con.execute("""SELECT m.value, s.grad_norm, s.grad_norm_post_clip FROM metrics m JOIN steps s USING (rank, step)
                            WHERE m.name = 'grad_norm'""").fetchall()
     con.close()
-    assert len(pairs) == 8 and all(abs(logged / pre - 1) < 1e-5 and abs(min(logged, logged / (logged + 1e-6)) / post - 1) < 1e-5
-                                   for logged, pre, post in pairs)
+    assert len(pairs) == 8 and all(
+        abs(logged / pre - 1) < 1e-5 and abs(min(logged, logged / (logged + 1e-6)) / post - 1) < 1e-5
+        for logged, pre, post in pairs
+    )
 
 
 @pytest.mark.parametrize("name", PLAIN_LOOPS + ZERO)
@@ -107,16 +118,28 @@ def test_sharded_runs_probe_on_every_rank_as_ddp_does(distributed_runs, name):
     from rank 0 alone, which stalled the other rank's next collective."""
     run = distributed_runs / name
     held = {"probes": {0: [0], 1: [1]}, "generations": {0: [0, 0], 1: [1, 1]}, "evals": {0: [0], 1: []}}
-    for kind, row, text in (("probes", "prompt", None), ("generations", "sample", "text"), ("evals", "item", "prediction")):
+    for kind, row, text in (
+        ("probes", "prompt", None),
+        ("generations", "sample", "text"),
+        ("evals", "item", "prediction"),
+    ):
         for rank in (0, 1):
             ddp, sharded = records(distributed_runs / "ddp", rank, kind), records(run, rank, kind)
-            assert [r[row] for r in sharded if r["step"] == 6] == [r[row] for r in ddp if r["step"] == 6] == held[kind][rank]
+            assert (
+                [r[row] for r in sharded if r["step"] == 6]
+                == [r[row] for r in ddp if r["step"] == 6]
+                == held[kind][rank]
+            )
             assert [r["step"] for r in sharded] == [r["step"] for r in ddp]
             if text:
                 assert [r[text] for r in sharded] == [r[text] for r in ddp]
             else:  # top-k probabilities (ids may swap on near-ties of the tiny model)
-                assert max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
-    assert not [e for rank in (0, 1) for e in records(run, rank, "events") if e["kind"] in ("shim_error", "probe_disabled")]
+                assert (
+                    max(abs(a - b) for r, q in zip(sharded, ddp) for a, b in zip(r["top_probs"], q["top_probs"])) < 1e-4
+                )
+    assert not [
+        e for rank in (0, 1) for e in records(run, rank, "events") if e["kind"] in ("shim_error", "probe_disabled")
+    ]
 
 
 def test_an_eval_item_trained_on_rank_1_only_is_found(distributed_runs, tmp_path):
@@ -133,7 +156,8 @@ def test_an_eval_item_trained_on_rank_1_only_is_found(distributed_runs, tmp_path
     sample = records(run, 1, "samples")[0]
     assert sample["sample_id"] not in {s["sample_id"] for s in records(run, 0, "samples")}
     text = Tokenizer.from_file(str(artifact_root(run) / TOKENIZER_DIR / "tokenizer.json")).decode(
-        sample["input_ids"], skip_special_tokens=True)
+        sample["input_ids"], skip_special_tokens=True
+    )
     manifest = rank_dir(run, 0) / "manifest.jsonl"
     first = json.loads(manifest.read_text().splitlines()[0])
     first["eval_set"] = [{"id": "leaked", "messages": [{"role": "user", "content": text}], "reference": text}]
@@ -150,8 +174,8 @@ def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distrib
     their fragments: every one written is of the rank's piece of DeepSpeed's own pre-clip gradient at
     that step (`safe_get_full_grad`), not the clipped or the unspiked one; none is missing."""
     import torch
-
     from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
+
     from sftaudit.shim.gradients import histograms as _histograms
 
     run = distributed_runs / name
@@ -163,8 +187,9 @@ def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distrib
         rows = [h for h in records(run, rank, "grad_hists") if h["step"] == SPIKE_AT]
         if rows:
             spiked_ranks.append(rank)
-        assert {h["reason"] for h in rows} <= {"spike"} and not [h for h in records(run, rank, "grad_hists")
-                                                                  if h["step"] != SPIKE_AT]
+        assert {h["reason"] for h in rows} <= {"spike"} and not [
+            h for h in records(run, rank, "grad_hists") if h["step"] != SPIKE_AT
+        ]
         ranges = {p["name"]: (p["start"], p["stop"]) for p in manifest["params"]}
         for h in rows:
             start, stop = ranges[h["tensor"]]
@@ -172,8 +197,9 @@ def test_a_spike_under_deepspeed_gets_histograms_of_that_steps_gradients(distrib
             expected = _histograms([piece]).numpy().astype("int64")[0].tolist()
             assert [h["zeros"], h["nonfinite"], *h["counts"]] == expected, h["tensor"]
             if h["tensor"] == ZERO_SPIKED:  # what reading the clipped or the unspiked gradient would have written
-                assert all(_histograms([piece * k]).numpy().astype("int64")[0].tolist() != expected
-                           for k in (clip, 0.01))
+                assert all(
+                    _histograms([piece * k]).numpy().astype("int64")[0].tolist() != expected for k in (clip, 0.01)
+                )
     assert spiked_ranks == ([0, 1] if name == "zero3_spike" else [0])  # the ranks holding the spiked tensor
     assert ZERO_SPIKED in {h["tensor"] for h in records(run, 0, "grad_hists")}
 
@@ -184,8 +210,8 @@ def test_a_spike_whose_gradients_deepspeed_clipped_in_place_gets_them_scaled_bac
     was recorded: the recorder divides it back, so the spike's histograms are of DeepSpeed's own
     pre-clip gradient (`safe_get_full_grad` before the step), not of the clipped one."""
     import torch
-
     from sftaudit.fixtures.distributed import SPIKE_AT, ZERO_SPIKED
+
     from sftaudit.shim.gradients import histograms as _histograms
 
     run = distributed_runs / "zero2_bf16_spike"
@@ -212,8 +238,8 @@ def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path,
     back: the histograms are of the step's pre-clip gradients. Gradients it zeroed no longer have the
     step's norms: an event says the histograms were not taken, instead of histograms of zeros."""
     import torch
-
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+
     from sftaudit.shim import Recorder
     from sftaudit.shim.gradients import histograms as _histograms
 
@@ -225,13 +251,16 @@ def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path,
         for step in (1, 2, 3, 4):
             batch = collate(tok, rows)
             rec.on_batch(step, batch)
-            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"]).loss
+            loss = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+            ).loss
             loss.backward()
             if step == 4:
                 torch._foreach_mul_([p.grad for p in model.parameters()], 100.0)
-                spiked = {name: _histograms([p.grad]).numpy().astype("int64")[0].tolist()
-                          for name, p in model.named_parameters()}
+                spiked = {
+                    name: _histograms([p.grad]).numpy().astype("int64")[0].tolist()
+                    for name, p in model.named_parameters()
+                }
             rec.on_backward(step, loss)
             if after_backward == "clipped":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -273,7 +302,8 @@ def test_layouts_say_how_each_rank_holds_each_tensor(distributed_runs):
             assert p0["local_numel"] + p1["local_numel"] == p0["numel"]
             assert sorted([(p0["start"], p0["stop"]), (p1["start"], p1["stop"])]) in (
                 [(0, p0["local_numel"]), (p0["local_numel"], p0["numel"])],
-                [(0, 0), (0, p0["numel"])])
+                [(0, 0), (0, p0["numel"])],
+            )
     assert any(p["local_numel"] == 0 for m in fsdp1 for p in m["params"])  # FSDP1 shards the flat parameter
 
 
@@ -299,27 +329,70 @@ def write_rank(run, rank, params, steps):
     """A rank's artifacts as the shim writes them: a manifest with layouts, one steps record per step."""
     folder = rank_dir(run, rank)
     folder.mkdir(parents=True)
-    manifest = {"schema_version": 1, "seg": 0, "rank": rank, "world_size": 4, "profile": "prod", "params": params,
-                "tied": {}, "grad_norm_source": "pre_clip"}
+    manifest = {
+        "schema_version": 1,
+        "seg": 0,
+        "rank": rank,
+        "world_size": 4,
+        "profile": "prod",
+        "params": params,
+        "tied": {},
+        "grad_norm_source": "pre_clip",
+    }
     (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
-    (folder / "steps.jsonl").write_text("".join(
-        json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norm": None, "grad_norms": norms}) + "\n"
-        for s, norms in steps.items()))
+    (folder / "steps.jsonl").write_text(
+        "".join(
+            json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norm": None, "grad_norms": norms}) + "\n"
+            for s, norms in steps.items()
+        )
+    )
 
 
 def test_reduction_over_one_replica_group_with_coverage(tmp_path):
     """HSDP on 4 ranks: two replica groups of two shards each. `w` (6 elements) is sharded 4 + 2;
     `b` is replicated; `p` has a Partial placement (no norm can be reduced from it). At step 2 rank 1
     (group 0) has no piece of `w`: group 0 does not cover it, and group 1 is not used instead."""
+
     def params(rank):
         start = 0 if rank % 2 == 0 else 4
-        return [{"name": "w", "shape": [6], "dtype": "float32", "numel": 6, "requires_grad": True, "kind": "sharded",
-                 "start": start, "stop": start + (4 if rank % 2 == 0 else 2), "local_numel": 4 if rank % 2 == 0 else 2,
-                 "replica": rank // 2},
-                {"name": "b", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "replicated",
-                 "start": 0, "stop": 2, "local_numel": 2, "replica": rank},
-                {"name": "p", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True, "kind": "partial",
-                 "start": None, "stop": None, "local_numel": 2, "replica": rank}]
+        return [
+            {
+                "name": "w",
+                "shape": [6],
+                "dtype": "float32",
+                "numel": 6,
+                "requires_grad": True,
+                "kind": "sharded",
+                "start": start,
+                "stop": start + (4 if rank % 2 == 0 else 2),
+                "local_numel": 4 if rank % 2 == 0 else 2,
+                "replica": rank // 2,
+            },
+            {
+                "name": "b",
+                "shape": [2],
+                "dtype": "float32",
+                "numel": 2,
+                "requires_grad": True,
+                "kind": "replicated",
+                "start": 0,
+                "stop": 2,
+                "local_numel": 2,
+                "replica": rank,
+            },
+            {
+                "name": "p",
+                "shape": [2],
+                "dtype": "float32",
+                "numel": 2,
+                "requires_grad": True,
+                "kind": "partial",
+                "start": None,
+                "stop": None,
+                "local_numel": 2,
+                "replica": rank,
+            },
+        ]
 
     run = tmp_path / "hsdp"
     for rank in range(4):
@@ -330,6 +403,7 @@ def test_reduction_over_one_replica_group_with_coverage(tmp_path):
     rows = con.execute("SELECT rank, step, tensor, norm FROM grad_norms ORDER BY step, tensor, rank").fetchall()
     totals = con.execute("SELECT step, list(grad_norm ORDER BY rank) FROM steps GROUP BY step ORDER BY step").fetchall()
     con.close()
-    assert rows == [(r, 1, "b", 2.0) for r in range(4)] + [(r, 1, "w", 5.0) for r in range(4)] \
-        + [(r, 2, "b", 2.0) for r in range(4)]  # w at step 2: incomplete, no row; p: never
+    assert rows == [(r, 1, "b", 2.0) for r in range(4)] + [(r, 1, "w", 5.0) for r in range(4)] + [
+        (r, 2, "b", 2.0) for r in range(4)
+    ]  # w at step 2: incomplete, no row; p: never
     assert totals == [(1, [None] * 4), (2, [None] * 4)]  # p has no reducible norm: no step total

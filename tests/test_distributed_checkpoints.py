@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from sftaudit.fixtures import layouts
+from sftaudit.fixtures.distributed import process_group
 
 from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.fixtures import layouts
-from sftaudit.fixtures.distributed import process_group
 from sftaudit.ingest import connect, load_manifest
 
 pytestmark = pytest.mark.slow  # torchrun launches
@@ -23,8 +23,7 @@ def gate(run, checkpoint):
 def test_dcp_checkpoints_of_a_two_rank_run(distributed_runs, capsys):
     """2 ranks, DDP, dcp.save every 3 steps; step 6 saves the wrapper's state dict (module.* keys)."""
     dcp_run = distributed_runs / "dcp"
-    assert sorted(p.name for p in (dcp_run / "checkpoint-3").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                            "__1_0.distcp"]
+    assert sorted(p.name for p in (dcp_run / "checkpoint-3").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     verdict = audit(dcp_run)
     assert [(r["rank"], r["steps"]) for r in verdict["evidence"]["ranks"]] == [(0, 6), (1, 6)]
     loop09 = [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
@@ -39,8 +38,14 @@ def test_dcp_checkpoints_of_a_two_rank_run(distributed_runs, capsys):
 
 def test_ddp_wrapped_model_is_recorded_under_the_names_its_checkpoints_have(runs):
     with process_group():
-        run = runs("ddp", steps=8, checkpoint_every=4, profile="prod",
-                   wrap=torch.nn.parallel.DistributedDataParallel, saver=layouts.ddp_folders())
+        run = runs(
+            "ddp",
+            steps=8,
+            checkpoint_every=4,
+            profile="prod",
+            wrap=torch.nn.parallel.DistributedDataParallel,
+            saver=layouts.ddp_folders(),
+        )
     verdict = audit(run)
     con = connect(run, read_only=True)
     try:
@@ -54,6 +59,7 @@ def test_ddp_wrapped_model_is_recorded_under_the_names_its_checkpoints_have(runs
 
 def test_compiled_and_wrapped_models_are_recorded_under_their_checkpoint_names(tmp_path, tokenizer_cache):
     from sftaudit.fixtures import build_model, build_tokenizer
+
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(tokenizer_cache)

@@ -45,8 +45,14 @@ def test_pass_and_fail_verdicts_follow_the_schema(clean_run, nan_run):
 
 def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
     passed = cached_audit(clean_run)
-    warned = build_verdict(passed["run"], [Finding("LOOP-03", "warn", "padding wastes 70% of the batch", step=3)],
-                           passed["checkpoints"], [], 1, passed["evidence"]) | {"checks": passed["checks"]}
+    warned = build_verdict(
+        passed["run"],
+        [Finding("LOOP-03", "warn", "padding wastes 70% of the batch", step=3)],
+        passed["checkpoints"],
+        [],
+        1,
+        passed["evidence"],
+    ) | {"checks": passed["checks"]}
     assert warned["verdict"] == "warn"
     assert_valid(warned)
     # A run whose step records are gone cannot be judged: unjudged, never pass.
@@ -64,16 +70,24 @@ def test_a_verdict_with_a_wrong_field_is_refused_by_the_schema(clean_run):
 
 
 def test_check_pages_are_generated_from_the_checks():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_check_pages.py"), "--check"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_check_pages.py"), "--check"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
-                    reason="mkdocs-material is a test dependency; not installed here")
+@pytest.mark.skipif(
+    shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
+    reason="mkdocs-material is a test dependency; not installed here",
+)
 @pytest.mark.slow
 def test_docs_site_builds_strict(tmp_path):
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
-    done = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,10 +2,10 @@
 a data bug present from step 1 is dated step 1, and `gate` fails the first checkpoint trained with it."""
 
 import pytest
+from sftaudit.fixtures.train import train_plain
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.fixtures.train import train_plain
 from sftaudit.ingest import connect, ingest
 
 from .shared import shared_dir
@@ -16,9 +16,22 @@ QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
 @pytest.fixture(scope="module")
 def pad_eos_default_profile(tmp_path_factory, tokenizer_cache):
     """pad = eos with the padding masked, from step 1, under the default profile (rows every 50 steps)."""
-    return shared_dir(tmp_path_factory, "pad-eos", lambda folder: train_plain(
-        folder / "pad-eos", steps=6, checkpoint_every=2, profile="preprod", faults={"pad_is_eos": True},
-        tokenizer_cache=tokenizer_cache, **QUIET)) / "pad-eos"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "pad-eos",
+            lambda folder: train_plain(
+                folder / "pad-eos",
+                steps=6,
+                checkpoint_every=2,
+                profile="preprod",
+                faults={"pad_is_eos": True},
+                tokenizer_cache=tokenizer_cache,
+                **QUIET,
+            ),
+        )
+        / "pad-eos"
+    )
 
 
 def test_the_first_step_is_recorded_whole_and_the_schedule_after_it(pad_eos_default_profile):
@@ -30,7 +43,10 @@ def test_the_first_step_is_recorded_whole_and_the_schedule_after_it(pad_eos_defa
 def test_a_data_bug_from_step_1_is_dated_step_1_and_fails_the_first_checkpoint(pad_eos_default_profile):
     verdict = audit(pad_eos_default_profile)
     assert verdict["first_anomalous_step"] == 1
-    assert {f["code"] for f in verdict["findings"] if f["severity"] == "fail" and f["step"] == 1} >= {"LOOP-02", "LOOP-04"}
+    assert {f["code"] for f in verdict["findings"] if f["severity"] == "fail" and f["step"] == 1} >= {
+        "LOOP-02",
+        "LOOP-04",
+    }
     assert [c["verdict"] for c in verdict["checkpoints"]] == ["fail", "fail", "fail"]
     assert main(["gate", str(pad_eos_default_profile), "--checkpoint", "checkpoint-2"]) == 1
 
@@ -39,8 +55,15 @@ def test_a_data_bug_from_step_1_is_dated_step_1_and_fails_the_first_checkpoint(p
 def test_each_resume_records_its_first_step_whole(tmp_path, tokenizer_cache):
     run = tmp_path / "resumed"
     train_plain(run, steps=4, checkpoint_every=2, profile="prod", tokenizer_cache=tokenizer_cache, **QUIET)
-    train_plain(run, steps=6, checkpoint_every=2, profile="prod", resume_from=run / "checkpoint-2",
-                tokenizer_cache=tokenizer_cache, **QUIET)
+    train_plain(
+        run,
+        steps=6,
+        checkpoint_every=2,
+        profile="prod",
+        resume_from=run / "checkpoint-2",
+        tokenizer_cache=tokenizer_cache,
+        **QUIET,
+    )
     ingest(run)
     con = connect(run, read_only=True)
     kept = con.execute("SELECT seg, step, count(*) FROM samples GROUP BY ALL ORDER BY seg, step").fetchall()
@@ -63,8 +86,9 @@ def _completion_check():
     lead): found by its name among the registered checks, None until it is there."""
     from sftaudit.checks import registered_checks
 
-    return next((c for c in registered_checks()
-                 if any(w in c.name.lower() for w in ("complet", "plan", "stopped early"))), None)
+    return next(
+        (c for c in registered_checks() if any(w in c.name.lower() for w in ("complet", "plan", "stopped early"))), None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +98,11 @@ def killed_at_3_of_80(tmp_path_factory, tokenizer_cache):
     import sys
 
     def kill(folder):
-        proc = subprocess.run([sys.executable, "-c", KILLED, str(folder / "killed"), str(tokenizer_cache)],
-                              capture_output=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", KILLED, str(folder / "killed"), str(tokenizer_cache)],
+            capture_output=True,
+            timeout=600,
+        )
         assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
     return shared_dir(tmp_path_factory, "killed", kill) / "killed"
@@ -98,8 +125,9 @@ def test_a_run_killed_at_step_3_of_80_is_not_a_pass_and_says_3_of_80(killed_at_3
     """Needs the completion check (LOOP-19 or later, merged from another branch): skipped, naming it, until then."""
     check = _completion_check()
     if check is None:
-        pytest.skip("no completion/plan check registered yet (issue 25 item 3, analyzer side): "
-                    "this test runs once it is merged")
+        pytest.skip(
+            "no completion/plan check registered yet (issue 25 item 3, analyzer side): this test runs once it is merged"
+        )
     verdict = audit(killed_at_3_of_80)
     assert verdict["verdict"] not in ("pass",), verdict["findings"]
     stopped = [f for f in verdict["findings"] if f["code"] == check.code]
@@ -110,9 +138,9 @@ def test_a_finished_run_closes_with_its_last_step_and_the_keyword_plan(tmp_path,
     import json
 
     import torch
+    from sftaudit.fixtures import build_model, build_tokenizer
 
     from sftaudit.artifacts import rank_dir
-    from sftaudit.fixtures import build_model, build_tokenizer
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(tokenizer_cache)

@@ -59,7 +59,7 @@ def test_policy_and_strict(checkpoint_fault_run, resumed_run, tmp_path):
     # resumed_run: LOOP-11 fails at step 16 (in checkpoint-20's window) and 21 (weights not loaded,
     # checkpoint-25's); no warns: with nothing but warns blocking, --strict passes both.
     warns_only = tmp_path / "warns.toml"
-    warns_only.write_text('[gate]\nblock = []\n')
+    warns_only.write_text("[gate]\nblock = []\n")
     assert gate(resumed_run, "checkpoint-20", "--policy", warns_only, "--strict") == 0
     assert gate(resumed_run, "checkpoint-25", "--policy", warns_only, "--strict") == 0
     other_code = tmp_path / "codes.toml"

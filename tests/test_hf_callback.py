@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from sftaudit.fixtures.train import train_hf
 
 from sftaudit.artifacts import rank_dir
 from sftaudit.audit import audit
-from sftaudit.fixtures.train import train_hf
 from sftaudit.ingest import connect, ingest
 
 from .shared import shared_dir
@@ -20,8 +20,20 @@ QUIET = dict(steps=14, save_steps=7, batch_size=4, max_length=64, probe_every=0,
 
 @pytest.fixture(scope="module")
 def trainer_nan_run(tmp_path_factory, tokenizer_cache):
-    return shared_dir(tmp_path_factory, "hf-nan", lambda folder: train_hf(
-        folder / "hf-nan", steps=12, save_steps=5, faults={"nan_at": HF_NAN_STEP}, tokenizer_cache=tokenizer_cache)) / "hf-nan"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "hf-nan",
+            lambda folder: train_hf(
+                folder / "hf-nan",
+                steps=12,
+                save_steps=5,
+                faults={"nan_at": HF_NAN_STEP},
+                tokenizer_cache=tokenizer_cache,
+            ),
+        )
+        / "hf-nan"
+    )
 
 
 def test_trainer_nan_is_found_at_its_step(trainer_nan_run):
@@ -46,7 +58,9 @@ def test_trainer_records_batches_sample_ids_and_pre_clip_norm(trainer_nan_run):
     assert (manifest["grad_norm_source"], manifest["grad_norm_read"]) == ("pre_clip", "backward_end")
     assert manifest["config"]["training_args"]["max_steps"] == 12 and manifest["config"]["max_steps"] == 12
     assert con.execute("SELECT count(*) FROM events WHERE kind = 'close' AND step = 12").fetchone()[0] == 1
-    state = json.loads(con.execute("SELECT training_state FROM checkpoints WHERE step = 5 AND event='saved'").fetchall()[0][0])
+    state = json.loads(
+        con.execute("SELECT training_state FROM checkpoints WHERE step = 5 AND event='saved'").fetchall()[0][0]
+    )
     assert state["optimizer"] and state["scheduler"] and state["rng_states"]
 
 
@@ -61,8 +75,16 @@ def test_trl_sft_trainer_clean_run(tmp_path, tokenizer_cache):
 
 @pytest.fixture(scope="module")
 def trainer_grads_x1000(tmp_path_factory, tokenizer_cache):
-    return shared_dir(tmp_path_factory, "hf-x1000", lambda folder: train_hf(
-        folder / "hf-x1000", faults={"grads_times_at": SCALED_STEP}, tokenizer_cache=tokenizer_cache, **QUIET)) / "hf-x1000"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "hf-x1000",
+            lambda folder: train_hf(
+                folder / "hf-x1000", faults={"grads_times_at": SCALED_STEP}, tokenizer_cache=tokenizer_cache, **QUIET
+            ),
+        )
+        / "hf-x1000"
+    )
 
 
 def _norms(run):
@@ -80,7 +102,7 @@ def _norms(run):
 def test_gradients_clipping_hid_are_recorded_pre_clip_and_found_at_their_step(trainer_grads_x1000):
     rows = _norms(trainer_grads_x1000)
     assert [r[0] for r in rows] == list(range(1, 15))
-    for step, pre, post, trainer_total, fallback, per_tensor_total in rows:
+    for _step, pre, post, trainer_total, fallback, per_tensor_total in rows:
         # The per-tensor norms are what the Trainer's own pre-clip total was computed from
         assert pre == pytest.approx(trainer_total, rel=1e-5) and per_tensor_total == pytest.approx(pre, rel=1e-9)
         assert post <= 1.0 + 1e-5 and post == pytest.approx(min(pre, 1.0), rel=1e-5) and fallback is None

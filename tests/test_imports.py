@@ -35,8 +35,11 @@ def test_a_nan_inside_a_logging_window_names_the_window_and_the_checkpoint_befor
     code, printed, verdict = audited(tmp_path_factory, tokenizer_cache, "window")
     assert code == 1
     assert verdict["resolution"]["logging_steps"] == 5
-    assert not [f for f in verdict["findings"] if f["code"] == "LOOP-18" and f["step"] is not None
-                and "non-finite" in f["message"]], verdict["findings"]
+    assert not [
+        f
+        for f in verdict["findings"]
+        if f["code"] == "LOOP-18" and f["step"] is not None and "non-finite" in f["message"]
+    ], verdict["findings"]
     # Provenance: each check says what it ran on; what needs the shim did not run.
     checks = {c["code"]: c for c in verdict["checks"]}
     assert checks["LOOP-10"]["sources"] == ["imported logs: trainer_state.json"]
@@ -55,16 +58,20 @@ def test_with_logging_steps_1_the_step_is_exact(tmp_path_factory, tokenizer_cach
     assert code == 1
     assert verdict["resolution"]["kind"] == "exact step"
     # The first anomaly is LOOP-18's gradient-moment jump: known to the checkpoint window only.
-    assert verdict["resolution"]["first_anomalous_window"] == {"kind": "checkpoint window", "first_step": 7,
-                                                               "last_step": 12}
+    assert verdict["resolution"]["first_anomalous_window"] == {
+        "kind": "checkpoint window",
+        "first_step": 7,
+        "last_step": 12,
+    }
     spike = [f for f in verdict["findings"] if f["code"] == "LOOP-10" and f["severity"] != "info"]
     assert spike and spike[0]["step"] == 11, spike  # the planted loss spike, at its step
     assert verdict["check_errors"] == []
 
 
 @pytest.mark.slow
-def test_a_clean_run_without_the_shim_passes_on_what_it_saw_and_says_what_it_did_not(tmp_path_factory, tokenizer_cache,
-                                                                                      clean_trl_run):
+def test_a_clean_run_without_the_shim_passes_on_what_it_saw_and_says_what_it_did_not(
+    tmp_path_factory, tokenizer_cache, clean_trl_run
+):
     code, printed, verdict = audited(tmp_path_factory, tokenizer_cache, "clean_trl")
     assert code == 0
     assert verdict["verdict"] == "pass" and verdict["findings"] == [], verdict["findings"]
@@ -135,8 +142,19 @@ def probed_run(clean_trl_run, tmp_path_factory):
     prompts.write_text("What is the capital of France?\n请介绍一下长城。\n", encoding="utf-8")
     items = load_eval_set()[:2] + [_leaked(r) for r in load_dataset()[3:5]]
     evals.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
-    probe = ["probe", str(run), "--prompts", str(prompts), "--eval", str(evals), "--max-new-tokens", "4",
-             "--samples", "2", "--quiet"]
+    probe = [
+        "probe",
+        str(run),
+        "--prompts",
+        str(prompts),
+        "--eval",
+        str(evals),
+        "--max-new-tokens",
+        "4",
+        "--samples",
+        "2",
+        "--quiet",
+    ]
     printed = []
     for _ in range(2):
         out = io.StringIO()
@@ -219,7 +237,10 @@ def test_llamafactory_trainer_log_alone_is_imported_with_its_abandoned_branch(tm
     con = _imported_with_steps_41_to_47_abandoned(run)
     try:
         assert con.execute("SELECT count(*) FROM steps").fetchone() == (60,)
-        assert con.execute("SELECT value FROM metrics WHERE name = 'eval_loss' ORDER BY step").fetchall() == [(1.5123,), (1.3987,)]
+        assert con.execute("SELECT value FROM metrics WHERE name = 'eval_loss' ORDER BY step").fetchall() == [
+            (1.5123,),
+            (1.3987,),
+        ]
     finally:
         con.close()
     assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0  # the spike warns
@@ -242,11 +263,13 @@ def test_llamafactory_trainer_log_adds_what_the_trainer_states_lost(window_run, 
     reloaded its history from the checkpoint) and the lines logged after the last saved state."""
     run = tmp_path / "run"
     shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
-    lines = [{"current_steps": 5, "total_steps": 20, "loss": 7.1, "lr": 3e-3, "epoch": 0.1},
-             {"current_steps": 10, "total_steps": 20, "loss": 9.5, "lr": 2e-3, "epoch": 0.2},  # abandoned by the restart
-             {"current_steps": 10, "total_steps": 20, "loss": 6.9, "lr": 2e-3, "epoch": 0.2},
-             {"current_steps": 15, "total_steps": 20, "loss": 6.8, "lr": 1e-3, "epoch": 0.3},
-             {"current_steps": 20, "total_steps": 20, "loss": 6.7, "lr": 5e-4, "epoch": 0.4}]  # after the last save
+    lines = [
+        {"current_steps": 5, "total_steps": 20, "loss": 7.1, "lr": 3e-3, "epoch": 0.1},
+        {"current_steps": 10, "total_steps": 20, "loss": 9.5, "lr": 2e-3, "epoch": 0.2},  # abandoned by the restart
+        {"current_steps": 10, "total_steps": 20, "loss": 6.9, "lr": 2e-3, "epoch": 0.2},
+        {"current_steps": 15, "total_steps": 20, "loss": 6.8, "lr": 1e-3, "epoch": 0.3},
+        {"current_steps": 20, "total_steps": 20, "loss": 6.7, "lr": 5e-4, "epoch": 0.4},
+    ]  # after the last save
     (run / "trainer_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     done = import_run(run)
     assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
@@ -276,8 +299,17 @@ def test_tensorboard_event_files_alone_are_imported_with_the_abandoned_branch(tm
         for step in steps:
             state.global_step = step
             loss = _loss(step, branch) * (3.0 if branch and step == 52 else 1.0)  # the resumed branch spikes at 52
-            callback.on_log(args, state, TrainerControl(), logs={"loss": loss, "grad_norm": 1.0 + 0.01 * (step % 3),
-                                                                 "learning_rate": 5e-5 * (1 - (step - 1) / 60), "epoch": step / 120})
+            callback.on_log(
+                args,
+                state,
+                TrainerControl(),
+                logs={
+                    "loss": loss,
+                    "grad_norm": 1.0 + 0.01 * (step % 3),
+                    "learning_rate": 5e-5 * (1 - (step - 1) / 60),
+                    "epoch": step / 120,
+                },
+            )
         callback.on_train_end(args, state, TrainerControl())
     con = _imported_with_steps_41_to_47_abandoned(run)
     try:

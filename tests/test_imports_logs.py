@@ -18,8 +18,10 @@ from sftaudit.cli import main
 from sftaudit.imports import import_run
 from sftaudit.imports.trainer import checkpoint_dirs
 
-LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
-               "oid sha256:408e0deacdea0c8618dba746a9b1f705959b06396fe4c8b3651d8fd7b030bd11\nsize 4419\n")
+LFS_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:408e0deacdea0c8618dba746a9b1f705959b06396fe4c8b3651d8fd7b030bd11\nsize 4419\n"
+)
 
 
 def _loss(step: int, branch: int = 0) -> float:
@@ -34,9 +36,16 @@ def _clock(seconds: float) -> str:
 
 
 def _line(step: int, loss: float, elapsed: float, total: int = 200) -> dict:
-    return {"current_steps": step, "total_steps": total, "loss": loss, "lr": 1e-5 * (1 - step / total),
-            "epoch": step / 100, "percentage": round(100 * step / total, 2), "elapsed_time": _clock(elapsed),
-            "remaining_time": _clock(3 * (total - step))}
+    return {
+        "current_steps": step,
+        "total_steps": total,
+        "loss": loss,
+        "lr": 1e-5 * (1 - step / total),
+        "epoch": step / 100,
+        "percentage": round(100 * step / total, 2),
+        "elapsed_time": _clock(elapsed),
+        "remaining_time": _clock(3 * (total - step)),
+    }
 
 
 def _two_writers(steps: range, start: float, branch: int) -> list[dict]:
@@ -47,7 +56,7 @@ def _two_writers(steps: range, start: float, branch: int) -> list[dict]:
     second = [_line(s, round(_loss(s, branch) + 1e-4 * (i % 2), 4), start + 1 + 3 * i) for i, s in enumerate(steps)]
     half = len(first) // 2
     out = [x for pair in zip(first[:half], second[:half]) for x in pair]
-    out += [first[half]] + [x for pair in zip(first[half + 1:], second[half:]) for x in pair] + [second[-1]]
+    out += [first[half]] + [x for pair in zip(first[half + 1 :], second[half:]) for x in pair] + [second[-1]]
     return out[:5] + [out[4]] + out[5:]  # an exact duplicate
 
 
@@ -70,7 +79,9 @@ def _manifest(run: Path) -> dict:
 
 
 def _steps(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [
+        json.loads(x) for x in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
 
 
 # ---------------------------------------------------------------------------- several writers of one log
@@ -105,8 +116,11 @@ def test_a_resume_written_by_two_writers_stays_a_resume(tmp_path):
 def test_a_resume_without_clocks_is_told_by_its_steps(tmp_path):
     """Older logs without elapsed_time: a training log repeating its step is a restart."""
     run = tmp_path / "run"
-    lines = [{k: v for k, v in _line(s, _loss(s, b), 0).items() if k != "elapsed_time"}
-             for b, steps in enumerate((range(1, 31), range(21, 51))) for s in steps]
+    lines = [
+        {k: v for k, v in _line(s, _loss(s, b), 0).items() if k != "elapsed_time"}
+        for b, steps in enumerate((range(1, 31), range(21, 51)))
+        for s in steps
+    ]
     _write_log(run, lines)
     done = import_run(run)
     assert done["resumed_at"] == 21 and done["abandoned_steps"] == list(range(21, 31))
@@ -116,8 +130,14 @@ def test_a_resume_without_clocks_is_told_by_its_steps(tmp_path):
 
 
 def _state(history: list[dict], **fields) -> dict:
-    return {"global_step": max(e["step"] for e in history), "max_steps": 60, "logging_steps": 1, "num_train_epochs": 1,
-            "train_batch_size": 8, "log_history": history} | fields
+    return {
+        "global_step": max(e["step"] for e in history),
+        "max_steps": 60,
+        "logging_steps": 1,
+        "num_train_epochs": 1,
+        "train_batch_size": 8,
+        "log_history": history,
+    } | fields
 
 
 def _write_state(folder: Path, state: dict) -> None:
@@ -129,8 +149,16 @@ def test_other_loggers_key_names_are_read_as_the_trainers(tmp_path):
     """A custom trainer logging `lr`, and W&B-style `train/...`, `eval/...` keys: the learning rate, the loss,
     the gradient norm and the eval loss are the Trainer's own; LOOP-10 and LOOP-14 judge them."""
     run = tmp_path / "run"
-    history = [{"step": s, "train/loss": _loss(s), "lr": 5e-5 * (1 - (s - 1) / 60), "train/grad_norm": 1.0 + 0.01 * (s % 3),
-                "epoch": s / 60} for s in range(1, 61)]
+    history = [
+        {
+            "step": s,
+            "train/loss": _loss(s),
+            "lr": 5e-5 * (1 - (s - 1) / 60),
+            "train/grad_norm": 1.0 + 0.01 * (s % 3),
+            "epoch": s / 60,
+        }
+        for s in range(1, 61)
+    ]
     history += [{"step": s, "eval/loss": 1.2 - s / 600, "epoch": s / 60} for s in (20, 40, 60)]
     _write_state(run, _state(history))
     import_run(run)
@@ -140,14 +168,23 @@ def test_other_loggers_key_names_are_read_as_the_trainers(tmp_path):
     assert [m["value"] for m in metrics if m["name"] == "eval_loss"] == [1.2 - s / 600 for s in (20, 40, 60)]
     code, _, _, verdict = _audit(run, tmp_path / "out")
     checks = {c["code"]: c for c in verdict["checks"]}
-    assert verdict["check_errors"] == [] and checks["LOOP-10"]["status"] == "ran" and checks["LOOP-14"]["status"] == "ran"
-    assert not [f for f in verdict["findings"] if f["code"] == "LOOP-14" and f["severity"] != "info"], verdict["findings"]
+    assert (
+        verdict["check_errors"] == [] and checks["LOOP-10"]["status"] == "ran" and checks["LOOP-14"]["status"] == "ran"
+    )
+    assert not [f for f in verdict["findings"] if f["code"] == "LOOP-14" and f["severity"] != "info"], verdict[
+        "findings"
+    ]
 
 
 def test_the_trainers_own_key_wins_over_an_alias(tmp_path):
     run = tmp_path / "run"
-    _write_state(run, _state([{"step": s, "loss": _loss(s), "lr": 9.0, "learning_rate": 1e-5, "epoch": s / 60}
-                              for s in range(1, 11)], max_steps=10))
+    _write_state(
+        run,
+        _state(
+            [{"step": s, "loss": _loss(s), "lr": 9.0, "learning_rate": 1e-5, "epoch": s / 60} for s in range(1, 11)],
+            max_steps=10,
+        ),
+    )
     import_run(run)
     assert {s["lr"] for s in _steps(run)} == {1e-5}
 
@@ -161,16 +198,28 @@ def test_checkpoint_folders_by_other_names(tmp_path):
     run = tmp_path / "run"
     history = [{"step": s, "loss": _loss(s), "learning_rate": 1e-5, "epoch": s / 60} for s in range(1, 41)]
     _write_state(run, _state(history, global_step=40))
-    for folder, step in (("checkpoint_20", 20), ("last-checkpoint", 40), ("best_checkpoint", 30), ("checkpoint-30", 30)):
+    for folder, step in (
+        ("checkpoint_20", 20),
+        ("last-checkpoint", 40),
+        ("best_checkpoint", 30),
+        ("checkpoint-30", 30),
+    ):
         _write_state(run / folder, _state([e for e in history if e["step"] <= step], global_step=step))
     (run / "final_model").mkdir()
     (run / "final_model" / "config.json").write_text("{}", encoding="utf-8")
-    assert [(s, p.name) for s, p in checkpoint_dirs(run)] == [(20, "checkpoint_20"), (30, "checkpoint-30"),
-                                                              (40, "last-checkpoint")]
+    assert [(s, p.name) for s, p in checkpoint_dirs(run)] == [
+        (20, "checkpoint_20"),
+        (30, "checkpoint-30"),
+        (40, "last-checkpoint"),
+    ]
     done = import_run(run)
     assert done["checkpoints"] == 3
     records = [json.loads(x) for x in (run / "sftaudit" / "rank-0" / "checkpoints.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["path"]) for r in records] == [(20, "checkpoint_20"), (30, "checkpoint-30"), (40, "last-checkpoint")]
+    assert [(r["step"], r["path"]) for r in records] == [
+        (20, "checkpoint_20"),
+        (30, "checkpoint-30"),
+        (40, "last-checkpoint"),
+    ]
 
 
 # ---------------------------------------------------------------------------- planned length, vocabulary
@@ -199,12 +248,15 @@ def _save_safetensors(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
     save_file({k: np.zeros(shape, dtype=np.float32) for k, shape in tensors.items()}, str(path))
 
 
-@pytest.mark.parametrize("saved, vocab", [
-    ({"config.json": {"vocab_size": 32000}}, 32000),
-    ({"config.json": {"model_type": "gemma3", "text_config": {"vocab_size": 262208}}}, 262208),
-    ({"weights": {"model.embed_tokens.weight": (531, 8), "model.layers.0.mlp.up_proj.weight": (16, 8)}}, 531),
-    ({"weights": {"base_model.model.model.layers.0.q_proj.lora_A.weight": (4, 8)}}, None),  # an adapter: not known
-])
+@pytest.mark.parametrize(
+    "saved, vocab",
+    [
+        ({"config.json": {"vocab_size": 32000}}, 32000),
+        ({"config.json": {"model_type": "gemma3", "text_config": {"vocab_size": 262208}}}, 262208),
+        ({"weights": {"model.embed_tokens.weight": (531, 8), "model.layers.0.mlp.up_proj.weight": (16, 8)}}, 531),
+        ({"weights": {"base_model.model.model.layers.0.q_proj.lora_A.weight": (4, 8)}}, None),  # an adapter: not known
+    ],
+)
 def test_the_vocabulary_size_comes_from_the_config_or_the_embedding_rows(tmp_path, saved, vocab):
     run = tmp_path / "run"
     history = [{"step": s, "loss": _loss(s), "learning_rate": 1e-5, "epoch": s / 60} for s in range(1, 11)]
@@ -224,10 +276,16 @@ def test_lfs_pointer_logs_are_named_once(tmp_path):
     """Event files a clone without git-lfs left as pointers, beside a readable trainer_state.json: the run is
     audited on the state, the pointers are said once (in the verdict's resolution notes), not skipped silently."""
     run = tmp_path / "run"
-    _write_state(run, _state([{"step": s, "loss": _loss(s), "learning_rate": 1e-5, "epoch": s / 60} for s in range(1, 31)],
-                             max_steps=30))
-    for name in ("runs/Jan28_15-12-11_gpu07/events.out.tfevents.1674944078.gpu07.12415.0",
-                 "runs/Jan28_23-42-14_gpu07/events.out.tfevents.1674974582.gpu07.94170.0"):
+    _write_state(
+        run,
+        _state(
+            [{"step": s, "loss": _loss(s), "learning_rate": 1e-5, "epoch": s / 60} for s in range(1, 31)], max_steps=30
+        ),
+    )
+    for name in (
+        "runs/Jan28_15-12-11_gpu07/events.out.tfevents.1674944078.gpu07.12415.0",
+        "runs/Jan28_23-42-14_gpu07/events.out.tfevents.1674974582.gpu07.94170.0",
+    ):
         (run / name).parent.mkdir(parents=True)
         (run / name).write_text(LFS_POINTER, encoding="utf-8")
     done = import_run(run)
@@ -251,13 +309,17 @@ def test_a_run_whose_logs_are_all_lfs_pointers_is_one_line_and_exit_2(tmp_path):
 # ---------------------------------------------------------------------------- degenerate logs
 
 
-@pytest.mark.parametrize("history", [
-    [{"step": 1, "loss": 2.0, "learning_rate": 1e-5}],                                             # one point
-    [{"step": s, "loss": 1.5, "learning_rate": 0.0, "grad_norm": 0.0} for s in range(1, 30)],       # constant, LR 0
-    [{"step": s, "loss": float("nan"), "grad_norm": float("nan")} for s in range(1, 30)],          # NaN throughout
-    [{"step": s, "loss": 0.0, "learning_rate": 1e-5, "grad_norm": float("inf")} for s in range(1, 30)],
-    [{"step": 10 * s, "loss": _loss(s), "lr": None, "epoch": None} for s in range(1, 30)],          # nulls
-], ids=["one-point", "constant", "nan", "zero-inf", "nulls"])
+@pytest.mark.parametrize(
+    "history",
+    [
+        [{"step": 1, "loss": 2.0, "learning_rate": 1e-5}],  # one point
+        [{"step": s, "loss": 1.5, "learning_rate": 0.0, "grad_norm": 0.0} for s in range(1, 30)],  # constant, LR 0
+        [{"step": s, "loss": float("nan"), "grad_norm": float("nan")} for s in range(1, 30)],  # NaN throughout
+        [{"step": s, "loss": 0.0, "learning_rate": 1e-5, "grad_norm": float("inf")} for s in range(1, 30)],
+        [{"step": 10 * s, "loss": _loss(s), "lr": None, "epoch": None} for s in range(1, 30)],  # nulls
+    ],
+    ids=["one-point", "constant", "nan", "zero-inf", "nulls"],
+)
 def test_degenerate_logs_are_imported_and_resolved_without_a_numpy_warning(tmp_path, history):
     run = tmp_path / "run"
     _write_state(run, _state(history, max_steps=30))
@@ -272,7 +334,9 @@ def test_degenerate_logs_are_imported_and_resolved_without_a_numpy_warning(tmp_p
 def test_a_prediction_log_is_said_to_be_no_training(tmp_path):
     """LLaMA-Factory's `do_predict`: its trainer_log.jsonl has progress lines only."""
     run = tmp_path / "run"
-    _write_log(run, [{k: v for k, v in _line(s, 0.0, s).items() if k not in ("loss", "lr", "epoch")} for s in range(5, 51, 5)])
+    _write_log(
+        run, [{k: v for k, v in _line(s, 0.0, s).items() if k not in ("loss", "lr", "epoch")} for s in range(5, 51, 5)]
+    )
     code, _, errors, _ = _audit(run, tmp_path / "out")
     assert code == 2 and len(errors.strip().splitlines()) == 1
     assert "10 progress line(s) without a loss or an eval number: a prediction or evaluation run" in errors, errors
@@ -288,15 +352,21 @@ def test_tensorboard_alone_gives_the_plan_and_the_vocabulary_from_its_texts(tmp_
     from transformers.integrations import TensorBoardCallback
 
     run = tmp_path / "run"
-    args = TrainingArguments(output_dir=str(run), report_to=["tensorboard"], use_cpu=True, num_train_epochs=4,
-                             logging_steps=5)
-    model = SimpleNamespace(config=LlamaConfig(vocab_size=531, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                               num_attention_heads=4))
+    args = TrainingArguments(
+        output_dir=str(run), report_to=["tensorboard"], use_cpu=True, num_train_epochs=4, logging_steps=5
+    )
+    model = SimpleNamespace(
+        config=LlamaConfig(
+            vocab_size=531, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
     callback, state = TensorBoardCallback(), TrainerState()
     callback.on_train_begin(args, state, TrainerControl(), model=model)
     for step in range(5, 101, 5):
         state.global_step = step
-        callback.on_log(args, state, TrainerControl(), logs={"loss": _loss(step), "learning_rate": 1e-4, "epoch": step / 50})
+        callback.on_log(
+            args, state, TrainerControl(), logs={"loss": _loss(step), "learning_rate": 1e-4, "epoch": step / 50}
+        )
     callback.on_train_end(args, state, TrainerControl())
     final = TensorBoardCallback()  # trainer.evaluate() after training, as a later writer
     final.on_train_begin(args, state, TrainerControl())

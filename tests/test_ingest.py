@@ -51,5 +51,9 @@ def test_a_database_ingested_by_an_older_sftaudit_gains_the_newer_fields(resumed
     ingest(run)
     con = connect(run, read_only=True)
     assert con.execute("SELECT count(*) FROM superseded_batches WHERE cache_built IS NOT NULL").fetchone()[0] == 0
-    assert "cache_built" in {c for (c,) in con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = 'superseded_batches'").fetchall()}
+    assert "cache_built" in {
+        c
+        for (c,) in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'superseded_batches'"
+        ).fetchall()
+    }

@@ -15,17 +15,24 @@ HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk")
 
 def loaded_after(script: str, watched=HEAVY) -> set[str]:
     """The top-level packages of `watched` that a fresh interpreter holds after running `script`."""
-    probe = (f"{script}\nimport sys, json\n"
-             f"print('LOADED', json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(watched)!r})))\n")
+    probe = (
+        f"{script}\nimport sys, json\n"
+        f"print('LOADED', json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(watched)!r})))\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     return set(json.loads(out.stdout.rsplit("LOADED", 1)[1]))
 
 
 def test_help_and_the_check_registry_import_no_scipy_or_plotly():
-    assert loaded_after("import contextlib, io\nfrom sftaudit.cli import main\n"
-                        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-                        "    main(['--help'])\n") == set()
+    assert (
+        loaded_after(
+            "import contextlib, io\nfrom sftaudit.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    main(['--help'])\n"
+        )
+        == set()
+    )
     # Every check module imported, as preflight and gate do to learn the codes: still none of them.
     assert loaded_after("from sftaudit.checks import registered_checks\nassert len(registered_checks()) > 20") == set()
 
@@ -34,9 +41,11 @@ def test_preflight_imports_no_scipy_or_plotly(tmp_path):
     build_tokenizer(tmp_path / "tokenizer")
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in load_dataset()[:8]), encoding="utf-8")
-    script = ("from sftaudit.cli import main\n"
-              f"assert main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tmp_path / 'tokenizer')!r}, "
-              f"'--out', {str(tmp_path / 'out')!r}, '--no-report', '--quiet']) == 0\n")
+    script = (
+        "from sftaudit.cli import main\n"
+        f"assert main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tmp_path / 'tokenizer')!r}, "
+        f"'--out', {str(tmp_path / 'out')!r}, '--no-report', '--quiet']) == 0\n"
+    )
     assert loaded_after(script) == set()
     # A bare tokenizer.json folder loads without AutoTokenizer, whose model configurations import torch.
     assert loaded_after(script, ("torch",)) == set()

@@ -29,7 +29,8 @@ def test_frames_match_the_verdict_and_the_tables(nan_run, tmp_path):
     finally:
         con.close()
     assert sorted(zip(findings["code"], findings["message"])) == sorted(
-        (f["code"], f["message"]) for f in verdict["findings"])
+        (f["code"], f["message"]) for f in verdict["findings"]
+    )
     assert run.batches.height and run.checkpoints.height
     worst = run.sql("SELECT tensor, max(norm) AS m FROM grad_norms WHERE isfinite(norm) GROUP BY tensor")
     assert worst.height == grads["tensor"].n_unique()
@@ -57,8 +58,10 @@ def test_opening_a_run_while_it_trains_sees_the_new_steps(clean_run, tmp_path):
 
 def test_importing_sftaudit_stays_light():
     """`import sftaudit` (what the shim does) imports no analyzer module, DuckDB or polars."""
-    code = ("import sys, sftaudit; heavy = [m for m in ('duckdb', 'polars', 'scipy', 'sftaudit.notebook') "
-            "if m in sys.modules]; print(json.dumps(heavy))")
+    code = (
+        "import sys, sftaudit; heavy = [m for m in ('duckdb', 'polars', 'scipy', 'sftaudit.notebook') "
+        "if m in sys.modules]; print(json.dumps(heavy))"
+    )
     done = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == []
 

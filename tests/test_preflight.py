@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-
-from sftaudit.cli import main
 from sftaudit.fixtures import CHAT_TEMPLATE_PATH, build_tokenizer, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
+
+from sftaudit.cli import main
 
 from .torchless import PRELUDE
 
@@ -28,8 +28,9 @@ def write_jsonl(path, rows):
 
 def run(tmp_path, data, tokenizer_dir, *extra):
     out = tmp_path / "out"
-    code = main(["preflight", "--data", str(data), "--tokenizer", str(tokenizer_dir), "--out", str(out),
-                 "--no-report", *extra])
+    code = main(
+        ["preflight", "--data", str(data), "--tokenizer", str(tokenizer_dir), "--out", str(out), "--no-report", *extra]
+    )
     verdict = json.loads((out / "verdict.json").read_text()) if (out / "verdict.json").exists() else None
     return code, verdict
 
@@ -55,13 +56,17 @@ def test_clean_dataset_passes_with_a_given_collator_and_as_a_datasets_folder(tmp
 
 
 def test_capitalised_fields_fail_naming_both_spellings_and_every_sample(tmp_path, tokenizer_dir):
-    rows = [{**r, "messages": [{k.capitalize(): v for k, v in m.items()} for m in r["messages"]]}
-            for r in load_dataset()[:ROWS]]
+    rows = [
+        {**r, "messages": [{k.capitalize(): v for k, v in m.items()} for m in r["messages"]]}
+        for r in load_dataset()[:ROWS]
+    ]
     code, verdict = run(tmp_path, write_jsonl(tmp_path / "caps.jsonl", rows), tokenizer_dir)
     assert code == 1
     fields = [f for f in failing(verdict, "LOOP-01") if "template_field" in f["evidence"]]
-    assert {(f["evidence"]["template_field"], tuple(f["evidence"]["spelled_as"])) for f in fields} == \
-        {("role", ("Role",)), ("content", ("Content",))}
+    assert {(f["evidence"]["template_field"], tuple(f["evidence"]["spelled_as"])) for f in fields} == {
+        ("role", ("Role",)),
+        ("content", ("Content",)),
+    }
     (render,) = [f for f in failing(verdict, "LOOP-01") if "error" in f["evidence"]]
     assert render["evidence"]["sample_ids"] == [r["id"] for r in rows]
     assert "role" in render["evidence"]["error"]
@@ -97,7 +102,8 @@ def test_off_by_one_collator_fails_on_every_sample(tmp_path, tokenizer_dir, monk
         "    labels, ids = batch['labels'], batch['input_ids']\n"
         "    starts = (labels[:, 1:] != -100) & (labels[:, :-1] == -100)\n"
         "    labels[:, :-1][starts] = ids[:, :-1][starts]\n"
-        "    return batch\n")
+        "    return batch\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
     code, verdict = run(tmp_path, data, tokenizer_dir, "--collator", "my_collator:early")
@@ -119,8 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tokenizer_dir, capsys):
 def test_preflight_runs_without_torch_and_shows_progress(tmp_path, tokenizer_dir):
     data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
     script = (
-        PRELUDE +
-        "import sftaudit.dataset as d; d.PROGRESS_FROM = 1\n"
+        PRELUDE + "import sftaudit.dataset as d; d.PROGRESS_FROM = 1\n"
         "from sftaudit.cli import main\n"
         f"sys.exit(main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tokenizer_dir)!r}, "
         f"'--out', {str(tmp_path / 'out')!r}]))\n"
@@ -138,7 +143,8 @@ def test_full_sequence_loss_is_one_warn_unless_declared(tmp_path, tokenizer_dir,
         "    batch = collate(tokenizer, rows, **kw)\n"
         "    batch['labels'] = batch['input_ids'].clone()\n"
         "    batch['labels'][batch['attention_mask'] == 0] = -100\n"
-        "    return batch\n")
+        "    return batch\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
     code, verdict = run(tmp_path, data, tokenizer_dir, "--collator", "full_collator:everything")
@@ -146,6 +152,13 @@ def test_full_sequence_loss_is_one_warn_unless_declared(tmp_path, tokenizer_dir,
     assert code == 0 and warn["severity"] == "warn" and warn["evidence"]["kind"] == "full_sequence_loss"
     assert 'expect = "all_tokens"' in warn["message"] and "assistant_only_loss" in warn["message"]
     (tmp_path / "checks.toml").write_text('[checks."LOOP-04"]\nexpect = "all_tokens"\n')
-    code, verdict = run(tmp_path, data, tokenizer_dir, "--collator", "full_collator:everything",
-                        "--config", str(tmp_path / "checks.toml"))
+    code, verdict = run(
+        tmp_path,
+        data,
+        tokenizer_dir,
+        "--collator",
+        "full_collator:everything",
+        "--config",
+        str(tmp_path / "checks.toml"),
+    )
     assert code == 0 and failing(verdict, "LOOP-04") == []

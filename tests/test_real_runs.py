@@ -16,17 +16,19 @@ import pytest
 
 from sftaudit.cli import main
 
-REAL_RUNS = Path(os.environ.get("SFTAUDIT_REAL_RUNS") or Path(__file__).resolve().parents[1] / ".." / "shared" / "realruns")
+REAL_RUNS = Path(
+    os.environ.get("SFTAUDIT_REAL_RUNS") or Path(__file__).resolve().parents[1] / ".." / "shared" / "realruns"
+)
 pytestmark = pytest.mark.slow  # every real run audited
 
 SHAPES = [
-    "lf-two-writers",           # a LLaMA-Factory log two processes wrote at once, then a resume
+    "lf-two-writers",  # a LLaMA-Factory log two processes wrote at once, then a resume
     # TensorBoard event files that are Git LFS pointers, last-checkpoint/
     "whisper-ja-lfs-tb",
-    "star-multihead-stopped",   # a custom Trainer logging `lr` and train/* keys, stopped at 40,000 of 252,780
-    "gpt2-ja-tb-only",          # TensorBoard event files alone, a final evaluation in a file of its own
+    "star-multihead-stopped",  # a custom Trainer logging `lr` and train/* keys, stopped at 40,000 of 252,780
+    "gpt2-ja-tb-only",  # TensorBoard event files alone, a final evaluation in a file of its own
     "tiny-gpt2-as-checkpoint",  # a bare checkpoint folder with weights and optimizer state
-    "empty-log-history",        # a trainer_state.json with nothing logged
+    "empty-log-history",  # a trainer_state.json with nothing logged
 ]
 
 
@@ -40,8 +42,11 @@ def test_a_real_run_is_audited_without_a_crash_or_a_warning(name, tmp_path):
     for p in [run, *run.rglob("*")]:
         p.chmod(p.stat().st_mode | 0o200)
     printed, errors = io.StringIO(), io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed), \
-            contextlib.redirect_stderr(errors):
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(errors),
+    ):
         warnings.simplefilter("always")
         code = main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"])
     assert code in (0, 1, 2)

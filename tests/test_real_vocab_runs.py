@@ -36,10 +36,19 @@ def tiny_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -56,14 +65,22 @@ def train_plain(run_dir, tokenizer):
 
     model = tiny_model(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    recorder = Recorder(run_dir, model, tokenizer, dataset=ROWS, optimizer=optimizer,
-                        config={"lr": 1e-3, "batch_size": BATCH, "max_steps": STEPS}, **QUIET)
+    recorder = Recorder(
+        run_dir,
+        model,
+        tokenizer,
+        dataset=ROWS,
+        optimizer=optimizer,
+        config={"lr": 1e-3, "batch_size": BATCH, "max_steps": STEPS},
+        **QUIET,
+    )
     try:
         for step in range(1, STEPS + 1):
-            batch = collate(tokenizer, ROWS[(step - 1) * BATCH:step * BATCH])
+            batch = collate(tokenizer, ROWS[(step - 1) * BATCH : step * BATCH])
             recorder.on_batch(step, batch)
-            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"]).loss
+            loss = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+            ).loss
             loss.backward()
             recorder.on_backward(step, loss)
             optimizer.step()
@@ -79,12 +96,27 @@ def train_hf(run_dir, tokenizer, trl: bool):
 
     from sftaudit.hf import SFTAuditCallback
 
-    common = dict(output_dir=str(run_dir), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-3,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                  remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
-    options = dict(model=tiny_model(tokenizer), train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer,
-                   data_collator=lambda rows: collate(tokenizer, rows),
-                   callbacks=[SFTAuditCallback(run_dir, dataset=ROWS, **QUIET)])
+    common = dict(
+        output_dir=str(run_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    options = dict(
+        model=tiny_model(tokenizer),
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        data_collator=lambda rows: collate(tokenizer, rows),
+        callbacks=[SFTAuditCallback(run_dir, dataset=ROWS, **QUIET)],
+    )
     if trl:
         from trl import SFTConfig, SFTTrainer
 
@@ -93,11 +125,14 @@ def train_hf(run_dir, tokenizer, trl: bool):
         Trainer(args=TrainingArguments(**common), **options).train()
 
 
-@pytest.mark.parametrize("loop,family,name", [
-    ("plain", "llama3", "meta-llama-Llama-3.1-8B-Instruct"),
-    ("trainer", "qwen2", "Qwen-Qwen2.5-7B-Instruct"),
-    ("trl", "llama3", "meta-llama-Llama-3.1-8B-Instruct"),
-])
+@pytest.mark.parametrize(
+    "loop,family,name",
+    [
+        ("plain", "llama3", "meta-llama-Llama-3.1-8B-Instruct"),
+        ("trainer", "qwen2", "Qwen-Qwen2.5-7B-Instruct"),
+        ("trl", "llama3", "meta-llama-Llama-3.1-8B-Instruct"),
+    ],
+)
 def test_clean_recorded_run_on_a_released_tokenizer_has_no_data_finding(tmp_path, loop, family, name):
     tokenizer = released(family, name)
     if tokenizer.pad_token is None:  # Llama 3.1 ships none; its reserved pad token is the usual choice
@@ -108,7 +143,10 @@ def test_clean_recorded_run_on_a_released_tokenizer_has_no_data_finding(tmp_path
     else:
         train_hf(run_dir, tokenizer, trl=loop == "trl")
     verdict = audit(run_dir)
-    data = [(f["code"], f["severity"], f["message"]) for f in verdict["findings"]
-            if f["code"] in ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04") and f["severity"] != "info"]
+    data = [
+        (f["code"], f["severity"], f["message"])
+        for f in verdict["findings"]
+        if f["code"] in ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04") and f["severity"] != "info"
+    ]
     assert data == [] and not [e for e in verdict["check_errors"] if e["code"] <= "LOOP-04"], data
     assert [f for f in verdict["findings"] if f["severity"] == "fail"] == [], verdict["findings"]

@@ -15,10 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from sftaudit.artifacts import artifact_root
 from sftaudit.fixtures import load_dataset
 from sftaudit.fixtures.train import build_tokenizer, train_hf
+
+from sftaudit.artifacts import artifact_root
 from sftaudit.imports import import_run
 from sftaudit.ingest import _PARAM_FIELDS, _PARAM_OPTIONAL, _manifest_problem, connect
 from sftaudit.preflight import preflight
@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASET_EVENTS = ("render_failed", "content_dropped")  # the events the dataset path writes in an imported run
 # Declared fields the runs below never write, each on a path a clean run does not take.
 RARE = {
-    ("steps", "grad_norm_source", SHIM),   # a Trainer step whose norms could only be read after the clip
+    ("steps", "grad_norm_source", SHIM),  # a Trainer step whose norms could only be read after the clip
     ("batches", "position_resets", SHIM),  # batches that give position_ids (TRL packing)
-    ("events", "probe", SHIM),             # shim_error / probe_disabled
-    ("events", "error", SHIM),             # shim_error, a close by an exception, grad_hists_not_recorded
-    ("events", "traceback", SHIM),         # shim_error
+    ("events", "probe", SHIM),  # shim_error / probe_disabled
+    ("events", "error", SHIM),  # shim_error, a close by an exception, grad_hists_not_recorded
+    ("events", "traceback", SHIM),  # shim_error
 }
 
 
@@ -64,10 +64,29 @@ def _tables(out: Path) -> dict[str, list[dict]]:
 def recorded(runs, tmp_path_factory, tokenizer_cache) -> tuple[Path, Path]:
     """A plain-loop run with every kind on (probes, generations, evals, histograms, checkpoints, metrics)
     and a Trainer run, both through the shim."""
-    plain = runs("record-schema", steps=4, checkpoint_every=2, eval_loss_every=2, probe_every=2, generate_every=2,
-                 eval_every=2, grad_hist_every=2, generations_per_prompt=1, max_new_tokens=4)
-    trainer = train_hf(tmp_path_factory.mktemp("record-schema") / "trainer", steps=3, save_steps=2, batch_size=4,
-                       max_length=64, probe_every=0, generate_every=0, eval_every=0, tokenizer_cache=tokenizer_cache)
+    plain = runs(
+        "record-schema",
+        steps=4,
+        checkpoint_every=2,
+        eval_loss_every=2,
+        probe_every=2,
+        generate_every=2,
+        eval_every=2,
+        grad_hist_every=2,
+        generations_per_prompt=1,
+        max_new_tokens=4,
+    )
+    trainer = train_hf(
+        tmp_path_factory.mktemp("record-schema") / "trainer",
+        steps=3,
+        save_steps=2,
+        batch_size=4,
+        max_length=64,
+        probe_every=0,
+        generate_every=0,
+        eval_every=0,
+        tokenizer_cache=tokenizer_cache,
+    )
     return plain, trainer
 
 
@@ -175,16 +194,21 @@ def test_manifest_validator_agrees_with_the_declaration():
     value of the declared type passes."""
     fields = {f.name: f for f in RECORDS["manifest"].fields}
     named = set(re.findall(r'"(\w+)"', inspect.getsource(_manifest_problem)))
-    checked = {name for name in named | set(fields)
-               if any(_manifest_problem({name: v}) is not None for v in VALUES.values())}
+    checked = {
+        name for name in named | set(fields) if any(_manifest_problem({name: v}) is not None for v in VALUES.values())
+    }
     assert checked and checked <= set(fields), f"validated but not declared: {sorted(checked - set(fields))}"
     for name in checked:
         assert _manifest_problem({name: _sample(fields[name].type)}) is None, (name, fields[name].type)
 
 
 def test_artifacts_page_is_generated_from_the_declaration():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_artifact_docs.py"), "--check"],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_artifact_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     page = (ROOT / "docs" / "artifacts.md").read_text(encoding="utf-8")
     assert "`tokenizer_length`" in page and "`template_fingerprint`" in page

@@ -45,19 +45,22 @@ def test_batches_samples_probes_evals_and_checkpoints(clean_run):
     ingest(clean_run)
     con = connect(clean_run, read_only=True)
     ids, lengths, labels = con.execute(
-        "SELECT sample_ids, lengths, label_tokens FROM batches WHERE step = 1").fetchall()[0]
+        "SELECT sample_ids, lengths, label_tokens FROM batches WHERE step = 1"
+    ).fetchall()[0]
     assert len(ids) == 8 and all(i.startswith("s") for i in ids)
     assert all(0 < lab < n for lab, n in zip(labels, lengths))
     # Evidence rows: labels are -100 exactly where the collator masked them.
     row = con.execute("SELECT input_ids, labels, attention_mask FROM samples WHERE step = 3 AND row = 0").fetchall()[0]
     assert len(row[0]) == len(row[1]) == len(row[2])
-    assert all(l == -100 or l == i for i, l in zip(row[0], row[1]))
+    assert all(label == -100 or label == i for i, label in zip(row[0], row[1]))
     probes = con.execute("SELECT step, prompt, entropy, len(top_probs) FROM probes ORDER BY step, prompt").fetchall()
     assert [p[0] for p in probes] == [10] * 3 + [20] * 3 + [30] * 3
     assert all(p[2] > 0 and p[3] == 32 for p in probes)
     hists = con.execute("SELECT DISTINCT step, reason FROM grad_hists").fetchall()
     assert hists == [] or all(r == "scheduled" for _, r in hists)
-    ckpts = con.execute("SELECT step, path, training_state FROM checkpoints WHERE event='saved' ORDER BY step").fetchall()
+    ckpts = con.execute(
+        "SELECT step, path, training_state FROM checkpoints WHERE event='saved' ORDER BY step"
+    ).fetchall()
     assert [(c[0], c[1]) for c in ckpts] == [(10, "checkpoint-10"), (20, "checkpoint-20"), (30, "checkpoint-30")]
     state = json.loads(ckpts[0][2])
     assert state["step"] == 10 and set(state) >= {"optimizer", "scheduler", "rng_states", "data_position", "collator"}

@@ -25,9 +25,14 @@ from .conftest import NAN_STEP
 def batch_ids(run, first, last):
     con = connect(run, read_only=True)
     try:
-        return [(s, ids) for s, ids in con.execute(
-            "SELECT step, flatten(list(sample_ids ORDER BY micro)) FROM batches WHERE step BETWEEN ? AND ? "
-            "GROUP BY step ORDER BY step", [first, last]).fetchall()]
+        return [
+            (s, ids)
+            for s, ids in con.execute(
+                "SELECT step, flatten(list(sample_ids ORDER BY micro)) FROM batches WHERE step BETWEEN ? AND ? "
+                "GROUP BY step ORDER BY step",
+                [first, last],
+            ).fetchall()
+        ]
     finally:
         con.close()
 
@@ -46,8 +51,10 @@ def test_replay_of_a_diverged_run(nan_run, capsys):
     # The plain loop's own resume template (recorder config), filled in.
     python, flag, code = shlex.split(resume["command"])
     assert (python, flag) == ("python", "-c")
-    assert code.startswith(f'from sftaudit.fixtures.train import train_plain; train_plain("{nan_run}", steps=20, '
-                           f'resume_from="{nan_run}/checkpoint-10", skip_steps=[11, 12, 13], ')
+    assert code.startswith(
+        f'from sftaudit.fixtures.train import train_plain; train_plain("{nan_run}", steps=20, '
+        f'resume_from="{nan_run}/checkpoint-10", skip_steps=[11, 12, 13], '
+    )
     assert resume["trainer"] is None
 
 
@@ -92,8 +99,10 @@ def test_a_trainer_run_resumes_through_resume_from_checkpoint(hf_checkpoint_faul
 
 def test_rollback_skips_a_checkpoint_that_fails_integrity():
     checkpoints = [{"name": f"checkpoint-{s}", "step": s, "path": f"checkpoint-{s}"} for s in (5, 10, 15)]
-    findings = [Finding("LOOP-05", "fail", "nan", step=13),
-                Finding("LOOP-09", "fail", "nan weights", step=10, checkpoint="checkpoint-10")]
+    findings = [
+        Finding("LOOP-05", "fail", "nan", step=13),
+        Finding("LOOP-09", "fail", "nan weights", step=10, checkpoint="checkpoint-10"),
+    ]
     verdict = build_verdict("r", findings, checkpoints)
     assert verdict["first_anomalous_step"] == 13  # a checkpoint finding is not a training anomaly
     assert verdict["rollback_checkpoint"] == "checkpoint-5"
@@ -122,8 +131,15 @@ def timeline(run):
 def test_a_plain_run_resumed_with_the_printed_command_audits_pass(tmp_path, tokenizer_cache):
     from sftaudit.fixtures.train import train_plain
 
-    run = train_plain(tmp_path / "plain", steps=8, checkpoint_every=3, order="sampler", faults={"nan_at": 7},
-                      tokenizer_cache=tokenizer_cache, **SMALL)
+    run = train_plain(
+        tmp_path / "plain",
+        steps=8,
+        checkpoint_every=3,
+        order="sampler",
+        faults={"nan_at": 7},
+        tokenizer_cache=tokenizer_cache,
+        **SMALL,
+    )
     doc = replay(run)
     assert doc["first_anomalous_step"] == 7 and doc["rollback_checkpoint"]["name"] == "checkpoint-6"
     assert doc["resume"]["skip_steps"] == [7]
@@ -170,8 +186,9 @@ def test_configuration_findings_are_changes_not_batches_to_skip():
     verdict = build_verdict("r", findings, checkpoints)
     assert verdict["first_anomalous_step"] == 13 and verdict["rollback_checkpoint"] == "checkpoint-10"
     assert [f["code"] for f in chain(verdict, 0, 23)] == ["LOOP-05"]
-    assert configuration(verdict) == [{"code": "LOOP-04", "severity": "warn", "step": 1,
-                                       "message": "only the last turn is trained"}]
+    assert configuration(verdict) == [
+        {"code": "LOOP-04", "severity": "warn", "step": 1, "message": "only the last turn is trained"}
+    ]
     # Without the anomaly nothing is rolled back or skipped; the change is still named.
     alone = build_verdict("r", [setup], checkpoints)
     assert alone["first_anomalous_step"] is None and alone["rollback_checkpoint"] is None
@@ -179,7 +196,8 @@ def test_configuration_findings_are_changes_not_batches_to_skip():
     assert to_text(doc).splitlines() == [
         "r: WARN; no anomalous step, nothing to replay",
         "configuration to change (no bad step: rolling back or skipping batches does not fix it):",
-        "  LOOP-04 warn: only the last turn is trained"]
+        "  LOOP-04 warn: only the last turn is trained",
+    ]
 
 
 @pytest.mark.slow
@@ -187,8 +205,15 @@ def test_replay_of_a_run_saving_weights_only(tmp_path, tokenizer_cache):
     from sftaudit.fixtures import layouts
     from sftaudit.fixtures.train import train_plain
 
-    run = train_plain(tmp_path / "weights-only", steps=8, checkpoint_every=4, profile="prod", faults={"nan_at": 6},
-                      saver=layouts.step_folder_weights(), tokenizer_cache=tokenizer_cache)
+    run = train_plain(
+        tmp_path / "weights-only",
+        steps=8,
+        checkpoint_every=4,
+        profile="prod",
+        faults={"nan_at": 6},
+        saver=layouts.step_folder_weights(),
+        tokenizer_cache=tokenizer_cache,
+    )
     doc = replay(run)
     assert doc["first_anomalous_step"] == 6 and doc["rollback_checkpoint"]["name"] == "step-4"
     assert doc["chain"] and all(f["category"] == "anomaly" for f in doc["chain"])

@@ -18,50 +18,98 @@ import pytest
 from markupsafe import escape
 
 from sftaudit.audit import audit
+from sftaudit.checks import registered_checks
+from sftaudit.checks.base import EVIDENCE
 from sftaudit.cli import main
 from sftaudit.ingest import database_path
 from sftaudit.report import plotly_js, write_report
 from sftaudit.report.evidence import DOCS_URL, blocks, check_doc, check_page
-from sftaudit.checks import registered_checks
-from sftaudit.checks.base import EVIDENCE
 from sftaudit.report.tables import envelope
 from tests.conftest import NAN_STEP
 
 XSS_SCRIPT = "<script>window.__xss = 1</script>"
 XSS_IMG = '"><img src=x onerror="window.__xss = 2">'
-XSS_FILE = f'model{XSS_IMG}.safetensors'
+XSS_FILE = f"model{XSS_IMG}.safetensors"
 
 PLANTED = [
-    {"code": "LOOP-04", "severity": "fail", "step": NAN_STEP - 2, "checkpoint": None,
-     "message": f"sample {XSS_SCRIPT} trains its prompt tokens: mask the prompt before the assistant turn",
-     "evidence": {
-         "sample_ids": ["row-7", XSS_IMG],
-         "text": f"user: hi {XSS_SCRIPT} {XSS_IMG}",
-         "tokens": [
-             {"pos": 0, "token": "<|user|>", "input_id": 1, "label": -100, "actual": "masked", "expected": "masked"},
-             {"pos": 1, "token": XSS_SCRIPT, "input_id": 9, "label": 9, "actual": "trained", "expected": "masked"},
-             {"pos": 2, "token": XSS_IMG, "input_id": 10, "label": 10, "actual": "trained", "expected": "masked"},
-             {"pos": 3, "token": "<|assistant|>", "input_id": 2, "label": -100, "actual": "masked", "expected": "masked"},
-             {"pos": 4, "token": " Paris\n", "input_id": 11, "label": 11, "actual": "trained", "expected": "trained"},
-             {"pos": 5, "token": "<pad>", "input_id": 0, "label": -100, "actual": "padding", "expected": "padding"},
-         ],
-         "value": 0.4, "threshold": 0.001,
-     }},
-    {"code": "LOOP-07", "severity": "warn", "step": NAN_STEP + 2, "checkpoint": None,
-     "message": "distinct-1 stayed below 0.35 for 3 evals in a row: decay the learning rate",
-     "evidence": {"ngrams": [{"ngram": "the the the", "count": 41}, {"ngram": XSS_SCRIPT, "count": 7}],
-                  "value": 0.21, "threshold": 0.35}},
-    {"code": "LOOP-09", "severity": "fail", "step": None, "checkpoint": "checkpoint-20",
-     "message": f"checkpoint-20 is missing 1 tensor in {XSS_FILE}: do not resume from it",
-     "evidence": {"keys": {"missing": ["lm_head.weight"], "unexpected": [XSS_IMG]},
-                  "dtypes": [{"tensor": "model.norm.weight", "dtype": "float32", "expected": "bfloat16"}],
-                  "file": XSS_FILE}},
-    {"code": "LOOP-05", "severity": "warn", "step": NAN_STEP - 1, "checkpoint": None,
-     "message": "model.embed_tokens.weight gradient norm is 12x the mean across tensors",
-     "evidence": {"tensors": [{"tensor": "model.embed_tokens.weight", "norm": 5.1, "ratio": 12.0}],
-                  "histogram": {"tensor": "model.embed_tokens.weight", "step": NAN_STEP - 1, "edges": [-3, -2, -1, 0],
-                                "counts": [5, 40, 3]},
-                  "p_value": 1e-6, "effect_size": 3.2, "windows": [[1, 5], [6, 10]]}},
+    {
+        "code": "LOOP-04",
+        "severity": "fail",
+        "step": NAN_STEP - 2,
+        "checkpoint": None,
+        "message": f"sample {XSS_SCRIPT} trains its prompt tokens: mask the prompt before the assistant turn",
+        "evidence": {
+            "sample_ids": ["row-7", XSS_IMG],
+            "text": f"user: hi {XSS_SCRIPT} {XSS_IMG}",
+            "tokens": [
+                {"pos": 0, "token": "<|user|>", "input_id": 1, "label": -100, "actual": "masked", "expected": "masked"},
+                {"pos": 1, "token": XSS_SCRIPT, "input_id": 9, "label": 9, "actual": "trained", "expected": "masked"},
+                {"pos": 2, "token": XSS_IMG, "input_id": 10, "label": 10, "actual": "trained", "expected": "masked"},
+                {
+                    "pos": 3,
+                    "token": "<|assistant|>",
+                    "input_id": 2,
+                    "label": -100,
+                    "actual": "masked",
+                    "expected": "masked",
+                },
+                {
+                    "pos": 4,
+                    "token": " Paris\n",
+                    "input_id": 11,
+                    "label": 11,
+                    "actual": "trained",
+                    "expected": "trained",
+                },
+                {"pos": 5, "token": "<pad>", "input_id": 0, "label": -100, "actual": "padding", "expected": "padding"},
+            ],
+            "value": 0.4,
+            "threshold": 0.001,
+        },
+    },
+    {
+        "code": "LOOP-07",
+        "severity": "warn",
+        "step": NAN_STEP + 2,
+        "checkpoint": None,
+        "message": "distinct-1 stayed below 0.35 for 3 evals in a row: decay the learning rate",
+        "evidence": {
+            "ngrams": [{"ngram": "the the the", "count": 41}, {"ngram": XSS_SCRIPT, "count": 7}],
+            "value": 0.21,
+            "threshold": 0.35,
+        },
+    },
+    {
+        "code": "LOOP-09",
+        "severity": "fail",
+        "step": None,
+        "checkpoint": "checkpoint-20",
+        "message": f"checkpoint-20 is missing 1 tensor in {XSS_FILE}: do not resume from it",
+        "evidence": {
+            "keys": {"missing": ["lm_head.weight"], "unexpected": [XSS_IMG]},
+            "dtypes": [{"tensor": "model.norm.weight", "dtype": "float32", "expected": "bfloat16"}],
+            "file": XSS_FILE,
+        },
+    },
+    {
+        "code": "LOOP-05",
+        "severity": "warn",
+        "step": NAN_STEP - 1,
+        "checkpoint": None,
+        "message": "model.embed_tokens.weight gradient norm is 12x the mean across tensors",
+        "evidence": {
+            "tensors": [{"tensor": "model.embed_tokens.weight", "norm": 5.1, "ratio": 12.0}],
+            "histogram": {
+                "tensor": "model.embed_tokens.weight",
+                "step": NAN_STEP - 1,
+                "edges": [-3, -2, -1, 0],
+                "counts": [5, 40, 3],
+            },
+            "p_value": 1e-6,
+            "effect_size": 3.2,
+            "windows": [[1, 5], [6, 10]],
+        },
+    },
 ]
 PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08, False) for step in (10, 20)]
 PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {XSS_SCRIPT}"}
@@ -69,8 +117,9 @@ PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {
 
 def plant(audited_run: Path, dest: Path) -> Path:
     """A copy of an audited run's DuckDB file with the PLANTED findings added to its stored verdict."""
-    shutil.copytree(database_path(audited_run).parent, dest / "sftaudit",
-                    ignore=shutil.ignore_patterns("*.jsonl", "tokenizer"))
+    shutil.copytree(
+        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
+    )
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -83,14 +132,18 @@ def plant(audited_run: Path, dest: Path) -> Path:
             for c in verdict["checkpoints"]:
                 if c["name"] == f["checkpoint"]:
                     c["findings"].append(f)
-            con.execute("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)",
-                        [f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"])])
+            con.execute(
+                "INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)",
+                [f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"])],
+            )
         verdict["findings"].sort(key=lambda f: (f["step"] is None, f["step"] or 0, f["code"]))
         verdict["verdict"] = "fail"
         verdict["first_anomalous_step"] = min(f["step"] for f in verdict["findings"] if f["step"] is not None)
         verdict["check_errors"].append(PLANTED_CHECK_ERROR)
-        verdict["first_anomaly_chain"] = [{"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
-                                          {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT}]
+        verdict["first_anomaly_chain"] = [
+            {"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
+            {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT},
+        ]
         con.execute("DELETE FROM audit_verdict")
         con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
         con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?, ?)", PLANTED_SERIES)
@@ -135,7 +188,7 @@ def test_checks_without_data_degrade_to_a_note(clean_report):
 
 def test_nan_report_names_first_step_cause_and_rollback(planted_report):
     html = planted_report.read_text(encoding="utf-8")
-    top = html[html.index('id="summary"'):html.index('id="findings"')]
+    top = html[html.index('id="summary"') : html.index('id="findings"')]
     assert f"First anomalous step <b>{NAN_STEP - 2}</b>" in top  # the planted LOOP-04 finding comes first
     assert "sample &lt;script&gt;window.__xss" in top  # its message is the one-sentence cause
     assert "Roll back to <b>checkpoint-10</b>" in top
@@ -193,11 +246,18 @@ def test_envelope_keeps_every_spike_and_flagged_step():
 
 
 def test_unknown_evidence_shapes_become_tables():
-    kinds = {b.get("label"): b["kind"] for b in blocks({
-        "batches": [{"step": 1, "cv": 0.2}], "lengths": [1, 2, 3], "config": {"a": 1},
-        "deep": {"a": {"b": [1]}},
-        "samples": [{"sample_id": "s1", "tokens": PLANTED[0]["evidence"]["tokens"]}],
-    })}
+    kinds = {
+        b.get("label"): b["kind"]
+        for b in blocks(
+            {
+                "batches": [{"step": 1, "cv": 0.2}],
+                "lengths": [1, 2, 3],
+                "config": {"a": 1},
+                "deep": {"a": {"b": [1]}},
+                "samples": [{"sample_id": "s1", "tokens": PLANTED[0]["evidence"]["tokens"]}],
+            }
+        )
+    }
     assert kinds == {"batches": "table", "lengths": "list", "config": "scalars", "deep": "json", "samples": "group"}
 
 
@@ -206,17 +266,40 @@ def preflight_report(tokenizer_cache: Path, folder: Path) -> Path:
     on the fixture tokenizer (Llama 3's markers on a small vocabulary: the real one takes seconds to
     load), one sample carrying the XSS strings; returns its report."""
     from sftaudit.fixtures import build_tokenizer
+
     from tests.corpus import CLEAN_CHATS, template
 
     build_tokenizer(tokenizer_cache)
-    chats = [[{"role": "user", "content": f"Is {XSS_SCRIPT} safe?"}, {"role": "assistant", "content": "No."}],
-             *CLEAN_CHATS]
+    chats = [
+        [{"role": "user", "content": f"Is {XSS_SCRIPT} safe?"}, {"role": "assistant", "content": "No."}],
+        *CLEAN_CHATS,
+    ]
     data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": XSS_IMG if i == 1 else f"chat-{i}", "messages": c}, ensure_ascii=False)
-                            + "\n" for i, c in enumerate(chats)), encoding="utf-8")
+    data.write_text(
+        "".join(
+            json.dumps({"id": XSS_IMG if i == 1 else f"chat-{i}", "messages": c}, ensure_ascii=False) + "\n"
+            for i, c in enumerate(chats)
+        ),
+        encoding="utf-8",
+    )
     (folder / "llama31.jinja").write_text(template("meta-llama-Llama-3.1-8B-Instruct"), encoding="utf-8")
-    assert main(["preflight", "--data", str(data), "--tokenizer", str(tokenizer_cache), "--out", str(folder / "out"),
-                 "--template", str(folder / "llama31.jinja"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "preflight",
+                "--data",
+                str(data),
+                "--tokenizer",
+                str(tokenizer_cache),
+                "--out",
+                str(folder / "out"),
+                "--template",
+                str(folder / "llama31.jinja"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return folder / "out" / "report.html"
 
 
@@ -226,7 +309,7 @@ def dataset_report(tokenizer_cache, tmp_path_factory) -> Path:
 
 
 def visible_text(html: str) -> str:
-    body = html[html.index("<main>"):html.index("</main>")]
+    body = html[html.index("<main>") : html.index("</main>")]
     return re.sub(r"<[^>]+>", " ", re.sub(r'title="[^"]*"', "", body))
 
 
@@ -234,8 +317,12 @@ def test_dataset_report_speaks_of_samples_not_steps(dataset_report):
     html = dataset_report.read_text(encoding="utf-8")
     text = visible_text(html)
     assert "Dataset preflight" in text and "Training audit" not in text
-    assert not re.search(r"\b(steps?|checkpoints?)\b", text, re.I), re.findall(r".{40}\b(?:steps?|checkpoints?)\b.{40}", text, re.I)
-    assert 'id="marker-table"' in html and "<mark>&lt;|begin_of_text|&gt;</mark>" in html  # markers highlighted in the render
+    assert not re.search(r"\b(steps?|checkpoints?)\b", text, re.I), re.findall(
+        r".{40}\b(?:steps?|checkpoints?)\b.{40}", text, re.I
+    )
+    assert (
+        'id="marker-table"' in html and "<mark>&lt;|begin_of_text|&gt;</mark>" in html
+    )  # markers highlighted in the render
     assert html.count('class="tok ') > 50  # the label view of the previewed samples
     assert 'id="hist-lengths"' in html and 'id="hist-trained"' in html and 'id="padding"' in html
     assert "<script>window.__xss" not in html and "<img src=x" not in html
@@ -252,15 +339,17 @@ def test_each_check_shows_its_purpose_and_links_its_page_with_the_description_co
     html = clean_report.read_text(encoding="utf-8")
     root = Path(__file__).resolve().parents[1]
     for check in registered_checks():
-        section = html[html.index(f'<section class="check" id="check-{check.code}">'):]
-        section = section[:section.index("</section>")]
+        section = html[html.index(f'<section class="check" id="check-{check.code}">') :]
+        section = section[: section.index("</section>")]
         doc = check_doc(check)
         purpose = re.search(r'<p class="purpose">(.*?) <a class="page" href="([^"]+)">', section)
         assert purpose and purpose.group(1) == escape(doc["summary"]), check.code
         assert purpose.group(2) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
         assert (root / "docs" / "checks" / f"{check.code}.md").is_file()  # the page the link names
         # The full description stays in the file for offline readers, closed until asked for.
-        details = re.search(r"<details class=\"check-doc\"( open)?><summary>.*?</summary>(.*?)</details>", section, re.S)
+        details = re.search(
+            r"<details class=\"check-doc\"( open)?><summary>.*?</summary>(.*?)</details>", section, re.S
+        )
         assert details and details.group(1) is None, check.code
         for name, text in doc["sections"]:
             assert f'<div class="sec">{name}</div><div>{escape(text)}</div>' in details.group(2), (check.code, name)
@@ -287,17 +376,19 @@ def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
     con = duckdb.connect()
     con.execute("CREATE TABLE steps AS SELECT 0 AS rank, range AS step FROM range(1, 20001)")
     failing = {700, 15300}
-    checkpoints = [{"name": f"checkpoint-{s}", "step": s, "verdict": "fail" if s in failing else "pass",
-                    "findings": []} for s in range(100, 20001, 100)]
+    checkpoints = [
+        {"name": f"checkpoint-{s}", "step": s, "verdict": "fail" if s in failing else "pass", "findings": []}
+        for s in range(100, 20001, 100)
+    ]
     db = connect(run, read_only=True)
     try:
         context = {**_context(db, stored_verdict(run)), **strip_context({"checkpoints": checkpoints}, [], con)}
     finally:
         db.close()
     html = _ENV.get_template("report.html.j2").render(plotly_js=plotly_js(), **context)
-    strip = html[html.index('id="checkpoint-strip"') - 40:html.index('id="failing-checkpoints"')]
+    strip = html[html.index('id="checkpoint-strip"') - 40 : html.index('id="failing-checkpoints"')]
     assert 'class="strip dense"' in strip and strip.count('class="win ') == 200  # narrow windows that scroll
-    listed = html[html.index('id="failing-checkpoints"'):].split("</div>")[0]
+    listed = html[html.index('id="failing-checkpoints"') :].split("</div>")[0]
     assert "Failing checkpoints (2)" in listed
     assert all(f'href="#ckpt-checkpoint-{s}-{s}">checkpoint-{s} (step {s})' in listed for s in failing)
 
@@ -307,7 +398,9 @@ def test_every_lane_autoscales_to_its_own_values():
 
     from sftaudit.report.figures import _autoscale
 
-    frame = lambda values: pl.DataFrame({"seg": [0] * len(values), "step": list(range(len(values))), "value": values})
+    def frame(values):
+        return pl.DataFrame({"seg": [0] * len(values), "step": list(range(len(values))), "value": values})
+
     assert _autoscale(frame([3e-3] * 50)) == {"type": "linear", "range": pytest.approx([1.5e-3, 4.5e-3])}  # visible
     assert _autoscale(frame([1e-6, 1e-4, 3e-3])) == {"type": "log"}  # warmup from 1e-6 spans decades
     assert _autoscale(frame([2.0, 1.5, 0.9])) == {"type": "linear"}
@@ -315,7 +408,9 @@ def test_every_lane_autoscales_to_its_own_values():
 
 
 def figure_data(html: str) -> dict:
-    return json.loads(re.search(r'<script type="application/json" id="figure-data">(.*?)</script>', html, re.S).group(1))
+    return json.loads(
+        re.search(r'<script type="application/json" id="figure-data">(.*?)</script>', html, re.S).group(1)
+    )
 
 
 def ranks_report(distributed_runs: Path, folder: Path) -> Path:
@@ -367,7 +462,7 @@ def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory,
     out = tmp_path_factory.mktemp("imported-report")  # audited here: other tests re-import the shared run
     assert main(["audit", str(posthoc_run(tmp_path_factory, tokenizer_cache, "window")), "--out", str(out)]) == 1
     html = (out / "report.html").read_text(encoding="utf-8")
-    top = html[html.index('id="summary"'):html.index('id="findings"')]
+    top = html[html.index('id="summary"') : html.index('id="findings"')]
     assert 'First anomalous logging window <b id="first-window">steps 11-15</b>' in top
     assert "Roll back to <b>checkpoint-10</b>" in top
     assert "imported logs written every 5 steps: a finding at a logged step is known only to its logging window" in top
@@ -377,20 +472,33 @@ def test_imported_run_names_its_first_anomalous_logging_window(tmp_path_factory,
 
 # ---------------------------------------------------------------- nothing unsaved or unjudged is green
 
-WEIGHTS_ONLY = {"code": "LOOP-09", "severity": "info", "step": None, "checkpoint": None, "category": "configuration",
-                "message": "2 checkpoint(s) are weights-only saves (checkpoint-10, checkpoint-20): they lack optimizer",
-                "evidence": {"applies_to": ["checkpoint-10", "checkpoint-20"]}}
-NO_RNG = {"code": "LOOP-09", "severity": "info", "step": None, "checkpoint": None, "category": "risk",
-          "message": "1 checkpoint(s) cannot resume exactly, their training state lacks rng_states (checkpoint-10)",
-          "evidence": {"applies_to": ["checkpoint-10"]}}
+WEIGHTS_ONLY = {
+    "code": "LOOP-09",
+    "severity": "info",
+    "step": None,
+    "checkpoint": None,
+    "category": "configuration",
+    "message": "2 checkpoint(s) are weights-only saves (checkpoint-10, checkpoint-20): they lack optimizer",
+    "evidence": {"applies_to": ["checkpoint-10", "checkpoint-20"]},
+}
+NO_RNG = {
+    "code": "LOOP-09",
+    "severity": "info",
+    "step": None,
+    "checkpoint": None,
+    "category": "risk",
+    "message": "1 checkpoint(s) cannot resume exactly, their training state lacks rng_states (checkpoint-10)",
+    "evidence": {"applies_to": ["checkpoint-10"]},
+}
 
 
 def plant_unjudged(audited_run: Path, dest: Path) -> Path:
     """A copy of the clean run's audited file as a run that could not be judged would store it: a check
     raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
     happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
-    shutil.copytree(database_path(audited_run).parent, dest / "sftaudit",
-                    ignore=shutil.ignore_patterns("*.jsonl", "tokenizer"))
+    shutil.copytree(
+        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
+    )
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -400,8 +508,11 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
         verdict["verdict"], verdict["cannot_judge"] = "unjudged", "check LOOP-08 failed to run"
         for c in verdict["checks"]:
             if c["code"] in ("LOOP-07", "LOOP-08"):
-                c["status"], c["reason"] = ("partial", "generations stopped at step 20") if c["code"] == "LOOP-07" \
+                c["status"], c["reason"] = (
+                    ("partial", "generations stopped at step 20")
+                    if c["code"] == "LOOP-07"
                     else ("error", "ValueError: a planted failure")
+                )
         con.execute("DELETE FROM audit_verdict")
         con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
     finally:
@@ -418,7 +529,7 @@ def unjudged_report(clean_run, tmp_path_factory) -> Path:
 
 def test_nothing_unsaved_or_unjudged_is_green(unjudged_report):
     html = unjudged_report.read_text(encoding="utf-8")
-    strip = html[html.index('id="checkpoint-strip"'):html.index('class="strip-axis"')]
+    strip = html[html.index('id="checkpoint-strip"') : html.index('class="strip-axis"')]
     windows = re.findall(r'class="win (\w+(?: \w+)?)"', strip)
     # The saved windows are not judged (the run could not be); the steps after the last save are not saved.
     assert windows == ["unjudged", "unjudged", "unsaved unsaved"]
@@ -427,14 +538,14 @@ def test_nothing_unsaved_or_unjudged_is_green(unjudged_report):
     assert re.search(r'<span class="badge big unjudged" id="verdict">COULD NOT JUDGE</span>', html)
     tiles = dict(re.findall(r'<a class="tile" href="#check-(LOOP-\d+)"[^>]*><span class="icon (\w+)"', html))
     assert (tiles["LOOP-07"], tiles["LOOP-08"]) == ("partial", "error")
-    run_section = html[html.index('id="run"'):]
+    run_section = html[html.index('id="run"') :]
     assert run_section.count('<span class="badge unjudged">? could not judge</span>') == 2
 
 
 def test_configuration_is_listed_apart_and_risks_are_marked(unjudged_report, planted_report):
     html = unjudged_report.read_text(encoding="utf-8")
-    listed = html[html.index('id="findings-table"'):html.index('id="configuration-table"')]
-    configuration = html[html.index('id="configuration-table"'):].split("</table>")[0]
+    listed = html[html.index('id="findings-table"') : html.index('id="configuration-table"')]
+    configuration = html[html.index('id="configuration-table"') :].split("</table>")[0]
     assert WEIGHTS_ONLY["message"] in configuration and WEIGHTS_ONLY["message"] not in listed
     assert NO_RNG["message"] in listed and ">risk</span>" in listed and "the whole run" in configuration
     # A run without configuration findings has no such section.
@@ -444,8 +555,8 @@ def test_configuration_is_listed_apart_and_risks_are_marked(unjudged_report, pla
 def test_a_statistic_of_one_point_is_a_value_and_thresholds_say_if_they_fire_alone(tmp_path):
     """LOOP-07/08 recorded at one eval: values, not a chart on an axis around one point. A threshold that
     alone fires the check is red; one condition of several is grey and says so."""
-    from sftaudit.checks import AuditContext
     from sftaudit.audit import _store_series
+    from sftaudit.checks import AuditContext
     from sftaudit.report import _series_figures
     from sftaudit.report.figures import CONDITION_COLOUR, SEVERITY_COLOURS
 
@@ -458,14 +569,18 @@ def test_a_statistic_of_one_point_is_a_value_and_thresholds_say_if_they_fire_alo
     figs: dict = {}
     divs, values = _series_figures(ctx.con, [], figs)
     assert set(divs) == {"LOOP-05", "LOOP-10"}  # no chart for LOOP-07/08
-    assert values == {"LOOP-07": [{"name": "distinct-1", "step": 50, "value": 0.85, "threshold": 0.35,
-                                   "sole_condition": False}],
-                      "LOOP-08": [{"name": "ROUGE-L", "step": 50, "value": 0.02, "threshold": None,
-                                   "sole_condition": False}]}
-    lines = {code: (figs[div]["layout"]["shapes"][-1]["line"]["color"], figs[div]["layout"]["annotations"][-1]["text"])
-             for code, div in divs.items()}
-    assert lines == {"LOOP-05": (CONDITION_COLOUR, "threshold 10, one condition of several"),
-                     "LOOP-10": (SEVERITY_COLOURS["fail"], "threshold 6")}
+    assert values == {
+        "LOOP-07": [{"name": "distinct-1", "step": 50, "value": 0.85, "threshold": 0.35, "sole_condition": False}],
+        "LOOP-08": [{"name": "ROUGE-L", "step": 50, "value": 0.02, "threshold": None, "sole_condition": False}],
+    }
+    lines = {
+        code: (figs[div]["layout"]["shapes"][-1]["line"]["color"], figs[div]["layout"]["annotations"][-1]["text"])
+        for code, div in divs.items()
+    }
+    assert lines == {
+        "LOOP-05": (CONDITION_COLOUR, "threshold 10, one condition of several"),
+        "LOOP-10": (SEVERITY_COLOURS["fail"], "threshold 6"),
+    }
 
 
 def test_the_clean_reports_gradient_threshold_is_one_condition_of_several(clean_report):
@@ -476,4 +591,5 @@ def test_the_clean_reports_gradient_threshold_is_one_condition_of_several(clean_
     assert 'id="series-check-LOOP-05"' in html
     spec = figure_data(html)["series-check-LOOP-05"]
     assert [a["text"] for a in spec["layout"]["annotations"] if "threshold" in a["text"]] == [
-        "threshold 10, one condition of several"]
+        "threshold 10, one condition of several"
+    ]

@@ -17,8 +17,15 @@ from tests.conftest import NAN_STEP
 from tests.test_report import XSS_SCRIPT, plant, plant_unjudged, preflight_report, ranks_report
 
 CHROMIUM = os.environ.get("SFTAUDIT_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LOAD_TIMEOUT_MS = 60_000  # generous: the CI box is shared; the load-time budget is measured by benchmarks/
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")]
@@ -58,7 +65,9 @@ class Opened:
     def in_viewport(self, element_id: str) -> bool:
         return self.page.evaluate(
             """id => { const r = document.getElementById(id).getBoundingClientRect();
-                       return r.top >= 0 && r.top < window.innerHeight; }""", element_id)
+                       return r.top >= 0 && r.top < window.innerHeight; }""",
+            element_id,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,7 @@ def test_charts_far_below_are_drawn_only_once_scrolled_to(browser, failed):
         assert page.locator(f"#{far[-1]} svg.main-svg").count() >= 1
     finally:
         page.close()
+
 
 def test_screenshot_of_the_top_is_written_next_to_the_report(failed):
     shot = failed.report.parent / "report-top.png"
@@ -240,7 +250,9 @@ def test_prints_to_pdf_with_every_chart(name, request):
     pdf = opened.page.pdf(format="A4", print_background=True)
     assert pdf.startswith(b"%PDF") and len(pdf) > 50_000
     assert opened.page.locator("div.chart:not([data-drawn])").count() == 0
-    assert opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") != "none"  # screen
+    assert (
+        opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") != "none"
+    )  # screen
     opened.page.emulate_media(media="print")
     try:
         assert opened.page.evaluate("getComputedStyle(document.querySelector('header.top nav')).display") == "none"
@@ -272,11 +284,20 @@ def test_nothing_unsaved_unjudged_or_not_run_is_drawn_green(unjudged, passed):
     colours = """sel => Array.from(document.querySelectorAll(sel)).map(e => {
                      const s = getComputedStyle(e); return [s.backgroundColor, s.color]; })"""
     page = unjudged.page
-    painted = {sel: page.evaluate(colours, sel) for sel in (
-        "#checkpoint-strip .win", "#verdict", ".tile .icon.notrun, .tile .icon.partial, .tile .icon.error",
-        ".check > h3 .badge.notrun, .check > h3 .badge.partial, .check > h3 .badge.error", "#run .badge")}
-    assert len(painted["#checkpoint-strip .win"]) == 3 and len(painted[".tile .icon.notrun, .tile .icon.partial, "
-                                                                      ".tile .icon.error"]) >= 2
+    painted = {
+        sel: page.evaluate(colours, sel)
+        for sel in (
+            "#checkpoint-strip .win",
+            "#verdict",
+            ".tile .icon.notrun, .tile .icon.partial, .tile .icon.error",
+            ".check > h3 .badge.notrun, .check > h3 .badge.partial, .check > h3 .badge.error",
+            "#run .badge",
+        )
+    }
+    assert (
+        len(painted["#checkpoint-strip .win"]) == 3
+        and len(painted[".tile .icon.notrun, .tile .icon.partial, .tile .icon.error"]) >= 2
+    )
     assert all(GREEN not in pair for pairs in painted.values() for pair in pairs), painted
     # The same strip of a judged run is green where it passed: the colour still means something.
     assert {bg for bg, _ in passed.page.evaluate(colours, "#checkpoint-strip .win")} == {GREEN}

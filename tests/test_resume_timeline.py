@@ -2,8 +2,9 @@
 
 import shutil
 
-from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_plain
+
+from sftaudit.audit import audit
 from sftaudit.ingest import connect
 
 from .conftest import NAN_STEP
@@ -26,8 +27,9 @@ def test_resuming_a_failed_run_from_its_rollback_checkpoint_clears_the_verdict(n
     assert live == [(0, 1, 10, 10), (1, 11, 20, 10)]
     abandoned = con.execute("SELECT min(step), max(step) FROM superseded_steps").fetchall()
     assert abandoned == [(11, 20)]  # the NaN at step 13 is history, kept but not judged
-    nan_steps = con.execute("SELECT count(*) FROM superseded_grad_norms WHERE step = ? AND NOT isfinite(norm)",
-                            [NAN_STEP]).fetchall()[0][0]
+    nan_steps = con.execute(
+        "SELECT count(*) FROM superseded_grad_norms WHERE step = ? AND NOT isfinite(norm)", [NAN_STEP]
+    ).fetchall()[0][0]
     assert nan_steps > 0
     saved = con.execute("SELECT step, seg FROM checkpoints WHERE event = 'saved' ORDER BY step").fetchall()
     assert saved == [(10, 0), (20, 1)]  # the poisoned checkpoint-20 of the first segment was replaced

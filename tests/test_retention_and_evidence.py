@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
+from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+from sftaudit.fixtures.train import train_hf
 
 from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
-from sftaudit.fixtures.train import train_hf
 from sftaudit.shim import Recorder
 
 from .shared import shared_dir
@@ -23,15 +23,32 @@ def gate(run, checkpoint, *extra):
 @pytest.fixture(scope="module")
 def rotated_run(tmp_path_factory, tokenizer_cache):
     """The Trainer with save_total_limit=2: checkpoint-5 and -10 rotated out; checkpoint-15 has a NaN."""
-    return shared_dir(tmp_path_factory, "rotated", lambda folder: train_hf(
-        folder / "rotated", steps=20, save_steps=5, save_total_limit=2, faults={"ckpt_nan_tensor": 15},
-        tokenizer_cache=tokenizer_cache, profile="prod")) / "rotated"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "rotated",
+            lambda folder: train_hf(
+                folder / "rotated",
+                steps=20,
+                save_steps=5,
+                save_total_limit=2,
+                faults={"ckpt_nan_tensor": 15},
+                tokenizer_cache=tokenizer_cache,
+                profile="prod",
+            ),
+        )
+        / "rotated"
+    )
 
 
 def test_rotated_checkpoints_are_info_and_cannot_be_gated(rotated_run, capsys):
     verdict = audit(rotated_run)
     assert [(c["name"], c["on_disk"]) for c in verdict["checkpoints"]] == [
-        ("checkpoint-5", False), ("checkpoint-10", False), ("checkpoint-15", True), ("checkpoint-20", True)]
+        ("checkpoint-5", False),
+        ("checkpoint-10", False),
+        ("checkpoint-15", True),
+        ("checkpoint-20", True),
+    ]
     loop09 = [(f["checkpoint"], f["severity"]) for f in verdict["findings"] if f["code"] == "LOOP-09"]
     assert loop09 == [("checkpoint-5", "info"), ("checkpoint-10", "info"), ("checkpoint-15", "fail")]
     assert gate(rotated_run, "checkpoint-20") == 0
@@ -65,8 +82,7 @@ def record(run, steps, batch=lambda rows: rows, break_model=lambda model: None, 
         for step in range(1, steps + 1):
             data = collate(tok, rows)
             rec.on_batch(step, batch(data))
-            loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"],
-                         labels=data["labels"]).loss
+            loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], labels=data["labels"]).loss
             loss.backward()
             rec.on_backward(step, loss)
             opt.step()
@@ -106,15 +122,24 @@ def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path):
         model.generate = generate
 
     with pytest.warns(UserWarning) as caught:
-        run = record(tmp_path / "partial", steps=4, break_model=generate_once, probe_prompts=["hi"],
-                     generate_every=2, generations_per_prompt=2, max_new_tokens=4)
+        run = record(
+            tmp_path / "partial",
+            steps=4,
+            break_model=generate_once,
+            probe_prompts=["hi"],
+            generate_every=2,
+            generations_per_prompt=2,
+            max_new_tokens=4,
+        )
     assert [str(w.message) for w in caught if "sftaudit" in str(w.message)] == [
         "sftaudit: generations recording failed at step 4 and was switched off (BrokenGenerate: generation "
-        "exploded); further shim errors go to the run's events only"]
+        "exploded); further shim errors go to the run's events only"
+    ]
     verdict = audit(run)
     assert verdict["verdict"] != "unjudged" and verdict["cannot_judge"] is None
     assert verdict["evidence"]["components_off"] == [
-        {"rank": 0, "component": "generations", "from_step": 4, "error": "BrokenGenerate: generation exploded"}]
+        {"rank": 0, "component": "generations", "from_step": 4, "error": "BrokenGenerate: generation exploded"}
+    ]
     assert verdict["evidence"]["partial"][0].startswith("rank 0's generations recording stopped at step 4")
 
 

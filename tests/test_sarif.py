@@ -53,8 +53,10 @@ def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
     results = to_sarif(verdict, nan_run)["runs"][0]["results"]
     grads = next(f for f in verdict["findings"] if f["code"] == "LOOP-05" and "tensors" in f["evidence"])
     (location,) = next(r for r in results if r["message"]["text"] == grads["message"])["locations"]
-    assert location["physicalLocation"]["artifactLocation"] == {"uri": "sftaudit/rank-0/steps.jsonl",
-                                                                "uriBaseId": "RUN_DIR"}
+    assert location["physicalLocation"]["artifactLocation"] == {
+        "uri": "sftaudit/rank-0/steps.jsonl",
+        "uriBaseId": "RUN_DIR",
+    }
     names = {loc["kind"]: loc["name"] for loc in location["logicalLocations"]}
     assert names["step"] == f"step {grads['step']}"
     assert names["tensor"] == grads["evidence"]["tensors"][0]["tensor"]
@@ -63,8 +65,20 @@ def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
 def test_audit_and_gate_write_sarif(nan_run, tmp_path):
     from sftaudit.cli import main
 
-    assert main(["audit", str(nan_run), "--no-report", "--out", str(tmp_path / "out"),
-                 "--sarif", str(tmp_path / "audit.sarif")]) == 1
+    assert (
+        main(
+            [
+                "audit",
+                str(nan_run),
+                "--no-report",
+                "--out",
+                str(tmp_path / "out"),
+                "--sarif",
+                str(tmp_path / "audit.sarif"),
+            ]
+        )
+        == 1
+    )
     audited = json.loads((tmp_path / "audit.sarif").read_text())
     assert_valid(audited)
     assert main(["gate", str(nan_run), "--checkpoint", "checkpoint-10", "--sarif", str(tmp_path / "gate.sarif")]) == 0

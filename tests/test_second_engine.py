@@ -52,8 +52,9 @@ def reference(norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per tensor: max own-history z and spike count, by the check's own functions (in float64: the
     check's float32 would differ from the engines in the 7th digit)."""
     y = np.log(np.where(np.isfinite(norms) & (norms > 0), norms, np.nan).astype(np.float64))
-    median, sigma = previous_block_stats(y, adaptive_window(norms.shape[0]), loop05.SIGMA_BLOCKS,
-                                         loop05.MIN_BASELINE_SHARE)
+    median, sigma = previous_block_stats(
+        y, adaptive_window(norms.shape[0]), loop05.SIGMA_BLOCKS, loop05.MIN_BASELINE_SHARE
+    )
     z = robust_z(y, median, sigma, loop05.LOG_SIGMA_FLOOR)
     with np.errstate(invalid="ignore"):
         spikes = ((z >= engines.SIGMA_OWN) & (y - median >= math.log(engines.MIN_RATIO))).sum(axis=0)
@@ -71,7 +72,8 @@ def test_duckdb_and_polars_agree_and_find_the_planted_spike(tmp_path):
     flagged = named.filter(pl.col("flagged") > 0)
     rank, idx, step = SPIKE
     assert flagged.select("rank", "idx", "tensor", "first_flagged_step", "max_z_step", "flagged").rows() == [
-        (rank, idx, TENSORS[idx], step, step, 1)]
+        (rank, idx, TENSORS[idx], step, step, 1)
+    ]
     # The resumed rank counts each step once, from the segment that ran it last: the abandoned spike is not the run's.
     rank0 = named.filter(pl.col("rank") == 0)
     assert rank0["steps"].to_list() == [STEPS] * len(TENSORS)
@@ -95,11 +97,17 @@ def test_a_clean_twin_flags_nothing_in_either_engine(tmp_path):
 def test_thresholds_and_constants_are_the_checks():
     check = loop05.GradientNormAnomaly
     assert (engines.SIGMA_OWN, engines.MIN_RATIO, engines.SIGMA_ACROSS) == (
-        check.defaults["sigma_own"], check.defaults["min_ratio"], check.defaults["sigma_across"])
+        check.defaults["sigma_own"],
+        check.defaults["min_ratio"],
+        check.defaults["sigma_across"],
+    )
     assert (engines.SIGMA_BLOCKS, engines.LOG_SIGMA_FLOOR, engines.MAD_TO_SIGMA) == (
-        loop05.SIGMA_BLOCKS, loop05.LOG_SIGMA_FLOOR, MAD_TO_SIGMA)
+        loop05.SIGMA_BLOCKS,
+        loop05.LOG_SIGMA_FLOOR,
+        MAD_TO_SIGMA,
+    )
     assert loop05.MIN_BASELINE_SHARE == 0.5  # the SQL's `2 * count(y) >= width`
-    for n in (5, 16 * 50, 10 ** 6):
+    for n in (5, 16 * 50, 10**6):
         assert adaptive_window(n) == min(engines.WINDOW_MAX, max(engines.WINDOW_MIN, n // engines.WINDOW_SHARE))
 
 

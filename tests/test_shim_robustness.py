@@ -3,9 +3,9 @@
 import json
 
 import torch
+from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 
 from sftaudit.artifacts import rank_dir
-from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 from sftaudit.shim import Recorder
 
 
@@ -30,7 +30,9 @@ def test_failing_probe_is_switched_off_and_training_goes_on(tmp_path, tokenizer_
         for step in (1, 2, 3):
             batch = collate(tok, rows)
             rec.on_batch(step, batch)
-            loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+            loss = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+            ).loss
             loss.backward()
             rec.on_backward(step, loss)
             opt.step()
@@ -77,8 +79,9 @@ def test_batched_probes_match_each_prompt_alone(tmp_path, tokenizer_cache):
         rec.on_step_end(1)
     probes = [json.loads(line) for line in (rank_dir(tmp_path, 0) / "probes.jsonl").read_text().splitlines()]
     for record, prompt in zip(probes, prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         with torch.no_grad():
             probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
         top = probs.topk(5)

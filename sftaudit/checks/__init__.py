@@ -21,9 +21,14 @@ def registered_checks() -> list[type[Check]]:
     for info in pkgutil.iter_modules(__path__):
         if _MODULE.fullmatch(info.name):
             module = importlib.import_module(f"{__name__}.{info.name}")
-            found += [obj for obj in vars(module).values()
-                      if inspect.isclass(obj) and issubclass(obj, Check) and obj is not Check
-                      and obj.__module__ == module.__name__]
+            found += [
+                obj
+                for obj in vars(module).values()
+                if inspect.isclass(obj)
+                and issubclass(obj, Check)
+                and obj is not Check
+                and obj.__module__ == module.__name__
+            ]
     return sorted(found, key=lambda c: c.code)
 
 

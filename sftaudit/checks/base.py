@@ -80,16 +80,31 @@ class AuditContext:
     series: list[dict[str, Any]] = field(default_factory=list)
     not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
 
-    def add_series(self, code: str, name: str, steps: Any, values: Any, threshold: float | None = None,
-                   sole_condition: bool = False) -> None:
+    def add_series(
+        self,
+        code: str,
+        name: str,
+        steps: Any,
+        values: Any,
+        threshold: float | None = None,
+        sole_condition: bool = False,
+    ) -> None:
         """A named statistic over steps (sequences or numpy/polars columns of equal length).
         `sole_condition`: crossing `threshold` alone fires the check (else the report labels the line
         as one condition of several)."""
         steps, values = list(steps), list(values)
         if len(steps) != len(values):
             raise ValueError(f"{code} series {name!r}: {len(steps)} steps but {len(values)} values")
-        self.series.append({"code": code, "name": name, "steps": steps, "values": values, "threshold": threshold,
-                            "sole_condition": sole_condition})
+        self.series.append(
+            {
+                "code": code,
+                "name": name,
+                "steps": steps,
+                "values": values,
+                "threshold": threshold,
+                "sole_condition": sole_condition,
+            }
+        )
 
     def frame(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
         return self.con.sql(sql, params=params or None).pl()
@@ -103,7 +118,6 @@ class AuditContext:
 
     def has_rows(self, table: str) -> bool:
         return bool(self.scalar(f'SELECT count(*) FROM "{table}"'))
-
 
 
 def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:
@@ -147,11 +161,18 @@ class Check:
     def run(self, ctx: AuditContext) -> list[Finding]:
         raise NotImplementedError
 
-    def finding(self, severity: str, message: str, step: int | None = None, *, category: str = "anomaly",
-                **evidence: Any) -> Finding:
+    def finding(
+        self, severity: str, message: str, step: int | None = None, *, category: str = "anomaly", **evidence: Any
+    ) -> Finding:
         """A finding of this check; `category` is one of CATEGORIES (anomaly by default)."""
-        return Finding(self.code, severity, message, step=None if step is None else int(step),
-                       evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))), category=category)
+        return Finding(
+            self.code,
+            severity,
+            message,
+            step=None if step is None else int(step),
+            evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))),
+            category=category,
+        )
 
 
 def _finite(value: Any) -> Any:

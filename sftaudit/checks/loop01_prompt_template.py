@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ..artifacts import template_fingerprint
-from ..chat_template import (TemplateOverBudget, empty_turns, run_layout, sample_blocks, template_fields,
-                             template_source)
+from ..chat_template import TemplateOverBudget, empty_turns, run_layout, sample_blocks, template_fields, template_source
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer
@@ -55,30 +54,48 @@ class PromptTemplateConsistency(Check):
         if source is None:
             return []
         try:
-            return (self._fields(source, start.get("dataset") or {}) + self._render_failures(ctx) + self._dropped(ctx)
-                    + self._empty_turns(ctx, source) + self._templates(ctx, source))
+            return (
+                self._fields(source, start.get("dataset") or {})
+                + self._render_failures(ctx)
+                + self._dropped(ctx)
+                + self._empty_turns(ctx, source)
+                + self._templates(ctx, source)
+            )
         except TemplateOverBudget as exc:
-            return [self.finding("fail", f"{exc}: the run's template would stall or exhaust memory wherever it is "
-                                 f"rendered; fix or replace it before training", kind="template_over_budget",
-                                 error=str(exc))]
+            return [
+                self.finding(
+                    "fail",
+                    f"{exc}: the run's template would stall or exhaust memory wherever it is "
+                    f"rendered; fix or replace it before training",
+                    kind="template_over_budget",
+                    error=str(exc),
+                )
+            ]
 
     def _fields(self, source: str, dataset: dict) -> list[Finding]:
         fields = template_fields(source)
         findings = []
-        for scope, read, have in (("message", fields.message_required, set(dataset.get("message_fields") or [])),
-                                  ("dataset", fields.context & {"messages"}, set(dataset.get("fields") or []))):
+        for scope, read, have in (
+            ("message", fields.message_required, set(dataset.get("message_fields") or [])),
+            ("dataset", fields.context & {"messages"}, set(dataset.get("fields") or [])),
+        ):
             if not have:
                 continue
             for name in sorted(read - have):
                 spelled = sorted(h for h in have if h.lower() == name.lower())
                 if spelled:
-                    message = (f"the template reads {scope} field '{name}' but the dataset spells it "
-                               f"'{spelled[0]}'; rename the dataset field to '{name}' (or fix the template)")
+                    message = (
+                        f"the template reads {scope} field '{name}' but the dataset spells it "
+                        f"'{spelled[0]}'; rename the dataset field to '{name}' (or fix the template)"
+                    )
                 else:
-                    message = (f"the template reads {scope} field '{name}' that the dataset does not have "
-                               f"(it has {sorted(have)}); map the dataset's field to '{name}'")
-                findings.append(self.finding("fail", message, template_field=name, dataset_fields=sorted(have),
-                                             spelled_as=spelled))
+                    message = (
+                        f"the template reads {scope} field '{name}' that the dataset does not have "
+                        f"(it has {sorted(have)}); map the dataset's field to '{name}'"
+                    )
+                findings.append(
+                    self.finding("fail", message, template_field=name, dataset_fields=sorted(have), spelled_as=spelled)
+                )
         return findings
 
     def _render_failures(self, ctx: AuditContext) -> list[Finding]:
@@ -86,12 +103,16 @@ class PromptTemplateConsistency(Check):
         if failed.is_empty():
             return []
         ids = failed["sample_id"].to_list()
-        return [self.finding(
-            "fail",
-            f"{len(ids)} sample(s) fail to render with the chat template (first {ids[0]}: {failed['error'][0]}); "
-            f"fix or drop them before training",
-            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids), error=failed["error"][0],
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"{len(ids)} sample(s) fail to render with the chat template (first {ids[0]}: {failed['error'][0]}); "
+                f"fix or drop them before training",
+                sample_ids=ids[: self.params["max_samples_listed"]],
+                samples_affected=len(ids),
+                error=failed["error"][0],
+            )
+        ]
 
     def _dropped(self, ctx: AuditContext) -> list[Finding]:
         """Rows whose render lacks a message's content (preflight): the template dropped it."""
@@ -99,14 +120,18 @@ class PromptTemplateConsistency(Check):
         if dropped.is_empty():
             return []
         ids = dropped["sample_id"].to_list()
-        return [self.finding(
-            "fail",
-            f"{len(ids)} sample(s) lose a message in the render (first {ids[0]}: {dropped['error'][0]}); the template "
-            f"drops it (e.g. a system prompt it does not support): merge it into the first user turn or use a "
-            f"template that renders it",
-            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids), error=dropped["error"][0],
-            kind="content_dropped",
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"{len(ids)} sample(s) lose a message in the render (first {ids[0]}: {dropped['error'][0]}); the template "
+                f"drops it (e.g. a system prompt it does not support): merge it into the first user turn or use a "
+                f"template that renders it",
+                sample_ids=ids[: self.params["max_samples_listed"]],
+                samples_affected=len(ids),
+                error=dropped["error"][0],
+                kind="content_dropped",
+            )
+        ]
 
     def _empty_turns(self, ctx: AuditContext, source: str) -> list[Finding]:
         tokenizer = run_tokenizer(ctx)
@@ -122,20 +147,25 @@ class PromptTemplateConsistency(Check):
         for part, ids, _, _ in sample_blocks(recorded_samples(ctx, source)):
             for role, mask in empty_turns(ids, layout).items():
                 rows = mask.any(1).nonzero()[0]
-                hits.setdefault(role, []).extend(zip(part["step"].gather(rows).to_list(),
-                                                     part["sample_id"].gather(rows).to_list()))
+                hits.setdefault(role, []).extend(
+                    zip(part["step"].gather(rows).to_list(), part["sample_id"].gather(rows).to_list())
+                )
         findings = []
         for role, rows in hits.items():
             if rows:
                 rows.sort()
                 ids = list(dict.fromkeys(s for _, s in rows))
-                findings.append(self.finding(
-                    _EMPTY_SEVERITY[role],
-                    f"{len(ids)} sample(s) have an empty {role} turn, from step {rows[0][0]} (first {ids[0]}); "
-                    f"drop or repair them before training",
-                    step=rows[0][0], role=role, sample_ids=ids[: self.params["max_samples_listed"]],
-                    samples_affected=len(ids),
-                ))
+                findings.append(
+                    self.finding(
+                        _EMPTY_SEVERITY[role],
+                        f"{len(ids)} sample(s) have an empty {role} turn, from step {rows[0][0]} (first {ids[0]}); "
+                        f"drop or repair them before training",
+                        step=rows[0][0],
+                        role=role,
+                        sample_ids=ids[: self.params["max_samples_listed"]],
+                        samples_affected=len(ids),
+                    )
+                )
         return findings
 
     def _templates(self, ctx: AuditContext, source: str) -> list[Finding]:
@@ -150,11 +180,16 @@ class PromptTemplateConsistency(Check):
         if other.is_empty():
             return []
         step, fingerprint, ids = other.row(0)
-        return [self.finding(
-            "fail",
-            f"from step {step} samples are rendered with a second chat template ({fingerprint}, the run started "
-            f"with {expected}) in {other.height} micro-batch(es); render every sample with one template",
-            step=step, template_fingerprints=sorted({expected, *other["template_fingerprint"].to_list()}),
-            first_step=step, last_step=int(other["step"].max()), batches_affected=other.height,
-            sample_ids=list(ids)[: self.params["max_samples_listed"]],
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"from step {step} samples are rendered with a second chat template ({fingerprint}, the run started "
+                f"with {expected}) in {other.height} micro-batch(es); render every sample with one template",
+                step=step,
+                template_fingerprints=sorted({expected, *other["template_fingerprint"].to_list()}),
+                first_step=step,
+                last_step=int(other["step"].max()),
+                batches_affected=other.height,
+                sample_ids=list(ids)[: self.params["max_samples_listed"]],
+            )
+        ]

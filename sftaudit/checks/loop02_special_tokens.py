@@ -69,8 +69,13 @@ class SpecialTokenAlignment(Check):
         findings = self._identity(ctx, described) + self._embedding(ctx, start, described) + self._untrained(ctx, start)
         tokenizer = run_tokenizer(ctx)
         if tokenizer is not None:
-            findings += (self._markers(ctx, tokenizer) + self._eos(ctx, tokenizer) + self._double_bos(ctx, tokenizer)
-                         + self._bos_missing(ctx, tokenizer) + self._stops_on(start, tokenizer))
+            findings += (
+                self._markers(ctx, tokenizer)
+                + self._eos(ctx, tokenizer)
+                + self._double_bos(ctx, tokenizer)
+                + self._bos_missing(ctx, tokenizer)
+                + self._stops_on(start, tokenizer)
+            )
         return findings
 
     def _markers(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
@@ -99,18 +104,22 @@ class SpecialTokenAlignment(Check):
             for _, ids, _, _ in sample_blocks(recorded_samples(ctx, source)):
                 reached |= {m["marker"] for m in split if m["marker"] not in reached and matches(ids, m["ids"]).any()}
         findings = []
-        for severity, markers, where in (("fail", [m for m in split if m["marker"] in reached], "in the samples"),
-                                         ("info", [m for m in split if m["marker"] not in reached],
-                                          "only in branches these samples never render")):
+        for severity, markers, where in (
+            ("fail", [m for m in split if m["marker"] in reached], "in the samples"),
+            ("info", [m for m in split if m["marker"] not in reached], "only in branches these samples never render"),
+        ):
             if markers:
                 first = markers[0]
-                findings.append(self.finding(
-                    severity,
-                    f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
-                    f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
-                    f"tokens (and resize the embeddings) or use the tokenizer's own markers",
-                    split_markers=markers, reached=severity == "fail",
-                ))
+                findings.append(
+                    self.finding(
+                        severity,
+                        f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
+                        f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
+                        f"tokens (and resize the embeddings) or use the tokenizer's own markers",
+                        split_markers=markers,
+                        reached=severity == "fail",
+                    )
+                )
         return findings
 
     def _eos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
@@ -118,8 +127,13 @@ class SpecialTokenAlignment(Check):
         which is also its pad, after the `<|end|>` that stops a turn), with every real one masked."""
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         if eos is None:
-            return [self.finding("fail", "the tokenizer has no eos token, so generation cannot learn to stop; "
-                                         "set eos_token to the template's end-of-turn marker")]
+            return [
+                self.finding(
+                    "fail",
+                    "the tokenizer has no eos token, so generation cannot learn to stop; "
+                    "set eos_token to the template's end-of-turn marker",
+                )
+            ]
         layout = _turn_layout(tokenizer)
         stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
         if pad is None or pad != stop or not ctx.has_rows("samples"):
@@ -136,14 +150,21 @@ class SpecialTokenAlignment(Check):
         if not attended or trained:
             return []
         marker = tokenizer.convert_ids_to_tokens(stop)
-        return [self.finding(
-            "fail",
-            f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
-            f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
-            f"attention_mask",
-            step=step, sample_ids=[sample], pad_id=pad, eos_id=stop, stop_marker=marker, eos_attended=attended,
-            eos_trained=trained,
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
+                f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
+                f"attention_mask",
+                step=step,
+                sample_ids=[sample],
+                pad_id=pad,
+                eos_id=stop,
+                stop_marker=marker,
+                eos_attended=attended,
+                eos_trained=trained,
+            )
+        ]
 
     def _untrained(self, ctx: AuditContext, start: dict) -> list[Finding]:
         """Template markers the samples use whose embedding and output rows are near zero at start:
@@ -153,28 +174,44 @@ class SpecialTokenAlignment(Check):
             return []
         fraction = self.params["untrained_row_fraction"]
         output = rows.get("output_norm") or [None] * len(rows["ids"])
-        low = [(i, t, e, o) for i, t, e, o in zip(rows["ids"], rows["tokens"], rows["embed_norm"], output)
-               if e < fraction * rows["embed_median"] and (o is None or o < fraction * rows["output_median"])]
+        low = [
+            (i, t, e, o)
+            for i, t, e, o in zip(rows["ids"], rows["tokens"], rows["embed_norm"], output)
+            if e < fraction * rows["embed_median"] and (o is None or o < fraction * rows["output_median"])
+        ]
         if not low:
             return []
-        used = {r[0] for r in ctx.con.execute(
-            f"SELECT DISTINCT id FROM (SELECT unnest(input_ids) AS id FROM samples) WHERE id IN ({','.join('?' * len(low))})",
-            [i for i, *_ in low]).fetchall()}
+        used = {
+            r[0]
+            for r in ctx.con.execute(
+                f"SELECT DISTINCT id FROM (SELECT unnest(input_ids) AS id FROM samples) WHERE id IN ({','.join('?' * len(low))})",
+                [i for i, *_ in low],
+            ).fetchall()
+        }
         low = [r for r in low if r[0] in used]
         if not low:
             return []
         frozen = not rows.get("embed_trainable") or rows.get("output_trainable") is False
-        return [self.finding(
-            "fail" if frozen else "info",
-            f"{len(low)} template marker(s) the samples use have untrained embedding/output rows (norm below "
-            f"{fraction:.0%} of the median), first {low[0][1]!r} (embedding {low[0][2]:.3g}, median "
-            f"{rows['embed_median']:.3g})" + ("; the rows are frozen, so they never train: make the embeddings and "
-                                               "lm_head trainable (modules_to_save with LoRA) or initialise the rows "
-                                               "from the mean embedding" if frozen else "; they are trainable"),
-            kind="untrained_markers", markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o}
-                                               for i, t, e, o in low],
-            embed_median=rows["embed_median"], output_median=rows.get("output_median"), frozen=frozen,
-        )]
+        return [
+            self.finding(
+                "fail" if frozen else "info",
+                f"{len(low)} template marker(s) the samples use have untrained embedding/output rows (norm below "
+                f"{fraction:.0%} of the median), first {low[0][1]!r} (embedding {low[0][2]:.3g}, median "
+                f"{rows['embed_median']:.3g})"
+                + (
+                    "; the rows are frozen, so they never train: make the embeddings and "
+                    "lm_head trainable (modules_to_save with LoRA) or initialise the rows "
+                    "from the mean embedding"
+                    if frozen
+                    else "; they are trainable"
+                ),
+                kind="untrained_markers",
+                markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o} for i, t, e, o in low],
+                embed_median=rows["embed_median"],
+                output_median=rows.get("output_median"),
+                frozen=frozen,
+            )
+        ]
 
     def _stops_on(self, start: dict, tokenizer: Any) -> list[Finding]:
         """The model's generation eos (generation config, else model config) does not include the marker
@@ -191,13 +228,18 @@ class SpecialTokenAlignment(Check):
         if stop in stops:
             return []
         marker = tokenizer.convert_ids_to_tokens(stop)
-        return [self.finding(
-            "warn",
-            f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
-            f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
-            f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
-            kind="eos_differs_from_turn_end", turn_end_id=stop, turn_end=marker, generation_eos=sorted(stops),
-        )]
+        return [
+            self.finding(
+                "warn",
+                f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
+                f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
+                f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
+                kind="eos_differs_from_turn_end",
+                turn_end_id=stop,
+                turn_end=marker,
+                generation_eos=sorted(stops),
+            )
+        ]
 
     def _double_bos(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
         """The template writes BOS and the collator's tokenizer call adds another."""
@@ -216,13 +258,19 @@ class SpecialTokenAlignment(Check):
             return []
         hits.sort()
         ids = list(dict.fromkeys(s for _, s in hits))
-        return [self.finding(
-            "fail",
-            f"{len(ids)} sample(s) start with two BOS tokens {tokenizer.bos_token!r} from step {hits[0][0]} (first "
-            f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
-            f"add_special_tokens=False",
-            step=hits[0][0], kind="double_bos", bos_id=bos, sample_ids=ids[:50], samples_affected=len(ids),
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"{len(ids)} sample(s) start with two BOS tokens {tokenizer.bos_token!r} from step {hits[0][0]} (first "
+                f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
+                f"add_special_tokens=False",
+                step=hits[0][0],
+                kind="double_bos",
+                bos_id=bos,
+                sample_ids=ids[:50],
+                samples_affected=len(ids),
+            )
+        ]
 
     def _bos_missing(self, ctx: AuditContext, tokenizer: Any) -> list[Finding]:
         """The template opens with BOS, so inference (apply_chat_template) sends it, but the trained rows start
@@ -236,40 +284,54 @@ class SpecialTokenAlignment(Check):
             first = np.argmax(real, axis=1)
             starts = ids[np.arange(ids.shape[0]), first]
             picked = np.flatnonzero(real.any(1) & (starts != bos))
-            hits += zip(part["step"].gather(picked).to_list(), part["sample_id"].gather(picked).to_list(),
-                        starts[picked].tolist())
+            hits += zip(
+                part["step"].gather(picked).to_list(),
+                part["sample_id"].gather(picked).to_list(),
+                starts[picked].tolist(),
+            )
         if not hits:
             return []
         hits.sort()
         ids = list(dict.fromkeys(s for _, s, _ in hits))
         found = tokenizer.convert_ids_to_tokens(int(hits[0][2]))
-        return [self.finding(
-            "fail",
-            f"{len(ids)} sample(s) do not start with BOS {tokenizer.bos_token!r} from step {hits[0][0]} (first "
-            f"{ids[0]} starts with {found!r}): the template opens with it and inference sends it, so the model is "
-            f"trained on sequences it never sees; tokenize the template's render as it is (its BOS kept) with "
-            f"add_special_tokens=False",
-            step=hits[0][0], kind="bos_missing", bos_id=bos, first_token=found, sample_ids=ids[:50],
-            samples_affected=len(ids),
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"{len(ids)} sample(s) do not start with BOS {tokenizer.bos_token!r} from step {hits[0][0]} (first "
+                f"{ids[0]} starts with {found!r}): the template opens with it and inference sends it, so the model is "
+                f"trained on sequences it never sees; tokenize the template's render as it is (its BOS kept) with "
+                f"add_special_tokens=False",
+                step=hits[0][0],
+                kind="bos_missing",
+                bos_id=bos,
+                first_token=found,
+                sample_ids=ids[:50],
+                samples_affected=len(ids),
+            )
+        ]
 
     def _embedding(self, ctx: AuditContext, start: dict, described: dict) -> list[Finding]:
         length = described.get("length")
         config = (start.get("model") or {}).get("config") or {}
         rows = config.get("vocab_size")
         if rows is None:
-            rows = next((p["shape"][0] for p in start.get("params", [])
-                         if "embed" in p["name"] and len(p["shape"]) == 2), None)
+            rows = next(
+                (p["shape"][0] for p in start.get("params", []) if "embed" in p["name"] and len(p["shape"]) == 2), None
+            )
         top = ctx.scalar("SELECT max(list_max(input_ids)) FROM samples") if ctx.has_rows("samples") else None
         need = max(length or 0, (top + 1) if top is not None else 0)
         if rows is None or rows >= need:
             return []
-        return [self.finding(
-            "fail",
-            f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
-            f"resize the token embeddings to at least {need}",
-            embedding_rows=rows, tokenizer_length=length, max_input_id=top,
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
+                f"resize the token embeddings to at least {need}",
+                embedding_rows=rows,
+                tokenizer_length=length,
+                max_input_id=top,
+            )
+        ]
 
     def _identity(self, ctx: AuditContext, described: dict) -> list[Finding]:
         findings = []
@@ -283,12 +345,17 @@ class SpecialTokenAlignment(Check):
         )
         if changed is not None:
             step, now, ids = changed
-            findings.append(self.finding(
-                "fail",
-                f"the tokenizer changed at step {step}: {length} ids at the start, {now} from then on; pin one "
-                f"tokenizer version for the whole run and restart from a checkpoint before step {step}",
-                step=step, tokenizer_length_start=length, tokenizer_length_now=now, sample_ids=list(ids),
-            ))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"the tokenizer changed at step {step}: {length} ids at the start, {now} from then on; pin one "
+                    f"tokenizer version for the whole run and restart from a checkpoint before step {step}",
+                    step=step,
+                    tokenizer_length_start=length,
+                    tokenizer_length_now=now,
+                    sample_ids=list(ids),
+                )
+            )
         checkpoints = ctx.frame(
             """
             SELECT step, path, tokenizer_fingerprint FROM checkpoints
@@ -299,13 +366,18 @@ class SpecialTokenAlignment(Check):
         )
         if not checkpoints.is_empty():
             step, path, now = checkpoints.row(0)
-            findings.append(self.finding(
-                "fail",
-                f"the tokenizer saved with {path} (fingerprint {now}) is not the one the run started with "
-                f"({fingerprint}); {checkpoints.height} checkpoint(s) affected, keep one tokenizer for the run",
-                step=step, checkpoint_path=path, fingerprint_start=fingerprint, fingerprint_now=now,
-                checkpoints=checkpoints["path"].to_list(),
-            ))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"the tokenizer saved with {path} (fingerprint {now}) is not the one the run started with "
+                    f"({fingerprint}); {checkpoints.height} checkpoint(s) affected, keep one tokenizer for the run",
+                    step=step,
+                    checkpoint_path=path,
+                    fingerprint_start=fingerprint,
+                    fingerprint_now=now,
+                    checkpoints=checkpoints["path"].to_list(),
+                )
+            )
         segments = ctx.frame(
             """
             SELECT seg, manifest->>'$.tokenizer.fingerprint' AS fingerprint FROM manifest
@@ -315,12 +387,16 @@ class SpecialTokenAlignment(Check):
         )
         if not segments.is_empty():
             seg, now = segments.row(0)
-            findings.append(self.finding(
-                "fail",
-                f"the run resumed (segment {seg}) with a different tokenizer ({now}, started with {fingerprint}); "
-                f"resume with the tokenizer saved in the checkpoint",
-                segment=seg, fingerprint_start=fingerprint, fingerprint_now=now,
-            ))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"the run resumed (segment {seg}) with a different tokenizer ({now}, started with {fingerprint}); "
+                    f"resume with the tokenizer saved in the checkpoint",
+                    segment=seg,
+                    fingerprint_start=fingerprint,
+                    fingerprint_now=now,
+                )
+            )
         return findings
 
 

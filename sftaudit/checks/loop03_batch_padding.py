@@ -53,28 +53,42 @@ class BatchPaddingStrategy(Check):
         if batches.is_empty():
             return []
         per_step = batches.group_by("step", maintain_order=True).agg(pl.col("cv").max(), pl.col("padding_share").max())
-        ctx.add_series(self.code, "length CV", per_step["step"], per_step["cv"].fill_null(0), self.params["cv_threshold"])
-        ctx.add_series(self.code, "padding share", per_step["step"], per_step["padding_share"],
-                       self.params["padding_threshold"])
+        ctx.add_series(
+            self.code, "length CV", per_step["step"], per_step["cv"].fill_null(0), self.params["cv_threshold"]
+        )
+        ctx.add_series(
+            self.code, "padding share", per_step["step"], per_step["padding_share"], self.params["padding_threshold"]
+        )
         return self._wasteful_batches(batches) + self._run_waste(batches)
 
     def _wasteful_batches(self, batches) -> list[Finding]:
-        flagged = batches.filter((batches["cv"] > self.params["cv_threshold"])
-                                 & (batches["padding_share"] > self.params["padding_threshold"]))
+        flagged = batches.filter(
+            (batches["cv"] > self.params["cv_threshold"])
+            & (batches["padding_share"] > self.params["padding_threshold"])
+        )
         if flagged.is_empty():
             return []
         first = int(flagged["step"].min())
         worst = flagged.sort("padding_share", descending=True).row(0, named=True)
         lengths, ids = worst["lengths"], worst["sample_ids"]
-        return [self.finding(
-            "warn",
-            f"{flagged.height} batch(es) from step {first} are mostly padding because their lengths vary "
-            f"(worst: step {worst['step']}, CV {worst['cv']:.0%}, {worst['padding_share']:.0%} padding); "
-            f"batch by length (group_by_length or a length-bucketing sampler)",
-            category="configuration", first_step=first, batches_flagged=flagged.height, steps=sorted(set(flagged["step"].to_list()))[:50],
-            worst_step=worst["step"], value=worst["cv"], threshold=self.params["cv_threshold"], padding_share=worst["padding_share"],
-            lengths=lengths, sample_ids=[ids[int(np.argmin(lengths))], ids[int(np.argmax(lengths))]],
-        )]
+        return [
+            self.finding(
+                "warn",
+                f"{flagged.height} batch(es) from step {first} are mostly padding because their lengths vary "
+                f"(worst: step {worst['step']}, CV {worst['cv']:.0%}, {worst['padding_share']:.0%} padding); "
+                f"batch by length (group_by_length or a length-bucketing sampler)",
+                category="configuration",
+                first_step=first,
+                batches_flagged=flagged.height,
+                steps=sorted(set(flagged["step"].to_list()))[:50],
+                worst_step=worst["step"],
+                value=worst["cv"],
+                threshold=self.params["cv_threshold"],
+                padding_share=worst["padding_share"],
+                lengths=lengths,
+                sample_ids=[ids[int(np.argmin(lengths))], ids[int(np.argmax(lengths))]],
+            )
+        ]
 
     def _run_waste(self, batches) -> list[Finding]:
         lengths = batches["lengths"].explode().to_numpy().astype(np.int64)
@@ -83,13 +97,18 @@ class BatchPaddingStrategy(Check):
         padded = int((sizes * batches["seq_len"].to_numpy()).sum())
         grouped = _grouped_padded_tokens(lengths, sizes, self.params["group_batches"])
         waste, saving = 1 - real / padded, 1 - grouped / padded
-        return [self.finding(
-            "info",
-            f"padding is {waste:.0%} of the run's {padded} batch tokens; length-grouped batching would need "
-            f"{grouped} ({saving:.0%} less compute)",
-            value=waste, real_tokens=real, padded_tokens=padded, grouped_padded_tokens=grouped,
-            grouped_saving=saving,
-        )]
+        return [
+            self.finding(
+                "info",
+                f"padding is {waste:.0%} of the run's {padded} batch tokens; length-grouped batching would need "
+                f"{grouped} ({saving:.0%} less compute)",
+                value=waste,
+                real_tokens=real,
+                padded_tokens=padded,
+                grouped_padded_tokens=grouped,
+                grouped_saving=saving,
+            )
+        ]
 
 
 def _grouped_padded_tokens(lengths: np.ndarray, sizes: np.ndarray, group_batches: int) -> int:

@@ -9,9 +9,21 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (CATEGORY_NAMES, EITHER, IGNORE_INDEX, MASKED, PADDING, TRAINED, actual_labels,
-                             expected_labels, has_generation_block, matches, run_layout, sample_blocks,
-                             template_source)
+from ..chat_template import (
+    CATEGORY_NAMES,
+    EITHER,
+    IGNORE_INDEX,
+    MASKED,
+    PADDING,
+    TRAINED,
+    actual_labels,
+    expected_labels,
+    has_generation_block,
+    matches,
+    run_layout,
+    sample_blocks,
+    template_source,
+)
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer
@@ -20,7 +32,7 @@ _ADVICE = {
     "off_by_one": "the collator's prompt boundary is off by one; mask through the last token of the assistant header",
     "prompt_trained": "set labels to -100 on every token outside the assistant turns",
     "assistant_masked": "the model never learns these tokens; make the collator keep labels on each assistant "
-                        "turn through its end-of-turn marker",
+    "turn through its end-of-turn marker",
     "padding_confused": "build attention_mask from the sequence lengths, not from the pad id",
 }
 
@@ -75,8 +87,13 @@ class LossMaskValidity(Check):
     code = "LOOP-04"
     name = "loss-mask validity"
     needs = ("batches",)
-    defaults = {"aggregate_tolerance": 0.001, "max_samples_listed": 50, "context_tokens": 6,
-                "expect": "assistant_tokens", "assistant_turns": "all"}
+    defaults = {
+        "aggregate_tolerance": 0.001,
+        "max_samples_listed": 50,
+        "context_tokens": 6,
+        "expect": "assistant_tokens",
+        "assistant_turns": "all",
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         tokenizer = run_tokenizer(ctx)
@@ -101,14 +118,19 @@ class LossMaskValidity(Check):
                 findings.append(self._end_of_turn_finding(ends, tokenizer, template, full_sequence=True))
             if self.params["expect"] == "all_tokens":
                 return findings
-            return findings + [self.finding(
-                "warn",
-                "every non-padding token is trained (full-sequence loss: TRL's default for a `messages` dataset, "
-                "axolotl's train_on_inputs), so the model also learns to write the prompts; for completion-only "
-                f"loss {assistant_only_advice(template, installed_trl())}, or declare it intended with "
-                "[checks.\"LOOP-04\"] expect = \"all_tokens\"",
-                category="configuration", kind="full_sequence_loss", configuration="all tokens trained",
-                first_step=int(frame["step"].min()))]
+            return findings + [
+                self.finding(
+                    "warn",
+                    "every non-padding token is trained (full-sequence loss: TRL's default for a `messages` dataset, "
+                    "axolotl's train_on_inputs), so the model also learns to write the prompts; for completion-only "
+                    f"loss {assistant_only_advice(template, installed_trl())}, or declare it intended with "
+                    '[checks."LOOP-04"] expect = "all_tokens"',
+                    category="configuration",
+                    kind="full_sequence_loss",
+                    configuration="all tokens trained",
+                    first_step=int(frame["step"].min()),
+                )
+            ]
         findings += self._emptied_by_truncation(frame)
         last_turn_only = self.params["assistant_turns"] == "last"
         hits: dict[str, list[tuple[int, str, int]]] = {k: [] for k in [*_ADVICE, "earlier_masked"]}
@@ -138,8 +160,9 @@ class LossMaskValidity(Check):
                     pos = int(np.argmax(mask[r]))
                     hits[kind].append((steps[r], sample_ids[r], pos))
                     if kind not in first_evidence:
-                        first_evidence[kind] = self._side_by_side(tokenizer, ids[r], labels[r], expected[r],
-                                                                  actual[r], pos)
+                        first_evidence[kind] = self._side_by_side(
+                            tokenizer, ids[r], labels[r], expected[r], actual[r], pos
+                        )
         if stop_untrained:
             findings.append(self._end_of_turn_finding(ends, tokenizer, template))
         earlier_rows = hits.pop("earlier_masked")
@@ -156,15 +179,19 @@ class LossMaskValidity(Check):
                 findings.append(self._mask_finding(kind, rows, counts[kind], first_evidence[kind]))
         if expected_total and abs(actual_total - expected_total) / expected_total > self.params["aggregate_tolerance"]:
             share = abs(actual_total - expected_total) / expected_total
-            findings.append(self.finding(
-                "warn",
-                f"the recorded samples train {actual_total} tokens but the template's assistant turns hold "
-                f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
-                f"see this check's other findings for the samples",
-                step=min((f.step for f in findings if f.step is not None), default=int(frame["step"].min())),
-                value=share, threshold=self.params["aggregate_tolerance"],
-                expected_trained=expected_total, actual_trained=actual_total,
-            ))
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"the recorded samples train {actual_total} tokens but the template's assistant turns hold "
+                    f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
+                    f"see this check's other findings for the samples",
+                    step=min((f.step for f in findings if f.step is not None), default=int(frame["step"].min())),
+                    value=share,
+                    threshold=self.params["aggregate_tolerance"],
+                    expected_trained=expected_total,
+                    actual_trained=actual_total,
+                )
+            )
         return findings
 
     def _last_turn_only(self, rows: list[tuple[int, str, int]], template: str | None) -> Finding:
@@ -175,11 +202,15 @@ class LossMaskValidity(Check):
             "warn",
             f"only the last assistant turn of each sample is trained: the earlier answers of {len(ids)} multi-turn "
             f"sample(s) are masked (first {ids[0]}), so the model learns no answer that a conversation goes on "
-            f"from; if that is intended, declare it with [checks.\"LOOP-04\"] assistant_turns = \"last\", "
+            f'from; if that is intended, declare it with [checks."LOOP-04"] assistant_turns = "last", '
             f"otherwise train every assistant turn of a `messages` dataset, not a prompt-completion split: "
             f"{assistant_only_advice(template, installed_trl())}",
-            category="configuration", kind="last_turn_only", configuration="last assistant turn trained",
-            first_step=rows[0][0], sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
+            category="configuration",
+            kind="last_turn_only",
+            configuration="last assistant turn trained",
+            first_step=rows[0][0],
+            sample_ids=ids[: self.params["max_samples_listed"]],
+            samples_affected=len(ids),
         )
 
     def _end_of_turn(self, frame: Any, layout: Any, tokenizer: Any, last_turn_only: bool = False) -> dict[str, Any]:
@@ -198,12 +229,19 @@ class LossMaskValidity(Check):
                 pos = int(np.argmax(masked[r]))
                 out["rows"].append((steps[r], sample_ids[r], pos))
                 if "evidence" not in out:
-                    out["evidence"] = self._side_by_side(tokenizer, ids[r], labels[r], expected[r],
-                                                         actual_labels(labels[r:r + 1], attention[r:r + 1])[0], pos)
+                    out["evidence"] = self._side_by_side(
+                        tokenizer,
+                        ids[r],
+                        labels[r],
+                        expected[r],
+                        actual_labels(labels[r : r + 1], attention[r : r + 1])[0],
+                        pos,
+                    )
         return out
 
-    def _end_of_turn_finding(self, ends: dict[str, Any], tokenizer: Any, template: str | None,
-                             full_sequence: bool = False) -> Finding:
+    def _end_of_turn_finding(
+        self, ends: dict[str, Any], tokenizer: Any, template: str | None, full_sequence: bool = False
+    ) -> Finding:
         """No assistant turn's end-of-turn marker is trained: the model never learns to emit its stop token,
         whatever span the template's `{% generation %}` block marks."""
         rows = sorted(ends["rows"], key=lambda r: r[0])
@@ -212,11 +250,15 @@ class LossMaskValidity(Check):
         layout = run_layout(tokenizer)
         marker = tokenizer.decode(layout.turn_end)
         if tokenizer.pad_token_id is not None and tokenizer.pad_token_id in layout.turn_end:
-            cause = (f"the pad token is {marker!r} and the collator masks it wherever it occurs; use a distinct pad "
-                     f"token or mask padding by attention_mask")
+            cause = (
+                f"the pad token is {marker!r} and the collator masks it wherever it occurs; use a distinct pad "
+                f"token or mask padding by attention_mask"
+            )
         elif has_generation_block(template) and not full_sequence:
-            cause = (f"the template's {{% generation %}} block (TRL's assistant_only_loss and transformers' assistant "
-                     f"mask train only that block) ends before {marker!r}: move {{% endgeneration %}} after the marker")
+            cause = (
+                f"the template's {{% generation %}} block (TRL's assistant_only_loss and transformers' assistant "
+                f"mask train only that block) ends before {marker!r}: move {{% endgeneration %}} after the marker"
+            )
         else:
             cause = f"keep labels on each assistant turn through its {marker!r}"
         return self.finding(
@@ -224,9 +266,16 @@ class LossMaskValidity(Check):
             f"{ends['trained']} of {ends['total']} end-of-turn markers {marker!r} of the assistant turns are trained "
             f"(from step {step}, first {sample}): the model never learns to emit its stop token and runs on past "
             f"its answers at inference; {cause}",
-            step=step, kind="end_of_turn_untrained", marker=marker, markers_total=ends["total"],
-            markers_trained=ends["trained"], sample_ids=ids[: self.params["max_samples_listed"]],
-            samples_affected=len(ids), first_step=step, last_step=rows[-1][0], tokens=ends.get("evidence", []),
+            step=step,
+            kind="end_of_turn_untrained",
+            marker=marker,
+            markers_total=ends["total"],
+            markers_trained=ends["trained"],
+            sample_ids=ids[: self.params["max_samples_listed"]],
+            samples_affected=len(ids),
+            first_step=step,
+            last_step=rows[-1][0],
+            tokens=ends.get("evidence", []),
         )
 
     def _emptied_by_truncation(self, frame: Any) -> list[Finding]:
@@ -236,20 +285,26 @@ class LossMaskValidity(Check):
             lengths = (attention != 0).sum(1)
             longest = max(longest, int(lengths.max(initial=0)))
             empty = np.flatnonzero(((labels != IGNORE_INDEX).sum(1) == 0) & (lengths > 0))
-            hits += zip(part["step"].gather(empty).to_list(), part["sample_id"].gather(empty).to_list(),
-                        lengths[empty].tolist())
+            hits += zip(
+                part["step"].gather(empty).to_list(), part["sample_id"].gather(empty).to_list(), lengths[empty].tolist()
+            )
         truncated = sorted((step, sample) for step, sample, length in hits if length == longest)
         if not truncated or longest == 0:
             return []
         ids = list(dict.fromkeys(s for _, s in truncated))
-        return [self.finding(
-            "fail",
-            f"{len(ids)} sample(s) train no token: truncation to {longest} tokens cuts them before the assistant "
-            f"turn (first {ids[0]}, step {truncated[0][0]}); raise max_length, truncate the prompt from the left, "
-            f"or drop them",
-            step=truncated[0][0], kind="emptied_by_truncation", max_length=longest,
-            sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"{len(ids)} sample(s) train no token: truncation to {longest} tokens cuts them before the assistant "
+                f"turn (first {ids[0]}, step {truncated[0][0]}); raise max_length, truncate the prompt from the left, "
+                f"or drop them",
+                step=truncated[0][0],
+                kind="emptied_by_truncation",
+                max_length=longest,
+                sample_ids=ids[: self.params["max_samples_listed"]],
+                samples_affected=len(ids),
+            )
+        ]
 
     @staticmethod
     def _all_tokens_trained(frame: Any, bos_id: int | None, pad_id: int | None) -> bool:
@@ -271,14 +326,20 @@ class LossMaskValidity(Check):
             "off_by_one": f"the prompt token just before the assistant turn is trained in {len(ids)} sample(s)",
             "prompt_trained": f"{tokens} prompt token(s) are trained in {len(ids)} sample(s)",
             "assistant_masked": f"{tokens} assistant token(s) (content or end-of-turn marker) are masked in "
-                                f"{len(ids)} sample(s)",
+            f"{len(ids)} sample(s)",
             "padding_confused": f"padding is confused with prompt in {len(ids)} sample(s) ({tokens} position(s))",
         }[kind]
         return self.finding(
             "warn" if kind == "padding_confused" else "fail",
             f"{what} from step {step} (first {sample}, position {pos}); {_ADVICE[kind]}",
-            step=step, kind=kind, sample_ids=ids[: self.params["max_samples_listed"]], samples_affected=len(ids),
-            positions_affected=tokens, first_step=step, last_step=rows[-1][0], tokens=evidence,
+            step=step,
+            kind=kind,
+            sample_ids=ids[: self.params["max_samples_listed"]],
+            samples_affected=len(ids),
+            positions_affected=tokens,
+            first_step=step,
+            last_step=rows[-1][0],
+            tokens=evidence,
         )
 
     def _padding_trained(self, ctx: AuditContext, tokenizer: Any, layout: Any) -> list[Finding]:
@@ -295,18 +356,27 @@ class LossMaskValidity(Check):
         step, sample = rows.row(0)[:2]
         ids = list(dict.fromkeys(rows["sample_id"].to_list()))
         evidence = self._padding_evidence(ctx, tokenizer, layout, step, sample)
-        return [self.finding(
-            "fail",
-            f"padding is trained in {len(ids)} sample(s) from step {step} ({int(rows['trained'].sum())} pad "
-            f"token(s), first {sample}); set labels to -100 wherever attention_mask is 0",
-            step=step, kind="padding_trained", sample_ids=ids[: self.params["max_samples_listed"]],
-            samples_affected=len(ids), positions_affected=int(rows["trained"].sum()), first_step=step,
-            last_step=int(rows["step"].max()), tokens=evidence,
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"padding is trained in {len(ids)} sample(s) from step {step} ({int(rows['trained'].sum())} pad "
+                f"token(s), first {sample}); set labels to -100 wherever attention_mask is 0",
+                step=step,
+                kind="padding_trained",
+                sample_ids=ids[: self.params["max_samples_listed"]],
+                samples_affected=len(ids),
+                positions_affected=int(rows["trained"].sum()),
+                first_step=step,
+                last_step=int(rows["step"].max()),
+                tokens=evidence,
+            )
+        ]
 
     def _padding_evidence(self, ctx: AuditContext, tokenizer: Any, layout: Any, step: int, sample: str) -> list[dict]:
-        row = ctx.row("SELECT input_ids, labels, attention_mask FROM samples WHERE step = ? AND sample_id = ? LIMIT 1",
-                      [step, sample])
+        row = ctx.row(
+            "SELECT input_ids, labels, attention_mask FROM samples WHERE step = ? AND sample_id = ? LIMIT 1",
+            [step, sample],
+        )
         if row is None or layout is None:
             return []
         ids, labels, attention = (np.asarray([v]) for v in row)
@@ -320,9 +390,17 @@ class LossMaskValidity(Check):
         lo, hi = max(pos - k, 0), min(pos + k + 1, int((ids >= 0).sum()))
         window = [int(i) for i in ids[lo:hi]]
         tokens = tokenizer.convert_ids_to_tokens(window)
-        return [{"pos": lo + j, "token": str(tokens[j]), "input_id": window[j], "label": int(labels[lo + j]),
-                 "actual": CATEGORY_NAMES[actual[lo + j]], "expected": CATEGORY_NAMES[expected[lo + j]]}
-                for j in range(len(window))]
+        return [
+            {
+                "pos": lo + j,
+                "token": str(tokens[j]),
+                "input_id": window[j],
+                "label": int(labels[lo + j]),
+                "actual": CATEGORY_NAMES[actual[lo + j]],
+                "expected": CATEGORY_NAMES[expected[lo + j]],
+            }
+            for j in range(len(window))
+        ]
 
 
 def _mismatches(expected: np.ndarray, actual: np.ndarray) -> dict[str, np.ndarray]:
@@ -359,9 +437,14 @@ def installed_trl() -> tuple[str, frozenset[str]] | None:
         dist = importlib.metadata.distribution("trl")
     except importlib.metadata.PackageNotFoundError:
         return None
-    files = {str(f): f for f in dist.files or () if str(f).startswith("trl/chat_templates/") and str(f).endswith(".jinja")}
-    patched = frozenset(dist.locate_file(f).read_text(encoding="utf-8") for name, f in files.items()
-                        if not name.endswith("_training.jinja") and name[:-len(".jinja")] + "_training.jinja" in files)
+    files = {
+        str(f): f for f in dist.files or () if str(f).startswith("trl/chat_templates/") and str(f).endswith(".jinja")
+    }
+    patched = frozenset(
+        dist.locate_file(f).read_text(encoding="utf-8")
+        for name, f in files.items()
+        if not name.endswith("_training.jinja") and name[: -len(".jinja")] + "_training.jinja" in files
+    )
     return dist.version, patched
 
 
@@ -371,13 +454,17 @@ def assistant_only_advice(template: str | None, trl: tuple[str, frozenset[str]] 
         return "set labels to -100 outside the assistant turns (axolotl: train_on_inputs: false)"
     version, patched = trl
     if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < (0, 19):
-        return (f"TRL {version} has no assistant_only_loss (it came in 0.19): upgrade TRL, or use "
-                f"DataCollatorForCompletionOnlyLM with the template's assistant header as response_template and its "
-                f"user header as instruction_template")
+        return (
+            f"TRL {version} has no assistant_only_loss (it came in 0.19): upgrade TRL, or use "
+            f"DataCollatorForCompletionOnlyLM with the template's assistant header as response_template and its "
+            f"user header as instruction_template"
+        )
     if has_generation_block(template):
         return f"set assistant_only_loss=True (TRL {version}; the template marks its assistant turns with {{% generation %}})"
     if template in patched:
         return f"set assistant_only_loss=True (TRL {version} swaps in its training version of this template)"
-    return (f"assistant_only_loss=True needs {{% generation %}} markers, which this template lacks and TRL {version} "
-            f"has no training version of: wrap each assistant turn's content and end-of-turn marker in "
-            f"{{% generation %}}...{{% endgeneration %}}, or label the turns in your own collator")
+    return (
+        f"assistant_only_loss=True needs {{% generation %}} markers, which this template lacks and TRL {version} "
+        f"has no training version of: wrap each assistant turn's content and end-of-turn marker in "
+        f"{{% generation %}}...{{% endgeneration %}}, or label the turns in your own collator"
+    )

@@ -6,8 +6,18 @@ import numpy as np
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
-from .rolling import (adaptive_window, column, dominant_period, grad_norm_matrix, nonfinite_logged, previous_block_stats,
-                      robust_z, skipped_updates, step_frame, warmup_end)
+from .rolling import (
+    adaptive_window,
+    column,
+    dominant_period,
+    grad_norm_matrix,
+    nonfinite_logged,
+    previous_block_stats,
+    robust_z,
+    skipped_updates,
+    step_frame,
+    warmup_end,
+)
 
 # Log-norm sigma floor: a history flatter than this (e = 1.2x) does not make small wobbles alarms.
 LOG_SIGMA_FLOOR = np.log(1.2)
@@ -61,14 +71,25 @@ class GradientNormAnomaly(Check):
     name = "gradient-norm anomaly"
     needs = ("steps",)
     uses = ("grad_norms",)  # per tensor: without it, the global norm alone
-    defaults = {"max_tensors_listed": 20, "sigma_across": 3.0, "sigma_own": 6.0, "min_ratio": 10.0,
-                "window": None, "warmup_steps": None, "min_periodic_spikes": 4}
+    defaults = {
+        "max_tensors_listed": 20,
+        "sigma_across": 3.0,
+        "sigma_own": 6.0,
+        "min_ratio": 10.0,
+        "window": None,
+        "warmup_steps": None,
+        "min_periodic_spikes": 4,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
         skipped = skipped_updates(bad_norm, has_norm)
-        return (self._nonfinite_loss(ctx) + self._nonfinite_grads(ctx, skipped) + self._spikes(ctx, skipped)
-                + self._weights_not_moving(ctx))
+        return (
+            self._nonfinite_loss(ctx)
+            + self._nonfinite_grads(ctx, skipped)
+            + self._spikes(ctx, skipped)
+            + self._weights_not_moving(ctx)
+        )
 
     # ------------------------------------------------------------------ non-finite
 
@@ -88,13 +109,18 @@ class GradientNormAnomaly(Check):
         first, last, n, last_finite = row
         if first is None:
             return []
-        return [self.finding(
-            "fail",
-            f"loss became non-finite at step {first} ({n} step(s) through {last}); resume from a checkpoint "
-            f"before step {first} and find the batch or learning rate that caused it",
-            step=first, first_step=first, last_step=last, steps_affected=n, last_finite_loss=last_finite,
-        )]
-
+        return [
+            self.finding(
+                "fail",
+                f"loss became non-finite at step {first} ({n} step(s) through {last}); resume from a checkpoint "
+                f"before step {first} and find the batch or learning rate that caused it",
+                step=first,
+                first_step=first,
+                last_step=last,
+                steps_affected=n,
+                last_finite_loss=last_finite,
+            )
+        ]
 
     def _nonfinite_grads(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
         # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
@@ -115,13 +141,20 @@ class GradientNormAnomaly(Check):
         )
         names = tensors["tensor"].to_list()
         shown = names[: self.params["max_tensors_listed"]]
-        return [self.finding(
-            "fail",
-            f"gradients became non-finite at step {first} in {len(names)} tensor(s), first {names[0]}; "
-            f"resume from a checkpoint before step {first} and skip or inspect that step's batch",
-            step=first, first_step=first, last_step=last, steps_affected=n, tensor_count=len(names),
-            tensors=tensors.head(self.params["max_tensors_listed"]).to_dicts(), tensors_truncated=len(names) > len(shown),
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"gradients became non-finite at step {first} in {len(names)} tensor(s), first {names[0]}; "
+                f"resume from a checkpoint before step {first} and skip or inspect that step's batch",
+                step=first,
+                first_step=first,
+                last_step=last,
+                steps_affected=n,
+                tensor_count=len(names),
+                tensors=tensors.head(self.params["max_tensors_listed"]).to_dicts(),
+                tensors_truncated=len(names) > len(shown),
+            )
+        ]
 
     # ------------------------------------------------------------------ spikes
 
@@ -136,20 +169,29 @@ class GradientNormAnomaly(Check):
         # Non-finite norms are no spikes: a skipped update is LOOP-25's info, an applied one the non-finite rule's.
         g = column(steps_frame, "grad_norm")
         with np.errstate(divide="ignore", invalid="ignore"):
-            y = np.log(np.where(np.isfinite(norms) & (norms > 0), norms, np.nan).astype(np.float32))  # float32: half the memory traffic
+            y = np.log(
+                np.where(np.isfinite(norms) & (norms > 0), norms, np.nan).astype(np.float32)
+            )  # float32: half the memory traffic
             global_y = np.log(np.where(np.isfinite(g) & (g > 0), g, np.nan))
         window = self.params["window"] or adaptive_window(steps.size)
         warmup = self.params["warmup_steps"]
-        first_judged = (steps[0] + warmup if warmup is not None
-                        else steps[warmup_end(np.nan_to_num(column(steps_frame, "lr")), skipped)])
+        first_judged = (
+            steps[0] + warmup
+            if warmup is not None
+            else steps[warmup_end(np.nan_to_num(column(steps_frame, "lr")), skipped)]
+        )
         judged = steps >= first_judged
 
         # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline for what follows.
-        median, sigma = previous_block_stats(np.where(judged[:, None], y, np.nan), window, SIGMA_BLOCKS, MIN_BASELINE_SHARE)
+        median, sigma = previous_block_stats(
+            np.where(judged[:, None], y, np.nan), window, SIGMA_BLOCKS, MIN_BASELINE_SHARE
+        )
         z_own = robust_z(y, median, sigma, LOG_SIGMA_FLOOR)
         log_ratio = y - median
         with np.errstate(invalid="ignore"):
-            own = judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+            own = (
+                judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+            )
         # The cross-tensor rule, evaluated only on the steps where some tensor spiked on its own.
         z_across = np.full(y.shape, np.nan)
         candidates = np.flatnonzero(own.any(axis=1))
@@ -165,8 +207,13 @@ class GradientNormAnomaly(Check):
             flagged = own & (z_across >= self.params["sigma_across"])
         # initial: a run that lists no tensors (an imported log without checkpoints) has no columns to reduce
         largest = np.fmax.reduce(np.where(judged[:, None], log_ratio, np.nan), axis=1, initial=-np.inf)
-        ctx.add_series(self.code, "largest gradient norm / own running median", steps.tolist(),
-                       np.nan_to_num(np.exp(largest)).tolist(), self.params["min_ratio"])
+        ctx.add_series(
+            self.code,
+            "largest gradient norm / own running median",
+            steps.tolist(),
+            np.nan_to_num(np.exp(largest)).tolist(),
+            self.params["min_ratio"],
+        )
 
         findings: list[Finding] = []
         episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
@@ -180,62 +227,101 @@ class GradientNormAnomaly(Check):
                 if not rows.size:
                     continue
             row = rows[0]
-            entry = {"tensor": names[col], "norm": norms[row, col], "baseline_median": float(np.exp(median[row, col])),
-                     "effect_size": float(np.exp(log_ratio[row, col])), "z_own": z_own[row, col], "p_value": float(stats.norm.sf(z_own[row, col])),
-                     "z_across": z_across[row, col], "steps_flagged": int(rows.size), "last_step": int(steps[rows[-1]])}
+            entry = {
+                "tensor": names[col],
+                "norm": norms[row, col],
+                "baseline_median": float(np.exp(median[row, col])),
+                "effect_size": float(np.exp(log_ratio[row, col])),
+                "z_own": z_own[row, col],
+                "p_value": float(stats.norm.sf(z_own[row, col])),
+                "z_across": z_across[row, col],
+                "steps_flagged": int(rows.size),
+                "last_step": int(steps[rows[-1]]),
+            }
             if period is not None:
                 explained[rows] = True
-                findings.append(self.finding(
-                    "warn",
-                    f"{names[col]} gradient norm spikes every {period} steps from step {steps[row]} ({rows.size} spikes, "
-                    f"up to {np.exp(log_ratio[rows, col].max()):.0f}x its running median); look for work the framework repeats on that "
-                    f"period (recompilation, a scheduled hook), not for bad data",
-                    step=steps[row], period=period, spike_steps=steps[rows].tolist(), tensors=[entry],
-                    threshold=self.params["min_ratio"], value=entry["effect_size"],
-                    **self._histogram(ctx, int(steps[row]), names[col]),
-                ))
+                findings.append(
+                    self.finding(
+                        "warn",
+                        f"{names[col]} gradient norm spikes every {period} steps from step {steps[row]} ({rows.size} spikes, "
+                        f"up to {np.exp(log_ratio[rows, col].max()):.0f}x its running median); look for work the framework repeats on that "
+                        f"period (recompilation, a scheduled hook), not for bad data",
+                        step=steps[row],
+                        period=period,
+                        spike_steps=steps[rows].tolist(),
+                        tensors=[entry],
+                        threshold=self.params["min_ratio"],
+                        value=entry["effect_size"],
+                        **self._histogram(ctx, int(steps[row]), names[col]),
+                    )
+                )
             else:
                 episodes.setdefault(int(steps[row]), []).append(entry)
         for step, tensors in sorted(episodes.items()):
             tensors.sort(key=lambda t: -t["effect_size"])
             top = tensors[0]
-            findings.append(self.finding(
-                "fail",
-                f"gradient norm of {top['tensor']} jumped to {top['effect_size']:.0f}x its running median at step {step}"
-                + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
-                + f"; inspect that layer and the hardware it ran on, and resume from a checkpoint before step {step}",
-                step=step, tensors=tensors[: self.params["max_tensors_listed"]], threshold=self.params["min_ratio"],
-                value=top["effect_size"], p_value=top["p_value"], effect_size=top["effect_size"],
-                **self._histogram(ctx, step, top["tensor"]),
-            ))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"gradient norm of {top['tensor']} jumped to {top['effect_size']:.0f}x its running median at step {step}"
+                    + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
+                    + f"; inspect that layer and the hardware it ran on, and resume from a checkpoint before step {step}",
+                    step=step,
+                    tensors=tensors[: self.params["max_tensors_listed"]],
+                    threshold=self.params["min_ratio"],
+                    value=top["effect_size"],
+                    p_value=top["p_value"],
+                    effect_size=top["effect_size"],
+                    **self._histogram(ctx, step, top["tensor"]),
+                )
+            )
 
         # The global norm: a spike shared by many tensors (a bad batch) that no single tensor stands out in.
-        g_median, g_sigma = previous_block_stats(np.where(judged, global_y, np.nan), window, SIGMA_BLOCKS,
-                                                 MIN_BASELINE_SHARE)
+        g_median, g_sigma = previous_block_stats(
+            np.where(judged, global_y, np.nan), window, SIGMA_BLOCKS, MIN_BASELINE_SHARE
+        )
         g_z = robust_z(global_y, g_median, g_sigma, LOG_SIGMA_FLOOR)
         with np.errstate(invalid="ignore"):
-            g_flag = judged & (g_z >= self.params["sigma_own"]) & (global_y - g_median >= np.log(self.params["min_ratio"]))
+            g_flag = (
+                judged & (g_z >= self.params["sigma_own"]) & (global_y - g_median >= np.log(self.params["min_ratio"]))
+            )
         g_flag &= ~explained
         if g_flag.any():
             rows = np.flatnonzero(g_flag)
             row = rows[0]
             effect = float(np.exp(global_y[row] - g_median[row]))
-            findings.append(self.finding(
-                "warn",
-                f"global gradient norm jumped to {effect:.0f}x its running median at step {steps[row]} "
-                f"({rows.size} step(s) flagged) with no single tensor standing out; inspect that step's batch",
-                step=steps[row], value=effect, effect_size=effect, p_value=float(stats.norm.sf(g_z[row])),
-                threshold=self.params["min_ratio"], spike_steps=steps[rows].tolist()[:50],
-            ))
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"global gradient norm jumped to {effect:.0f}x its running median at step {steps[row]} "
+                    f"({rows.size} step(s) flagged) with no single tensor standing out; inspect that step's batch",
+                    step=steps[row],
+                    value=effect,
+                    effect_size=effect,
+                    p_value=float(stats.norm.sf(g_z[row])),
+                    threshold=self.params["min_ratio"],
+                    spike_steps=steps[rows].tolist()[:50],
+                )
+            )
         return findings
 
     def _histogram(self, ctx: AuditContext, step: int, tensor: str) -> dict:
-        row = ctx.row("SELECT counts, zeros, nonfinite FROM grad_hists WHERE rank = 0 AND step = ? AND tensor = ? LIMIT 1",
-                      [step, tensor])
+        row = ctx.row(
+            "SELECT counts, zeros, nonfinite FROM grad_hists WHERE rank = 0 AND step = ? AND tensor = ? LIMIT 1",
+            [step, tensor],
+        )
         if row is None:
             return {}
-        return {"histogram": {"tensor": tensor, "step": step, "edges": GRAD_HIST_EDGES, "counts": row[0],
-                              "zeros": row[1], "nonfinite": row[2]}}
+        return {
+            "histogram": {
+                "tensor": tensor,
+                "step": step,
+                "edges": GRAD_HIST_EDGES,
+                "counts": row[0],
+                "zeros": row[1],
+                "nonfinite": row[2],
+            }
+        }
 
     # ------------------------------------------------------------------ weights that never move
 
@@ -243,13 +329,18 @@ class GradientNormAnomaly(Check):
         initial = ctx.manifest.get("param_norms") if ctx.manifest.get("seg", 0) == 0 else None
         saves = ctx.con.execute(
             "SELECT step, path, param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND param_norms IS NOT NULL "
-            "ORDER BY step").fetchall()
+            "ORDER BY step"
+        ).fetchall()
         snapshots = ([(0, "start of training", initial)] if initial else []) + saves
         if len(snapshots) < 2:
             return []
-        names = [r[0] for r in ctx.con.execute(
-            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
-            "ORDER BY idx").fetchall()]
+        names = [
+            r[0]
+            for r in ctx.con.execute(
+                "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
+                "ORDER BY idx"
+            ).fetchall()
+        ]
         findings = []
         reported: set[int] = set()
         for (a, a_name, a_norms), (b, b_name, b_norms) in zip(snapshots, snapshots[1:]):
@@ -262,19 +353,29 @@ class GradientNormAnomaly(Check):
                 "SELECT g.idx, min(g.step), count(*), max(g.norm), max(g.norm * s.lr) FROM grad_norms g "
                 "LEFT JOIN steps s ON s.rank = g.rank AND s.step = g.step WHERE g.rank = 0 AND g.step > ? AND g.step <= ? "
                 "AND g.norm > 0 AND g.idx IN (SELECT unnest(?::INTEGER[])) GROUP BY g.idx ORDER BY g.idx",
-                [a, b, [int(i) for i in unchanged]]).fetchall()
+                [a, b, [int(i) for i in unchanged]],
+            ).fetchall()
             for idx, first, n, largest, step_size in grads:
                 # The RMS update (lr x |g| / sqrt(n)) under half a float32 ulp of the RMS weight (|w| / sqrt(n)) at
                 # every step: updates round away; the learning rate is too small to move it, not a missing optimizer entry.
-                if step_size is not None and step_size < b_norms[idx] * 2.0 ** -24:
+                if step_size is not None and step_size < b_norms[idx] * 2.0**-24:
                     continue
                 reported.add(idx)
-                findings.append(self.finding(
-                    "fail",
-                    f"{names[idx]} received non-zero gradients at {n} step(s) from step {first} but its weights did not "
-                    f"change between {a_name} and {b_name}; add it to the optimizer's parameter groups",
-                    step=first, tensors=[{"tensor": names[idx], "weight_norm": b_norms[idx], "largest_grad_norm": largest,
-                                          "steps_with_gradient": n}],
-                    compared={"from": a_name, "from_step": a, "to": b_name, "to_step": b},
-                ))
+                findings.append(
+                    self.finding(
+                        "fail",
+                        f"{names[idx]} received non-zero gradients at {n} step(s) from step {first} but its weights did not "
+                        f"change between {a_name} and {b_name}; add it to the optimizer's parameter groups",
+                        step=first,
+                        tensors=[
+                            {
+                                "tensor": names[idx],
+                                "weight_norm": b_norms[idx],
+                                "largest_grad_norm": largest,
+                                "steps_with_gradient": n,
+                            }
+                        ],
+                        compared={"from": a_name, "from_step": a, "to": b_name, "to_step": b},
+                    )
+                )
         return findings

@@ -74,12 +74,20 @@ class LogitsStability(Check):
     code = "LOOP-06"
     name = "logits distribution stability"
     needs = ("probes",)
-    defaults = {"max_top1_std": 0.08, "spread_window": 5, "sigma": 6.0, "min_ratio": 10.0, "min_kl": 0.02,
-                "entropy_collapse": 0.5, "window": 4}
+    defaults = {
+        "max_top1_std": 0.08,
+        "spread_window": 5,
+        "sigma": 6.0,
+        "min_ratio": 10.0,
+        "min_kl": 0.02,
+        "entropy_collapse": 0.5,
+        "window": 4,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        rows = ctx.con.execute("SELECT step, prompt, entropy, top_ids, top_probs FROM probes "
-                               "ORDER BY step, prompt").fetchall()
+        rows = ctx.con.execute(
+            "SELECT step, prompt, entropy, top_ids, top_probs FROM probes ORDER BY step, prompt"
+        ).fetchall()
         if not rows:
             return []
         steps = np.array(sorted({r[0] for r in rows}))
@@ -91,22 +99,32 @@ class LogitsStability(Check):
             return []
         entropy = np.array([[at[s, p][2] for p in prompts] for s in steps]).mean(axis=1)
         top1 = np.array([[at[s, p][4][0] for p in prompts] for s in steps])
-        kl = np.array([0.0] + [np.mean([kl_top_k(at[a, p][3], at[a, p][4], at[b, p][3], at[b, p][4]) for p in prompts])
-                                for a, b in zip(steps, steps[1:])])
+        kl = np.array(
+            [0.0]
+            + [
+                np.mean([kl_top_k(at[a, p][3], at[a, p][4], at[b, p][3], at[b, p][4]) for p in prompts])
+                for a, b in zip(steps, steps[1:])
+            ]
+        )
         w = self.params["spread_window"]
         # std over each trailing window of (up to) w probes, from running sums
-        sums = np.concatenate([np.zeros((1, 2, top1.shape[1])), np.cumsum(np.stack([top1, top1 ** 2], axis=1), axis=0)])
+        sums = np.concatenate([np.zeros((1, 2, top1.shape[1])), np.cumsum(np.stack([top1, top1**2], axis=1), axis=0)])
         hi = np.arange(1, steps.size + 1)
         lo = np.maximum(0, hi - w)
         n = (hi - lo)[:, None]
         mean = (sums[hi, 0] - sums[lo, 0]) / n
-        spread = np.sqrt(np.maximum((sums[hi, 1] - sums[lo, 1]) / n - mean ** 2, 0.0)).mean(axis=1)
+        spread = np.sqrt(np.maximum((sums[hi, 1] - sums[lo, 1]) / n - mean**2, 0.0)).mean(axis=1)
         lr = ctx.frame("SELECT step, lr FROM steps WHERE rank = 0 ORDER BY step")
         judged_from = lr["step"][warmup_end(lr["lr"].fill_null(0).to_numpy())] if lr.height else steps[0]
         judged = steps >= judged_from
 
-        ctx.add_series(self.code, "top-1 probability std over recent probes", steps.tolist(), spread.tolist(),
-                       self.params["max_top1_std"])
+        ctx.add_series(
+            self.code,
+            "top-1 probability std over recent probes",
+            steps.tolist(),
+            spread.tolist(),
+            self.params["max_top1_std"],
+        )
         ctx.add_series(self.code, "KL(previous || current probe)", steps.tolist(), kl.tolist(), self.params["min_kl"])
         ctx.add_series(self.code, "mean next-token entropy", steps.tolist(), entropy.tolist())
 
@@ -116,13 +134,30 @@ class LogitsStability(Check):
         e_median, _ = previous_block_stats(entropy, self.params["window"])
         with np.errstate(invalid="ignore"):
             rules = [
-                ("spread", judged & (spread_z >= self.params["sigma"]) & (spread > self.params["max_top1_std"]), spread, self.params["max_top1_std"],
-                 "the top-1 probability on the probe prompts swung by std {v:.3f} over the last {w} probes at step {s}"),
-                ("kl", judged & (kl_z >= self.params["sigma"]) & (kl_ratio >= self.params["min_ratio"])
-                 & (kl >= self.params["min_kl"]), kl, self.params["min_kl"],
-                 "the next-token distribution on the probe prompts jumped (KL {v:.3g} nats from the previous probe) at step {s}"),
-                ("entropy", judged & (entropy < self.params["entropy_collapse"] * e_median), entropy,
-                 self.params["entropy_collapse"], "next-token entropy on the probe prompts collapsed to {v:.3g} at step {s}"),
+                (
+                    "spread",
+                    judged & (spread_z >= self.params["sigma"]) & (spread > self.params["max_top1_std"]),
+                    spread,
+                    self.params["max_top1_std"],
+                    "the top-1 probability on the probe prompts swung by std {v:.3f} over the last {w} probes at step {s}",
+                ),
+                (
+                    "kl",
+                    judged
+                    & (kl_z >= self.params["sigma"])
+                    & (kl_ratio >= self.params["min_ratio"])
+                    & (kl >= self.params["min_kl"]),
+                    kl,
+                    self.params["min_kl"],
+                    "the next-token distribution on the probe prompts jumped (KL {v:.3g} nats from the previous probe) at step {s}",
+                ),
+                (
+                    "entropy",
+                    judged & (entropy < self.params["entropy_collapse"] * e_median),
+                    entropy,
+                    self.params["entropy_collapse"],
+                    "next-token entropy on the probe prompts collapsed to {v:.3g} at step {s}",
+                ),
             ]
         for rule, hit, values, threshold, text in rules:
             if not hit.any():
@@ -130,12 +165,24 @@ class LogitsStability(Check):
             i = int(np.flatnonzero(hit)[0])
             s = int(steps[i])
             before = at[steps[i - 1], prompts[0]] if i else at[s, prompts[0]]
-            findings.append(self.finding(
-                "warn",
-                text.format(v=values[i], w=w, s=s) + "; inspect the batches since the previous probe for corrupt or templated samples",
-                step=s, rule=rule, value=values[i], threshold=threshold,
-                top_tokens={"prompt": prompts[0], "before_step": int(before[0]), "before_ids": before[3][:5],
-                            "before_probs": before[4][:5], "after_ids": at[s, prompts[0]][3][:5],
-                            "after_probs": at[s, prompts[0]][4][:5]},
-                per_prompt_top1=top1[i].tolist()))
+            findings.append(
+                self.finding(
+                    "warn",
+                    text.format(v=values[i], w=w, s=s)
+                    + "; inspect the batches since the previous probe for corrupt or templated samples",
+                    step=s,
+                    rule=rule,
+                    value=values[i],
+                    threshold=threshold,
+                    top_tokens={
+                        "prompt": prompts[0],
+                        "before_step": int(before[0]),
+                        "before_ids": before[3][:5],
+                        "before_probs": before[4][:5],
+                        "after_ids": at[s, prompts[0]][3][:5],
+                        "after_probs": at[s, prompts[0]][4][:5],
+                    },
+                    per_prompt_top1=top1[i].tolist(),
+                )
+            )
         return findings

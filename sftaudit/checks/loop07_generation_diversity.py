@@ -51,8 +51,13 @@ class GenerationDiversity(Check):
         steps = np.array(sorted(by_step))
         stats = np.array([self._stats(by_step[s]) for s in steps])  # distinct-1, distinct-2, rep-2, rep-3
         for j, name in enumerate(("distinct-1", "distinct-2", "repetition-2", "repetition-3")):
-            ctx.add_series(self.code, name, steps.tolist(), np.nan_to_num(stats[:, j]).tolist(),
-                           self.params["min_distinct_1"] if j == 0 else None)
+            ctx.add_series(
+                self.code,
+                name,
+                steps.tolist(),
+                np.nan_to_num(stats[:, j]).tolist(),
+                self.params["min_distinct_1"] if j == 0 else None,
+            )
         with np.errstate(invalid="ignore"):
             low = stats[:, 0] < self.params["min_distinct_1"]
         k = self.params["consecutive"]
@@ -65,15 +70,22 @@ class GenerationDiversity(Check):
         for tokens in (t for texts in by_step[steps[first]].values() for t in texts):
             counts.update(ngrams(tokens, 3) or ngrams(tokens, 2))
         top = [{"ngram": join_ngram(g), "count": c} for g, c in counts.most_common(self.params["top_ngrams"]) if c > 1]
-        return [self.finding(
-            "warn",
-            f"generations lost diversity from step {steps[first]}: distinct-1 stayed below {self.params['min_distinct_1']} "
-            f"for {k} generation steps (down to {stats[first:end + 1, 0].min():.2f}); decay the learning rate and "
-            f"remove templated answers from the training data",
-            step=steps[first], value=stats[first, 0], threshold=self.params["min_distinct_1"], ngrams=top,
-            streak=[{"step": int(s), "distinct_1": d1, "distinct_2": d2, "repetition_2": r2, "repetition_3": r3}
-                    for s, (d1, d2, r2, r3) in zip(steps[first:end + 1], stats[first:end + 1])],
-        )]
+        return [
+            self.finding(
+                "warn",
+                f"generations lost diversity from step {steps[first]}: distinct-1 stayed below {self.params['min_distinct_1']} "
+                f"for {k} generation steps (down to {stats[first : end + 1, 0].min():.2f}); decay the learning rate and "
+                f"remove templated answers from the training data",
+                step=steps[first],
+                value=stats[first, 0],
+                threshold=self.params["min_distinct_1"],
+                ngrams=top,
+                streak=[
+                    {"step": int(s), "distinct_1": d1, "distinct_2": d2, "repetition_2": r2, "repetition_3": r3}
+                    for s, (d1, d2, r2, r3) in zip(steps[first : end + 1], stats[first : end + 1])
+                ],
+            )
+        ]
 
     @staticmethod
     def _stats(prompts: dict[int, list[list[str]]]) -> tuple[float, float, float, float]:

@@ -21,8 +21,12 @@ def rouge_l_and_bleu_4(predictions: list[str], references: list[str]) -> tuple[f
     scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=SharedTokenizer())
     rouge = float(np.mean([scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)]))
     # sacrebleu on pre-tokenized text: tokenize='none' keeps exactly the shared tokens.
-    bleu = sacrebleu.corpus_bleu([" ".join(tokenize(p)) for p in predictions],
-                                 [[" ".join(tokenize(r)) for r in references]], tokenize="none").score / 100
+    bleu = (
+        sacrebleu.corpus_bleu(
+            [" ".join(tokenize(p)) for p in predictions], [[" ".join(tokenize(r)) for r in references]], tokenize="none"
+        ).score
+        / 100
+    )
     return rouge, bleu
 
 
@@ -60,8 +64,15 @@ class EvalMetricDrift(Check):
     name = "eval metric drift"
     needs = (("evals", "samples"),)  # the metrics judge eval predictions; contamination, the training samples
     uses = ("evals", "samples")
-    defaults = {"window": 5, "min_abs_r": 0.3, "min_std": 0.005, "trend_p": 0.01, "near_duplicate": 0.85,
-                "max_leaked_share": 0.05, "shingle": 3}
+    defaults = {
+        "window": 5,
+        "min_abs_r": 0.3,
+        "min_std": 0.005,
+        "trend_p": 0.01,
+        "near_duplicate": 0.85,
+        "max_leaked_share": 0.05,
+        "shingle": 3,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         return self._metrics(ctx) + self._contamination(ctx)
@@ -90,30 +101,47 @@ class EvalMetricDrift(Check):
             r = np.full(rw.shape[0], np.nan)
             if varying.any():
                 r[varying] = stats.pearsonr(rw[varying], bw[varying], axis=1).statistic
-            ctx.add_series(self.code, f"Pearson r(ROUGE-L, BLEU-4), window {w}", steps[w - 1:].tolist(),
-                           np.nan_to_num(r, nan=1.0).tolist(), self.params["min_abs_r"])
+            ctx.add_series(
+                self.code,
+                f"Pearson r(ROUGE-L, BLEU-4), window {w}",
+                steps[w - 1 :].tolist(),
+                np.nan_to_num(r, nan=1.0).tolist(),
+                self.params["min_abs_r"],
+            )
             low = np.flatnonzero(varying & (np.abs(r) < self.params["min_abs_r"]))
             if low.size:
                 i = low[0]
-                findings.append(self.finding(
-                    "warn",
-                    f"ROUGE-L and BLEU-4 stopped agreeing at step {steps[i + w - 1]} (Pearson r = {r[i]:.2f} over the last "
-                    f"{w} evals); check that both metrics score the same outputs on the same tokenization before trusting either",
-                    step=steps[i + w - 1], value=r[i], threshold=self.params["min_abs_r"],
-                    window=[{"step": int(s), "rouge_l": a, "bleu_4": b}
-                            for s, a, b in zip(steps[i:i + w], rouge[i:i + w], bleu[i:i + w])]))
+                findings.append(
+                    self.finding(
+                        "warn",
+                        f"ROUGE-L and BLEU-4 stopped agreeing at step {steps[i + w - 1]} (Pearson r = {r[i]:.2f} over the last "
+                        f"{w} evals); check that both metrics score the same outputs on the same tokenization before trusting either",
+                        step=steps[i + w - 1],
+                        value=r[i],
+                        threshold=self.params["min_abs_r"],
+                        window=[
+                            {"step": int(s), "rouge_l": a, "bleu_4": b}
+                            for s, a, b in zip(steps[i : i + w], rouge[i : i + w], bleu[i : i + w])
+                        ],
+                    )
+                )
         if steps.size >= 6:
             for name, values in (("ROUGE-L", rouge), ("BLEU-4", bleu)):
                 if np.ptp(values) < self.params["min_std"]:
                     continue
                 tau = stats.kendalltau(steps, values)
                 if tau.statistic < 0 and tau.pvalue < self.params["trend_p"]:
-                    findings.append(self.finding(
-                        "warn",
-                        f"{name} fell over the run ({values[0]:.3f} at step {steps[0]} to {values[-1]:.3f} at step "
-                        f"{steps[-1]}, Kendall tau {tau.statistic:.2f}); compare checkpoints and keep the best, not the last",
-                        step=steps[int(np.argmax(values))], value=tau.statistic, p_value=tau.pvalue,
-                        threshold=self.params["trend_p"]))
+                    findings.append(
+                        self.finding(
+                            "warn",
+                            f"{name} fell over the run ({values[0]:.3f} at step {steps[0]} to {values[-1]:.3f} at step "
+                            f"{steps[-1]}, Kendall tau {tau.statistic:.2f}); compare checkpoints and keep the best, not the last",
+                            step=steps[int(np.argmax(values))],
+                            value=tau.statistic,
+                            p_value=tau.pvalue,
+                            threshold=self.params["trend_p"],
+                        )
+                    )
         return findings
 
     def _contamination(self, ctx: AuditContext) -> list[Finding]:
@@ -124,7 +152,8 @@ class EvalMetricDrift(Check):
         from tokenizers import Tokenizer  # the run's own tokenizer decodes the recorded rows
 
         samples = ctx.con.execute(
-            "SELECT sample_id, arg_min(input_ids, step), min(step) FROM samples GROUP BY sample_id").fetchall()
+            "SELECT sample_id, arg_min(input_ids, step), min(step) FROM samples GROUP BY sample_id"
+        ).fetchall()
         texts = Tokenizer.from_file(str(tokenizer_file)).decode_batch([s[1] for s in samples], skip_special_tokens=True)
         n = self.params["shingle"]
         train = [shingles(tokenize(t), n) for t in texts]
@@ -138,17 +167,33 @@ class EvalMetricDrift(Check):
             containment = np.array([min(len(p & t) / len(p) for p in parts) for t in train])
             hit = np.flatnonzero(containment >= self.params["near_duplicate"])
             if hit.size:
-                leaks.append({"eval_id": item.get("id"), "training_samples": [samples[i][0] for i in hit],
-                              "containment": float(containment[hit].max()), "first_trained_step": int(min(samples[i][2] for i in hit))})
+                leaks.append(
+                    {
+                        "eval_id": item.get("id"),
+                        "training_samples": [samples[i][0] for i in hit],
+                        "containment": float(containment[hit].max()),
+                        "first_trained_step": int(min(samples[i][2] for i in hit)),
+                    }
+                )
         if not leaks:
             return []
         # The first step a leaked sample went through training, from every batch (not just the recorded rows).
         ids = sorted({s for leak in leaks for s in leak["training_samples"]})
-        first = ctx.scalar("SELECT min(step) FROM (SELECT step, unnest(sample_ids) AS id FROM batches) "
-                           "WHERE id IN (SELECT unnest(?::VARCHAR[]))", [ids]) or min(leak["first_trained_step"] for leak in leaks)
+        first = ctx.scalar(
+            "SELECT min(step) FROM (SELECT step, unnest(sample_ids) AS id FROM batches) "
+            "WHERE id IN (SELECT unnest(?::VARCHAR[]))",
+            [ids],
+        ) or min(leak["first_trained_step"] for leak in leaks)
         share = len(leaks) / len(eval_set)
-        return [self.finding(
-            "fail" if share >= self.params["max_leaked_share"] else "warn",
-            f"{len(leaks)} of {len(eval_set)} eval items ({share:.0%}) also appear in the training data, first trained at "
-            f"step {first}; remove them from the eval set (or the training set) and recompute the eval metrics",
-            step=first, value=share, threshold=self.params["max_leaked_share"], sample_ids=ids, leaked=leaks)]
+        return [
+            self.finding(
+                "fail" if share >= self.params["max_leaked_share"] else "warn",
+                f"{len(leaks)} of {len(eval_set)} eval items ({share:.0%}) also appear in the training data, first trained at "
+                f"step {first}; remove them from the eval set (or the training set) and recompute the eval metrics",
+                step=first,
+                value=share,
+                threshold=self.params["max_leaked_share"],
+                sample_ids=ids,
+                leaked=leaks,
+            )
+        ]

@@ -68,8 +68,8 @@ class CheckpointIntegrity(Check):
     name = "checkpoint integrity"
     needs = ("checkpoints",)
     defaults = {
-        "expected_dtype": None,          # e.g. "bfloat16"; default: the checkpoint's majority dtype
-        "require_resume_state": False,   # true: a checkpoint that cannot resume exactly fails
+        "expected_dtype": None,  # e.g. "bfloat16"; default: the checkpoint's majority dtype
+        "require_resume_state": False,  # true: a checkpoint that cannot resume exactly fails
         "trusted_pickle_globals": list(TRAINER_GLOBALS),
         "max_tensors_listed": 20,
     }
@@ -78,10 +78,19 @@ class CheckpointIntegrity(Check):
         checkpoints = saved_checkpoints(ctx)
         inspections = inspected(ctx, checkpoints, **inspection_options(self.params))
         findings = [self._finding(i, sev, msg, ev) for i in inspections for sev, msg, ev in i.problems]
-        findings += [self._finding(i, "info", (
-            f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
-            f"overwrote the one before, only step {c['step']}'s is on disk"), {"saves": c["saves"]})
-            for i, c in zip(inspections, checkpoints) if len(c["saves"]) > 1]
+        findings += [
+            self._finding(
+                i,
+                "info",
+                (
+                    f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
+                    f"overwrote the one before, only step {c['step']}'s is on disk"
+                ),
+                {"saves": c["saves"]},
+            )
+            for i, c in zip(inspections, checkpoints)
+            if len(c["saves"]) > 1
+        ]
         findings += self._resume_state(ctx, inspections)
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
@@ -97,9 +106,17 @@ class CheckpointIntegrity(Check):
         if not lacking:
             return []
         if self.params["require_resume_state"]:
-            return [self._finding(i, "fail", cannot_resume(i.name, lacking[i.name]),
-                                  {"missing_state": lacking[i.name]}, category="risk")
-                for i in inspections if i.name in lacking]
+            return [
+                self._finding(
+                    i,
+                    "fail",
+                    cannot_resume(i.name, lacking[i.name]),
+                    {"missing_state": lacking[i.name]},
+                    category="risk",
+                )
+                for i in inspections
+                if i.name in lacking
+            ]
         read = [i for i in inspections if i.state_found is not None]
         # Weights-only saves: the run keeps no optimizer state anywhere, and these hold weights (a
         # checkpoint whose weights cannot be read is no weights-only save: its other gaps are a risk).
@@ -108,14 +125,29 @@ class CheckpointIntegrity(Check):
         findings = []
         if weights_only:
             by_part = _by_part({n: lacking[n] for n in weights_only})
-            restarts = [what for part, what in (("optimizer", "the optimizer's moments"), ("scheduler", "the "
-                        "learning-rate schedule"), ("data_position", "the data order")) if part in by_part]
+            restarts = [
+                what
+                for part, what in (
+                    ("optimizer", "the optimizer's moments"),
+                    ("scheduler", "the learning-rate schedule"),
+                    ("data_position", "the data order"),
+                )
+                if part in by_part
+            ]
             trainer = " (the Trainer: save_only_model=False)" if any(i.trainer for i in read) else ""
-            findings.append(self.finding("info", (
-                f"{len(weights_only)} checkpoint(s) are weights-only saves ({listed(weights_only)}): they lack "
-                f"{', '.join(by_part)}. They serve evaluation and shipping; a run resumed from one restarts "
-                f"{_and(restarts)}. To resume exactly, save the training state with the weights{trainer}"),
-                category="configuration", missing_state=by_part, applies_to=weights_only))
+            findings.append(
+                self.finding(
+                    "info",
+                    (
+                        f"{len(weights_only)} checkpoint(s) are weights-only saves ({listed(weights_only)}): they lack "
+                        f"{', '.join(by_part)}. They serve evaluation and shipping; a run resumed from one restarts "
+                        f"{_and(restarts)}. To resume exactly, save the training state with the weights{trainer}"
+                    ),
+                    category="configuration",
+                    missing_state=by_part,
+                    applies_to=weights_only,
+                )
+            )
         others = [n for n in lacking if n not in weights_only]
         if others:
             by_part = _by_part({n: lacking[n] for n in others})
@@ -123,14 +155,23 @@ class CheckpointIntegrity(Check):
             for part, ns in by_part.items():
                 by_checkpoints.setdefault(tuple(ns), []).append(part)
             parts = "; ".join(f"{', '.join(ps)} ({listed(list(ns))})" for ns, ps in by_checkpoints.items())
-            findings.append(self.finding("info", (
-                f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
-                f"with the weights, or set require_resume_state = true to fail such checkpoints"),
-                category="risk", missing_state=by_part, applies_to=others))
+            findings.append(
+                self.finding(
+                    "info",
+                    (
+                        f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
+                        f"with the weights, or set require_resume_state = true to fail such checkpoints"
+                    ),
+                    category="risk",
+                    missing_state=by_part,
+                    applies_to=others,
+                )
+            )
         return findings
 
-    def _finding(self, inspection: Inspection, severity: str, message: str, evidence: dict,
-                 category: str = "anomaly") -> Finding:
+    def _finding(
+        self, inspection: Inspection, severity: str, message: str, evidence: dict, category: str = "anomaly"
+    ) -> Finding:
         f = self.finding(severity, message, step=inspection.step, category=category, **evidence)
         return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.category)
 
@@ -142,25 +183,48 @@ class CheckpointIntegrity(Check):
             """SELECT g.tensor, any_value(g.idx) AS idx, max(g.norm) AS max_grad_norm, max(g.norm * s.lr) AS largest_step
                FROM grad_norms g LEFT JOIN steps s ON s.rank = g.rank AND s.step = g.step
                WHERE g.rank = 0 AND g.step > ? AND g.step <= ? AND isfinite(g.norm) AND g.norm > 0
-               GROUP BY g.tensor""", [before.step, after.step])
-        saved = ctx.row("SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND step = ? "
-                        "AND param_norms IS NOT NULL LIMIT 1", [after.step])
+               GROUP BY g.tensor""",
+            [before.step, after.step],
+        )
+        saved = ctx.row(
+            "SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND step = ? "
+            "AND param_norms IS NOT NULL LIMIT 1",
+            [after.step],
+        )
         weight_norms = saved[0] if saved else []
         # LOOP-05's rule: lr x |g| under half a float32 ulp of |w| at every step is an update that rounds away
         # (plain SGD at a tiny LR), not a tensor missing from the optimizer.
-        rounds_away = {tensor for tensor, idx, step_size in grads.select("tensor", "idx", "largest_step").iter_rows()
-                       if step_size is not None and idx is not None and idx < len(weight_norms)
-                       and step_size < weight_norms[idx] * 2.0 ** -24}
-        norms = {t: n for t, n in zip(grads["tensor"].to_list(), grads["max_grad_norm"].to_list()) if t not in rounds_away}
+        rounds_away = {
+            tensor
+            for tensor, idx, step_size in grads.select("tensor", "idx", "largest_step").iter_rows()
+            if step_size is not None
+            and idx is not None
+            and idx < len(weight_norms)
+            and step_size < weight_norms[idx] * 2.0**-24
+        }
+        norms = {
+            t: n for t, n in zip(grads["tensor"].to_list(), grads["max_grad_norm"].to_list()) if t not in rounds_away
+        }
         tied = ctx.manifest.get("tied", {})
         stale = [{"tensor": n, "max_grad_norm": norms[groups_of(n, tied)]} for n in same if groups_of(n, tied) in norms]
         if not stale:
             return []
-        return [self._finding(after, "fail", (
-            f"{len(stale)} parameter(s) identical in {before.name} and {after.name} although they had gradients "
-            f"in steps {before.step + 1}-{after.step}, first {stale[0]['tensor']}; they are missing from the "
-            f"optimizer or frozen by mistake"), {"tensors": stale[: self.params["max_tensors_listed"]],
-                                                 "previous_checkpoint": before.name, "tensor_count": len(stale)})]
+        return [
+            self._finding(
+                after,
+                "fail",
+                (
+                    f"{len(stale)} parameter(s) identical in {before.name} and {after.name} although they had gradients "
+                    f"in steps {before.step + 1}-{after.step}, first {stale[0]['tensor']}; they are missing from the "
+                    f"optimizer or frozen by mistake"
+                ),
+                {
+                    "tensors": stale[: self.params["max_tensors_listed"]],
+                    "previous_checkpoint": before.name,
+                    "tensor_count": len(stale),
+                },
+            )
+        ]
 
 
 def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -174,4 +238,3 @@ def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:
 
 def _and(items: list[str]) -> str:
     return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1] if items else "nothing"
-

@@ -5,8 +5,18 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import (adaptive_window, column, grad_norm_matrix, loss_excursions, loss_family, nonfinite_logged,
-                      rows_per_log, skipped_updates, step_frame, warmup_end)
+from .rolling import (
+    adaptive_window,
+    column,
+    grad_norm_matrix,
+    loss_excursions,
+    loss_family,
+    nonfinite_logged,
+    rows_per_log,
+    skipped_updates,
+    step_frame,
+    warmup_end,
+)
 
 
 class LossDynamics(Check):
@@ -56,9 +66,18 @@ class LossDynamics(Check):
     code = "LOOP-10"
     name = "loss pathologies and drift"
     needs = ("steps",)
-    defaults = {"sigma_spike": 6.0, "diverge_steps": 5, "window": None, "lr_jump": 10.0, "plateau_blocks": 4,
-                "plateau_tolerance": 0.005, "gap_evals": 3, "fdr_q": 0.01, "min_volatility_ratio": 3.0,
-                "max_series_listed": 20}
+    defaults = {
+        "sigma_spike": 6.0,
+        "diverge_steps": 5,
+        "window": None,
+        "lr_jump": 10.0,
+        "plateau_blocks": 4,
+        "plateau_tolerance": 0.005,
+        "gap_evals": 3,
+        "fdr_q": 0.01,
+        "min_volatility_ratio": 3.0,
+        "max_series_listed": 20,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         frame = step_frame(ctx, "loss", "lr", "grad_norm")
@@ -72,17 +91,28 @@ class LossDynamics(Check):
         first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm))
         family, _ = loss_family(ctx)
         # A policy-gradient surrogate (GRPO, PPO) is no fit of the data: its spikes and plateaus mean nothing.
-        curve = [] if family == "rl" else (self._loss_spikes(ctx, steps, loss, window, first)
-                                           + self._plateau(steps, loss, window, first))
-        return curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
+        curve = (
+            []
+            if family == "rl"
+            else (self._loss_spikes(ctx, steps, loss, window, first) + self._plateau(steps, loss, window, first))
+        )
+        return (
+            curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
+        )
 
     def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
         from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
 
         found = loss_excursions(loss, window, first, self.params["sigma_spike"], self.params["diverge_steps"])
         z, threshold = found["z"], found["threshold"]
-        ctx.add_series(self.code, "loss z vs its own step-to-step noise", steps.tolist(), np.nan_to_num(z).tolist(),
-                       threshold, sole_condition=True)
+        ctx.add_series(
+            self.code,
+            "loss z vs its own step-to-step noise",
+            steps.tolist(),
+            np.nan_to_num(z).tolist(),
+            threshold,
+            sole_condition=True,
+        )
         rows = rows_per_log(ctx)
         findings = []
         for s, length, sustained in found["episodes"]:
@@ -90,14 +120,25 @@ class LossDynamics(Check):
                 break  # a loss that rose and stayed up is LOOP-19's divergence; after it the baseline is meaningless
             e = s + length - 1
             baseline = float(np.exp(found["level"][s]))
-            findings.append(self.finding(
-                "warn",
-                f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running level of {baseline:.3g} for {length} "
-                f"logged step(s) (z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}); "
-                f"inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
-                step=steps[s], value=loss[s], baseline_median=baseline, z=z[s], p_value=float(stats.norm.sf(z[s])),
-                effect_size=loss[s] / baseline, threshold=threshold, tail_factor=found["tail"],
-                log_quantum=found["quantum"], rows_per_log=rows, spike_steps=steps[s:e + 1].tolist()[:50]))
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running level of {baseline:.3g} for {length} "
+                    f"logged step(s) (z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}); "
+                    f"inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
+                    step=steps[s],
+                    value=loss[s],
+                    baseline_median=baseline,
+                    z=z[s],
+                    p_value=float(stats.norm.sf(z[s])),
+                    effect_size=loss[s] / baseline,
+                    threshold=threshold,
+                    tail_factor=found["tail"],
+                    log_quantum=found["quantum"],
+                    rows_per_log=rows,
+                    spike_steps=steps[s : e + 1].tolist()[:50],
+                )
+            )
         return findings
 
     def _lr_jumps(self, steps, lr, first) -> list[Finding]:
@@ -114,17 +155,25 @@ class LossDynamics(Check):
         with np.errstate(divide="ignore", invalid="ignore"):
             slope = np.diff(lr) / np.diff(steps)
         keeps_slope = np.abs(slope - np.r_[np.nan, slope[:-1]]) <= 0.5 * np.abs(np.r_[np.nan, slope[:-1]])
-        jumps = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & material & ~keeps_slope
-                               & (np.arange(1, steps.size) > first))
+        jumps = np.flatnonzero(
+            ((ratio >= factor) | (ratio <= 1 / factor)) & material & ~keeps_slope & (np.arange(1, steps.size) > first)
+        )
         if not jumps.size:
             return []
         i = jumps[0] + 1
-        return [self.finding(
-            "warn",
-            f"learning rate changed {ratio[i - 1]:.3g}x in one step at step {steps[i]} ({lr[i - 1]:.3g} -> {lr[i]:.3g}) "
-            f"after warmup; check the scheduler and the resumed optimizer state",
-            step=steps[i], value=ratio[i - 1], threshold=factor, lr_before=lr[i - 1], lr_after=lr[i],
-            jump_steps=steps[jumps + 1].tolist()[:50])]
+        return [
+            self.finding(
+                "warn",
+                f"learning rate changed {ratio[i - 1]:.3g}x in one step at step {steps[i]} ({lr[i - 1]:.3g} -> {lr[i]:.3g}) "
+                f"after warmup; check the scheduler and the resumed optimizer state",
+                step=steps[i],
+                value=ratio[i - 1],
+                threshold=factor,
+                lr_before=lr[i - 1],
+                lr_after=lr[i],
+                jump_steps=steps[jumps + 1].tolist()[:50],
+            )
+        ]
 
     def _plateau(self, steps, loss, window, first) -> list[Finding]:
         k = self.params["plateau_blocks"]
@@ -132,7 +181,7 @@ class LossDynamics(Check):
         blocks = (steps.size - start) // window
         if blocks < k + 1:
             return []
-        medians = np.median(loss[start:start + blocks * window].reshape(blocks, window), axis=1)
+        medians = np.median(loss[start : start + blocks * window].reshape(blocks, window), axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):  # a zero or non-finite median: LOOP-21 / LOOP-25's
             change = (medians[k:] - medians[:-k]) / np.abs(medians[:-k])  # over k blocks; negative = improving
             flat = np.flatnonzero(np.abs(change) < self.params["plateau_tolerance"])
@@ -140,34 +189,50 @@ class LossDynamics(Check):
             return []
         b = flat[0]
         at = steps[start + b * window]
-        return [self.finding(
-            "info",
-            f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
-            f"check the data for homogeneous or mostly masked samples before spending more steps",
-            step=at, value=change[b], threshold=self.params["plateau_tolerance"], block_medians=medians[b:b + k + 1].tolist())]
+        return [
+            self.finding(
+                "info",
+                f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
+                f"check the data for homogeneous or mostly masked samples before spending more steps",
+                step=at,
+                value=change[b],
+                threshold=self.params["plateau_tolerance"],
+                block_medians=medians[b : b + k + 1].tolist(),
+            )
+        ]
 
     def _train_val_gap(self, ctx) -> list[Finding]:
-        evals = ctx.frame("SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
-                          "GROUP BY step ORDER BY step")
+        evals = ctx.frame(
+            "SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
+            "GROUP BY step ORDER BY step"
+        )
         n = self.params["gap_evals"]
         if evals.height < n + 1:
             return []
         train = ctx.frame(
             "SELECT e.step, (SELECT median(loss) FROM steps s WHERE s.rank = 0 AND s.step <= e.step AND s.step > e.step - 20) AS train "
-            "FROM (SELECT DISTINCT step FROM metrics WHERE rank = 0 AND name = 'eval_loss') e ORDER BY e.step")
+            "FROM (SELECT DISTINCT step FROM metrics WHERE rank = 0 AND name = 'eval_loss') e ORDER BY e.step"
+        )
         ev, tr = evals["eval_loss"].to_numpy(), train["train"].fill_null(np.nan).to_numpy()
         diverging = (np.diff(ev) > 0) & (np.diff(tr) < 0)
-        hits = np.flatnonzero(np.convolve(diverging.astype(int), np.ones(n, dtype=int), mode="full")[: diverging.size] >= n)
+        hits = np.flatnonzero(
+            np.convolve(diverging.astype(int), np.ones(n, dtype=int), mode="full")[: diverging.size] >= n
+        )
         if not hits.size:
             return []
         i = int(hits[0]) - n + 1  # the first rising evaluation of the run of n
         at = int(evals["step"][i + 1])
-        return [self.finding(
-            "warn",
-            f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
-            f"the model is overfitting its training data: stop or roll back to a checkpoint before step {at}, "
-            f"and add data, regularisation or an earlier stop",
-            step=at, eval_steps=evals["step"].to_list()[i:i + n + 1], eval_loss=ev[i:i + n + 1].tolist())]
+        return [
+            self.finding(
+                "warn",
+                f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
+                f"the model is overfitting its training data: stop or roll back to a checkpoint before step {at}, "
+                f"and add data, regularisation or an earlier stop",
+                step=at,
+                eval_steps=evals["step"].to_list()[i : i + n + 1],
+                eval_loss=ev[i : i + n + 1].tolist(),
+            )
+        ]
 
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
         from scipy import stats  # (imported on use, as above)
@@ -182,7 +247,9 @@ class LossDynamics(Check):
         if blocks < 2:
             return []
         with np.errstate(divide="ignore", invalid="ignore"):
-            change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=0))[start:start + blocks * window]
+            change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=0))[
+                start : start + blocks * window
+            ]
         windows = change.reshape(blocks, window, -1).transpose(0, 2, 1)  # block, series, step
         finite = np.isfinite(windows).all(axis=2)
         ok = finite[:-1] & finite[1:]
@@ -194,8 +261,9 @@ class LossDynamics(Check):
         tested = ok & (effect >= self.params["min_volatility_ratio"])
         p = np.ones(ok.shape)
         if tested.any():
-            p[tested] = stats.mannwhitneyu(windows[:-1][tested], windows[1:][tested], axis=1,
-                                           alternative="two-sided").pvalue
+            p[tested] = stats.mannwhitneyu(
+                windows[:-1][tested], windows[1:][tested], axis=1, alternative="two-sided"
+            ).pvalue
         q = stats.false_discovery_control(p.ravel(), method="bh").reshape(p.shape)
         hit = (q < self.params["fdr_q"]) & (effect >= self.params["min_volatility_ratio"]) & ok
         if not hit.any():
@@ -203,10 +271,18 @@ class LossDynamics(Check):
         b = int(np.flatnonzero(hit.any(axis=1))[0])
         cols = np.flatnonzero(hit[b])
         at = int(steps[start + (b + 1) * window + 1])
-        listed = sorted(({"series": labels[c], "q_value": q[b, c], "effect_size": effect[b, c]} for c in cols),
-                        key=lambda r: r["q_value"])[: self.params["max_series_listed"]]
-        return [self.finding(
-            "info",
-            f"step-to-step volatility of {len(cols)} series ({listed[0]['series']} first) rose from step {at} "
-            f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",
-            step=at, drifted=listed, tests=int(ok.sum()), threshold=self.params["fdr_q"])]
+        listed = sorted(
+            ({"series": labels[c], "q_value": q[b, c], "effect_size": effect[b, c]} for c in cols),
+            key=lambda r: r["q_value"],
+        )[: self.params["max_series_listed"]]
+        return [
+            self.finding(
+                "info",
+                f"step-to-step volatility of {len(cols)} series ({listed[0]['series']} first) rose from step {at} "
+                f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",
+                step=at,
+                drifted=listed,
+                tests=int(ok.sum()),
+                threshold=self.params["fdr_q"],
+            )
+        ]

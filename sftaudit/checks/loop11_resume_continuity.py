@@ -58,13 +58,21 @@ class ResumeContinuity(Check):
     code = "LOOP-11"
     name = "resume continuity"
     needs = ("steps",)
-    defaults = {"data_window": 50, "lr_window": 2, "lr_tolerance": 0.1, "weight_tolerance": 1e-9,
-                "loss_window": 3, "loss_jump_fraction": 0.05, "max_ids_listed": 50}
+    defaults = {
+        "data_window": 50,
+        "lr_window": 2,
+        "lr_tolerance": 0.1,
+        "weight_tolerance": 1e-9,
+        "loss_window": 3,
+        "loss_jump_fraction": 0.05,
+        "max_ids_listed": 50,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         resumes = ctx.con.execute(
             """SELECT seg, min(step) FROM steps WHERE rank = 0 GROUP BY seg HAVING min(step) > 1 AND seg > 0
-               ORDER BY seg""").fetchall()
+               ORDER BY seg"""
+        ).fetchall()
         if not resumes:
             return []
         checkpoints = saved_checkpoints(ctx)
@@ -73,17 +81,20 @@ class ResumeContinuity(Check):
             source, problems = self._source(ctx, checkpoints, seg, first)
             findings += problems
             broke = []
-            for what, found in (("data position", self._data(ctx, seg, first)),
-                                ("learning rate", self._lr(ctx, seg, first)),
-                                ("weights", self._weights(ctx, seg, first, source)),
-                                ("optimizer state", self._optimizer(ctx, seg, first, source))):
+            for what, found in (
+                ("data position", self._data(ctx, seg, first)),
+                ("learning rate", self._lr(ctx, seg, first)),
+                ("weights", self._weights(ctx, seg, first, source)),
+                ("optimizer state", self._optimizer(ctx, seg, first, source)),
+            ):
                 findings += found
                 broke += [what] if any(f.severity != "info" for f in found) else []
             findings += self._state_that_bit(ctx, checkpoints, source, first, broke)
         return findings
 
-    def _state_that_bit(self, ctx: AuditContext, checkpoints: list[dict], source: dict | None, first: int,
-                        broke: list[str]) -> list[Finding]:
+    def _state_that_bit(
+        self, ctx: AuditContext, checkpoints: list[dict], source: dict | None, first: int, broke: list[str]
+    ) -> list[Finding]:
         """LOOP-09 states a checkpoint that cannot resume exactly as info (a risk); a resume from it that
         broke is where it bit: a warn naming the parts to save. A continuous resume needs no word about it."""
         if source is None or not broke:
@@ -91,13 +102,24 @@ class ResumeContinuity(Check):
         lacking = missing_state(ctx, inspected(ctx, checkpoints)).get(source["name"])
         if not lacking:
             return []
-        return [self.finding(
-            "warn", f"the resume at step {first} from {source['name']} broke ({', '.join(broke)}), and "
-            f"{source['name']} cannot resume exactly: its training state lacks {', '.join(lacking)}; save them "
-            f"with every checkpoint", step=first, category="risk", resume_step=first,
-            source_checkpoint=source["name"], missing_state=lacking, broke=broke)]
+        return [
+            self.finding(
+                "warn",
+                f"the resume at step {first} from {source['name']} broke ({', '.join(broke)}), and "
+                f"{source['name']} cannot resume exactly: its training state lacks {', '.join(lacking)}; save them "
+                f"with every checkpoint",
+                step=first,
+                category="risk",
+                resume_step=first,
+                source_checkpoint=source["name"],
+                missing_state=lacking,
+                broke=broke,
+            )
+        ]
 
-    def _source(self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int) -> tuple[dict | None, list[Finding]]:
+    def _source(
+        self, ctx: AuditContext, checkpoints: list[dict], seg: int, first: int
+    ) -> tuple[dict | None, list[Finding]]:
         config = ctx.scalar("SELECT manifest->'$.config.resume_from' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
         named = PurePosixPath(str(config).strip('"').replace("\\", "/")).name if config not in (None, "null") else None
         # Imported logs place the resume's first step only to its logging window: the source is the last
@@ -105,24 +127,49 @@ class ResumeContinuity(Check):
         imported = bool(ctx.manifest.get("imported"))
         window = int((ctx.manifest.get("granularity") or {}).get("logging_steps") or 1) if imported else 1
         before = [c for c in checkpoints if first - 1 - window < c["step"] <= first - 1]
-        source = next((c for c in checkpoints if c["name"] == named), None) if named else \
-            (max(before, key=lambda c: c["step"]) if before else None)
+        source = (
+            next((c for c in checkpoints if c["name"] == named), None)
+            if named
+            else (max(before, key=lambda c: c["step"]) if before else None)
+        )
         if source is None and imported:
             # A folder holding logs and only some checkpoints is no evidence the resume was inexact.
-            return None, [self.finding("info", f"the run resumed at step {first}, but no checkpoint it could have "
-                                       f"resumed from is on disk; its state cannot be checked", step=first,
-                                       category="risk", resume_step=first, checkpoint_name=named)]
+            return None, [
+                self.finding(
+                    "info",
+                    f"the run resumed at step {first}, but no checkpoint it could have "
+                    f"resumed from is on disk; its state cannot be checked",
+                    step=first,
+                    category="risk",
+                    resume_step=first,
+                    checkpoint_name=named,
+                )
+            ]
         if source is None:
-            return None, [self.finding("fail", f"the run resumed at step {first} but no checkpoint "
-                                       f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
-                                       f"exactly", step=first, resume_step=first, checkpoint_name=named)]
+            return None, [
+                self.finding(
+                    "fail",
+                    f"the run resumed at step {first} but no checkpoint "
+                    f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
+                    f"exactly",
+                    step=first,
+                    resume_step=first,
+                    checkpoint_name=named,
+                )
+            ]
         [inspection] = inspected(ctx, [source])
         if inspection.passes:
             return source, []
         problem = next(msg for sev, msg, _ in inspection.problems if sev in ("warn", "fail"))
-        return source, [self.finding("fail", f"the run resumed at step {first} from {source['name']}, which fails "
-                                     f"LOOP-09 ({problem})", step=first, resume_step=first,
-                                     source_checkpoint=source["name"])]
+        return source, [
+            self.finding(
+                "fail",
+                f"the run resumed at step {first} from {source['name']}, which fails LOOP-09 ({problem})",
+                step=first,
+                resume_step=first,
+                source_checkpoint=source["name"],
+            )
+        ]
 
     # ------------------------------------------------------------------ data position
 
@@ -132,15 +179,19 @@ class ResumeContinuity(Check):
                     FROM {table} WHERE rank = 0 AND {where}"""
         order = " ORDER BY step, micro, pos"
         history = ctx.frame(stream.format(table="batches", where="step < $first") + order, {"first": first})
-        resumed = ctx.frame(stream.format(table="batches", where="seg = $seg AND step < $first + $window") + order,
-                            {"seg": seg, "first": first, "window": window})
+        resumed = ctx.frame(
+            stream.format(table="batches", where="seg = $seg AND step < $first + $window") + order,
+            {"seg": seg, "first": first, "window": window},
+        )
         if history.is_empty() or resumed.is_empty():
             return []
         abandoned = self._abandoned(ctx, first, window, stream + order)
-        ids, codes = np.unique(np.concatenate([history["id"].to_numpy(), resumed["id"].to_numpy(),
-                                               abandoned["id"].to_numpy()]), return_inverse=True)
-        past, now = codes[:len(history)], codes[len(history):len(history) + len(resumed)]
-        then = codes[len(history) + len(resumed):]
+        ids, codes = np.unique(
+            np.concatenate([history["id"].to_numpy(), resumed["id"].to_numpy(), abandoned["id"].to_numpy()]),
+            return_inverse=True,
+        )
+        past, now = codes[: len(history)], codes[len(history) : len(history) + len(resumed)]
+        then = codes[len(history) + len(resumed) :]
         past_steps, now_steps = history["step"].to_numpy(), resumed["step"].to_numpy()
 
         # Same ids at the same steps as the abandoned segment: the order was restored exactly.
@@ -150,7 +201,7 @@ class ResumeContinuity(Check):
             return []
         # Duplicate rows (same id or content hash) come back within an epoch: number their occurrences.
         numbered = numbered_occurrences(np.concatenate([past, now]), len(past))
-        past_n, now_n = numbered[:len(past)], numbered[len(past):]
+        past_n, now_n = numbered[: len(past)], numbered[len(past) :]
         starts = epoch_starts(past_n)
         lengths = np.diff(starts)
         rows = ctx.scalar("SELECT manifest->>'$.dataset.rows' FROM manifest WHERE rank = 0 AND seg = ?", [seg])
@@ -158,61 +209,102 @@ class ResumeContinuity(Check):
         begun = int(starts[-1])
         left_in_epoch = max(epoch_length - (len(past) - begun), 0) if epoch_length else len(now)
         reread = np.flatnonzero(np.isin(now_n[:left_in_epoch], past_n[begun:]))
-        epoch = {"current_epoch": len(starts), "epoch_started_at_step": int(past_steps[begun]),
-                 "epoch_length": epoch_length}
+        epoch = {
+            "current_epoch": len(starts),
+            "epoch_started_at_step": int(past_steps[begun]),
+            "epoch_length": epoch_length,
+        }
         if not reread.size:
             if not differs.size:
                 return []
             skipped = skipped_ahead(then, now)
             if skipped:  # the abandoned order, further on: batches skipped on purpose (as `replay` advises)
                 left = abandoned["step"].to_numpy()
-                return [self.finding(
-                    "info", f"the run resumed at step {first} {skipped} sample(s) further in its order than the "
-                    f"abandoned run (the batches of steps {left[0]}-{left[skipped - 1]} skipped)", step=first,
-                    resume_step=first, skipped=skipped, skipped_steps=np.unique(left[:skipped]).tolist())]
+                return [
+                    self.finding(
+                        "info",
+                        f"the run resumed at step {first} {skipped} sample(s) further in its order than the "
+                        f"abandoned run (the batches of steps {left[0]}-{left[skipped - 1]} skipped)",
+                        step=first,
+                        resume_step=first,
+                        skipped=skipped,
+                        skipped_steps=np.unique(left[:skipped]).tolist(),
+                    )
+                ]
             at = int(differs[0])
-            return [self.finding(
-                "warn", f"after resuming at step {first} the run trained another order than the abandoned run did "
-                f"at the same steps (from step {now_steps[at]}: {ids[now[at]]} instead of {ids[then[at]]}); "
-                f"restore the sampler's seed and state", step=int(now_steps[at]), resume_step=first,
-                differing=int(differs.size), compared=overlap, **epoch)]
-        restart = self._restart(past, now[reread[0]:], starts, past_steps)
+            return [
+                self.finding(
+                    "warn",
+                    f"after resuming at step {first} the run trained another order than the abandoned run did "
+                    f"at the same steps (from step {now_steps[at]}: {ids[now[at]]} instead of {ids[then[at]]}); "
+                    f"restore the sampler's seed and state",
+                    step=int(now_steps[at]),
+                    resume_step=first,
+                    differing=int(differs.size),
+                    compared=overlap,
+                    **epoch,
+                )
+            ]
+        restart = self._restart(past, now[reread[0] :], starts, past_steps)
         # A restarted order trains the whole matched stretch again, past the epoch's end too.
         reread = np.union1d(reread, np.arange(reread[0], reread[0] + restart["length"]))
         trained_at = last_occurrence(past)
         listed = reread[: self.params["max_ids_listed"]]
         steps = np.unique(now_steps[reread]).tolist()
-        return [self.finding(
-            "fail", f"after resuming at step {first} the run trained {reread.size} sample(s) again that it had "
-            f"already trained in epoch {len(starts)} (begun at step {epoch['epoch_started_at_step']}), at steps "
-            f"{steps[0]}-{steps[-1]}; {restart['text']}: restore the data position (epoch, index in the epoch, "
-            f"sampler seed)", step=steps[0], resume_step=first, sample_ids=ids[now[listed]].tolist(),
-            count=int(reread.size), steps=steps, restarted_at_step=restart["step"], restarted_at=restart["where"],
-            trained_this_epoch=len(past) - begun, differing_from_abandoned=int(differs.size), **epoch,
-            reread=[{"sample_id": ids[now[k]], "reread_at": int(now_steps[k]),
-                     "last_trained_at": int(past_steps[trained_at[now[k]]])} for k in listed])]
+        return [
+            self.finding(
+                "fail",
+                f"after resuming at step {first} the run trained {reread.size} sample(s) again that it had "
+                f"already trained in epoch {len(starts)} (begun at step {epoch['epoch_started_at_step']}), at steps "
+                f"{steps[0]}-{steps[-1]}; {restart['text']}: restore the data position (epoch, index in the epoch, "
+                f"sampler seed)",
+                step=steps[0],
+                resume_step=first,
+                sample_ids=ids[now[listed]].tolist(),
+                count=int(reread.size),
+                steps=steps,
+                restarted_at_step=restart["step"],
+                restarted_at=restart["where"],
+                trained_this_epoch=len(past) - begun,
+                differing_from_abandoned=int(differs.size),
+                **epoch,
+                reread=[
+                    {
+                        "sample_id": ids[now[k]],
+                        "reread_at": int(now_steps[k]),
+                        "last_trained_at": int(past_steps[trained_at[now[k]]]),
+                    }
+                    for k in listed
+                ],
+            )
+        ]
 
     def _abandoned(self, ctx: AuditContext, first: int, window: int, sql: str):
         """What the segment the resume left trained at the resumed steps (empty if it stopped at the checkpoint)."""
         if not ctx.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_batches'"):
             return ctx.frame("SELECT 0::BIGINT AS step, ''::VARCHAR AS id WHERE false")
         left = ctx.scalar("SELECT max(seg) FROM batches WHERE rank = 0 AND step < ?", [first])
-        return ctx.frame(sql.format(table="superseded_batches",
-                                    where="seg = $left AND step >= $first AND step < $first + $window"),
-                         {"left": left, "first": first, "window": window})
+        return ctx.frame(
+            sql.format(table="superseded_batches", where="seg = $left AND step >= $first AND step < $first + $window"),
+            {"left": left, "first": first, "window": window},
+        )
 
     @staticmethod
     def _restart(past: np.ndarray, replayed: np.ndarray, starts: np.ndarray, steps: np.ndarray) -> dict:
         """Where in the recorded order the re-read stretch comes from: the longest exact match."""
         candidates = np.flatnonzero(past == replayed[0])  # one per epoch at most: a short loop
         spans = [min(len(replayed), len(past) - q) for q in candidates]
-        matches = [int(np.argmin(np.append(past[q:q + n] == replayed[:n], False))) for q, n in zip(candidates, spans)]
+        matches = [int(np.argmin(np.append(past[q : q + n] == replayed[:n], False))) for q, n in zip(candidates, spans)]
         # The stretch matched furthest (relative to what could match); ties go to the latest epoch.
         scores = [(m / n if m >= 2 else 0.0, q) for m, n, q in zip(matches, spans, candidates)]
         best = max(range(len(scores)), key=lambda i: scores[i]) if scores else None
         if best is None or not scores[best][0]:
-            return {"text": "its order is another shuffle than the run's", "step": None, "where": "other order",
-                    "length": 0}
+            return {
+                "text": "its order is another shuffle than the run's",
+                "step": None,
+                "where": "other order",
+                "length": 0,
+            }
         q = int(candidates[best])
         step = int(steps[q])
         if q == 0:
@@ -221,8 +313,12 @@ class ResumeContinuity(Check):
             where = f"the start of epoch {int(np.searchsorted(starts, q)) + 1}"
         else:
             where = f"the order of step {step}"
-        return {"text": f"the order restarted at {where} (step {step})" if q in starts else
-                f"it picked up {where} again", "step": step, "where": where, "length": matches[best]}
+        return {
+            "text": f"the order restarted at {where} (step {step})" if q in starts else f"it picked up {where} again",
+            "step": step,
+            "where": where,
+            "length": matches[best],
+        }
 
     # ------------------------------------------------------------------ schedule, weights, optimizer
 
@@ -230,7 +326,8 @@ class ResumeContinuity(Check):
         before = ctx.frame(
             """SELECT step, lr FROM steps WHERE rank = 0 AND seg < ? AND step < ? AND lr IS NOT NULL
                ORDER BY step DESC LIMIT ?""",
-            [seg, first, self.params["lr_window"] + 1])
+            [seg, first, self.params["lr_window"] + 1],
+        )
         after = ctx.row("SELECT lr FROM steps WHERE rank = 0 AND seg = ? AND step = ? AND lr IS NOT NULL", [seg, first])
         if before.is_empty() or after is None or not before["lr"][0]:
             return []
@@ -242,21 +339,45 @@ class ResumeContinuity(Check):
         change = abs(now - last) / last
         if change <= tolerance:
             return []
-        what = ("dropping to 0" if now == 0 else "restarting its schedule (warmup run again)" if now < last
-                else "jumping ahead of its schedule")
-        return [self.finding(
-            "fail", f"the learning rate went from {last:.3g} at step {first - 1} to {now:.3g} at step {first} on "
-            f"resume, {what}; the scheduler state was not restored from the checkpoint", step=first,
-            resume_step=first, lr_before=last, lr_after=now, value=change, threshold=tolerance)]
+        what = (
+            "dropping to 0"
+            if now == 0
+            else "restarting its schedule (warmup run again)"
+            if now < last
+            else "jumping ahead of its schedule"
+        )
+        return [
+            self.finding(
+                "fail",
+                f"the learning rate went from {last:.3g} at step {first - 1} to {now:.3g} at step {first} on "
+                f"resume, {what}; the scheduler state was not restored from the checkpoint",
+                step=first,
+                resume_step=first,
+                lr_before=last,
+                lr_after=now,
+                value=change,
+                threshold=tolerance,
+            )
+        ]
 
     def _segment_start(self, ctx: AuditContext, seg: int) -> tuple | None:
-        return ctx.row("""SELECT param_norms, optimizer_step FROM events WHERE rank = 0 AND seg = ?
-                          AND kind = 'segment_start' ORDER BY step LIMIT 1""", [seg])
+        return ctx.row(
+            """SELECT param_norms, optimizer_step FROM events WHERE rank = 0 AND seg = ?
+                          AND kind = 'segment_start' ORDER BY step LIMIT 1""",
+            [seg],
+        )
 
     def _weights(self, ctx: AuditContext, seg: int, first: int, source: dict | None) -> list[Finding]:
         start = self._segment_start(ctx, seg)
-        saved = ctx.row("""SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND path = ?
-                           ORDER BY seg DESC LIMIT 1""", [source["path"]]) if source else None
+        saved = (
+            ctx.row(
+                """SELECT param_norms FROM checkpoints WHERE rank = 0 AND event = 'saved' AND path = ?
+                           ORDER BY seg DESC LIMIT 1""",
+                [source["path"]],
+            )
+            if source
+            else None
+        )
         if not (start and start[0] and saved and saved[0]) or len(start[0]) != len(saved[0]):
             return self._loss(ctx, seg, first)
         now, then = np.asarray(start[0], dtype=float), np.asarray(saved[0], dtype=float)
@@ -264,26 +385,45 @@ class ResumeContinuity(Check):
         differing = np.flatnonzero(off > self.params["weight_tolerance"])
         if not differing.size:
             return []
-        names = dict(ctx.con.execute("SELECT idx, name FROM params WHERE rank = 0 AND seg = ? AND idx IS NOT NULL",
-                                     [seg]).fetchall())
+        names = dict(
+            ctx.con.execute(
+                "SELECT idx, name FROM params WHERE rank = 0 AND seg = ? AND idx IS NOT NULL", [seg]
+            ).fetchall()
+        )
         worst = differing[np.argsort(-off[differing])][: self.params["max_ids_listed"]]
-        return [self.finding(
-            "fail", f"the weights at step {first} are not those of {source['name']}, which the run resumed from: "
-            f"{differing.size} of {len(now)} tensors differ (e.g. {names.get(int(worst[0]), int(worst[0]))}, norm "
-            f"{now[worst[0]]:.6g} vs {then[worst[0]]:.6g} saved); the checkpoint's weights were not loaded",
-            step=first, resume_step=first, source_checkpoint=source["name"], count=int(differing.size),
-            tensors=[names.get(int(i), str(int(i))) for i in worst], value=float(off.max()),
-            threshold=self.params["weight_tolerance"])]
+        return [
+            self.finding(
+                "fail",
+                f"the weights at step {first} are not those of {source['name']}, which the run resumed from: "
+                f"{differing.size} of {len(now)} tensors differ (e.g. {names.get(int(worst[0]), int(worst[0]))}, norm "
+                f"{now[worst[0]]:.6g} vs {then[worst[0]]:.6g} saved); the checkpoint's weights were not loaded",
+                step=first,
+                resume_step=first,
+                source_checkpoint=source["name"],
+                count=int(differing.size),
+                tensors=[names.get(int(i), str(int(i))) for i in worst],
+                value=float(off.max()),
+                threshold=self.params["weight_tolerance"],
+            )
+        ]
 
     def _optimizer(self, ctx: AuditContext, seg: int, first: int, source: dict | None) -> list[Finding]:
         start = self._segment_start(ctx, seg)
         if not start or start[1] is None or source is None or start[1] > 0 or source["step"] == 0:
             return []
-        return [self.finding(
-            "fail", f"the optimizer state was not restored at step {first}: its step count is 0 although "
-            f"{source['name']} was saved after {source['step']} steps, so Adam's moments start empty and the first "
-            f"updates are full-size; load the optimizer state from the checkpoint", step=first, resume_step=first,
-            source_checkpoint=source["name"], optimizer_step=int(start[1]), checkpoint_step=source["step"])]
+        return [
+            self.finding(
+                "fail",
+                f"the optimizer state was not restored at step {first}: its step count is 0 although "
+                f"{source['name']} was saved after {source['step']} steps, so Adam's moments start empty and the first "
+                f"updates are full-size; load the optimizer state from the checkpoint",
+                step=first,
+                resume_step=first,
+                source_checkpoint=source["name"],
+                optimizer_step=int(start[1]),
+                checkpoint_step=source["step"],
+            )
+        ]
 
     def _loss(self, ctx: AuditContext, seg: int, first: int) -> list[Finding]:
         k = self.params["loss_window"]
@@ -291,7 +431,9 @@ class ResumeContinuity(Check):
             """SELECT (SELECT median(loss) FROM (SELECT loss FROM steps WHERE rank = 0 AND seg < $seg AND step < $first
                          AND isfinite(loss) ORDER BY step DESC LIMIT $k)),
                       (SELECT median(loss) FROM (SELECT loss FROM steps WHERE rank = 0 AND seg = $seg
-                         AND isfinite(loss) ORDER BY step LIMIT $k))""", {"seg": seg, "first": first, "k": k})
+                         AND isfinite(loss) ORDER BY step LIMIT $k))""",
+            {"seg": seg, "first": first, "k": k},
+        )
         before, after = row
         if before is None or after is None:
             return []
@@ -300,17 +442,26 @@ class ResumeContinuity(Check):
         jump = after - before
         if jump <= threshold:
             return []
-        return [self.finding(
-            "warn", f"the loss jumped from {before:.3f} to {after:.3f} when the run resumed at step {first} (median of "
-            f"{k} steps each side); check that weights and optimizer state were restored", step=first,
-            resume_step=first, loss_before=before, loss_after=after, value=jump, threshold=threshold)]
+        return [
+            self.finding(
+                "warn",
+                f"the loss jumped from {before:.3f} to {after:.3f} when the run resumed at step {first} (median of "
+                f"{k} steps each side); check that weights and optimizer state were restored",
+                step=first,
+                resume_step=first,
+                loss_before=before,
+                loss_after=after,
+                value=jump,
+                threshold=threshold,
+            )
+        ]
 
 
 def skipped_ahead(abandoned: np.ndarray, resumed: np.ndarray) -> int:
     """How many samples of the abandoned order the resumed one starts past (0 if it is not that order)."""
     for offset in np.flatnonzero(abandoned == resumed[0])[:1]:  # ids are unique within an epoch
         n = min(len(abandoned) - offset, len(resumed))
-        if offset and np.array_equal(abandoned[offset:offset + n], resumed[:n]):
+        if offset and np.array_equal(abandoned[offset : offset + n], resumed[:n]):
             return int(offset)
     return 0
 
@@ -334,7 +485,7 @@ def epoch_starts(codes: np.ndarray) -> np.ndarray:
     previous = previous_occurrence(codes)
     starts = [0]
     while True:  # one pass per epoch
-        back = np.flatnonzero(previous[starts[-1]:] >= starts[-1])
+        back = np.flatnonzero(previous[starts[-1] :] >= starts[-1])
         if not back.size:
             return np.asarray(starts)
         starts.append(starts[-1] + int(back[0]))

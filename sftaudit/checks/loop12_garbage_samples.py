@@ -54,22 +54,34 @@ class GarbageSamples(Check):
         if tokenizer is None:
             return []
         byte_piece = _raw_bytes(tokenizer)
-        trained = (samples.with_row_index("sample").explode("labels")
-                   .filter(pl.col("labels") != IGNORE_INDEX)
-                   .filter(pl.col("labels").is_between(0, len(byte_piece) - 1)))
-        share = (trained.with_columns(pl.Series("byte", byte_piece[trained["labels"].to_numpy()]))
-                 .group_by("sample", "step", "sample_id", maintain_order=True).agg(pl.col("byte").mean().alias("share")))
+        trained = (
+            samples.with_row_index("sample")
+            .explode("labels")
+            .filter(pl.col("labels") != IGNORE_INDEX)
+            .filter(pl.col("labels").is_between(0, len(byte_piece) - 1))
+        )
+        share = (
+            trained.with_columns(pl.Series("byte", byte_piece[trained["labels"].to_numpy()]))
+            .group_by("sample", "step", "sample_id", maintain_order=True)
+            .agg(pl.col("byte").mean().alias("share"))
+        )
         if share.is_empty():
             return []
         baseline = float(share["share"].median())
         p = self.params
         if baseline >= p["byte_share"]:
-            return [self.finding(
-                "warn", f"{baseline:.0%} of the trained tokens of a typical sample are raw bytes: the tokenizer "
-                f"does not cover this data's script; train or extend a tokenizer on it before fine-tuning",
-                median_share=baseline, threshold=p["byte_share"])]
-        garbage = share.filter((pl.col("share") >= p["byte_share"])
-                               & (pl.col("share") >= p["baseline_factor"] * max(baseline, 1e-3)))
+            return [
+                self.finding(
+                    "warn",
+                    f"{baseline:.0%} of the trained tokens of a typical sample are raw bytes: the tokenizer "
+                    f"does not cover this data's script; train or extend a tokenizer on it before fine-tuning",
+                    median_share=baseline,
+                    threshold=p["byte_share"],
+                )
+            ]
+        garbage = share.filter(
+            (pl.col("share") >= p["byte_share"]) & (pl.col("share") >= p["baseline_factor"] * max(baseline, 1e-3))
+        )
         if garbage.is_empty():
             return []
         first = int(garbage["step"][0])
@@ -77,14 +89,21 @@ class GarbageSamples(Check):
         first_labels = samples["labels"][int(garbage["sample"][0])].to_list()
         excerpt = tokenizer.decode([t for t in first_labels if t != IGNORE_INDEX][:40])
         steps = sorted(set(garbage["step"].to_list()))
-        return [self.finding(
-            "warn",
-            f"{len(garbage)} recorded sample(s) from step {first} are mostly raw bytes (first "
-            f"{garbage['sample_id'][0]}, {garbage['share'][0]:.0%} of its trained tokens): garbage text in the "
-            f"training data; drop these samples and resume from a checkpoint before step {first}",
-            step=first, sample_ids=listed["sample_id"].to_list(), steps=steps,
-            shares=[round(s, 3) for s in listed["share"].to_list()], median_share=baseline,
-            threshold=p["byte_share"], excerpt=excerpt)]
+        return [
+            self.finding(
+                "warn",
+                f"{len(garbage)} recorded sample(s) from step {first} are mostly raw bytes (first "
+                f"{garbage['sample_id'][0]}, {garbage['share'][0]:.0%} of its trained tokens): garbage text in the "
+                f"training data; drop these samples and resume from a checkpoint before step {first}",
+                step=first,
+                sample_ids=listed["sample_id"].to_list(),
+                steps=steps,
+                shares=[round(s, 3) for s in listed["share"].to_list()],
+                median_share=baseline,
+                threshold=p["byte_share"],
+                excerpt=excerpt,
+            )
+        ]
 
 
 def _raw_bytes(tokenizer) -> np.ndarray:
@@ -92,5 +111,11 @@ def _raw_bytes(tokenizer) -> np.ndarray:
     ids = list(range(len(tokenizer)))
     pieces = tokenizer.batch_decode([[i] for i in ids])
     names = tokenizer.convert_ids_to_tokens(ids)
-    return np.fromiter((("\ufffd" in piece) and (len(name) == 1 or SENTENCEPIECE_BYTE.fullmatch(name) is not None)
-                        for piece, name in zip(pieces, names)), dtype=bool, count=len(ids))
+    return np.fromiter(
+        (
+            ("\ufffd" in piece) and (len(name) == 1 or SENTENCEPIECE_BYTE.fullmatch(name) is not None)
+            for piece, name in zip(pieces, names)
+        ),
+        dtype=bool,
+        count=len(ids),
+    )

@@ -59,8 +59,13 @@ class LossNormalisation(Check):
     code = "LOOP-13"
     name = "loss normalisation and scale"
     needs = ("batches",)
-    defaults = {"max_weight_error": 0.01, "max_logged_error": 0.02, "first_loss_factor": 2.0, "samples_listed": 5,
-                "token_mean_across_ranks": None}  # None: as the run's config says
+    defaults = {
+        "max_weight_error": 0.01,
+        "max_logged_error": 0.02,
+        "first_loss_factor": 2.0,
+        "samples_listed": 5,
+        "token_mean_across_ranks": None,
+    }  # None: as the run's config says
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if not ctx.has_rows("batches"):
@@ -77,13 +82,15 @@ class LossNormalisation(Check):
         if micro["model_loss"].null_count() == micro.height:
             raise CannotJudge(
                 "the model returned no loss (a custom loss computed outside the model), so no per-token mean was "
-                "visible; pass labels to the model to have it checked")
+                "visible; pass labels to the model to have it checked"
+            )
         self._judged = False
         findings = self._weights(ctx, micro) + self._logged(ctx, micro)
         if not self._judged:
             raise CannotJudge(
                 "no micro-batch's loss weight was recorded (the model's loss never reached backward: the training "
-                "loop computed its own loss) and no logged training loss could be compared with the recorded one")
+                "loop computed its own loss) and no logged training loss could be compared with the recorded one"
+            )
         return findings + self._first_loss(ctx, micro)
 
     # ------------------------------------------------------------------ token weights
@@ -118,8 +125,13 @@ class LossNormalisation(Check):
         worst = np.fmax.reduceat(np.abs(np.where(ok, rel, np.nan)), start)
         window_step = steps[start]
         series_steps, first_window = np.unique(window_step, return_index=True)
-        ctx.add_series(self.code, "largest relative token-weight error", series_steps.tolist(),
-                       np.fmax.reduceat(worst, first_window).tolist(), self.params["max_weight_error"])
+        ctx.add_series(
+            self.code,
+            "largest relative token-weight error",
+            series_steps.tolist(),
+            np.fmax.reduceat(worst, first_window).tolist(),
+            self.params["max_weight_error"],
+        )
         bad = np.flatnonzero(whole & (worst > self.params["max_weight_error"]))
         if not bad.size:
             return []
@@ -127,26 +139,41 @@ class LossNormalisation(Check):
         step = int(window_step[i])
         rows = slice(int(bounds[i]), int(bounds[i + 1]))
         micro_batches = [
-            {"rank": int(r), "micro": int(m), "target_tokens": int(k), "loss_weight": float(w), "divides_by": float(d),
-             "relative_error": float(e)}
-            for r, m, k, w, d, e in zip(micro["rank"][rows], micro["micro"][rows], n[rows], weight[rows],
-                                        divides_by[rows], rel[rows])]
+            {
+                "rank": int(r),
+                "micro": int(m),
+                "target_tokens": int(k),
+                "loss_weight": float(w),
+                "divides_by": float(d),
+                "relative_error": float(e),
+            }
+            for r, m, k, w, d, e in zip(
+                micro["rank"][rows], micro["micro"][rows], n[rows], weight[rows], divides_by[rows], rel[rows]
+            )
+        ]
         over = max(range(len(micro_batches)), key=lambda j: micro_batches[j]["relative_error"])
         ids = micro["sample_ids"][int(bounds[i] + over)].to_list()
         per_row = micro["target_tokens"][int(bounds[i] + over)].to_list()
         samples = sorted(zip(ids, per_row), key=lambda x: x[1])[: self.params["samples_listed"]]
         convention = _convention(weight[rows], divides_by[rows], n[rows], micro["rank"][rows].n_unique())
         top = micro_batches[over]
-        return [self.finding(
-            "fail",
-            f"the loss of step {step} weights tokens unequally ({convention}): tokens of micro-batch {top['micro']}"
-            f"{' on rank ' + str(top['rank']) if micro['rank'][rows].n_unique() > 1 else ''} "
-            f"({top['target_tokens']} target tokens) count {1 + top['relative_error']:.2f}x the window's token mean "
-            f"({np.unique(window_step[bad]).size} step(s) affected); divide each micro-batch's summed token loss by the window's total target "
-            f"tokens (Trainer: pass num_items_in_batch / keep model_accepts_loss_kwargs)",
-            step=step, value=float(worst[i]), threshold=self.params["max_weight_error"], convention=convention,
-            steps_affected=int(np.unique(window_step[bad]).size), micro_batches=micro_batches,
-            over_weighted_samples=[{"sample_id": s, "target_tokens": k} for s, k in samples])]
+        return [
+            self.finding(
+                "fail",
+                f"the loss of step {step} weights tokens unequally ({convention}): tokens of micro-batch {top['micro']}"
+                f"{' on rank ' + str(top['rank']) if micro['rank'][rows].n_unique() > 1 else ''} "
+                f"({top['target_tokens']} target tokens) count {1 + top['relative_error']:.2f}x the window's token mean "
+                f"({np.unique(window_step[bad]).size} step(s) affected); divide each micro-batch's summed token loss by the window's total target "
+                f"tokens (Trainer: pass num_items_in_batch / keep model_accepts_loss_kwargs)",
+                step=step,
+                value=float(worst[i]),
+                threshold=self.params["max_weight_error"],
+                convention=convention,
+                steps_affected=int(np.unique(window_step[bad]).size),
+                micro_batches=micro_batches,
+                over_weighted_samples=[{"sample_id": s, "target_tokens": k} for s, k in samples],
+            )
+        ]
 
     # ------------------------------------------------------------------ logged loss
 
@@ -157,7 +184,7 @@ class LossNormalisation(Check):
         # Per rank and step: the token mean of the model's losses (the loss that was trained, whatever share of
         # it each backward got) and the backpropagated objective; a step counts when every micro-batch has both.
         across = self._across_ranks(ctx)
-        trained = ("sum(token_sum) / nullif(sum(n), 0)" if across else "avg(token_sum / nullif(n, 0))")
+        trained = "sum(token_sum) / nullif(sum(n), 0)" if across else "avg(token_sum / nullif(n, 0))"
         recorded = ctx.frame(
             f"""
             SELECT step, {trained} AS trained, avg(objective) AS objective,
@@ -173,28 +200,39 @@ class LossNormalisation(Check):
         steps = logged["step"].to_numpy()
         single = np.diff(np.concatenate([[steps[0] - 1], steps])) == 1
         by_step = {r["step"]: r for r in recorded.iter_rows(named=True) if r["complete"] and r["trained"] is not None}
-        pairs = [(int(s), float(v), by_step[s]) for s, v, one in zip(steps, logged["value"].to_list(), single)
-                 if one and s in by_step and v is not None]
+        pairs = [
+            (int(s), float(v), by_step[s])
+            for s, v, one in zip(steps, logged["value"].to_list(), single)
+            if one and s in by_step and v is not None
+        ]
         if pairs:
             self._judged = True
         findings = []
         hidden = [(s, v) for s, v, r in pairs if not np.isfinite(r["trained"]) and np.isfinite(v)]
         if hidden:
             s, v = hidden[0]
-            findings.append(self.finding(
-                "fail",
-                f"the loss was non-finite at step {s} but the trainer logged {v:.4g} there ({len(hidden)} step(s)); "
-                f"the Trainer's logging_nan_inf_filter hides NaN steps from the logs: resume from a checkpoint "
-                f"before step {s} and find the batch that produced it",
-                step=s, logged=v, recorded=str(by_step[s]["trained"]), steps_hidden=[h[0] for h in hidden][:50]))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"the loss was non-finite at step {s} but the trainer logged {v:.4g} there ({len(hidden)} step(s)); "
+                    f"the Trainer's logging_nan_inf_filter hides NaN steps from the logs: resume from a checkpoint "
+                    f"before step {s} and find the batch that produced it",
+                    step=s,
+                    logged=v,
+                    recorded=str(by_step[s]["trained"]),
+                    steps_hidden=[h[0] for h in hidden][:50],
+                )
+            )
         pairs = [(s, v, r) for s, v, r in pairs if np.isfinite(r["trained"]) and np.isfinite(v)]
         if not pairs:
             return findings
         s_arr = np.array([p[0] for p in pairs])
         log_arr = np.array([p[1] for p in pairs], dtype=float)
         rec_arr = np.array([p[2]["trained"] for p in pairs], dtype=float)
-        obj_arr = np.array([p[2]["objective"] if p[2]["weighted"] and p[2]["objective"] is not None else np.nan
-                            for p in pairs], dtype=float)
+        obj_arr = np.array(
+            [p[2]["objective"] if p[2]["weighted"] and p[2]["objective"] is not None else np.nan for p in pairs],
+            dtype=float,
+        )
         off = np.abs(log_arr - rec_arr) > self.params["max_logged_error"] * np.abs(rec_arr) + 5e-4
         if not off.any():
             return findings
@@ -205,30 +243,52 @@ class LossNormalisation(Check):
             objective_ratio = float(obj_arr[j] / rec_arr[j])
         multiple = round(r) if r >= 1.5 and abs(r - round(r)) < 0.05 else None
         accum = ctx.scalar("SELECT max(micro_batches) FROM steps WHERE rank = 0 AND step = ?", [step])
-        why = (f" = {multiple} x the trained loss {rec_arr[j]:.4g}" + (" (the gradient-accumulation steps)" if multiple == accum else "")
-               if multiple else f", {r:.3g}x the trained loss {rec_arr[j]:.4g}")
+        why = (
+            f" = {multiple} x the trained loss {rec_arr[j]:.4g}"
+            + (" (the gradient-accumulation steps)" if multiple == accum else "")
+            if multiple
+            else f", {r:.3g}x the trained loss {rec_arr[j]:.4g}"
+        )
         # The backpropagated objective off by the same factor: the gradients are scaled too, not only the log.
         scaled_too = np.isfinite(objective_ratio) and abs(objective_ratio / r - 1) <= self.params["max_logged_error"]
-        fix = (f"the backpropagated objective is {objective_ratio:.3g}x it too, so the gradients are scaled and a "
-               f"gradient-accumulation window weighs micro-batches, not tokens (as transformers 4.47 does with a "
-               f"model whose forward takes no **kwargs, e.g. GPT-2: upgrade transformers, or divide each "
-               f"micro-batch's loss by the accumulation steps)" if scaled_too else
-               "the loss curve you are reading is not the loss that was trained: fix the logging's normalisation")
-        findings.append(self.finding(
-            "fail",
-            f"the logged training loss at step {step} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); {fix}",
-            step=step, logged=float(log_arr[j]), recorded=float(rec_arr[j]), ratio=r,
-            objective=float(obj_arr[j]) if np.isfinite(obj_arr[j]) else None,
-            objective_ratio=objective_ratio if np.isfinite(objective_ratio) else None, objective_scaled=bool(scaled_too),
-            value=r, threshold=self.params["max_logged_error"], steps_affected=int(off.sum())))
+        fix = (
+            f"the backpropagated objective is {objective_ratio:.3g}x it too, so the gradients are scaled and a "
+            f"gradient-accumulation window weighs micro-batches, not tokens (as transformers 4.47 does with a "
+            f"model whose forward takes no **kwargs, e.g. GPT-2: upgrade transformers, or divide each "
+            f"micro-batch's loss by the accumulation steps)"
+            if scaled_too
+            else "the loss curve you are reading is not the loss that was trained: fix the logging's normalisation"
+        )
+        findings.append(
+            self.finding(
+                "fail",
+                f"the logged training loss at step {step} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); {fix}",
+                step=step,
+                logged=float(log_arr[j]),
+                recorded=float(rec_arr[j]),
+                ratio=r,
+                objective=float(obj_arr[j]) if np.isfinite(obj_arr[j]) else None,
+                objective_ratio=objective_ratio if np.isfinite(objective_ratio) else None,
+                objective_scaled=bool(scaled_too),
+                value=r,
+                threshold=self.params["max_logged_error"],
+                steps_affected=int(off.sum()),
+            )
+        )
         return findings
 
     def _across_ranks(self, ctx: AuditContext) -> bool:
         """Whether the run's loss is a token mean across ranks (declared in this check's config or the run's)."""
         config = ctx.manifest.get("config") or {}
         declared = self.params["token_mean_across_ranks"]
-        return bool(declared) if declared is not None else bool(config.get("token_mean_across_ranks")
-                    or (config.get("training_args") or {}).get("average_tokens_across_devices"))
+        return (
+            bool(declared)
+            if declared is not None
+            else bool(
+                config.get("token_mean_across_ranks")
+                or (config.get("training_args") or {}).get("average_tokens_across_devices")
+            )
+        )
 
     # ------------------------------------------------------------------ first loss
 
@@ -237,20 +297,27 @@ class LossNormalisation(Check):
         vocab = vocab.get("vocab_size") or (ctx.manifest.get("tokenizer") or {}).get("length")
         if ctx.manifest.get("seg", 0) != 0 and ctx.scalar("SELECT min(seg) FROM batches") != 0:
             return []
-        first = ctx.row("SELECT step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) / "
-                        "sum(list_sum(target_tokens)) FROM batches WHERE rank = 0 AND seg = 0 AND model_loss IS NOT NULL "
-                        "GROUP BY step ORDER BY step LIMIT 1")
+        first = ctx.row(
+            "SELECT step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) / "
+            "sum(list_sum(target_tokens)) FROM batches WHERE rank = 0 AND seg = 0 AND model_loss IS NOT NULL "
+            "GROUP BY step ORDER BY step LIMIT 1"
+        )
         if not vocab or first is None or first[1] is None or not np.isfinite(first[1]):
             return []
         uniform = float(np.log(vocab))
         if first[1] <= self.params["first_loss_factor"] * uniform:
             return []
-        return [self.finding(
-            "warn",
-            f"the first step's loss is {first[1]:.3g}, {first[1] / uniform:.1f}x ln(vocabulary) = {uniform:.2f}, the loss of a "
-            f"uniform guess; check the output head's initialisation and any scaling applied to the loss",
-            step=int(first[0]), value=float(first[1]), threshold=self.params["first_loss_factor"] * uniform,
-            vocab_size=int(vocab))]
+        return [
+            self.finding(
+                "warn",
+                f"the first step's loss is {first[1]:.3g}, {first[1] / uniform:.1f}x ln(vocabulary) = {uniform:.2f}, the loss of a "
+                f"uniform guess; check the output head's initialisation and any scaling applied to the loss",
+                step=int(first[0]),
+                value=float(first[1]),
+                threshold=self.params["first_loss_factor"] * uniform,
+                vocab_size=int(vocab),
+            )
+        ]
 
 
 def _convention(weight: np.ndarray, divides_by: np.ndarray, n: np.ndarray, ranks: int) -> str:
@@ -259,6 +326,9 @@ def _convention(weight: np.ndarray, divides_by: np.ndarray, n: np.ndarray, ranks
     if per_mean and np.allclose(weight, weight[0], rtol=1e-3):
         if ranks > 1:
             return "mean of per-rank means"
-        return "mean of micro-batch means" if np.isclose(weight[0] * len(weight), 1.0, rtol=1e-3) else \
-            "micro-batch means with equal weights"
+        return (
+            "mean of micro-batch means"
+            if np.isclose(weight[0] * len(weight), 1.0, rtol=1e-3)
+            else "micro-batch means with equal weights"
+        )
     return "unequal per-micro-batch weights"

@@ -55,9 +55,13 @@ class LRScheduleConformance(Check):
         if scheduler is None:
             return []
         if not scheduler.get("lr"):
-            return [self.finding(
-                "info", f"learning-rate schedule not judged: the {scheduler.get('class')} schedule could not be traced "
-                "at start (no horizon: pass the run's max_steps in the Recorder's config)")]
+            return [
+                self.finding(
+                    "info",
+                    f"learning-rate schedule not judged: the {scheduler.get('class')} schedule could not be traced "
+                    "at start (no horizon: pass the run's max_steps in the Recorder's config)",
+                )
+            ]
         frame = ctx.frame("SELECT step, seg, lr, grad_norm FROM steps WHERE rank = 0 AND lr IS NOT NULL ORDER BY step")
         if frame.height == 0:
             return []
@@ -89,8 +93,12 @@ class LRScheduleConformance(Check):
         expected = candidates[key]
         judged = np.isfinite(expected)
         ok = matches(expected) | ~judged
-        ctx.add_series(self.code, "recorded / configured learning rate", steps.tolist(),
-                       np.where(judged & (expected != 0), lr / np.where(expected != 0, expected, 1), np.nan).tolist())
+        ctx.add_series(
+            self.code,
+            "recorded / configured learning rate",
+            steps.tolist(),
+            np.where(judged & (expected != 0), lr / np.where(expected != 0, expected, 1), np.nan).tolist(),
+        )
         if ok.all():
             return []
         first = int(np.flatnonzero(~ok)[0])
@@ -112,30 +120,42 @@ class LRScheduleConformance(Check):
             zero = (lr == 0) & (frame["grad_norm"].fill_null(0).to_numpy() > 0) & (np.nan_to_num(expected) > 0)
         text = diagnosis["text"]
         if floor_info:
-            text += (f"; it reached its floor {floor:.3g} at step {floor_info['reached_at']}"
-                     + (f" instead of step {floor_info['scheduled_at']}" if floor_info["scheduled_at"] else ""))
+            text += f"; it reached its floor {floor:.3g} at step {floor_info['reached_at']}" + (
+                f" instead of step {floor_info['scheduled_at']}" if floor_info["scheduled_at"] else ""
+            )
         if zero.any():
             text += f"; {int(zero.sum())} step(s) trained at LR 0 while gradients flowed"
-        return [self.finding(
-            "fail",
-            f"the learning rate left its configured schedule at step {s} ({lr[first]:.3g} instead of {expected[first]:.3g}): "
-            f"{text}; check how often scheduler.step() runs per optimizer step and that a resume restores the "
-            f"scheduler's state",
-            step=s, recorded=float(lr[first]), configured=float(expected[first]), value=float(lr[first]),
-            threshold=self.params["tolerance"], diagnosis=diagnosis["kind"], speed=diagnosis.get("speed"),
-            steps_affected=int((~ok).sum()), floor=floor_info or None, zero_lr_steps=steps[zero].tolist()[:50],
-            scheduler={k: scheduler.get(k) for k in ("class", "lr_lambda")})]
+        return [
+            self.finding(
+                "fail",
+                f"the learning rate left its configured schedule at step {s} ({lr[first]:.3g} instead of {expected[first]:.3g}): "
+                f"{text}; check how often scheduler.step() runs per optimizer step and that a resume restores the "
+                f"scheduler's state",
+                step=s,
+                recorded=float(lr[first]),
+                configured=float(expected[first]),
+                value=float(lr[first]),
+                threshold=self.params["tolerance"],
+                diagnosis=diagnosis["kind"],
+                speed=diagnosis.get("speed"),
+                steps_affected=int((~ok).sum()),
+                floor=floor_info or None,
+                zero_lr_steps=steps[zero].tolist()[:50],
+                scheduler={k: scheduler.get(k) for k in ("class", "lr_lambda")},
+            )
+        ]
 
     def _scheduler(self, ctx: AuditContext) -> dict | None:
         """The configured schedule: of the segments' traces (each resumed segment traces its own
         fresh scheduler up to its own max_steps), the longest, earliest first among equals."""
-        found = [json.loads(m).get("scheduler") for (m,) in
-                 ctx.con.execute("SELECT manifest FROM manifest WHERE rank = 0 ORDER BY seg").fetchall()]
+        found = [
+            json.loads(m).get("scheduler")
+            for (m,) in ctx.con.execute("SELECT manifest FROM manifest WHERE rank = 0 ORDER BY seg").fetchall()
+        ]
         found = [s for s in found if s]
         return max(found, key=lambda s: len(s.get("lr") or []), default=None)
 
     def _diagnose(self, frame, steps, lr, configured, matches, first, offset) -> dict:
-        position = steps - 1 + offset
         tail = slice(first, None)
         for k in SPEEDS:
             for o in (0, 1):
@@ -144,15 +164,25 @@ class LRScheduleConformance(Check):
                     ok = matches(expected)[tail]
                     judged = np.isfinite(expected)[tail]
                     if judged.sum() >= 2 and ok[judged].mean() >= 0.9:
-                        return {"kind": f"{word}", "speed": k,
-                                "text": f"it runs {k}x {word} of the schedule (the scheduler is stepped "
-                                        + (f"{k} times per optimizer step" if word == "ahead" else f"once every {k} optimizer steps")
-                                        + ")"}
+                        return {
+                            "kind": f"{word}",
+                            "speed": k,
+                            "text": f"it runs {k}x {word} of the schedule (the scheduler is stepped "
+                            + (
+                                f"{k} times per optimizer step"
+                                if word == "ahead"
+                                else f"once every {k} optimizer steps"
+                            )
+                            + ")",
+                        }
         segs = frame["seg"].to_numpy()
         s = int(steps[first])
         if first and segs[first] != segs[first - 1]:
             restarted = configured(steps - steps[first] + offset)  # a fresh scheduler from the resumed step
-            if matches(restarted)[first:first + 3].all():
-                return {"kind": "restarted", "text": f"the schedule restarted from its beginning at the resume at step {s}"
-                                                     " (warmup again: the scheduler's state was not restored)"}
+            if matches(restarted)[first : first + 3].all():
+                return {
+                    "kind": "restarted",
+                    "text": f"the schedule restarted from its beginning at the resume at step {s}"
+                    " (warmup again: the scheduler's state was not restored)",
+                }
         return {"kind": "departed", "text": "it does not follow the configured schedule from there"}

@@ -54,8 +54,10 @@ class TrainableSetConformance(Check):
     defaults = {"min_steps": 3, "max_tensors_listed": 20, "chance_expected": 1e-3}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        params = ctx.frame("SELECT idx, name, requires_grad FROM params WHERE rank = 0 AND idx IS NOT NULL "
-                           "AND seg = (SELECT max(seg) FROM params WHERE rank = 0) ORDER BY idx")
+        params = ctx.frame(
+            "SELECT idx, name, requires_grad FROM params WHERE rank = 0 AND idx IS NOT NULL "
+            "AND seg = (SELECT max(seg) FROM params WHERE rank = 0) ORDER BY idx"
+        )
         if params.height == 0:
             return []
         first_step = ctx.scalar("SELECT min(step) FROM steps WHERE rank = 0")
@@ -76,10 +78,18 @@ class TrainableSetConformance(Check):
             what.append(f"{len(frozen)} tensor(s) declared trainable do not require grad, first {frozen[0]}")
         if unmatched:
             what.append(f"pattern(s) {unmatched} match no parameter")
-        return [self.finding(
-            "fail", f"the trainable set differs from the declared one: {'; '.join(what)}; check the freezing code and "
-            f"the adapter's target modules", step=first_step, tensors=frozen[: self.params["max_tensors_listed"]],
-            tensor_count=len(frozen), unmatched_patterns=unmatched, declared=patterns)]
+        return [
+            self.finding(
+                "fail",
+                f"the trainable set differs from the declared one: {'; '.join(what)}; check the freezing code and "
+                f"the adapter's target modules",
+                step=first_step,
+                tensors=frozen[: self.params["max_tensors_listed"]],
+                tensor_count=len(frozen),
+                unmatched_patterns=unmatched,
+                declared=patterns,
+            )
+        ]
 
     def _gradients(self, ctx: AuditContext, params) -> list[Finding]:
         steps, _, norms = grad_norm_matrix(ctx)  # NaN where absent: a recorded NaN is told apart below
@@ -116,13 +126,19 @@ class TrainableSetConformance(Check):
             cols = sorted((c for c, r in first_hit.items() if r == row), key=lambda c: c)
             none = [names[c] for c in cols if not present[row, c]]
             listed = [{"tensor": names[c], "gradient": "none" if not present[row, c] else "zero"} for c in cols]
-            findings.append(self.finding(
-                "fail",
-                f"{len(cols)} tensor(s) that require grad got {'no' if none else 'zero'} gradient for {k} steps in a row "
-                f"(through step {steps[row]}), first {names[cols[0]]}; with gradient checkpointing use "
-                f"use_reentrant=False or enable_input_require_grads(), and check what detaches them from the loss",
-                step=int(steps[row]), tensors=listed[: self.params["max_tensors_listed"]], tensor_count=len(cols),
-                min_steps=k, other_tensors_later=len(first_hit) - len(cols)))
+            findings.append(
+                self.finding(
+                    "fail",
+                    f"{len(cols)} tensor(s) that require grad got {'no' if none else 'zero'} gradient for {k} steps in a row "
+                    f"(through step {steps[row]}), first {names[cols[0]]}; with gradient checkpointing use "
+                    f"use_reentrant=False or enable_input_require_grads(), and check what detaches them from the loss",
+                    step=int(steps[row]),
+                    tensors=listed[: self.params["max_tensors_listed"]],
+                    tensor_count=len(cols),
+                    min_steps=k,
+                    other_tensors_later=len(first_hit) - len(cols),
+                )
+            )
         return findings + self._stale(steps, norms, names)
 
     def _stale(self, steps: np.ndarray, norms: np.ndarray, names: dict) -> list[Finding]:
@@ -159,18 +175,25 @@ class TrainableSetConformance(Check):
         in_row = cols[rows == first_row]
         affected = int(np.isin(event, firing).sum())
         chance = float(expected[firing[0] - 1])
-        return [self.finding(
-            "fail",
-            f"{in_row.size} tensor(s) had a gradient bit-identical in norm to the previous step's at step "
-            f"{steps[first_row + 1]}, first {names[int(in_row[0])]} ({affected} step(s); chance would do this "
-            f"{chance:.2g} times in a clean run this long): a stale gradient buffer is reused "
-            f"(ZeRO bucket, a hook that caches, a missing zero_grad with a frozen graph); resume from a checkpoint "
-            f"before it",
-            step=int(steps[first_row + 1]),
-            tensors=[{"tensor": names[int(c)], "norm": float(norms[first_row + 1, c])}
-                     for c in in_row[: self.params["max_tensors_listed"]]],
-            tensor_count=int(in_row.size), steps_affected=affected, chance_expected=chance,
-            threshold=self.params["chance_expected"])]
+        return [
+            self.finding(
+                "fail",
+                f"{in_row.size} tensor(s) had a gradient bit-identical in norm to the previous step's at step "
+                f"{steps[first_row + 1]}, first {names[int(in_row[0])]} ({affected} step(s); chance would do this "
+                f"{chance:.2g} times in a clean run this long): a stale gradient buffer is reused "
+                f"(ZeRO bucket, a hook that caches, a missing zero_grad with a frozen graph); resume from a checkpoint "
+                f"before it",
+                step=int(steps[first_row + 1]),
+                tensors=[
+                    {"tensor": names[int(c)], "norm": float(norms[first_row + 1, c])}
+                    for c in in_row[: self.params["max_tensors_listed"]]
+                ],
+                tensor_count=int(in_row.size),
+                steps_affected=affected,
+                chance_expected=chance,
+                threshold=self.params["chance_expected"],
+            )
+        ]
 
 
 def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray, block: int = 256) -> np.ndarray:
@@ -185,8 +208,11 @@ def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray, bloc
         k = max(1, int(np.ceil(0.01 * count.max())))
         with np.errstate(invalid="ignore", divide="ignore"):
             change = np.where(usable, np.abs(norms[1:, sl] / norms[:-1, sl] - 1), np.inf).astype(np.float32)
-        h = np.partition(change, k - 1, axis=0)[k - 1].astype(np.float64) if change.shape[0] >= k else \
-            np.full(change.shape[1], np.inf)
+        h = (
+            np.partition(change, k - 1, axis=0)[k - 1].astype(np.float64)
+            if change.shape[0] >= k
+            else np.full(change.shape[1], np.inf)
+        )
         ok = np.isfinite(h) & (h > 0) & (count >= k)
-        out[lo:lo + block][ok] = k / (2 * h[ok] * count[ok])
+        out[lo : lo + block][ok] = k / (2 * h[ok] * count[ok])
     return out

@@ -58,12 +58,18 @@ class PackingBoundaries(Check):
             return "CASE WHEN " + condition + " THEN ['" + text.replace("'", "''") + "'] ELSE [] END"
 
         # Runs recorded without the mask and cache: varlen keys, or restarts under flash attention.
-        old_rule = (f"CASE WHEN coalesce(varlen, false) OR ({flash} AND NOT no_restart) THEN [] "
-                    f"ELSE {cause('no_restart', NO_RESTART)} || {cause('NOT no_restart', f'positions restart but {attn} ignores them')} END")
-        flash_rule = f"{cause('mask = $$padding$$ AND padded', MASK_GIVEN + ' (with padding)')} || " \
-                     f"{cause('no_restart AND NOT coalesce(varlen, false)', NO_RESTART)}"
-        other_rule = f"{cause('no_restart', NO_RESTART)} || {cause('mask = $$padding$$', MASK_GIVEN)} || " \
-                     f"{cause('coalesce(cache_built, true)', CACHE_BUILT)}"
+        old_rule = (
+            f"CASE WHEN coalesce(varlen, false) OR ({flash} AND NOT no_restart) THEN [] "
+            f"ELSE {cause('no_restart', NO_RESTART)} || {cause('NOT no_restart', f'positions restart but {attn} ignores them')} END"
+        )
+        flash_rule = (
+            f"{cause('mask = $$padding$$ AND padded', MASK_GIVEN + ' (with padding)')} || "
+            f"{cause('no_restart AND NOT coalesce(varlen, false)', NO_RESTART)}"
+        )
+        other_rule = (
+            f"{cause('no_restart', NO_RESTART)} || {cause('mask = $$padding$$', MASK_GIVEN)} || "
+            f"{cause('coalesce(cache_built, true)', CACHE_BUILT)}"
+        )
         bos = (((ctx.manifest.get("tokenizer") or {}).get("special_tokens") or {}).get("bos") or {}).get("id")
         # A BOS right after another attended BOS starts no sample (the template wrote one and the tokenizer added
         # another: LOOP-02's double BOS). Counted on the recorded rows; a row not recorded, in a run whose
@@ -113,12 +119,18 @@ class PackingBoundaries(Check):
         first = rows.row(0, named=True)
         steps = rows["step"].n_unique()
         ignored = " (cu_seq_lens are read by flash attention only)" if first["varlen"] and flash == "false" else ""
-        return [self.finding(
-            "fail",
-            f"from step {first['step']} rows hold several samples ({first['samples']} in row {first['sample_id']}) that "
-            f"attend to each other under {attn} attention: {'; '.join(first['causes'])}{ignored} "
-            f"({rows.height} row(s) in {steps} step(s)); give each sample restarting position_ids with no 2-D "
-            f"attention_mask and use_cache=False (DataCollatorWithFlattening / TRL padding_free), a block mask, "
-            f"or stop packing",
-            step=int(first["step"]), attn_implementation=attn, rows_affected=rows.height, steps_affected=steps,
-            rows=rows.drop("varlen").head(self.params["rows_listed"]).to_dicts())]
+        return [
+            self.finding(
+                "fail",
+                f"from step {first['step']} rows hold several samples ({first['samples']} in row {first['sample_id']}) that "
+                f"attend to each other under {attn} attention: {'; '.join(first['causes'])}{ignored} "
+                f"({rows.height} row(s) in {steps} step(s)); give each sample restarting position_ids with no 2-D "
+                f"attention_mask and use_cache=False (DataCollatorWithFlattening / TRL padding_free), a block mask, "
+                f"or stop packing",
+                step=int(first["step"]),
+                attn_implementation=attn,
+                rows_affected=rows.height,
+                steps_affected=steps,
+                rows=rows.drop("varlen").head(self.params["rows_listed"]).to_dicts(),
+            )
+        ]

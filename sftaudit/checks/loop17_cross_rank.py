@@ -65,15 +65,28 @@ class CrossRankConsistency(Check):
     code = "LOOP-17"
     name = "cross-rank consistency"
     needs = ("steps",)
-    defaults = {"total_norm_rtol": 1e-3, "max_ids_listed": 10, "max_tensors_listed": 20,
-                "loss_sigma": 6.0, "loss_min_ratio": 3.0, "loss_spread_floor": float(np.log(1.05)), "window": None}
+    defaults = {
+        "total_norm_rtol": 1e-3,
+        "max_ids_listed": 10,
+        "max_tensors_listed": 20,
+        "loss_sigma": 6.0,
+        "loss_min_ratio": 3.0,
+        "loss_spread_floor": float(np.log(1.05)),
+        "window": None,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if (ctx.scalar("SELECT count(DISTINCT rank) FROM manifest") or 0) < 2:
             return []
-        return (self._stopped_ranks(ctx) + self._replicated_gradients(ctx) + self._replica_weights(ctx)
-                + self._shared_samples(ctx) + self._framework_total(ctx) + self._local_loss(ctx)
-                + self._outlying_loss(ctx))
+        return (
+            self._stopped_ranks(ctx)
+            + self._replicated_gradients(ctx)
+            + self._replica_weights(ctx)
+            + self._shared_samples(ctx)
+            + self._framework_total(ctx)
+            + self._local_loss(ctx)
+            + self._outlying_loss(ctx)
+        )
 
     def _stopped_ranks(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -94,17 +107,26 @@ class CrossRankConsistency(Check):
         rank, first, missing, last = rows[0]
         stopped = last is not None and last < first
         names = ", ".join(str(r[0]) for r in rows)
-        return [self.finding(
-            "fail",
-            f"rank {rank} {'stopped recording after step ' + str(last) if stopped else 'missed step ' + str(first)} "
-            f"while other ranks went on ({missing} step(s) missing; ranks affected: {names}); a dead, hung or "
-            f"desynchronised rank: check its log at step {first}"
-            + (f"; {incomplete[0]} step(s) from step {incomplete[1]} have sharded gradient norms with pieces missing, "
-               f"left unjudged" if incomplete and incomplete[0] else ""),
-            step=first, rank=rank, last_step=last, steps_per_rank={str(k): v for k, v in per_rank.items()},
-            ranks=[{"rank": r, "first_missing": f, "missing": m, "last_step": lst} for r, f, m, lst in rows],
-            incomplete_steps=incomplete[0] if incomplete else 0,
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"rank {rank} {'stopped recording after step ' + str(last) if stopped else 'missed step ' + str(first)} "
+                f"while other ranks went on ({missing} step(s) missing; ranks affected: {names}); a dead, hung or "
+                f"desynchronised rank: check its log at step {first}"
+                + (
+                    f"; {incomplete[0]} step(s) from step {incomplete[1]} have sharded gradient norms with pieces missing, "
+                    f"left unjudged"
+                    if incomplete and incomplete[0]
+                    else ""
+                ),
+                step=first,
+                rank=rank,
+                last_step=last,
+                steps_per_rank={str(k): v for k, v in per_rank.items()},
+                ranks=[{"rank": r, "first_missing": f, "missing": m, "last_step": lst} for r, f, m, lst in rows],
+                incomplete_steps=incomplete[0] if incomplete else 0,
+            )
+        ]
 
     def _replicated_gradients(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -123,17 +145,26 @@ class CrossRankConsistency(Check):
         at_first = [r for r in rows if r[0] == first]
         run_start = ctx.scalar("SELECT min(step) FROM steps")
         ranks = sorted({r[2] for r in at_first})
-        cause = ("gradients are not synchronised across ranks (no DDP wrapper, or each process training alone)"
-                 if first == run_start else "a replica's gradient changed after the all-reduce: silent data corruption "
-                 "on that rank's device, or a rank-local update")
-        return [self.finding(
-            "fail",
-            f"replicated gradients differ across ranks at step {first}: rank(s) {', '.join(map(str, ranks))} differ "
-            f"from rank {at_first[0][5]} in {len(at_first)} tensor(s), first {at_first[0][1]}; {cause}",
-            step=first, ranks=ranks, steps_affected=len({r[0] for r in rows}),
-            tensors=[{"tensor": t, "rank": r, "norm": n, "reference_norm": ref, "reference_rank": rr}
-                     for _, t, r, n, ref, rr in at_first[: self.params["max_tensors_listed"]]],
-        )]
+        cause = (
+            "gradients are not synchronised across ranks (no DDP wrapper, or each process training alone)"
+            if first == run_start
+            else "a replica's gradient changed after the all-reduce: silent data corruption "
+            "on that rank's device, or a rank-local update"
+        )
+        return [
+            self.finding(
+                "fail",
+                f"replicated gradients differ across ranks at step {first}: rank(s) {', '.join(map(str, ranks))} differ "
+                f"from rank {at_first[0][5]} in {len(at_first)} tensor(s), first {at_first[0][1]}; {cause}",
+                step=first,
+                ranks=ranks,
+                steps_affected=len({r[0] for r in rows}),
+                tensors=[
+                    {"tensor": t, "rank": r, "norm": n, "reference_norm": ref, "reference_rank": rr}
+                    for _, t, r, n, ref, rr in at_first[: self.params["max_tensors_listed"]]
+                ],
+            )
+        ]
 
     def _replica_weights(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -150,15 +181,20 @@ class CrossRankConsistency(Check):
         step, path = rows[0][0], rows[0][1]
         at_first = [r for r in rows if r[0] == step and r[1] == path]
         ranks = sorted({r[3] for r in at_first})
-        return [self.finding(
-            "fail",
-            f"data-parallel replicas hold different weights at the save of step {step} ({path}): rank(s) "
-            f"{', '.join(map(str, ranks))} differ from rank {at_first[0][4]} in {len(at_first)} tensor(s), first "
-            f"{at_first[0][2]}; the replicas diverged (silent data corruption or a rank-local update, which DDP "
-            f"never repairs): resume every rank from a checkpoint saved before the divergence",
-            step=step, path=path, ranks=ranks, saves_affected=len({(r[0], r[1]) for r in rows}),
-            tensors=[{"tensor": n, "rank": r} for _, _, n, r, _ in at_first[: self.params["max_tensors_listed"]]],
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"data-parallel replicas hold different weights at the save of step {step} ({path}): rank(s) "
+                f"{', '.join(map(str, ranks))} differ from rank {at_first[0][4]} in {len(at_first)} tensor(s), first "
+                f"{at_first[0][2]}; the replicas diverged (silent data corruption or a rank-local update, which DDP "
+                f"never repairs): resume every rank from a checkpoint saved before the divergence",
+                step=step,
+                path=path,
+                ranks=ranks,
+                saves_affected=len({(r[0], r[1]) for r in rows}),
+                tensors=[{"tensor": n, "rank": r} for _, _, n, r, _ in at_first[: self.params["max_tensors_listed"]]],
+            )
+        ]
 
     def _shared_samples(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -171,41 +207,56 @@ class CrossRankConsistency(Check):
         if not rows:
             return []
         step, n, ids, ranks, total = rows[0]
-        return [self.finding(
-            "fail",
-            f"ranks {', '.join(map(str, ranks))} trained the same {n} of {total} sample(s) at step {step} "
-            f"({len(rows)} step(s) affected): the data is not sharded across data-parallel ranks (a "
-            f"sampler without the rank, or an IterableDataset every rank reads whole); use a DistributedSampler or "
-            f"split the stream by rank",
-            step=step, ranks=ranks, shared=n, samples=total, steps_affected=len(rows),
-            sample_ids=ids[: self.params["max_ids_listed"]],
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"ranks {', '.join(map(str, ranks))} trained the same {n} of {total} sample(s) at step {step} "
+                f"({len(rows)} step(s) affected): the data is not sharded across data-parallel ranks (a "
+                f"sampler without the rank, or an IterableDataset every rank reads whole); use a DistributedSampler or "
+                f"split the stream by rank",
+                step=step,
+                ranks=ranks,
+                shared=n,
+                samples=total,
+                steps_affected=len(rows),
+                sample_ids=ids[: self.params["max_ids_listed"]],
+            )
+        ]
 
     def _framework_total(self, ctx: AuditContext) -> list[Finding]:
         max_norm = ((ctx.manifest.get("config") or {}).get("training_args") or {}).get("max_grad_norm")
         post_clip = ctx.manifest.get("grad_norm_source") == "post_clip"
         if post_clip and not max_norm:
             return []
-        expected = ("m.value * least(1.0, ? / (m.value + 1e-6))" if post_clip else "m.value")
-        rows = ctx.con.execute(f"""
+        expected = "m.value * least(1.0, ? / (m.value + 1e-6))" if post_clip else "m.value"
+        rows = ctx.con.execute(
+            f"""
             SELECT m.step, m.rank, m.value AS logged, s.grad_norm AS reduced, {expected} AS expected
             FROM metrics m JOIN steps s ON s.rank = m.rank AND s.step = m.step
             WHERE m.name = 'grad_norm' AND isfinite(m.value) AND isfinite(s.grad_norm)
               AND abs({expected} / s.grad_norm - 1) > ?
-            ORDER BY m.step, m.rank""", ([max_norm, max_norm] if post_clip else []) + [self.params["total_norm_rtol"]]
+            ORDER BY m.step, m.rank""",
+            ([max_norm, max_norm] if post_clip else []) + [self.params["total_norm_rtol"]],
         ).fetchall()
         if not rows:
             return []
         step, rank, logged, reduced, _ = rows[0]
-        return [self.finding(
-            "fail",
-            f"the framework's total gradient norm at step {step} on rank {rank} was {logged:.4g}, but the whole "
-            f"model's gradient norm (its ranks' pieces reduced) was {reduced:.4g}: the framework clipped by a norm "
-            f"it did not compute over all shards (FSDP with the plain torch.nn.utils.clip_grad_norm_); clip "
-            f"with the wrapper's own clip_grad_norm_ (FSDP1) or a DTensor-aware one",
-            step=step, rank=rank, logged=logged, reduced=reduced, steps_affected=len({r[0] for r in rows}),
-            threshold=self.params["total_norm_rtol"], value=abs(logged / reduced - 1),
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"the framework's total gradient norm at step {step} on rank {rank} was {logged:.4g}, but the whole "
+                f"model's gradient norm (its ranks' pieces reduced) was {reduced:.4g}: the framework clipped by a norm "
+                f"it did not compute over all shards (FSDP with the plain torch.nn.utils.clip_grad_norm_); clip "
+                f"with the wrapper's own clip_grad_norm_ (FSDP1) or a DTensor-aware one",
+                step=step,
+                rank=rank,
+                logged=logged,
+                reduced=reduced,
+                steps_affected=len({r[0] for r in rows}),
+                threshold=self.params["total_norm_rtol"],
+                value=abs(logged / reduced - 1),
+            )
+        ]
 
     def _local_loss(self, ctx: AuditContext) -> list[Finding]:
         row = ctx.row("""
@@ -218,13 +269,17 @@ class CrossRankConsistency(Check):
         step, bad, losses = row
         if len(bad) == len(losses):
             return []  # every rank at once: nothing to pin to a rank (LOOP-05 reports the non-finite loss)
-        return [self.finding(
-            "fail",
-            f"the local loss of rank(s) {', '.join(map(str, bad))} became non-finite at step {step} while the other "
-            f"ranks' stayed finite: inspect the batch rank {bad[0]} trained at step {step} and its device; the "
-            f"all-reduce then spread the non-finite gradient to every rank",
-            step=step, ranks=bad, losses=losses,
-        )]
+        return [
+            self.finding(
+                "fail",
+                f"the local loss of rank(s) {', '.join(map(str, bad))} became non-finite at step {step} while the other "
+                f"ranks' stayed finite: inspect the batch rank {bad[0]} trained at step {step} and its device; the "
+                f"all-reduce then spread the non-finite gradient to every rank",
+                step=step,
+                ranks=bad,
+                losses=losses,
+            )
+        ]
 
     def _outlying_loss(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("""
@@ -250,18 +305,30 @@ class CrossRankConsistency(Check):
         i = flagged[0]
         step, rank = int(steps[i]), ranks[worst[i]]
         loss, baseline = float(np.exp(y[i, worst[i]])), float(np.exp(own_median[i, worst[i]]))
-        ids = ctx.scalar("SELECT flatten(list(sample_ids ORDER BY micro)) FROM batches WHERE rank = ? AND step = ?",
-                         [rank, step]) or []
+        ids = (
+            ctx.scalar(
+                "SELECT flatten(list(sample_ids ORDER BY micro)) FROM batches WHERE rank = ? AND step = ?", [rank, step]
+            )
+            or []
+        )
         others = ", ".join(f"rank {r}'s {np.exp(v):.4g}" for j, (r, v) in enumerate(zip(ranks, y[i])) if j != worst[i])
-        return [self.finding(
-            "warn",
-            f"the local loss of rank {rank} at step {step} was {loss:.4g}, {loss / baseline:.3g}x its own running "
-            f"median ({baseline:.4g}), against {others}: far outside the usual spread between the "
-            f"ranks (z = {z[i]:.0f}); inspect the batch rank {rank} trained at step {step}"
-            + (f" (samples {', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''})" if ids else "")
-            + f" and that rank's device",
-            step=step, rank=rank, loss=loss, baseline=baseline, ratio=loss / baseline, z=float(z[i]),
-            threshold=self.params["loss_sigma"], steps_affected=int(flagged.size),
-            losses=[{"rank": r, "loss": float(np.exp(v))} for r, v in zip(ranks, y[i])],
-            sample_ids=ids[: self.params["max_ids_listed"]],
-        )]
+        return [
+            self.finding(
+                "warn",
+                f"the local loss of rank {rank} at step {step} was {loss:.4g}, {loss / baseline:.3g}x its own running "
+                f"median ({baseline:.4g}), against {others}: far outside the usual spread between the "
+                f"ranks (z = {z[i]:.0f}); inspect the batch rank {rank} trained at step {step}"
+                + (f" (samples {', '.join(map(str, ids[:3]))}{', ...' if len(ids) > 3 else ''})" if ids else "")
+                + " and that rank's device",
+                step=step,
+                rank=rank,
+                loss=loss,
+                baseline=baseline,
+                ratio=loss / baseline,
+                z=float(z[i]),
+                threshold=self.params["loss_sigma"],
+                steps_affected=int(flagged.size),
+                losses=[{"rank": r, "loss": float(np.exp(v))} for r, v in zip(ranks, y[i])],
+                sample_ids=ids[: self.params["max_ids_listed"]],
+            )
+        ]

@@ -10,9 +10,8 @@ import numpy as np
 
 from ..checkpoints import CheckpointError, inside_run
 from ..imports.logs import LFS_HINT, is_lfs_pointer
-from ..optimizer_state import (OPTIMIZER_FILE, AdamState, checkpoint_weights, load_weight, map_names,
-                                       read_adam_state)
 from ..ingest import recorded_checkpoints
+from ..optimizer_state import OPTIMIZER_FILE, AdamState, checkpoint_weights, load_weight, map_names, read_adam_state
 from .base import AuditContext, Check, Finding
 
 
@@ -81,8 +80,10 @@ class OptimizerState(Check):
         # Checkpoint windows are coarse: where per-step evidence exists, it places the event (LOOP-05 with
         # per-tensor gradient norms, a non-finite logged loss or gradient norm) and the windows stay silent.
         per_tensor = ctx.has_rows("grad_norms")
-        nonfinite_logged = per_tensor or ctx.scalar(
-            "SELECT count(*) FROM steps WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)") > 0
+        nonfinite_logged = (
+            per_tensor
+            or ctx.scalar("SELECT count(*) FROM steps WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)") > 0
+        )
         if with_state:
             findings += self._never_updated(snapshots, with_state[-1])
             findings += [] if nonfinite_logged else self._nonfinite(snapshots, with_state)
@@ -140,9 +141,15 @@ class OptimizerState(Check):
         for s in snapshots:
             if s.problem:
                 by_problem.setdefault(s.problem, []).append(s.name)
-        return [self.finding("info", f"{names[0] if len(names) == 1 else f'{len(names)} checkpoints ({names[0]} first)'}: "
-                                     f"optimizer state not read ({problem})", skipped=names)
-                for problem, names in by_problem.items()]
+        return [
+            self.finding(
+                "info",
+                f"{names[0] if len(names) == 1 else f'{len(names)} checkpoints ({names[0]} first)'}: "
+                f"optimizer state not read ({problem})",
+                skipped=names,
+            )
+            for problem, names in by_problem.items()
+        ]
 
     def _label(self, snap: Snapshot, index: int) -> str:
         name = snap.state.names.get(index) if snap.state else None
@@ -160,44 +167,73 @@ class OptimizerState(Check):
         zero = [i for i, s in newest.stats.items() if s["zero"]]
         if not stateless and not zero:
             return []
-        tensors = [{"tensor": self._label(newest, i), "index": i, "reason": "all-zero second moment",
-                    "step": state.entries[i].step} for i in zero]
+        tensors = [
+            {
+                "tensor": self._label(newest, i),
+                "index": i,
+                "reason": "all-zero second moment",
+                "step": state.entries[i].step,
+            }
+            for i in zero
+        ]
         # A parameter without state has no shape on record: name it when the tensors that never moved
         # across the checkpoints, other than those with a state, are exactly as many.
         unmoved = _never_moved(snapshots) - set(state.names.values())
         named = sorted(unmoved) if len(unmoved) == len(stateless) else []
         for k, i in enumerate(stateless):
-            tensors.append({"tensor": named[k] if len(named) == 1 else f"parameter #{i}", "index": i,
-                            "reason": "no optimizer state: never had a gradient",
-                            **({"candidates": sorted(unmoved)[:self.params["max_tensors_listed"]]} if len(named) != 1 else {})})
+            tensors.append(
+                {
+                    "tensor": named[k] if len(named) == 1 else f"parameter #{i}",
+                    "index": i,
+                    "reason": "no optimizer state: never had a gradient",
+                    **({"candidates": sorted(unmoved)[: self.params["max_tensors_listed"]]} if len(named) != 1 else {}),
+                }
+            )
         listed = tensors[: self.params["max_tensors_listed"]]
-        return [self.finding(
-            "fail",
-            f"{len(tensors)} trainable tensor(s) were never updated by the optimizer up to {newest.name} "
-            f"({listed[0]['tensor']}: {listed[0]['reason']}); check that their gradients reach the optimizer "
-            f"(a detached output, a hook or loss that drops them)",
-            tensors=listed, seen_at=newest.name, tensor_count=len(tensors))]
+        return [
+            self.finding(
+                "fail",
+                f"{len(tensors)} trainable tensor(s) were never updated by the optimizer up to {newest.name} "
+                f"({listed[0]['tensor']}: {listed[0]['reason']}); check that their gradients reach the optimizer "
+                f"(a detached output, a hook or loss that drops them)",
+                tensors=listed,
+                seen_at=newest.name,
+                tensor_count=len(tensors),
+            )
+        ]
 
     def _nonfinite(self, snapshots: list[Snapshot], with_state: list[Snapshot]) -> list[Finding]:
         for snap in with_state:
             bad = [i for i, s in snap.stats.items() if s["nonfinite"]]
             if bad:
                 first, last, previous = self._window(snapshots, snap)
-                return [self.finding(
-                    "fail",
-                    f"the optimizer state saved at {snap.name} is non-finite in {len(bad)} tensor(s) "
-                    f"({self._label(snap, bad[0])} first): a non-finite gradient reached the optimizer in steps "
-                    f"{first}-{last}; every later update is non-finite. Resume from {previous or 'the start'}",
-                    step=first, resolution=_resolution(first, last, previous, snap.name),
-                    tensors=[{"tensor": self._label(snap, i), "nonfinite": snap.stats[i]["nonfinite"]}
-                             for i in bad[: self.params["max_tensors_listed"]]])]
+                return [
+                    self.finding(
+                        "fail",
+                        f"the optimizer state saved at {snap.name} is non-finite in {len(bad)} tensor(s) "
+                        f"({self._label(snap, bad[0])} first): a non-finite gradient reached the optimizer in steps "
+                        f"{first}-{last}; every later update is non-finite. Resume from {previous or 'the start'}",
+                        step=first,
+                        resolution=_resolution(first, last, previous, snap.name),
+                        tensors=[
+                            {"tensor": self._label(snap, i), "nonfinite": snap.stats[i]["nonfinite"]}
+                            for i in bad[: self.params["max_tensors_listed"]]
+                        ],
+                    )
+                ]
         return []
 
     def _moment_jumps(self, snapshots: list[Snapshot], with_state: list[Snapshot]) -> list[Finding]:
         findings = []
         for a, b in zip(with_state, with_state[1:]):
-            common = [i for i in b.stats if i in a.stats and a.stats[i]["rms"] > 0
-                      and np.isfinite(a.stats[i]["rms"]) and np.isfinite(b.stats[i]["rms"])]
+            common = [
+                i
+                for i in b.stats
+                if i in a.stats
+                and a.stats[i]["rms"] > 0
+                and np.isfinite(a.stats[i]["rms"])
+                and np.isfinite(b.stats[i]["rms"])
+            ]
             if len(common) < 2:
                 continue
             ratio = np.array([b.stats[i]["rms"] / a.stats[i]["rms"] for i in common])
@@ -207,18 +243,31 @@ class OptimizerState(Check):
             if not hot.size:
                 continue
             order = hot[np.argsort(-ratio[hot])]
-            tensors = [{"tensor": self._label(b, common[k]), "gradient_rms_before": a.stats[common[k]]["rms"],
-                        "gradient_rms_after": b.stats[common[k]]["rms"], "ratio": float(ratio[k])}
-                       for k in order[: self.params["max_tensors_listed"]]]
+            tensors = [
+                {
+                    "tensor": self._label(b, common[k]),
+                    "gradient_rms_before": a.stats[common[k]]["rms"],
+                    "gradient_rms_after": b.stats[common[k]]["rms"],
+                    "ratio": float(ratio[k]),
+                }
+                for k in order[: self.params["max_tensors_listed"]]
+            ]
             first, last = a.step + 1, b.step
-            findings.append(self.finding(
-                "warn",
-                f"the gradient scale of {tensors[0]['tensor']} (from Adam's second moment) grew {tensors[0]['ratio']:.0f}x "
-                f"between {a.name} and {b.name}, its peers' {median:.2g}x"
-                + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
-                + f": a gradient spike in steps {first}-{last}; inspect that layer and those steps' data",
-                step=first, resolution=_resolution(first, last, a.name, b.name), tensors=tensors, value=tensors[0]["ratio"],
-                threshold=limit, median_ratio=median))
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"the gradient scale of {tensors[0]['tensor']} (from Adam's second moment) grew {tensors[0]['ratio']:.0f}x "
+                    f"between {a.name} and {b.name}, its peers' {median:.2g}x"
+                    + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
+                    + f": a gradient spike in steps {first}-{last}; inspect that layer and those steps' data",
+                    step=first,
+                    resolution=_resolution(first, last, a.name, b.name),
+                    tensors=tensors,
+                    value=tensors[0]["ratio"],
+                    threshold=limit,
+                    median_ratio=median,
+                )
+            )
             break  # later windows carry the same moments forward
         return findings
 
@@ -226,20 +275,34 @@ class OptimizerState(Check):
         snap = next((s for s in reversed(with_state) if all(not x["nonfinite"] for x in s.stats.values())), None)
         if snap is None:
             return []
-        damped = sorted((i for i, s in snap.stats.items() if s["eps_share"] >= self.params["eps_share"]),
-                        key=lambda i: -snap.stats[i]["eps_share"])
+        damped = sorted(
+            (i for i, s in snap.stats.items() if s["eps_share"] >= self.params["eps_share"]),
+            key=lambda i: -snap.stats[i]["eps_share"],
+        )
         if not damped:
             return []
         eps = snap.state.groups[snap.state.entries[damped[0]].group]["eps"]
-        tensors = [{"tensor": self._label(snap, i), "eps_share": snap.stats[i]["eps_share"], "gradient_rms": snap.stats[i]["rms"]}
-                   for i in damped[: self.params["max_tensors_listed"]]]
-        return [self.finding(
-            "warn",
-            f"in {len(damped)} tensor(s) ({tensors[0]['tensor']} first, {tensors[0]['eps_share']:.0%} of its elements) "
-            f"the update is dominated by Adam's eps = {eps:g} at {snap.name}: their gradients are smaller than eps, "
-            f"so they barely train; lower eps (or keep the moments in float32)",
-            seen_at=snap.name, eps=eps, tensors=tensors, threshold=self.params["eps_share"],
-            value=tensors[0]["eps_share"])]
+        tensors = [
+            {
+                "tensor": self._label(snap, i),
+                "eps_share": snap.stats[i]["eps_share"],
+                "gradient_rms": snap.stats[i]["rms"],
+            }
+            for i in damped[: self.params["max_tensors_listed"]]
+        ]
+        return [
+            self.finding(
+                "warn",
+                f"in {len(damped)} tensor(s) ({tensors[0]['tensor']} first, {tensors[0]['eps_share']:.0%} of its elements) "
+                f"the update is dominated by Adam's eps = {eps:g} at {snap.name}: their gradients are smaller than eps, "
+                f"so they barely train; lower eps (or keep the moments in float32)",
+                seen_at=snap.name,
+                eps=eps,
+                tensors=tensors,
+                threshold=self.params["eps_share"],
+                value=tensors[0]["eps_share"],
+            )
+        ]
 
     # ------------------------------------------------------------------ weights
 
@@ -255,8 +318,8 @@ class OptimizerState(Check):
             norms.append([float(np.linalg.norm(x)) for x in wa])
             moves.append([float(np.linalg.norm(y - x)) for x, y in zip(wa, wb)])
         with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.array(moves) / np.array(norms)            # windows x tensors
-            ratio = rel[1:] / rel[:-1]                           # each window against the one before
+            rel = np.array(moves) / np.array(norms)  # windows x tensors
+            ratio = rel[1:] / rel[:-1]  # each window against the one before
         limit = self.params["movement_jump"]
         for w in range(ratio.shape[0]):
             row = ratio[w]
@@ -269,17 +332,31 @@ class OptimizerState(Check):
                 continue
             a, b = readable[w + 1], readable[w + 2]
             order = hot[np.argsort(-row[hot])]
-            tensors = [{"tensor": names[k], "relative_change": float(rel[w + 1, k]), "relative_change_before": float(rel[w, k]),
-                        "ratio": float(row[k])} for k in order[: self.params["max_tensors_listed"]]]
+            tensors = [
+                {
+                    "tensor": names[k],
+                    "relative_change": float(rel[w + 1, k]),
+                    "relative_change_before": float(rel[w, k]),
+                    "ratio": float(row[k]),
+                }
+                for k in order[: self.params["max_tensors_listed"]]
+            ]
             first, last = a.step + 1, b.step
-            return [self.finding(
-                "warn",
-                f"{tensors[0]['tensor']} moved {tensors[0]['ratio']:.0f}x more between {a.name} and {b.name} than in "
-                f"the window before (its peers {median:.2g}x)"
-                + (f", with {len(tensors) - 1} more tensor(s)" if len(tensors) > 1 else "")
-                + f": something hit it in steps {first}-{last}; inspect those steps and roll back to {a.name}",
-                step=first, resolution=_resolution(first, last, a.name, b.name), tensors=tensors,
-                value=tensors[0]["ratio"], threshold=limit, median_ratio=median)]
+            return [
+                self.finding(
+                    "warn",
+                    f"{tensors[0]['tensor']} moved {tensors[0]['ratio']:.0f}x more between {a.name} and {b.name} than in "
+                    f"the window before (its peers {median:.2g}x)"
+                    + (f", with {len(tensors) - 1} more tensor(s)" if len(tensors) > 1 else "")
+                    + f": something hit it in steps {first}-{last}; inspect those steps and roll back to {a.name}",
+                    step=first,
+                    resolution=_resolution(first, last, a.name, b.name),
+                    tensors=tensors,
+                    value=tensors[0]["ratio"],
+                    threshold=limit,
+                    median_ratio=median,
+                )
+            ]
         return []
 
     def _window(self, snapshots: list[Snapshot], snap: Snapshot) -> tuple[int, int, str | None]:
@@ -296,9 +373,12 @@ def _entry_stats(entry, group: dict[str, Any]) -> dict[str, float]:
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # beta2 = 1: no correction possible
         v_hat = v.astype(np.float64) / correction
         nonzero = v_hat[v_hat > 0]
-        return {"rms": float(np.sqrt(v_hat.mean())) if v_hat.size else 0.0, "nonfinite": nonfinite,
-                "zero": bool(v.size) and not bool(np.any(v)),
-                "eps_share": float(np.mean(np.sqrt(nonzero) < group["eps"])) if nonzero.size else 0.0}
+        return {
+            "rms": float(np.sqrt(v_hat.mean())) if v_hat.size else 0.0,
+            "nonfinite": nonfinite,
+            "zero": bool(v.size) and not bool(np.any(v)),
+            "eps_share": float(np.mean(np.sqrt(nonzero) < group["eps"])) if nonzero.size else 0.0,
+        }
 
 
 def _never_moved(snapshots: list[Snapshot]) -> set[str]:
@@ -308,8 +388,14 @@ def _never_moved(snapshots: list[Snapshot]) -> set[str]:
         return set()
     names = set.intersection(*(set(s.weights) for s in readable))
     first = readable[0]
-    return {n for n in names if all(np.array_equal(load_weight(first.weights[n]), load_weight(s.weights[n]), equal_nan=True)
-                                    for s in readable[1:])}
+    return {
+        n
+        for n in names
+        if all(
+            np.array_equal(load_weight(first.weights[n]), load_weight(s.weights[n]), equal_nan=True)
+            for s in readable[1:]
+        )
+    }
 
 
 def _resolution(first: int, last: int, before: str | None, after: str) -> dict[str, Any]:

@@ -5,8 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import (MAD_TO_SIGMA, adaptive_window, column, loss_excursions, loss_family, nonfinite_logged, skipped_updates,
-                      step_frame, warmup_end)
+from .rolling import (
+    MAD_TO_SIGMA,
+    adaptive_window,
+    column,
+    loss_excursions,
+    loss_family,
+    nonfinite_logged,
+    skipped_updates,
+    step_frame,
+    warmup_end,
+)
 
 
 class LossDivergence(Check):
@@ -53,8 +62,10 @@ class LossDivergence(Check):
             raise CannotJudge(f"{int(finite.sum())} finite logged loss value(s): too few to tell a rise from noise")
         family, _ = loss_family(ctx)
         if family == "rl":
-            raise CannotJudge("a policy-gradient loss (GRPO/PPO, named from the logged kl/reward keys) is no fit of "
-                              "the data: its level does not say whether training diverged")
+            raise CannotJudge(
+                "a policy-gradient loss (GRPO/PPO, named from the logged kl/reward keys) is no fit of "
+                "the data: its level does not say whether training diverged"
+            )
         steps = frame["step"].to_numpy()
         lr = column(frame, "lr")
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
@@ -62,32 +73,54 @@ class LossDivergence(Check):
         window = self.params["window"] or adaptive_window(steps.size)
         found = loss_excursions(loss, window, first, self.params["sigma"], self.params["diverge_steps"])
         peak_lr = float(np.nanmax(lr)) if np.isfinite(lr).any() else None
-        advice = (f"lower the learning rate (peak {peak_lr:.3g})" if peak_lr else "lower the learning rate")
+        advice = f"lower the learning rate (peak {peak_lr:.3g})" if peak_lr else "lower the learning rate"
         episode = next(((s, n) for s, n, sustained in found["episodes"] if sustained), None)
         start = self._against_start(loss, found)
         if start is not None and (episode is None or start <= episode[0]):
             i = start
             rise = int(finite[i:].sum())
             z = float(self._start_z(loss, found)[i])
-            return [self.finding(
-                "fail",
-                f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
-                f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
-                f"made the model worse on its own data: {advice} and restart, or resume from a checkpoint before step "
-                f"{steps[i]}",
-                step=steps[i], value=loss[i], start_loss=loss[0], last_loss=float(loss[finite][-1]), steps_up=rise,
-                z=z, p_value=float(stats.norm.sf(z)), threshold=found["threshold"], peak_lr=peak_lr, family=family)]
+            return [
+                self.finding(
+                    "fail",
+                    f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
+                    f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
+                    f"made the model worse on its own data: {advice} and restart, or resume from a checkpoint before step "
+                    f"{steps[i]}",
+                    step=steps[i],
+                    value=loss[i],
+                    start_loss=loss[0],
+                    last_loss=float(loss[finite][-1]),
+                    steps_up=rise,
+                    z=z,
+                    p_value=float(stats.norm.sf(z)),
+                    threshold=found["threshold"],
+                    peak_lr=peak_lr,
+                    family=family,
+                )
+            ]
         if episode is None:
             return []
         s, n = episode
         level = float(np.exp(found["level"][s]))
-        return [self.finding(
-            "fail",
-            f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running level of {level:.3g}) and stayed up for "
-            f"{n} logged step(s); resume from a checkpoint before step {steps[s]} and {advice}",
-            step=steps[s], value=loss[s], baseline_median=level, z=found["z"][s], p_value=float(stats.norm.sf(found["z"][s])),
-            effect_size=loss[s] / level, threshold=found["threshold"], steps_up=n,
-            spike_steps=steps[s:s + n].tolist()[:50], peak_lr=peak_lr, family=family)]
+        return [
+            self.finding(
+                "fail",
+                f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running level of {level:.3g}) and stayed up for "
+                f"{n} logged step(s); resume from a checkpoint before step {steps[s]} and {advice}",
+                step=steps[s],
+                value=loss[s],
+                baseline_median=level,
+                z=found["z"][s],
+                p_value=float(stats.norm.sf(found["z"][s])),
+                effect_size=loss[s] / level,
+                threshold=found["threshold"],
+                steps_up=n,
+                spike_steps=steps[s : s + n].tolist()[:50],
+                peak_lr=peak_lr,
+                family=family,
+            )
+        ]
 
     def _start_z(self, loss, found) -> np.ndarray:
         """Each logged loss's rise over the first one, in units of the run's own noise: from second differences of

@@ -19,11 +19,20 @@ def vocab_size(manifest: dict) -> tuple[int | None, str | None]:
     """The output vocabulary (the model's when its config says, else the tokenizer's) and where it came from."""
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
     config = model.get("config") if isinstance(model.get("config"), dict) else {}
-    for where, value in (("manifest", manifest.get("vocab_size")), ("model config", config.get("vocab_size")),
-                         ("model config (text_config)", (config.get("text_config") or {}).get("vocab_size")
-                          if isinstance(config.get("text_config"), dict) else None),
-                         ("tokenizer", (manifest.get("tokenizer") or {}).get("length")
-                          if isinstance(manifest.get("tokenizer"), dict) else None)):
+    for where, value in (
+        ("manifest", manifest.get("vocab_size")),
+        ("model config", config.get("vocab_size")),
+        (
+            "model config (text_config)",
+            (config.get("text_config") or {}).get("vocab_size")
+            if isinstance(config.get("text_config"), dict)
+            else None,
+        ),
+        (
+            "tokenizer",
+            (manifest.get("tokenizer") or {}).get("length") if isinstance(manifest.get("tokenizer"), dict) else None,
+        ),
+    ):
         v = positive(value)
         if v is not None and v >= 2:
             return int(v), where
@@ -70,8 +79,10 @@ class ChanceLevelLoss(Check):
         names = {n for (n,) in ctx.con.execute("SELECT DISTINCT name FROM metrics WHERE rank = 0").fetchall()}
         parts = sorted(n for n in names - NOT_COMPONENTS if COMPONENT.search(n) and not n.startswith("eval_"))
         if parts:
-            raise CannotJudge(f"the logged loss combines logged components ({', '.join(parts[:4])}): not one token "
-                              "cross-entropy over the vocabulary")
+            raise CannotJudge(
+                f"the logged loss combines logged components ({', '.join(parts[:4])}): not one token "
+                "cross-entropy over the vocabulary"
+            )
         frame = step_frame(ctx, "loss")
         loss = column(frame, "loss")
         finite = np.isfinite(loss)
@@ -89,21 +100,35 @@ class ChanceLevelLoss(Check):
         trained = int(steps[-1] - (steps[rows[0] - 1] if rows.size and rows[0] else 0)) if rows.size else 0
         if rows.size and rows.size >= -(-loss.size // 2) and trained >= self.params["min_steps"]:
             i = int(rows[0])
-            return [self.finding(
-                "fail",
-                f"loss stayed at chance from step {steps[i]} through the end ({rows.size} logged step(s), "
-                f"{loss[i]:.4g} .. {loss[-1]:.4g} against ln {vocab:,} = {chance:.4g}): the model learned nothing; check "
-                f"that the loss reaches trainable weights (a frozen or re-initialised output head, labels all "
-                f"ignored) and that the learning rate is not 0",
-                step=steps[i], value=loss[i], last_loss=loss[-1], steps_at_chance=int(rows.size), steps_trained=trained,
-                **evidence)]
+            return [
+                self.finding(
+                    "fail",
+                    f"loss stayed at chance from step {steps[i]} through the end ({rows.size} logged step(s), "
+                    f"{loss[i]:.4g} .. {loss[-1]:.4g} against ln {vocab:,} = {chance:.4g}): the model learned nothing; check "
+                    f"that the loss reaches trainable weights (a frozen or re-initialised output head, labels all "
+                    f"ignored) and that the learning rate is not 0",
+                    step=steps[i],
+                    value=loss[i],
+                    last_loss=loss[-1],
+                    steps_at_chance=int(rows.size),
+                    steps_trained=trained,
+                    **evidence,
+                )
+            ]
         above = np.flatnonzero(loss >= (1 + tol) * chance)
         if not above.size:
             return []
         i = int(above[0])
-        return [self.finding(
-            "warn",
-            f"loss {loss[i]:.4g} at step {steps[i]} is above chance (ln {vocab:,} = {chance:.4g}; {above.size} logged "
-            f"step(s) above it, then {loss[-1]:.4g} at the end): the model was confidently wrong there; check the "
-            f"weights loaded at start (a resized or re-initialised embedding or head) and the label alignment",
-            step=steps[i], value=loss[i], last_loss=loss[-1], steps_above=int(above.size), **evidence)]
+        return [
+            self.finding(
+                "warn",
+                f"loss {loss[i]:.4g} at step {steps[i]} is above chance (ln {vocab:,} = {chance:.4g}; {above.size} logged "
+                f"step(s) above it, then {loss[-1]:.4g} at the end): the model was confidently wrong there; check the "
+                f"weights loaded at start (a resized or re-initialised embedding or head) and the label alignment",
+                step=steps[i],
+                value=loss[i],
+                last_loss=loss[-1],
+                steps_above=int(above.size),
+                **evidence,
+            )
+        ]

@@ -104,13 +104,27 @@ class DegenerateLoss(Check):
         last = s + n - 1
         span = f"from step {steps[s]} to step {steps[last]} ({n} logged steps)"
         if zero:
-            message = (f"loss is exactly 0 {span}: nothing is trained; every label is ignored (-100), or the loss was "
-                       f"non-finite and the Trainer's logging_nan_inf_filter logged 0 in its place; check the labels "
-                       f"of those batches and the gradient norm, and resume from a checkpoint before step {steps[s]}")
+            message = (
+                f"loss is exactly 0 {span}: nothing is trained; every label is ignored (-100), or the loss was "
+                f"non-finite and the Trainer's logging_nan_inf_filter logged 0 in its place; check the labels "
+                f"of those batches and the gradient norm, and resume from a checkpoint before step {steps[s]}"
+            )
         else:
-            message = (f"loss is {loss[s]:.6g} at every logged step {span}: the model's output no longer depends on its "
-                       f"input (saturated or non-finite weights); resume from a checkpoint before step {steps[s]} with "
-                       f"a lower learning rate")
-        return self.finding("fail", message, step=steps[s], value=loss[s], first_step=steps[s], last_step=steps[last],
-                            logged_steps=n, loss_before=before, log_quantum=q, noise=noise,
-                            threshold=self.params["min_points"])
+            message = (
+                f"loss is {loss[s]:.6g} at every logged step {span}: the model's output no longer depends on its "
+                f"input (saturated or non-finite weights); resume from a checkpoint before step {steps[s]} with "
+                f"a lower learning rate"
+            )
+        return self.finding(
+            "fail",
+            message,
+            step=steps[s],
+            value=loss[s],
+            first_step=steps[s],
+            last_step=steps[last],
+            logged_steps=n,
+            loss_before=before,
+            log_quantum=q,
+            noise=noise,
+            threshold=self.params["min_points"],
+        )

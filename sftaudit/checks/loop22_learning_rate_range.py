@@ -11,8 +11,21 @@ from .rolling import column, run_config, step_frame
 # about lr per element whatever the gradient's scale, so lr 0.1 moves every weight by ~0.1 per step (P-tuning
 # prefixes train at 2e-2; LoRA rarely above 1e-3). SGD-style updates scale with the gradient: lr up to ~1 is used.
 FAMILY_LIMITS = {"adam": 0.1, "sgd": 10.0}
-ADAM_LIKE = ("adam", "lion", "adafactor", "lamb", "rmsprop", "ademamix", "galore", "apollo", "schedule_free", "adan",
-             "came", "sophia", "muon")
+ADAM_LIKE = (
+    "adam",
+    "lion",
+    "adafactor",
+    "lamb",
+    "rmsprop",
+    "ademamix",
+    "galore",
+    "apollo",
+    "schedule_free",
+    "adan",
+    "came",
+    "sophia",
+    "muon",
+)
 SGD_LIKE = ("sgd", "lomo", "adagrad")
 TRAINER_DEFAULT = "adamw_torch"
 
@@ -21,8 +34,12 @@ def optimizer_name(manifest: dict) -> tuple[str | None, bool]:
     """The optimizer the run used, and whether it is assumed (an import: the Trainer's default, AdamW)."""
     c = run_config(manifest)
     opt = manifest.get("optimizer")
-    for value in ((opt.get("class") if isinstance(opt, dict) else opt), c.get("optim"), c.get("optimizer"),
-                  c.get("optimizer_class")):
+    for value in (
+        (opt.get("class") if isinstance(opt, dict) else opt),
+        c.get("optim"),
+        c.get("optimizer"),
+        c.get("optimizer_class"),
+    ):
         if isinstance(value, str) and value:
             return value, False
     if manifest.get("imported"):
@@ -75,10 +92,16 @@ class LearningRateRange(Check):
         steps = frame["step"].to_numpy()[finite]
         lr = lr[finite]
         if lr.max() <= 0:
-            return [self.finding(
-                "fail", f"the learning rate is {lr.max():.3g} at every logged step ({lr.size}): nothing is trained; "
-                "check the scheduler (a warmup that never ends, a decay that starts at 0) and the optimizer's lr",
-                category="configuration", value=float(lr.max()), logged_steps=int(lr.size))]
+            return [
+                self.finding(
+                    "fail",
+                    f"the learning rate is {lr.max():.3g} at every logged step ({lr.size}): nothing is trained; "
+                    "check the scheduler (a warmup that never ends, a decay that starts at 0) and the optimizer's lr",
+                    category="configuration",
+                    value=float(lr.max()),
+                    logged_steps=int(lr.size),
+                )
+            ]
         name, assumed = optimizer_name(ctx.manifest)
         if name is None:
             raise CannotJudge("the optimizer is not recorded (pass config={'optimizer': ...} to the Recorder)")
@@ -90,11 +113,20 @@ class LearningRateRange(Check):
         peak = float(lr[i])
         if peak <= limit:
             return []
-        which = (f"{name} (the Trainer's default: the optimizer is not on disk)" if assumed else name)
-        return [self.finding(
-            "fail" if peak > 10 * limit else "warn",
-            f"peak learning rate {peak:.3g} (step {steps[i]}) is above any sane range for {which}: "
-            f"{'Adam-style' if family == 'adam' else 'SGD-style'} fine-tunes stay at or below {limit:g}, usually "
-            f"1e-5..1e-3; lower it" + (" (was a value such as 5e-5 written as 5?)" if peak >= 1 and family == "adam" else ""),
-            category="configuration", value=peak, peak_step=int(steps[i]), optimizer=name, optimizer_assumed=assumed,
-            family=family, threshold=limit)]
+        which = f"{name} (the Trainer's default: the optimizer is not on disk)" if assumed else name
+        return [
+            self.finding(
+                "fail" if peak > 10 * limit else "warn",
+                f"peak learning rate {peak:.3g} (step {steps[i]}) is above any sane range for {which}: "
+                f"{'Adam-style' if family == 'adam' else 'SGD-style'} fine-tunes stay at or below {limit:g}, usually "
+                f"1e-5..1e-3; lower it"
+                + (" (was a value such as 5e-5 written as 5?)" if peak >= 1 and family == "adam" else ""),
+                category="configuration",
+                value=peak,
+                peak_step=int(steps[i]),
+                optimizer=name,
+                optimizer_assumed=assumed,
+                family=family,
+                threshold=limit,
+            )
+        ]

@@ -38,8 +38,10 @@ class TrainEvalRatio(Check):
     defaults = {"max_ratio": 3.0}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        evals = ctx.frame("SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
-                          "AND isfinite(value) AND value > 0 GROUP BY step ORDER BY step")
+        evals = ctx.frame(
+            "SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
+            "AND isfinite(value) AND value > 0 GROUP BY step ORDER BY step"
+        )
         if evals.height < 2:
             raise CannotJudge(f"{evals.height} evaluation(s) with a positive eval_loss: a ratio needs 2")
         frame = step_frame(ctx, "loss")
@@ -55,18 +57,26 @@ class TrainEvalRatio(Check):
             raise CannotJudge("fewer than 2 evaluations have a training loss logged beside them")
         at, train, ev = eval_steps[paired], loss[i[paired]], eval_loss[paired]
         ratio = train / ev
-        late = ratio[ratio.size // 2:]
+        late = ratio[ratio.size // 2 :]
         median = float(np.median(late))
         if median < self.params["max_ratio"]:
             return []
         accumulation = run_config(ctx.manifest).get("gradient_accumulation_steps")
-        return [self.finding(
-            "warn",
-            f"the logged training loss is {median:.1f}x the eval loss over the later evaluations (e.g. {train[-1]:.4g} "
-            f"against {ev[-1]:.4g} at step {at[-1]}); no over-fitting makes training loss the higher one by that much: "
-            f"check whether the logged training loss is scaled (multiplied by the gradient-accumulation steps, as "
-            f"some transformers 4.46-4.47 releases logged it for models whose forward takes no **kwargs) or the eval "
-            f"computes a different objective, before trusting either number",
-            category="risk", value=median, threshold=self.params["max_ratio"], eval_steps=at.tolist()[:50],
-            train_loss=train.tolist()[:50], eval_loss=ev.tolist()[:50], ratios=ratio.tolist()[:50],
-            gradient_accumulation_steps=accumulation)]
+        return [
+            self.finding(
+                "warn",
+                f"the logged training loss is {median:.1f}x the eval loss over the later evaluations (e.g. {train[-1]:.4g} "
+                f"against {ev[-1]:.4g} at step {at[-1]}); no over-fitting makes training loss the higher one by that much: "
+                f"check whether the logged training loss is scaled (multiplied by the gradient-accumulation steps, as "
+                f"some transformers 4.46-4.47 releases logged it for models whose forward takes no **kwargs) or the eval "
+                f"computes a different objective, before trusting either number",
+                category="risk",
+                value=median,
+                threshold=self.params["max_ratio"],
+                eval_steps=at.tolist()[:50],
+                train_loss=train.tolist()[:50],
+                eval_loss=ev.tolist()[:50],
+                ratios=ratio.tolist()[:50],
+                gradient_accumulation_steps=accumulation,
+            )
+        ]

@@ -36,35 +36,64 @@ class StoppedEarly(Check):
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         config = run_config(ctx.manifest)
-        last = ctx.scalar("SELECT max(step) FROM (SELECT max(step) AS step FROM steps WHERE rank = 0 "
-                          "UNION ALL SELECT max(step) FROM metrics WHERE rank = 0 "
-                          "UNION ALL SELECT max(step) FROM checkpoints WHERE rank = 0)")
+        last = ctx.scalar(
+            "SELECT max(step) FROM (SELECT max(step) AS step FROM steps WHERE rank = 0 "
+            "UNION ALL SELECT max(step) FROM metrics WHERE rank = 0 "
+            "UNION ALL SELECT max(step) FROM checkpoints WHERE rank = 0)"
+        )
         if last is None:
             raise CannotJudge("no step recorded")
         planned, source = self._planned(ctx, config)
         if planned is None:
             raise CannotJudge("no planned length recorded (max_steps, total_steps or num_train_epochs)")
-        interval = positive(config.get("logging_steps")) or ctx.scalar(
-            "SELECT min(d) FROM (SELECT step - lag(step) OVER (ORDER BY step) AS d FROM steps WHERE rank = 0) WHERE d > 0") or 1
+        interval = (
+            positive(config.get("logging_steps"))
+            or ctx.scalar(
+                "SELECT min(d) FROM (SELECT step - lag(step) OVER (ORDER BY step) AS d FROM steps WHERE rank = 0) WHERE d > 0"
+            )
+            or 1
+        )
         if planned - last <= interval:
             return []
         closed = not ctx.manifest.get("imported") and bool(
-            ctx.scalar("SELECT count(*) FROM events WHERE rank = 0 AND kind = 'close'"))
+            ctx.scalar("SELECT count(*) FROM events WHERE rank = 0 AND kind = 'close'")
+        )
         share = last / planned
         if closed:
-            return [self.finding(
-                "info", f"the run closed at step {last:,} of {planned:,} planned ({share:.0%}): it was stopped on purpose "
-                "(an early stop or a shortened run)", step=last, category="risk", last_step=last, planned=planned,
-                planned_from=source, share=share, closed=True, resolution=self._where(last))]
+            return [
+                self.finding(
+                    "info",
+                    f"the run closed at step {last:,} of {planned:,} planned ({share:.0%}): it was stopped on purpose "
+                    "(an early stop or a shortened run)",
+                    step=last,
+                    category="risk",
+                    last_step=last,
+                    planned=planned,
+                    planned_from=source,
+                    share=share,
+                    closed=True,
+                    resolution=self._where(last),
+                )
+            ]
         imported = bool(ctx.manifest.get("imported"))
-        return [self.finding(
-            "warn",
-            f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%})"
-            + (" and did not close" if not imported else "")
-            + ": it crashed, was killed or was interrupted; find why, and resume it from its last checkpoint or "
-            "accept the shorter run deliberately (its learning rate never finished its schedule)",
-            step=last, category="risk", last_step=last, planned=planned, planned_from=source, share=share,
-            closed=False, tolerance=interval, resolution=self._where(last))]
+        return [
+            self.finding(
+                "warn",
+                f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%})"
+                + (" and did not close" if not imported else "")
+                + ": it crashed, was killed or was interrupted; find why, and resume it from its last checkpoint or "
+                "accept the shorter run deliberately (its learning rate never finished its schedule)",
+                step=last,
+                category="risk",
+                last_step=last,
+                planned=planned,
+                planned_from=source,
+                share=share,
+                closed=False,
+                tolerance=interval,
+                resolution=self._where(last),
+            )
+        ]
 
     @staticmethod
     def _where(last: int) -> dict:
@@ -80,7 +109,9 @@ class StoppedEarly(Check):
         epochs = positive(config.get("num_train_epochs"))
         if epochs is None or epochs > 1e6:  # sys.maxsize: the Trainer's "no epoch limit"
             return None, None
-        row = ctx.row("SELECT arg_max(step, value), max(value) FROM metrics WHERE rank = 0 AND name = 'epoch' AND value > 0")
+        row = ctx.row(
+            "SELECT arg_max(step, value), max(value) FROM metrics WHERE rank = 0 AND name = 'epoch' AND value > 0"
+        )
         if not row or row[0] is None or not row[1]:
             return None, None
         return int(round(epochs * row[0] / row[1])), "num_train_epochs x steps per epoch"

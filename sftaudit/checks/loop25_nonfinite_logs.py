@@ -72,13 +72,20 @@ class NonFiniteLogs(Check):
         first = int(rows[0])
         finite_before = loss[:first][np.isfinite(loss[:first])]
         recovered = bool(np.isfinite(loss[first:]).any())
-        return [self.finding(
-            "fail",
-            f"loss became non-finite at step {steps[first]} ({rows.size} logged step(s) through {steps[rows[-1]]}"
-            + ("; finite again later: those updates were skipped or the loss alone overflowed" if recovered else "")
-            + f"); resume from a checkpoint before step {steps[first]} and find the batch or learning rate that caused it",
-            step=steps[first], first_step=steps[first], last_step=steps[rows[-1]], steps_affected=int(rows.size),
-            last_finite_loss=float(finite_before[-1]) if finite_before.size else None, recovered=recovered)]
+        return [
+            self.finding(
+                "fail",
+                f"loss became non-finite at step {steps[first]} ({rows.size} logged step(s) through {steps[rows[-1]]}"
+                + ("; finite again later: those updates were skipped or the loss alone overflowed" if recovered else "")
+                + f"); resume from a checkpoint before step {steps[first]} and find the batch or learning rate that caused it",
+                step=steps[first],
+                first_step=steps[first],
+                last_step=steps[rows[-1]],
+                steps_affected=int(rows.size),
+                last_finite_loss=float(finite_before[-1]) if finite_before.size else None,
+                recovered=recovered,
+            )
+        ]
 
     def _skips(self, steps, lr, skipped, bad_norm, has_norm) -> list[Finding]:
         if not skipped.any():
@@ -92,44 +99,75 @@ class NonFiniteLogs(Check):
         for s, n in _runs(skipped):
             limit = self.params["start_skips"] if s < calibrated_from else self.params["skip_streak"]
             if n >= limit:
-                findings.append(self.finding(
-                    "fail",
-                    f"the optimizer skipped {n} logged steps in a row from step {steps[s]} to {steps[s + n - 1]} (gradient "
-                    f"norm non-finite at each, finite again after): nothing was trained there, and the gradients are "
-                    f"non-finite at any loss scale; inspect those batches and the forward pass for an overflow (bf16 "
-                    f"instead of fp16, a lower learning rate), and resume from a checkpoint before step {steps[s]}",
-                    step=steps[s], first_step=steps[s], last_step=steps[s + n - 1], streak=n, threshold=limit))
+                findings.append(
+                    self.finding(
+                        "fail",
+                        f"the optimizer skipped {n} logged steps in a row from step {steps[s]} to {steps[s + n - 1]} (gradient "
+                        f"norm non-finite at each, finite again after): nothing was trained there, and the gradients are "
+                        f"non-finite at any loss scale; inspect those batches and the forward pass for an overflow (bf16 "
+                        f"instead of fp16, a lower learning rate), and resume from a checkpoint before step {steps[s]}",
+                        step=steps[s],
+                        first_step=steps[s],
+                        last_step=steps[s + n - 1],
+                        streak=n,
+                        threshold=limit,
+                    )
+                )
         share = rows.size / steps.size
-        findings.append(self.finding(
-            "info",
-            f"the optimizer skipped {rows.size} logged step(s) whose gradient norm was non-finite (first at step "
-            f"{steps[rows[0]]}; {int(held.sum())} with the learning rate held): the fp16 loss scaler lowering its scale; "
-            "the run trained on after each",
-            step=steps[rows[0]], skipped_steps=steps[rows].tolist()[:50], count=int(rows.size),
-            share=share, lr_held=int(held.sum())))
+        findings.append(
+            self.finding(
+                "info",
+                f"the optimizer skipped {rows.size} logged step(s) whose gradient norm was non-finite (first at step "
+                f"{steps[rows[0]]}; {int(held.sum())} with the learning rate held): the fp16 loss scaler lowering its scale; "
+                "the run trained on after each",
+                step=steps[rows[0]],
+                skipped_steps=steps[rows].tolist()[:50],
+                count=int(rows.size),
+                share=share,
+                lr_held=int(held.sum()),
+            )
+        )
         return findings
 
     def _applied(self, steps, loss, applied) -> list[Finding]:
         rows = np.flatnonzero(applied)
         first = int(rows[0])
         if first == steps.size - 1:
-            return [self.finding(
-                "warn",
-                f"the gradient norm logged at the last step ({steps[first]}) is non-finite: the log cannot tell whether "
-                f"that update reached the weights; check the saved weights for NaN before using them",
-                step=steps[first], first_step=steps[first], logged_loss=loss[first])]
+            return [
+                self.finding(
+                    "warn",
+                    f"the gradient norm logged at the last step ({steps[first]}) is non-finite: the log cannot tell whether "
+                    f"that update reached the weights; check the saved weights for NaN before using them",
+                    step=steps[first],
+                    first_step=steps[first],
+                    logged_loss=loss[first],
+                )
+            ]
         hidden = bool(np.isfinite(loss[first]))
-        why = (f" while the logged loss stays finite ({loss[first]:.4g}: the Trainer's logging_nan_inf_filter logs "
-               "the running mean, or 0, in place of a non-finite loss)" if hidden else "")
-        return [self.finding(
-            "fail",
-            f"the gradient norm is non-finite from step {steps[first]} through the end ({rows.size} logged steps){why}: "
-            f"that update reached the weights, which are non-finite from then on; resume from a checkpoint before "
-            f"step {steps[first]} and find the batch or learning rate that caused it",
-            step=steps[first], first_step=steps[first], last_step=steps[rows[-1]], steps_affected=int(rows.size),
-            logged_loss=loss[first], hidden_by_logging_filter=hidden)]
+        why = (
+            f" while the logged loss stays finite ({loss[first]:.4g}: the Trainer's logging_nan_inf_filter logs "
+            "the running mean, or 0, in place of a non-finite loss)"
+            if hidden
+            else ""
+        )
+        return [
+            self.finding(
+                "fail",
+                f"the gradient norm is non-finite from step {steps[first]} through the end ({rows.size} logged steps){why}: "
+                f"that update reached the weights, which are non-finite from then on; resume from a checkpoint before "
+                f"step {steps[first]} and find the batch or learning rate that caused it",
+                step=steps[first],
+                first_step=steps[first],
+                last_step=steps[rows[-1]],
+                steps_affected=int(rows.size),
+                logged_loss=loss[first],
+                hidden_by_logging_filter=hidden,
+            )
+        ]
 
     @staticmethod
     def _named_by_loop05(ctx: AuditContext, step: int) -> bool:
         """LOOP-05 reports a non-finite gradient with its tensors when per-tensor norms were recorded there."""
-        return bool(ctx.scalar("SELECT count(*) FROM grad_norms WHERE rank = 0 AND step = ? AND NOT isfinite(norm)", [step]))
+        return bool(
+            ctx.scalar("SELECT count(*) FROM grad_norms WHERE rank = 0 AND step = ? AND NOT isfinite(norm)", [step])
+        )

@@ -17,10 +17,17 @@ from .base import AuditContext
 def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
     """Rank 0's checkpoints in step order (one per path: its last save), with the recorded hashes
     and the saving segment's params."""
-    manifests = {seg: json.loads(m) for seg, m in
-                 ctx.con.execute("SELECT seg, manifest FROM manifest WHERE rank = 0").fetchall()}
-    return [{**c, "params": manifests.get(c["seg"], ctx.manifest).get("params", []),
-             "tied": manifests.get(c["seg"], ctx.manifest).get("tied", {})} for c in recorded_checkpoints(ctx.con)]
+    manifests = {
+        seg: json.loads(m) for seg, m in ctx.con.execute("SELECT seg, manifest FROM manifest WHERE rank = 0").fetchall()
+    }
+    return [
+        {
+            **c,
+            "params": manifests.get(c["seg"], ctx.manifest).get("params", []),
+            "tied": manifests.get(c["seg"], ctx.manifest).get("tied", {}),
+        }
+        for c in recorded_checkpoints(ctx.con)
+    ]
 
 
 # LOOP-09's options that change what an inspection finds (the rest judge what it found).
@@ -45,19 +52,28 @@ def needed_state(ctx: AuditContext, inspections: list[Inspection]) -> list[str]:
     saved any (the usual collators have none: their settings are code)."""
     held = {part for i in inspections for part in i.state_found or []}
     manifests = [json.loads(m) for (m,) in ctx.con.execute("SELECT manifest FROM manifest WHERE rank = 0").fetchall()]
-    scheduler = ("scheduler" in held or any(m.get("scheduler") for m in manifests)
-                 or (ctx.run_dir / "scheduler.pt").is_file()
-                 or (ctx.scalar("SELECT count(DISTINCT lr) FROM steps WHERE rank = 0 AND isfinite(lr)") or 0) > 1)
-    return [part for part in STATE_KEYS if part in ALWAYS_NEEDED or (part == "scheduler" and scheduler)
-            or (part == "collator" and part in held)]
+    scheduler = (
+        "scheduler" in held
+        or any(m.get("scheduler") for m in manifests)
+        or (ctx.run_dir / "scheduler.pt").is_file()
+        or (ctx.scalar("SELECT count(DISTINCT lr) FROM steps WHERE rank = 0 AND isfinite(lr)") or 0) > 1
+    )
+    return [
+        part
+        for part in STATE_KEYS
+        if part in ALWAYS_NEEDED or (part == "scheduler" and scheduler) or (part == "collator" and part in held)
+    ]
 
 
 def missing_state(ctx: AuditContext, inspections: list[Inspection]) -> dict[str, list[str]]:
     """Checkpoint name -> the training-state parts it lacks of those the run needs (checkpoints whose
     state could be read, and that lack something)."""
     needed = needed_state(ctx, inspections)
-    lacking = {i.name: [p for p in needed if p not in i.state_found] + i.rng_missing
-               for i in inspections if i.state_found is not None}
+    lacking = {
+        i.name: [p for p in needed if p not in i.state_found] + i.rng_missing
+        for i in inspections
+        if i.state_found is not None
+    }
     return {name: parts for name, parts in lacking.items() if parts}
 
 

@@ -33,8 +33,9 @@ def warmup_end(lr: np.ndarray, skipped: np.ndarray | None = None) -> int:
     return int(stops[0]) if stops.size else lr.size - 1
 
 
-def previous_block_stats(values: np.ndarray, window: int, sigma_blocks: int = 1,
-                         min_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def previous_block_stats(
+    values: np.ndarray, window: int, sigma_blocks: int = 1, min_share: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row (step) and column (series): median and robust sigma (1.4826 x MAD) of the previous block.
 
     `values` is steps x series (a 1-D array is one series). Rows of the first block get NaN (no
@@ -116,8 +117,15 @@ def column(frame, name: str) -> np.ndarray:
 
 GAUSS_Q90_OVER_MAD = 1.6449 / 0.6745  # |x - median| at its 90th percentile over its median, for normal data
 FAMILIES = ("sft", "preference", "rl")
-PREFERENCE_KEYS = ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins",
-                   "rewards/accuracies", "odds_ratio_loss")
+PREFERENCE_KEYS = (
+    "logps/chosen",
+    "logps/rejected",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "odds_ratio_loss",
+)
 RL_KEYS = ("kl", "reward", "reward_std", "completion_length", "objective/kl", "objective/rlhf_reward")
 
 
@@ -130,8 +138,9 @@ def loss_family(ctx) -> tuple[str, list[str]]:
         names = {n for (n,) in ctx.con.execute("SELECT DISTINCT name FROM metrics WHERE rank = 0").fetchall()}
         preference = sorted(n for n in names if n in PREFERENCE_KEYS or n.startswith("logps/"))
         rl = sorted(n for n in names if n in RL_KEYS or n.startswith("completions/"))
-        cached = ctx.__dict__["_loss_family"] = (("preference", preference) if preference else ("rl", rl) if rl
-                                                 else ("sft", []))
+        cached = ctx.__dict__["_loss_family"] = (
+            ("preference", preference) if preference else ("rl", rl) if rl else ("sft", [])
+        )
     return cached
 
 
@@ -143,9 +152,9 @@ def log_quantum(values: np.ndarray) -> float:
     if v.size < 3:
         return 0.0
     for k in range(9):
-        scaled = v * 10.0 ** k
+        scaled = v * 10.0**k
         if np.all(np.abs(scaled - np.round(scaled)) <= 1e-4):
-            return 10.0 ** -k
+            return 10.0**-k
     return 0.0
 
 
@@ -192,8 +201,17 @@ def loss_noise(loss: np.ndarray, window: int, first: int, level_points: int = 5,
     scale = np.fmax(sigma, resolution)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(scale > 0, (residual - centre) / np.where(scale > 0, scale, 1.0), np.nan)
-    return {"x": x, "level": level, "residual": residual, "centre": centre, "scale": scale, "z": z,
-            "quantum": quantum, "tail": tail_factor(residual[judged]), "judged": judged}
+    return {
+        "x": x,
+        "level": level,
+        "residual": residual,
+        "centre": centre,
+        "scale": scale,
+        "z": z,
+        "quantum": quantum,
+        "tail": tail_factor(residual[judged]),
+        "judged": judged,
+    }
 
 
 def loss_excursions(loss: np.ndarray, window: int, first: int, sigma: float, diverge_steps: int) -> dict:
@@ -223,8 +241,13 @@ def run_config(manifest: dict) -> dict:
     Trainer's `training_args`), an import's `trainer_state` keys, flattened to one dict (first found wins)."""
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     out: dict = {}
-    for part in (config, config.get("training_args"), config.get("trainer_state"), manifest.get("granularity"),
-                 manifest):
+    for part in (
+        config,
+        config.get("training_args"),
+        config.get("trainer_state"),
+        manifest.get("granularity"),
+        manifest,
+    ):
         if isinstance(part, dict):
             for k, v in part.items():
                 if v is not None and not isinstance(v, (dict, list)):
@@ -254,9 +277,11 @@ def rows_per_log(ctx) -> int | None:
 
 def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm."""
-    f = ctx.frame("SELECT step, coalesce(NOT isfinite(loss), false) AS bad_loss, "
-                  "coalesce(NOT isfinite(grad_norm), false) AS bad_norm, grad_norm IS NOT NULL AS has_norm "
-                  "FROM steps WHERE rank = 0 ORDER BY step")
+    f = ctx.frame(
+        "SELECT step, coalesce(NOT isfinite(loss), false) AS bad_loss, "
+        "coalesce(NOT isfinite(grad_norm), false) AS bad_norm, grad_norm IS NOT NULL AS has_norm "
+        "FROM steps WHERE rank = 0 ORDER BY step"
+    )
     return f["step"].to_numpy(), f["bad_loss"].to_numpy(), f["bad_norm"].to_numpy(), f["has_norm"].to_numpy()
 
 
@@ -276,14 +301,24 @@ def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:
     cached = ctx.__dict__.get("_grad_norm_matrix")
     if cached is None:
         steps = ctx.con.sql("SELECT DISTINCT step FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()["step"]
-        names = [r[0] for r in ctx.con.execute(
-            "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
-            "ORDER BY idx").fetchall()]
+        names = [
+            r[0]
+            for r in ctx.con.execute(
+                "SELECT name FROM params WHERE rank = 0 AND idx IS NOT NULL AND seg = (SELECT max(seg) FROM params WHERE rank = 0) "
+                "ORDER BY idx"
+            ).fetchall()
+        ]
         norms = np.full((steps.size, len(names)), np.nan)
         contiguous = steps.size and steps[-1] - steps[0] == steps.size - 1  # the usual case: no search needed
         # Streamed in batches straight into the matrix: the rows are never all in memory at once.
-        query = ctx.con.sql("SELECT step, idx, norm FROM grad_cells WHERE rank = 0 AND idx < ? AND step BETWEEN ? AND ?",
-                            params=[len(names), int(steps[0]), int(steps[-1])]) if steps.size else None
+        query = (
+            ctx.con.sql(
+                "SELECT step, idx, norm FROM grad_cells WHERE rank = 0 AND idx < ? AND step BETWEEN ? AND ?",
+                params=[len(names), int(steps[0]), int(steps[-1])],
+            )
+            if steps.size
+            else None
+        )
         for batch in query.to_arrow_reader(1 << 22) if query is not None else ():
             step, idx, norm = (_column(batch.column(i), t) for i, t in enumerate((np.int64, np.int32, np.float64)))
             rows = step - steps[0] if contiguous else np.searchsorted(steps, step)
@@ -297,4 +332,6 @@ def grad_norm_matrix(ctx) -> tuple[np.ndarray, list[str], np.ndarray]:
 
 def _column(array, dtype) -> np.ndarray:
     """A null-free Arrow column as numpy, over its buffer (`to_numpy` would import pandas: seconds)."""
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * np.dtype(dtype).itemsize)
+    return np.frombuffer(
+        array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * np.dtype(dtype).itemsize
+    )

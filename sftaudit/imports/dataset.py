@@ -29,7 +29,7 @@ DATASET_KINDS = ("batches", "samples")
 DATASET_UNJUDGED = {
     "LOOP-13": "the dataset given with --data has no loss per micro-batch: the run's own batches were not recorded",
     "LOOP-16": "the run's collator (packing or not) is not on disk: the dataset given with --data was collated "
-               "by the standard completion-only collator",
+    "by the standard completion-only collator",
 }
 
 
@@ -46,17 +46,34 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
     if not tokenizer.chat_template:
         raise InputError(f"{run_dir}: the run's saved tokenizer has no chat template to render --data {data} with")
     rows = load_rows(data)
-    _, _, failures, batches, max_length = dataset_batches(tokenizer, rows, batch_size=batch_size or 8, progress=progress)
+    _, _, failures, batches, max_length = dataset_batches(
+        tokenizer, rows, batch_size=batch_size or 8, progress=progress
+    )
     fingerprint = template_fingerprint(tokenizer.chat_template)
     records: dict[str, list] = {"batches": [], "samples": []}
     for micro, b in enumerate(batches):
         records["batches"].append(batch_record(b, DATASET_STEP, micro, len(tokenizer), fingerprint))
-        records["samples"] += [{"seg": 0, "step": DATASET_STEP, "micro": micro, "row": r, "sample_id": sample,
-                                "input_ids": b["input_ids"][r].tolist(), "labels": b["labels"][r].tolist(),
-                                "attention_mask": b["attention_mask"][r].tolist()}
-                               for r, sample in enumerate(b["sample_ids"])]
-    description = {"data": str(data), "rows": len(rows), "batch_size": batch_size or 8, "max_length": max_length,
-                   "collator": "standard completion-only", "failures": failures}
+        records["samples"] += [
+            {
+                "seg": 0,
+                "step": DATASET_STEP,
+                "micro": micro,
+                "row": r,
+                "sample_id": sample,
+                "input_ids": b["input_ids"][r].tolist(),
+                "labels": b["labels"][r].tolist(),
+                "attention_mask": b["attention_mask"][r].tolist(),
+            }
+            for r, sample in enumerate(b["sample_ids"])
+        ]
+    description = {
+        "data": str(data),
+        "rows": len(rows),
+        "batch_size": batch_size or 8,
+        "max_length": max_length,
+        "collator": "standard completion-only",
+        "failures": failures,
+    }
     (artifact_root(run_dir) / DATASET_FILE).write_text(json.dumps(description), encoding="utf-8")
     return records
 

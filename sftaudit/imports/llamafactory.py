@@ -21,12 +21,22 @@ from typing import Any
 
 TRAINER_LOG = "trainer_log.jsonl"
 LOG_SOURCE = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
-NO_GRAD_NORM = {"LOOP-05": "trainer_log.jsonl has no grad_norm (LLaMA-Factory keeps it in trainer_state.json only, "
-                           "and this run has none)"}
+NO_GRAD_NORM = {
+    "LOOP-05": "trainer_log.jsonl has no grad_norm (LLaMA-Factory keeps it in trainer_state.json only, "
+    "and this run has none)"
+}
 # trainer_log.jsonl key -> the Trainer's log_history key
-KEYS = {"loss": "loss", "eval_loss": "eval_loss", "predict_loss": "predict_loss", "reward": "reward",
-        "accuracy": "rewards/accuracies", "lr": "learning_rate", "epoch": "epoch", "total_tokens": "num_input_tokens_seen",
-        "throughput": "throughput"}
+KEYS = {
+    "loss": "loss",
+    "eval_loss": "eval_loss",
+    "predict_loss": "predict_loss",
+    "reward": "reward",
+    "accuracy": "rewards/accuracies",
+    "lr": "learning_rate",
+    "epoch": "epoch",
+    "total_tokens": "num_input_tokens_seen",
+    "throughput": "throughput",
+}
 
 
 def read_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -76,9 +86,12 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
         elapsed = _seconds(raw.get("elapsed_time"))
         # A writer this line can continue: its step goes forward (an eval logs at a training log's step) and its
         # clock does not go back. Of those, the one it follows most closely; on a tie the one written last.
-        fits = [w for w in writers
-                if (step > w["step"] or (step == w["step"] and not ("loss" in raw and w["loss_step"] == step)))
-                and (elapsed is None or w["elapsed"] is None or elapsed >= w["elapsed"])]
+        fits = [
+            w
+            for w in writers
+            if (step > w["step"] or (step == w["step"] and not ("loss" in raw and w["loss_step"] == step)))
+            and (elapsed is None or w["elapsed"] is None or elapsed >= w["elapsed"])
+        ]
         if fits:
             writer = max(fits, key=lambda w: (w["step"], w["lines"][-1][0]))
         else:
@@ -98,7 +111,7 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     segments = []
     for group in runs:
         kept: dict[tuple, dict[str, Any]] = {}
-        for index, raw in sorted((x for w in group for x in w["lines"]), key=lambda x: x[0]):
+        for _index, raw in sorted((x for w in group for x in w["lines"]), key=lambda x: x[0]):
             entry = {"step": raw["current_steps"]} | {KEYS[k]: v for k, v in raw.items() if k in KEYS}
             kept.setdefault((entry["step"], tuple(sorted(entry))), entry)  # the first writer's line of each step
         segments.append(sorted(kept.values(), key=lambda e: e["step"]))

@@ -10,9 +10,16 @@ from typing import Any
 
 # Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
 # `train/...` and `eval/...` tags written back into a log history). The Trainer's own name wins when both are there.
-ALIASES = {"lr": "learning_rate", "train/learning_rate": "learning_rate", "train/lr": "learning_rate",
-           "train/loss": "loss", "train/grad_norm": "grad_norm", "grad-norm": "grad_norm", "train/epoch": "epoch",
-           "eval/loss": "eval_loss"}
+ALIASES = {
+    "lr": "learning_rate",
+    "train/learning_rate": "learning_rate",
+    "train/lr": "learning_rate",
+    "train/loss": "loss",
+    "train/grad_norm": "grad_norm",
+    "grad-norm": "grad_norm",
+    "train/epoch": "epoch",
+    "eval/loss": "eval_loss",
+}
 LFS_POINTER_HEAD = b"version https://git-lfs.github.com/spec/v1"
 # A pointer is three short lines (spec: version, oid, size; rarely an extension line or two).
 LFS_POINTER_MAX_BYTES = 1024

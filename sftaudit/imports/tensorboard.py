@@ -29,7 +29,9 @@ SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second"
 
 
 def event_files(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.rglob(EVENTS_GLOB) if p.is_file() and "sftaudit" not in p.relative_to(run_dir).parts)
+    return sorted(
+        p for p in run_dir.rglob(EVENTS_GLOB) if p.is_file() and "sftaudit" not in p.relative_to(run_dir).parts
+    )
 
 
 def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:

@@ -36,7 +36,14 @@ from typing import Any
 
 from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
-from .dataset import DATASET_KINDS, DATASET_SOURCE, DATASET_UNJUDGED, dataset_description, dataset_records, failure_events
+from .dataset import (
+    DATASET_KINDS,
+    DATASET_SOURCE,
+    DATASET_UNJUDGED,
+    dataset_description,
+    dataset_records,
+    failure_events,
+)
 from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
 from .logs import LFS_HINT, is_lfs_pointer, log_histories, logging_interval, normalised
 from .tensorboard import EVENTS_SOURCE, event_files, event_segments
@@ -46,8 +53,14 @@ CHECKPOINT_DIR = re.compile(r"(?:checkpoint|ckpt)[-_]?(\d+)")
 # Folders of an output that are never a checkpoint, whatever they hold.
 NOT_CHECKPOINTS = {"sftaudit", "runs", "wandb", ".git"}
 # Tensors whose rows are the vocabulary (input embeddings or output head), by the end of their name.
-EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "lm_head.weight", "embed_out.weight",
-                   "shared.weight")
+EMBEDDING_NAMES = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "word_embeddings.weight",
+    "lm_head.weight",
+    "embed_out.weight",
+    "shared.weight",
+)
 # A tokenizer folder that can be built whole (a tokenizer_config.json alone rebuilds a few special tokens).
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
 # A planned length no run has (the Trainer's "until max_steps" sentinel for epochs is sys.maxsize).
@@ -58,9 +71,16 @@ LOGS_SOURCE = "imported logs: trainer_state.json"
 CHECKPOINTS_SOURCE = "checkpoints (weights, optimizer state)"
 PROBES_SOURCE = "post-hoc probes"
 # Where each kind of evidence of an imported run came from (the verdict's per-check provenance).
-SOURCES = {"steps": LOGS_SOURCE, "metrics": LOGS_SOURCE, "checkpoints": CHECKPOINTS_SOURCE,
-           "tokenizer": "tokenizer saved with the checkpoints", "chat_template": "tokenizer saved with the checkpoints",
-           "probes": PROBES_SOURCE, "generations": PROBES_SOURCE, "evals": PROBES_SOURCE}
+SOURCES = {
+    "steps": LOGS_SOURCE,
+    "metrics": LOGS_SOURCE,
+    "checkpoints": CHECKPOINTS_SOURCE,
+    "tokenizer": "tokenizer saved with the checkpoints",
+    "chat_template": "tokenizer saved with the checkpoints",
+    "probes": PROBES_SOURCE,
+    "generations": PROBES_SOURCE,
+    "evals": PROBES_SOURCE,
+}
 # What `sftaudit probe` wrote (checkpoints run after the fact): kept when the logs are imported again.
 POSTHOC_FILE = "posthoc.json"
 PROBE_KINDS = ("probes", "generations", "evals")
@@ -95,15 +115,23 @@ def _global_step(path: Path) -> int | None:
 def lfs_pointers(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[str]:
     """The log files (trainer states, trainer_log.jsonl, event files) that are Git LFS pointers, relative to
     the run folder. Checkpoint weights and training state are LOOP-09's to name."""
-    candidates = [run_dir / TRAINER_STATE, run_dir / TRAINER_LOG, *(p / TRAINER_STATE for _, p in checkpoints),
-                  *event_files(run_dir)]
+    candidates = [
+        run_dir / TRAINER_STATE,
+        run_dir / TRAINER_LOG,
+        *(p / TRAINER_STATE for _, p in checkpoints),
+        *event_files(run_dir),
+    ]
     return sorted(str(p.relative_to(run_dir)) for p in candidates if is_lfs_pointer(p))
 
 
 def is_trainer_output(run_dir: str | Path) -> bool:
     run_dir = Path(run_dir)
-    return ((run_dir / TRAINER_STATE).is_file() or (run_dir / TRAINER_LOG).is_file() or bool(checkpoint_dirs(run_dir))
-            or bool(event_files(run_dir)))
+    return (
+        (run_dir / TRAINER_STATE).is_file()
+        or (run_dir / TRAINER_LOG).is_file()
+        or bool(checkpoint_dirs(run_dir))
+        or bool(event_files(run_dir))
+    )
 
 
 def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
@@ -129,7 +157,9 @@ def ensure_artifacts(run_dir: str | Path, data: str | Path | None = None) -> boo
         import_run(run_dir, data)
         return True
     if data is not None:
-        raise InputError(f"{run_dir}: --data is for runs trained without the shim (the shim recorded this run's batches)")
+        raise InputError(
+            f"{run_dir}: --data is for runs trained without the shim (the shim recorded this run's batches)"
+        )
     return False
 
 
@@ -142,8 +172,10 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     if data is not None and not Path(data).exists():  # before anything is read or written
         raise InputError(f"{data}: no such dataset file or folder")
     if not is_trainer_output(run_dir):
-        raise InputError(f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
-                         "TensorBoard event file or checkpoint-*/ folder)")
+        raise InputError(
+            f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
+            "TensorBoard event file or checkpoint-*/ folder)"
+        )
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
     every_checkpoint = checkpoint_dirs(run_dir)
@@ -166,10 +198,13 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         if pointers:
             hint = f" ({len(pointers)} log file(s), {pointers[0]} first, are a {LFS_HINT})"
         elif lines:
-            hint = (f" ({TRAINER_LOG} holds {len(lines)} progress line(s) without a loss or an eval number: "
-                    "a prediction or evaluation run, nothing was trained)")
-        raise InputError(f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)"
-                         + hint)
+            hint = (
+                f" ({TRAINER_LOG} holds {len(lines)} progress line(s) without a loss or an eval number: "
+                "a prediction or evaluation run, nothing was trained)"
+            )
+        raise InputError(
+            f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)" + hint
+        )
     # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
     # a checkpoint of the abandoned branch may hold a higher step).
     newest = max(states, key=lambda s: (s["mtime"], s["global_step"], s["top_level"]))
@@ -179,36 +214,73 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     if resumed_at is not None and not any(e["step"] >= resumed_at for e in timeline):
         abandoned, resumed_at = [], None  # the abandoned steps lie beyond the run's end: nothing replaced them
 
-    records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")}
-    for seg, entries in ((0, abandoned), (0, [e for e in timeline if resumed_at is None or e["step"] < resumed_at]),
-                         (1, [e for e in timeline if resumed_at is not None and e["step"] >= resumed_at])):
+    records: dict[str, list[dict[str, Any]]] = {
+        k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")
+    }
+    for seg, entries in (
+        (0, abandoned),
+        (0, [e for e in timeline if resumed_at is None or e["step"] < resumed_at]),
+        (1, [e for e in timeline if resumed_at is not None and e["step"] >= resumed_at]),
+    ):
         for e in entries:
-            records["metrics"] += [{"seg": seg, "step": e["step"], "name": k, "value": float(v)} for k, v in e.items()
-                                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            records["metrics"] += [
+                {"seg": seg, "step": e["step"], "name": k, "value": float(v)}
+                for k, v in e.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
             if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
-                records["steps"].append({"seg": seg, "step": e["step"], "loss": e["loss"], "lr": e.get("learning_rate"),
-                                         "grad_norm": e.get("grad_norm")})
+                records["steps"].append(
+                    {
+                        "seg": seg,
+                        "step": e["step"],
+                        "loss": e["loss"],
+                        "lr": e.get("learning_rate"),
+                        "grad_norm": e.get("grad_norm"),
+                    }
+                )
     abandoned_states = {s["folder"] for s in states if s["abandoned"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
     for step, folder in every_checkpoint:
         if (step, folder) not in checkpoints:
-            records["checkpoints"].append({"seg": 0, "event": "saved", "step": step, "path": folder.name, "files": [],
-                                           "training_state": {}, "tokenizer_fingerprint": None, "time": None})
+            records["checkpoints"].append(
+                {
+                    "seg": 0,
+                    "event": "saved",
+                    "step": step,
+                    "path": folder.name,
+                    "files": [],
+                    "training_state": {},
+                    "tokenizer_fingerprint": None,
+                    "time": None,
+                }
+            )
             continue
         seg = 0 if folder in abandoned_states or resumed_at is None or step < resumed_at else 1
-        records["checkpoints"].append({
-            "seg": seg, "event": "saved", "step": step, "path": folder.name,
-            "files": [{"name": str(f.relative_to(run_dir)), "bytes": f.stat().st_size}
-                      for f in sorted(folder.rglob("*")) if f.is_file()],
-            "training_state": _resume_outline(folder), "tokenizer_fingerprint": fingerprints.get(folder),
-            "time": folder.stat().st_mtime})
+        records["checkpoints"].append(
+            {
+                "seg": seg,
+                "event": "saved",
+                "step": step,
+                "path": folder.name,
+                "files": [
+                    {"name": str(f.relative_to(run_dir)), "bytes": f.stat().st_size}
+                    for f in sorted(folder.rglob("*"))
+                    if f.is_file()
+                ],
+                "training_state": _resume_outline(folder),
+                "tokenizer_fingerprint": fingerprints.get(folder),
+                "time": folder.stat().st_mtime,
+            }
+        )
     if data is not None:
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
     resumed_from = _resumed_from(checkpoints, timeline, resumed_at)
     for seg in [0] + ([1] if resumed_at is not None else []):
-        manifest = _manifest(run_dir, newest, checkpoints, tokenizer, seg, dataset, source, planned_steps(lines), pointers)
+        manifest = _manifest(
+            run_dir, newest, checkpoints, tokenizer, seg, dataset, source, planned_steps(lines), pointers
+        )
         if seg and resumed_from is not None:
             manifest["config"]["resume_from"] = resumed_from
         if refused:  # the tokenizer the run saved is not used: the checks that need it say why
@@ -216,11 +288,17 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
     _write(run_dir, records)
-    return {"steps": len(records["steps"]), "metrics": len(records["metrics"]), "checkpoints": len(checkpoints),
-            "logging_steps": _logging_steps(newest), "resumed_at": resumed_at,
-            "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
-            "tokenizer": tokenizer is not None, "dataset_rows": (dataset or {}).get("rows"),
-            "notes": _notes(pointers)}
+    return {
+        "steps": len(records["steps"]),
+        "metrics": len(records["metrics"]),
+        "checkpoints": len(checkpoints),
+        "logging_steps": _logging_steps(newest),
+        "resumed_at": resumed_at,
+        "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
+        "tokenizer": tokenizer is not None,
+        "dataset_rows": (dataset or {}).get("rows"),
+        "notes": _notes(pointers),
+    }
 
 
 # ---------------------------------------------------------------------------- trainer states
@@ -233,25 +311,48 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
         path = folder / TRAINER_STATE
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
-            history = [normalised(e) for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)]
+            history = [
+                normalised(e) for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)
+            ]
         except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
             continue
-        out.append({"folder": folder, "top_level": top_level, "history": history, "mtime": path.stat().st_mtime,
-                    "global_step": int(state.get("global_step") or 0), "max_steps": state.get("max_steps"),
-                    "logging_steps": state.get("logging_steps"), "save_steps": state.get("save_steps"),
-                    "eval_steps": state.get("eval_steps"), "train_batch_size": state.get("train_batch_size"),
-                    "num_train_epochs": state.get("num_train_epochs"), "abandoned": False})
+        out.append(
+            {
+                "folder": folder,
+                "top_level": top_level,
+                "history": history,
+                "mtime": path.stat().st_mtime,
+                "global_step": int(state.get("global_step") or 0),
+                "max_steps": state.get("max_steps"),
+                "logging_steps": state.get("logging_steps"),
+                "save_steps": state.get("save_steps"),
+                "eval_steps": state.get("eval_steps"),
+                "train_batch_size": state.get("train_batch_size"),
+                "num_train_epochs": state.get("num_train_epochs"),
+                "abandoned": False,
+            }
+        )
     return out
 
 
 def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
     """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json; the run's
     arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
-    return {"folder": run_dir / f"log-{index}", "top_level": True, "history": history, "mtime": index,
-            "global_step": max(e["step"] for e in history), "max_steps": args.get("max_steps"),
-            "logging_steps": logging_interval(history) or args.get("logging_steps"), "save_steps": args.get("save_steps"),
-            "eval_steps": args.get("eval_steps"), "train_batch_size": args.get("per_device_train_batch_size"),
-            "num_train_epochs": args.get("num_train_epochs"), "abandoned": False, "model_config": args.get("model_config")}
+    return {
+        "folder": run_dir / f"log-{index}",
+        "top_level": True,
+        "history": history,
+        "mtime": index,
+        "global_step": max(e["step"] for e in history),
+        "max_steps": args.get("max_steps"),
+        "logging_steps": logging_interval(history) or args.get("logging_steps"),
+        "save_steps": args.get("save_steps"),
+        "eval_steps": args.get("eval_steps"),
+        "train_batch_size": args.get("per_device_train_batch_size"),
+        "num_train_epochs": args.get("num_train_epochs"),
+        "abandoned": False,
+        "model_config": args.get("model_config"),
+    }
 
 
 def _with_log(timeline, abandoned, resumed_at, segments):
@@ -269,7 +370,9 @@ def _with_log(timeline, abandoned, resumed_at, segments):
     return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumed_at
 
 
-def _resumed_from(checkpoints: list[tuple[int, Path]], timeline: list[dict[str, Any]], resumed_at: int | None) -> str | None:
+def _resumed_from(
+    checkpoints: list[tuple[int, Path]], timeline: list[dict[str, Any]], resumed_at: int | None
+) -> str | None:
     """The checkpoint on disk the resume can have started from: the newest saved after the last training log
     before the resume and before the first one after it (the logs show the restart only to their resolution)."""
     if resumed_at is None:
@@ -322,15 +425,20 @@ def _resume_outline(folder: Path) -> dict[str, Any]:
             state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             state = None
-    return {"step": state.get("global_step") if isinstance(state, dict) else None,
-            "epoch": state.get("epoch") if isinstance(state, dict) else None,
-            "optimizer": "optimizer.pt" in names, "scheduler": "scheduler.pt" in names,
-            "rng_states": sorted(n for n in names if n.startswith("rng_state")),
-            "trainer_state": state is not None, "training_args": "training_args.bin" in names}
+    return {
+        "step": state.get("global_step") if isinstance(state, dict) else None,
+        "epoch": state.get("epoch") if isinstance(state, dict) else None,
+        "optimizer": "optimizer.pt" in names,
+        "scheduler": "scheduler.pt" in names,
+        "rng_states": sorted(n for n in names if n.startswith("rng_state")),
+        "trainer_state": state is not None,
+        "training_args": "training_args.bin" in names,
+    }
 
 
-def _tokenizer(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[dict[str, Any] | None, dict[Path, str],
-                                                                            str | None]:
+def _tokenizer(
+    run_dir: Path, checkpoints: list[tuple[int, Path]]
+) -> tuple[dict[str, Any] | None, dict[Path, str], str | None]:
     """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), each checkpoint's fingerprint,
     and, when no saved tokenizer is usable, why the last one was refused (remote code, not whole)."""
     from ..chat_template import TokenizerUnusable, load_tokenizer
@@ -371,8 +479,11 @@ def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str,
     if config is None:
         return {}
     architectures = config.get("architectures")
-    return {"class": architectures[0] if isinstance(architectures, list) and architectures else None, "config": config,
-            "tie_word_embeddings": config.get("tie_word_embeddings")}
+    return {
+        "class": architectures[0] if isinstance(architectures, list) and architectures else None,
+        "config": config,
+        "tie_word_embeddings": config.get("tie_word_embeddings"),
+    }
 
 
 def _params(folders: list[Path]) -> list[dict[str, Any]]:
@@ -386,8 +497,10 @@ def _params(folders: list[Path]) -> list[dict[str, Any]]:
             weights = checkpoint_weights(folder)
         except CheckpointError:
             continue
-        return [{"name": name, "shape": list(e.shape), "dtype": e.dtype, "numel": math.prod(e.shape), "requires_grad": None}
-                for name, (_, e) in weights.items()]
+        return [
+            {"name": name, "shape": list(e.shape), "dtype": e.dtype, "numel": math.prod(e.shape), "requires_grad": None}
+            for name, (_, e) in weights.items()
+        ]
     return []
 
 
@@ -399,15 +512,19 @@ def _planned_steps(newest: dict[str, Any], total_steps: int | None) -> int | Non
     if total_steps:
         return total_steps
     epochs = newest["num_train_epochs"]
-    logs = [e for e in newest["history"] if "loss" in e and isinstance(e.get("epoch"), (int, float))
-            and 0 < e["epoch"] < MAX_PLAUSIBLE_EPOCHS]
+    logs = [
+        e
+        for e in newest["history"]
+        if "loss" in e and isinstance(e.get("epoch"), (int, float)) and 0 < e["epoch"] < MAX_PLAUSIBLE_EPOCHS
+    ]
     if isinstance(epochs, (int, float)) and 0 < epochs < MAX_PLAUSIBLE_EPOCHS and logs:
         return round(epochs * logs[-1]["step"] / logs[-1]["epoch"]) or None
     return None
 
 
-def _vocab_size(model: dict[str, Any], params: list[dict[str, Any]], tokenizer: dict[str, Any] | None,
-                folders: list[Path]) -> int | None:
+def _vocab_size(
+    model: dict[str, Any], params: list[dict[str, Any]], tokenizer: dict[str, Any] | None, folders: list[Path]
+) -> int | None:
     """The model's vocabulary: config.json's ``vocab_size`` (a multimodal model's ``text_config``), else the rows
     of its embedding or output head in the weights, else the saved tokenizer's length (when it was saved whole)."""
     config = model.get("config") or {}
@@ -437,30 +554,62 @@ def _logging_steps(newest: dict[str, Any]) -> int | None:
     return logging_interval(newest["history"])
 
 
-def _manifest(run_dir: Path, newest: dict[str, Any], checkpoints, tokenizer, seg: int,
-              dataset: dict[str, Any] | None, source: str, total_steps: int | None = None,
-              pointers: list[str] | None = None) -> dict[str, Any]:
+def _manifest(
+    run_dir: Path,
+    newest: dict[str, Any],
+    checkpoints,
+    tokenizer,
+    seg: int,
+    dataset: dict[str, Any] | None,
+    source: str,
+    total_steps: int | None = None,
+    pointers: list[str] | None = None,
+) -> dict[str, Any]:
     model = _model(run_dir, checkpoints, newest.get("model_config"))
     folders = [p for _, p in reversed(checkpoints)] + [run_dir]
     params = _params(folders[:-1])
     vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
-    granularity = {"logging_steps": _logging_steps(newest), "save_steps": newest["save_steps"], "eval_steps": newest["eval_steps"]}
+    granularity = {
+        "logging_steps": _logging_steps(newest),
+        "save_steps": newest["save_steps"],
+        "eval_steps": newest["eval_steps"],
+    }
     try:
         posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         posthoc = {}
     return {
-        "probe_prompts": posthoc.get("probe_prompts", []), "eval_set": posthoc.get("eval_set", []),
-        "schema_version": SCHEMA_VERSION, "seg": seg, "run_id": run_dir.resolve().name, "rank": 0, "world_size": None,
-        "profile": "imported", "imported": True, "source": source, "granularity": granularity,
-        "sources": SOURCES | {"steps": source, "metrics": source} | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
+        "probe_prompts": posthoc.get("probe_prompts", []),
+        "eval_set": posthoc.get("eval_set", []),
+        "schema_version": SCHEMA_VERSION,
+        "seg": seg,
+        "run_id": run_dir.resolve().name,
+        "rank": 0,
+        "world_size": None,
+        "profile": "imported",
+        "imported": True,
+        "source": source,
+        "granularity": granularity,
+        "sources": SOURCES
+        | {"steps": source, "metrics": source}
+        | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
         "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
-        "schedule": {}, "started": None, "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
-        "model": model, "params": params, "tied": {}, "vocab_size": vocab_size, "lfs_pointers": pointers or [],
-        "import_notes": _notes(pointers or []), "grad_norm_source": "pre_clip", "tokenizer": tokenizer or {},
-        "config": {"max_steps": _planned_steps(newest, total_steps),
-                   "trainer_state": granularity | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")}},
+        "schedule": {},
+        "started": None,
+        "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
+        "model": model,
+        "params": params,
+        "tied": {},
+        "vocab_size": vocab_size,
+        "lfs_pointers": pointers or [],
+        "import_notes": _notes(pointers or []),
+        "grad_norm_source": "pre_clip",
+        "tokenizer": tokenizer or {},
+        "config": {
+            "max_steps": _planned_steps(newest, total_steps),
+            "trainer_state": granularity | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")},
+        },
     }
 
 
@@ -474,4 +623,3 @@ def _write(run_dir: Path, records: dict[str, list[dict[str, Any]]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in records.items():
         (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-

@@ -35,12 +35,24 @@ _ENV = jinja2.Environment(
 
 # Sections that draw the statistics of one check each (the check's own section links here).
 BEHAVIOUR_PANELS = (
-    ("probe-stability", "Probe stability", "LOOP-06",
-     "Top-k probability spread, entropy and step-to-step KL drift of the next-token distribution on the fixed probe prompts."),
-    ("generation-diversity", "Generation diversity", "LOOP-07",
-     "Distinct-1/2 and n-gram repetition of sampled generations on the probe prompts."),
-    ("eval-metrics", "Eval metrics", "LOOP-08",
-     "ROUGE-L and BLEU-4 on the frozen eval set, and their rolling correlation."),
+    (
+        "probe-stability",
+        "Probe stability",
+        "LOOP-06",
+        "Top-k probability spread, entropy and step-to-step KL drift of the next-token distribution on the fixed probe prompts.",
+    ),
+    (
+        "generation-diversity",
+        "Generation diversity",
+        "LOOP-07",
+        "Distinct-1/2 and n-gram repetition of sampled generations on the probe prompts.",
+    ),
+    (
+        "eval-metrics",
+        "Eval metrics",
+        "LOOP-08",
+        "ROUGE-L and BLEU-4 on the frozen eval set, and their rolling correlation.",
+    ),
 )
 MAX_SERIES_PER_CHECK = 12
 
@@ -76,11 +88,30 @@ _ENV.filters["num"] = _fnum
 _ENV.filters["bytes"] = _fbytes
 _ENV.globals["checkpoint_anchor"] = checkpoint_anchor
 # Colour is never the only signal: each status has a word and an icon beside its colour.
-_ENV.globals["LABELS"] = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO", "notrun": "NOT RUN",
-                          "disabled": "OFF", "partial": "PARTIAL", "error": "COULD NOT RUN",
-                          "unjudged": "COULD NOT JUDGE", "unsaved": "NOT SAVED"}
-_ENV.globals["ICONS"] = {"pass": "✓", "warn": "▲", "fail": "✕", "info": "i", "notrun": "–",
-                         "disabled": "○", "partial": "◐", "error": "!", "unjudged": "?", "unsaved": "○"}
+_ENV.globals["LABELS"] = {
+    "pass": "PASS",
+    "warn": "WARN",
+    "fail": "FAIL",
+    "info": "INFO",
+    "notrun": "NOT RUN",
+    "disabled": "OFF",
+    "partial": "PARTIAL",
+    "error": "COULD NOT RUN",
+    "unjudged": "COULD NOT JUDGE",
+    "unsaved": "NOT SAVED",
+}
+_ENV.globals["ICONS"] = {
+    "pass": "✓",
+    "warn": "▲",
+    "fail": "✕",
+    "info": "i",
+    "notrun": "–",
+    "disabled": "○",
+    "partial": "◐",
+    "error": "!",
+    "unjudged": "?",
+    "unsaved": "○",
+}
 STRIP_LABELLED = 40  # checkpoint windows drawn with their names; more are drawn narrow and scroll
 
 
@@ -130,10 +161,23 @@ def _findings(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for i, f in enumerate(verdict["findings"]):
         resolution = (f.get("evidence") or {}).get("resolution") or {}
-        window = (resolution if isinstance(resolution, dict) and resolution.get("last_step") is not None
-                  and resolution.get("first_step") != resolution.get("last_step") else None)
-        out.append(dict(f, index=i, anchor=f"finding-{i}", blocks=blocks(f.get("evidence")), window=window,
-                        category=f.get("category", "anomaly")))
+        window = (
+            resolution
+            if isinstance(resolution, dict)
+            and resolution.get("last_step") is not None
+            and resolution.get("first_step") != resolution.get("last_step")
+            else None
+        )
+        out.append(
+            dict(
+                f,
+                index=i,
+                anchor=f"finding-{i}",
+                blocks=blocks(f.get("evidence")),
+                window=window,
+                category=f.get("category", "anomaly"),
+            )
+        )
     return out
 
 
@@ -146,15 +190,20 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
     steps = {
         "loss": tables.envelope(con, "SELECT seg, step, loss AS value FROM steps WHERE rank = 0", [], finding_steps),
         "lr": tables.envelope(con, "SELECT seg, step, lr AS value FROM steps WHERE rank = 0", [], finding_steps),
-        "grad_norm": tables.envelope(con, "SELECT seg, step, grad_norm AS value FROM steps WHERE rank = 0", [],
-                                     finding_steps),
+        "grad_norm": tables.envelope(
+            con, "SELECT seg, step, grad_norm AS value FROM steps WHERE rank = 0", [], finding_steps
+        ),
         "eval_loss": tables.envelope(
-            con, "SELECT seg, step, value FROM metrics WHERE rank = 0 AND name IN ('eval_loss', 'eval/loss')", [],
-            finding_steps),
+            con,
+            "SELECT seg, step, value FROM metrics WHERE rank = 0 AND name IN ('eval_loss', 'eval/loss')",
+            [],
+            finding_steps,
+        ),
     }
     if steps["loss"].height or findings:
-        figs["timeline"] = figures.timeline(steps, verdict["findings"], shown_checkpoints(verdict),
-                                            verdict["first_anomalous_step"])
+        figs["timeline"] = figures.timeline(
+            steps, verdict["findings"], shown_checkpoints(verdict), verdict["first_anomalous_step"]
+        )
     lanes = tables.rank_lanes(con, finding_steps)
     if lanes:
         figs["ranks"] = figures.rank_lanes(lanes, finding_steps)
@@ -168,8 +217,9 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         histograms.append({"div": div, "step": h["step"], "reason": h["reason"]})
 
     series_divs, series_values = _series_figures(con, findings, figs)
-    checks = _checks(findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs,
-                     series_values)
+    checks = _checks(
+        findings, verdict.get("check_errors") or [], verdict.get("checks") or [], series_divs, series_values
+    )
     return {
         "verdict": verdict,
         "run_info": _run_info(manifest),
@@ -181,9 +231,18 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
         **strip_context(verdict, findings, con),
         "checks": checks,
         "checkpoints": shown_checkpoints(verdict),
-        "behaviour": [{"id": pid, "title": title, "code": code, "about": about, "div": series_divs.get(code),
-                       "points": series_values.get(code, []), "check_anchor": anchor(code)}
-                      for pid, title, code, about in BEHAVIOUR_PANELS],
+        "behaviour": [
+            {
+                "id": pid,
+                "title": title,
+                "code": code,
+                "about": about,
+                "div": series_divs.get(code),
+                "points": series_values.get(code, []),
+                "check_anchor": anchor(code),
+            }
+            for pid, title, code, about in BEHAVIOUR_PANELS
+        ],
         "behaviour_codes": [code for _, _, code, _ in BEHAVIOUR_PANELS],
         "histograms": histograms,
         "rank_lanes": [{"title": lane["title"], "per_rank": lane["per_rank"]} for lane in lanes],
@@ -209,16 +268,22 @@ def _run_info(manifest: dict[str, Any]) -> dict[str, Any]:
         "model": (manifest.get("model") or {}).get("class") or "not recorded",
         "tensors": len(params),
         "parameters": sum(p.get("numel") or 0 for p in params),
-        "tokenizer": {"class": tokenizer.get("class"), "length": tokenizer.get("length"),
-                      "fingerprint": tokenizer.get("fingerprint")} if tokenizer else None,
+        "tokenizer": {
+            "class": tokenizer.get("class"),
+            "length": tokenizer.get("length"),
+            "fingerprint": tokenizer.get("fingerprint"),
+        }
+        if tokenizer
+        else None,
         "profile": manifest.get("profile") or "not recorded",
         "world_size": manifest.get("world_size"),
         "versions": manifest.get("versions") or {},
     }
 
 
-def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[str, Any]]
-                    ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
+def _series_figures(
+    con, findings: list[dict[str, Any]], figs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
     """One panel per check code that stored statistics of two points or more; returns code -> figure
     div id, and code -> the statistics of one point, shown as values (a chart of one point draws an
     axis around nothing)."""
@@ -227,19 +292,22 @@ def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[st
     sole = "bool_or(sole_condition)" if tables.has_column(con, "series", "sole_condition") else "false"
     names = con.execute(
         f"""SELECT code, name, any_value(threshold), {sole}, count(*), any_value(step), any_value(value) FROM series
-            GROUP BY code, name ORDER BY code, min(rowid)""").fetchall()
+            GROUP BY code, name ORDER BY code, min(rowid)"""
+    ).fetchall()
     by_code: dict[str, dict[str, dict[str, Any]]] = {}
     values: dict[str, list[dict[str, Any]]] = {}
     for code, name, threshold, alone, points, step, value in names:
         if points == 1:
-            values.setdefault(code, []).append({"name": name, "step": step, "value": value, "threshold": threshold,
-                                                "sole_condition": alone})
+            values.setdefault(code, []).append(
+                {"name": name, "step": step, "value": value, "threshold": threshold, "sole_condition": alone}
+            )
             continue
         panel = by_code.setdefault(code, {})
         if len(panel) < MAX_SERIES_PER_CHECK:
             steps = sorted({f["step"] for f in findings if f["code"] == code and f["step"] is not None})
-            frame = tables.envelope(con, "SELECT 0 AS seg, step, value FROM series WHERE code = ? AND name = ?",
-                                    [code, name], steps)
+            frame = tables.envelope(
+                con, "SELECT 0 AS seg, step, value FROM series WHERE code = ? AND name = ?", [code, name], steps
+            )
             panel[name] = {"frame": frame, "threshold": threshold, "sole_condition": alone}
     divs = {}
     for code, panel in by_code.items():
@@ -249,8 +317,13 @@ def _series_figures(con, findings: list[dict[str, Any]], figs: dict[str, dict[st
     return divs, values
 
 
-def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], coverage: list[dict[str, Any]],
-            series_divs: dict[str, str], series_values: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _checks(
+    findings: list[dict[str, Any]],
+    errors: list[dict[str, str]],
+    coverage: list[dict[str, Any]],
+    series_divs: dict[str, str],
+    series_values: dict[str, list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
     """Every check with its status as the verdict states it: a check that did not run, or ran on
     partial evidence, says so (with the reason) and never shows as passing."""
     registered = {c.code: c for c in registered_checks()}
@@ -269,16 +342,32 @@ def _checks(findings: list[dict[str, Any]], errors: list[dict[str, str]], covera
         else:
             status = {"not_run": "notrun", "disabled": "disabled", "partial": "partial"}.get(ran, "pass")
         reason = covered.get("reason")
-        out.append({
-            "code": code, "anchor": anchor(code), "name": cls.name if cls else "(check not installed)",
-            "doc": check_doc(cls) if cls else None, "page": check_page(cls.code) if cls else None,
-            "defaults": dict(cls.defaults) if cls else {},
-            "status": status, "error": error, "findings": own, "coverage": ran, "reason": reason,
-            "why": (f"not run: {reason}" if ran in ("not_run", "disabled") else
-                    f"partial evidence: {reason}" if ran == "partial" else None),
-            "evidence": covered.get("evidence") or [], "sources": covered.get("sources") or [],
-            "series_div": series_divs.get(code), "series_values": series_values.get(code, []),
-        })
+        out.append(
+            {
+                "code": code,
+                "anchor": anchor(code),
+                "name": cls.name if cls else "(check not installed)",
+                "doc": check_doc(cls) if cls else None,
+                "page": check_page(cls.code) if cls else None,
+                "defaults": dict(cls.defaults) if cls else {},
+                "status": status,
+                "error": error,
+                "findings": own,
+                "coverage": ran,
+                "reason": reason,
+                "why": (
+                    f"not run: {reason}"
+                    if ran in ("not_run", "disabled")
+                    else f"partial evidence: {reason}"
+                    if ran == "partial"
+                    else None
+                ),
+                "evidence": covered.get("evidence") or [],
+                "sources": covered.get("sources") or [],
+                "series_div": series_divs.get(code),
+                "series_values": series_values.get(code, []),
+            }
+        )
     return out
 
 
@@ -293,32 +382,48 @@ def _evidence_lines(verdict: dict[str, Any], checks: list[dict[str, Any]]) -> li
         if len(counts) == 1:
             n, lo, hi = counts.pop()
             where = f" (steps {lo}..{hi})" if n else ""
-            lines.append(f"{n} step{'s' * (n != 1)} recorded{where}" +
-                         (f" on each of {len(ranks)} ranks" if len(ranks) > 1 else ""))
+            lines.append(
+                f"{n} step{'s' * (n != 1)} recorded{where}"
+                + (f" on each of {len(ranks)} ranks" if len(ranks) > 1 else "")
+            )
         else:
-            lines.append("steps recorded per rank: " + ", ".join(
-                f"rank {r['rank']} {r['steps']}" + (f" ({r['first_step']}..{r['last_step']})" if r["steps"] else "")
-                for r in ranks))
+            lines.append(
+                "steps recorded per rank: "
+                + ", ".join(
+                    f"rank {r['rank']} {r['steps']}" + (f" ({r['first_step']}..{r['last_step']})" if r["steps"] else "")
+                    for r in ranks
+                )
+            )
     sources = sorted({src for c in checks for src in c["sources"]})
     if sources:
         lines.append("evidence from: " + "; ".join(sources))
     resolution = verdict.get("resolution") or {}
     if resolution.get("kind") == "logging window":
-        lines.append(f"imported logs written every {resolution.get('logging_steps')} steps: a finding at a logged "
-                     "step is known only to its logging window")
+        lines.append(
+            f"imported logs written every {resolution.get('logging_steps')} steps: a finding at a logged "
+            "step is known only to its logging window"
+        )
     lines += list(evidence.get("partial") or [])  # components switched off mid-run (from the start: cannot_judge)
     skipped = [c["code"] for c in checks if c["coverage"] == "not_run"]
     if skipped:
-        lines.append(f"{len(skipped)} check{'s' * (len(skipped) != 1)} not run for lack of evidence: "
-                     + ", ".join(skipped))
+        lines.append(
+            f"{len(skipped)} check{'s' * (len(skipped) != 1)} not run for lack of evidence: " + ", ".join(skipped)
+        )
     return lines
 
 
 def _first_causes(findings: list[dict[str, Any]], first: int | None) -> list[dict[str, Any]]:
     """The most severe findings at the first anomalous step: the one-sentence cause at the top."""
     # As the verdict dates the run: anomalies about the run (a checkpoint's own finding is about that file).
-    at_first = [f for f in findings if first is not None and f["step"] == first and f["severity"] != "info"
-                and f["category"] == "anomaly" and f.get("scope", "run") == "run"]
+    at_first = [
+        f
+        for f in findings
+        if first is not None
+        and f["step"] == first
+        and f["severity"] != "info"
+        and f["category"] == "anomaly"
+        and f.get("scope", "run") == "run"
+    ]
     top = max((SEVERITY_RANK[f["severity"]] for f in at_first), default=0)
     return [f for f in at_first if SEVERITY_RANK[f["severity"]] == top]
 
@@ -327,16 +432,21 @@ def shown_checkpoints(verdict: dict[str, Any]) -> list[dict[str, Any]]:
     """The checkpoints in step order with the verdict to show: under a run that could not be judged
     (a check raised, too little evidence) a checkpoint's "pass" is no judgement, shown as such."""
     unjudged = verdict.get("verdict") == "unjudged"
-    return [dict(c, verdict="unjudged" if unjudged and c["verdict"] == "pass" else c["verdict"])
-            for c in sorted(verdict["checkpoints"], key=lambda c: c["step"])]
+    return [
+        dict(c, verdict="unjudged" if unjudged and c["verdict"] == "pass" else c["verdict"])
+        for c in sorted(verdict["checkpoints"], key=lambda c: c["step"])
+    ]
 
 
 def strip_context(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> dict[str, Any]:
     """The strip, whether it is too dense to label each window, and the failing checkpoints
     (listed by name under a dense strip, so every one stays visible)."""
     strip = _checkpoint_strip(verdict, findings, con)
-    return {"strip": strip, "strip_dense": len(strip) > STRIP_LABELLED,
-            "failing_checkpoints": [w for w in strip if w["verdict"] == "fail" and w["anchor"]]}
+    return {
+        "strip": strip,
+        "strip_dense": len(strip) > STRIP_LABELLED,
+        "failing_checkpoints": [w for w in strip if w["verdict"] == "fail" and w["anchor"]],
+    }
 
 
 def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], con) -> list[dict[str, Any]]:
@@ -345,16 +455,33 @@ def _checkpoint_strip(verdict: dict[str, Any], findings: list[dict[str, Any]], c
     start = 0
     windows = []
     for c in shown_checkpoints(verdict):
-        windows.append({"name": c["name"], "step": c["step"], "from": start + 1, "to": c["step"],
-                        "verdict": c["verdict"], "count": len(c["findings"]),
-                        "anchor": checkpoint_anchor(c["name"], c["step"])})
+        windows.append(
+            {
+                "name": c["name"],
+                "step": c["step"],
+                "from": start + 1,
+                "to": c["step"],
+                "verdict": c["verdict"],
+                "count": len(c["findings"]),
+                "anchor": checkpoint_anchor(c["name"], c["step"]),
+            }
+        )
         start = c["step"]
     if last is not None and last > start:
         # Steps after the last save: never green, nothing of them can be rolled back to (warn/fail show as such).
         tail = [f for f in findings if f["checkpoint"] is None and f["step"] is not None and f["step"] > start]
         rank = max((SEVERITY_RANK[f["severity"]] for f in tail), default=0)
-        windows.append({"name": "not saved", "step": None, "from": start + 1, "to": last,
-                        "verdict": ("unsaved", "warn", "fail")[rank], "count": len(tail), "anchor": None})
+        windows.append(
+            {
+                "name": "not saved",
+                "step": None,
+                "from": start + 1,
+                "to": last,
+                "verdict": ("unsaved", "warn", "fail")[rank],
+                "count": len(tail),
+                "anchor": None,
+            }
+        )
     total = sum(w["to"] - w["from"] + 1 for w in windows) or 1
     for w in windows:
         w["width"] = 100 * (w["to"] - w["from"] + 1) / total

@@ -36,7 +36,10 @@ def check_doc(check_cls: type) -> dict[str, Any]:
     pattern = re.compile(r"^(%s):\s*$" % "|".join(map(re.escape, DOC_SECTIONS)), re.M)
     parts = pattern.split(rest)
     sections = {name: " ".join(body.split()) for name, body in zip(parts[1::2], parts[2::2])}
-    return {"summary": summary.strip(), "sections": [(name, sections[name]) for name in DOC_SECTIONS if name in sections]}
+    return {
+        "summary": summary.strip(),
+        "sections": [(name, sections[name]) for name in DOC_SECTIONS if name in sections],
+    }
 
 
 def blocks(evidence: Any) -> list[dict[str, Any]]:
@@ -70,20 +73,35 @@ def _special(key: str, value: Any) -> dict[str, Any] | None:
         return token_block(key, value)
     if key == "ngrams" and isinstance(value, list) and all(isinstance(v, dict) for v in value):
         top = max((_number(v.get("count")) for v in value), default=0) or 1
-        return {"kind": "ngrams", "rows": [
-            {"ngram": str(v.get("ngram", "")), "count": v.get("count"), "width": 100 * _number(v.get("count")) / top}
-            for v in value]}
+        return {
+            "kind": "ngrams",
+            "rows": [
+                {
+                    "ngram": str(v.get("ngram", "")),
+                    "count": v.get("count"),
+                    "width": 100 * _number(v.get("count")) / top,
+                }
+                for v in value
+            ],
+        }
     if key == "histogram" and isinstance(value, dict) and isinstance(value.get("counts"), list):
         return _histogram(value)
     if key == "keys" and isinstance(value, dict):
-        return {"kind": "keys", "missing": [str(k) for k in value.get("missing") or []],
-                "unexpected": [str(k) for k in value.get("unexpected") or []]}
+        return {
+            "kind": "keys",
+            "missing": [str(k) for k in value.get("missing") or []],
+            "unexpected": [str(k) for k in value.get("unexpected") or []],
+        }
     return None
 
 
 def _is_token_list(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
-            and all("token" in v and "actual" in v for v in value))
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, dict) for v in value)
+        and all("token" in v and "actual" in v for v in value)
+    )
 
 
 def token_block(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,13 +110,15 @@ def token_block(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
     for t in tokens:
         actual, expected = str(t.get("actual")), str(t.get("expected", t.get("actual")))
         token = str(t.get("token", ""))
-        shown.append({
-            "text": token.translate(_VISIBLE) or "∅",
-            "actual": actual if actual in TOKEN_CLASSES else "unknown",
-            "mismatch": actual != expected,
-            "title": f"pos {t.get('pos')}: {token!r} id {t.get('input_id')} label {t.get('label')}; "
-                     f"{actual}" + (f", expected {expected}" if actual != expected else ""),
-        })
+        shown.append(
+            {
+                "text": token.translate(_VISIBLE) or "∅",
+                "actual": actual if actual in TOKEN_CLASSES else "unknown",
+                "mismatch": actual != expected,
+                "title": f"pos {t.get('pos')}: {token!r} id {t.get('input_id')} label {t.get('label')}; "
+                f"{actual}" + (f", expected {expected}" if actual != expected else ""),
+            }
+        )
     return {"kind": "tokens", "label": key, "tokens": shown, "mismatches": sum(t["mismatch"] for t in shown)}
 
 
@@ -106,8 +126,14 @@ def _histogram(h: dict[str, Any]) -> dict[str, Any]:
     counts = [_number(c) for c in h["counts"]]
     edges = h.get("edges") or []
     top = max(counts, default=0) or 1
-    bars = [{"label": f"{edges[i]:g}" if i < len(edges) and isinstance(edges[i], (int, float)) else str(i),
-             "count": c, "height": 100 * c / top} for i, c in enumerate(counts)]
+    bars = [
+        {
+            "label": f"{edges[i]:g}" if i < len(edges) and isinstance(edges[i], (int, float)) else str(i),
+            "count": c,
+            "height": 100 * c / top,
+        }
+        for i, c in enumerate(counts)
+    ]
     return {"kind": "histogram", "tensor": str(h.get("tensor", "")), "step": h.get("step"), "bars": bars}
 
 
@@ -117,15 +143,17 @@ def _table_or_value(key: str, value: Any) -> dict[str, Any]:
             return {"kind": "group", "label": key, "items": [blocks(v) for v in value]}
         columns = list(dict.fromkeys(k for v in value for k in v))
         rows = [[_cell(v.get(c)) for c in columns] for v in value]
-        return {"kind": "table", "label": key, "columns": columns, "rows": rows[:ROWS_SHOWN],
-                "more": rows[ROWS_SHOWN:]}
+        return {"kind": "table", "label": key, "columns": columns, "rows": rows[:ROWS_SHOWN], "more": rows[ROWS_SHOWN:]}
     if isinstance(value, list) and all(v is None or isinstance(v, (str, int, float, bool)) for v in value):
         return {"kind": "list", "label": key, "items": value}
     if isinstance(value, dict) and all(v is None or isinstance(v, (str, int, float, bool)) for v in value.values()):
         return {"kind": "scalars", "label": key, "items": list(value.items())}
     compact = json.dumps(value, ensure_ascii=False)
-    return {"kind": "json", "label": key,
-            "text": compact if len(compact) <= 120 else json.dumps(value, indent=1, ensure_ascii=False)}
+    return {
+        "kind": "json",
+        "label": key,
+        "text": compact if len(compact) <= 120 else json.dumps(value, indent=1, ensure_ascii=False),
+    }
 
 
 def _cell(value: Any) -> Any:

@@ -21,6 +21,7 @@ from ..ingest import first_row
 ENVELOPE_BUCKETS = 1000
 HEATMAP_BUCKETS = 250
 
+
 # The tables the shim fills for a check: when empty, the check had nothing to judge.
 def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
     return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
@@ -28,16 +29,27 @@ def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
 
 def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
     """Whether a stored table has a column (a file audited by an older sftaudit may lack it)."""
-    return bool(first_row(con, "SELECT count(*) FROM information_schema.columns WHERE table_name = ? "
-                          "AND column_name = ?", [table, column])[0])
+    return bool(
+        first_row(
+            con,
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = ? AND column_name = ?",
+            [table, column],
+        )[0]
+    )
 
 
 def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
     return first_row(con, f'SELECT count(*) FROM "{table}"')[0] if has_table(con, table) else 0
 
 
-def envelope(con: duckdb.DuckDBPyConnection, source: str, params: list[Any], keep_steps: list[int],
-             buckets: int = ENVELOPE_BUCKETS, by: str | None = None) -> pl.DataFrame:
+def envelope(
+    con: duckdb.DuckDBPyConnection,
+    source: str,
+    params: list[Any],
+    keep_steps: list[int],
+    buckets: int = ENVELOPE_BUCKETS,
+    by: str | None = None,
+) -> pl.DataFrame:
     """(seg, step, value) of `source` for drawing: all finite points if few, else each bucket's
     lowest and highest point, plus the points at `keep_steps`; ordered by segment and step. With
     `by` (a column of `source`), the same for each of its groups in one query, the column first."""
@@ -74,7 +86,8 @@ def gradient_matrix(con: duckdb.DuckDBPyConnection, buckets: int = HEATMAP_BUCKE
         params=[lo, width],
     ).pl()
     names = con.sql(
-        "SELECT idx, any_value(tensor) AS tensor FROM grad_norms WHERE rank = 0 GROUP BY idx ORDER BY idx").pl()
+        "SELECT idx, any_value(tensor) AS tensor FROM grad_norms WHERE rank = 0 GROUP BY idx ORDER BY idx"
+    ).pl()
     row_of = {idx: i for i, idx in enumerate(names["idx"].to_list())}
     n_buckets = (hi - lo) // width + 1
     norm = np.full((len(row_of), n_buckets), np.nan, dtype=np.float64)
@@ -109,14 +122,18 @@ def histogram_steps(con: duckdb.DuckDBPyConnection, finding_steps: list[int], li
     ).fetchall()
     out = []
     for step, reason in picked:
-        frame = con.sql(
-            """
+        frame = (
+            con.sql(
+                """
             SELECT h.tensor, h.zeros, h.nonfinite, h.counts FROM grad_hists h
             LEFT JOIN params p ON p.rank = h.rank AND p.seg = h.seg AND p.name = h.tensor
             WHERE h.rank = 0 AND h.step = ? ORDER BY h.seg DESC, p.idx
             """,
-            params=[step],
-        ).pl().unique("tensor", keep="first", maintain_order=True)
+                params=[step],
+            )
+            .pl()
+            .unique("tensor", keep="first", maintain_order=True)
+        )
         out.append({"step": step, "reason": reason, "frame": frame})
     return out
 
@@ -127,14 +144,20 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     steps = first_row(con, "SELECT count(*), min(step), max(step), count(DISTINCT seg) FROM steps WHERE rank = 0")
     ranks = first_row(con, "SELECT count(DISTINCT rank) FROM manifest")[0]
     span = first_row(con, "SELECT min(time), max(time) FROM events WHERE kind IN ('start', 'close')")
-    artifacts = con.execute(
-        'SELECT file, "offset", records, bad_lines FROM ingest_state ORDER BY file').fetchall()
-    events = con.sql(
-        """SELECT rank, seg, step, kind, probe, error FROM events
+    artifacts = con.execute('SELECT file, "offset", records, bad_lines FROM ingest_state ORDER BY file').fetchall()
+    events = (
+        con.sql(
+            """SELECT rank, seg, step, kind, probe, error FROM events
            WHERE kind IN ('shim_error', 'probe_disabled', 'grad_hists_not_recorded') ORDER BY time NULLS LAST"""
-    ).pl().to_dicts()
+        )
+        .pl()
+        .to_dicts()
+    )
     return {
-        "steps_recorded": steps[0], "first_step": steps[1], "last_step": steps[2], "segments": steps[3],
+        "steps_recorded": steps[0],
+        "first_step": steps[1],
+        "last_step": steps[2],
+        "segments": steps[3],
         "ranks_recorded": ranks,
         "wall_seconds": (span[1] - span[0]) if span and span[0] is not None and span[1] is not None else None,
         "artifacts": [{"file": f, "bytes": b, "records": r, "bad_lines": bad} for f, b, r, bad in artifacts],
@@ -156,25 +179,38 @@ def per_sample_histogram(con: duckdb.DuckDBPyConnection, column: str, bins: int 
     return con.sql(
         f"""SELECT ? + b * ? AS low, ? + (b + 1) * ? - 1 AS high, count(*) AS samples
             FROM (SELECT (v - ?) // ? AS b FROM {source}) GROUP BY b ORDER BY b""",
-        params=[lo, width, lo, width, lo, width]).pl()
+        params=[lo, width, lo, width, lo, width],
+    ).pl()
 
 
 def dataset_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """Rows collated, batches, tokens and the rows the template refused or rendered without a message."""
     batches, rows, real, trained, padded = first_row(
-        con, """SELECT count(*), sum(rows), sum(list_sum(lengths)), sum(list_sum(label_tokens)), sum(rows * seq_len)
-                FROM batches WHERE rank = 0""")
-    failures = con.execute("SELECT kind, count(*) FROM events WHERE kind IN ('render_failed', 'content_dropped') "
-                           "GROUP BY kind").fetchall()
-    return {"batches": batches, "rows": rows or 0, "real_tokens": real or 0, "trained_tokens": trained or 0,
-            "padded_tokens": padded or 0, "failures": dict(failures)}
+        con,
+        """SELECT count(*), sum(rows), sum(list_sum(lengths)), sum(list_sum(label_tokens)), sum(rows * seq_len)
+                FROM batches WHERE rank = 0""",
+    )
+    failures = con.execute(
+        "SELECT kind, count(*) FROM events WHERE kind IN ('render_failed', 'content_dropped') GROUP BY kind"
+    ).fetchall()
+    return {
+        "batches": batches,
+        "rows": rows or 0,
+        "real_tokens": real or 0,
+        "trained_tokens": trained or 0,
+        "padded_tokens": padded or 0,
+        "failures": dict(failures),
+    }
 
 
 # Per-rank lanes of a distributed run: (title, table, source of rank, seg, step, value).
 RANK_METRICS = (
     ("loss", "steps", "SELECT rank, seg, step, loss AS value FROM steps"),
-    ("trained tokens", "batches",
-     "SELECT rank, seg, step, sum(list_sum(label_tokens)) AS value FROM batches GROUP BY ALL"),
+    (
+        "trained tokens",
+        "batches",
+        "SELECT rank, seg, step, sum(list_sum(label_tokens)) AS value FROM batches GROUP BY ALL",
+    ),
     ("step time (s)", "steps", "SELECT rank, seg, step, dt AS value FROM steps"),
 )
 
@@ -190,19 +226,30 @@ def rank_lanes(con: duckdb.DuckDBPyConnection, keep_steps: list[int]) -> list[di
     for title, table, source in RANK_METRICS:
         if not has_table(con, table):
             continue
-        recorded, differing = first_row(con, f"""
+        recorded, differing = first_row(
+            con,
+            f"""
             SELECT count(*) FILTER (WHERE n_values > 0),
                    count(*) FILTER (WHERE n_values > 0 AND (n_distinct > 1 OR n_values < n_rows OR n_rows < ?))
             FROM (SELECT seg, step, count(*) AS n_rows, count(value) AS n_values, count(DISTINCT value) AS n_distinct
-                  FROM ({source}) GROUP BY seg, step)""", [len(ranks)])
+                  FROM ({source}) GROUP BY seg, step)""",
+            [len(ranks)],
+        )
         if not recorded:
             continue
         shown = ranks if differing else ranks[:1]
-        every = envelope(con, f"SELECT rank, seg, step, value FROM ({source}) WHERE list_contains(?, rank)", [shown],
-                         keep_steps, by="rank")
+        every = envelope(
+            con,
+            f"SELECT rank, seg, step, value FROM ({source}) WHERE list_contains(?, rank)",
+            [shown],
+            keep_steps,
+            by="rank",
+        )
         frames = {r: every.filter(every["rank"] == r).drop("rank") for r in shown}
-        nonfinite = con.sql(f"SELECT rank, step, value FROM ({source}) WHERE NOT isfinite(value) ORDER BY step, rank"
-                            ).pl()
-        lanes.append({"title": title, "per_rank": bool(differing), "ranks": ranks, "frames": frames,
-                      "nonfinite": nonfinite})
+        nonfinite = con.sql(
+            f"SELECT rank, step, value FROM ({source}) WHERE NOT isfinite(value) ORDER BY step, rank"
+        ).pl()
+        lanes.append(
+            {"title": title, "per_rank": bool(differing), "ranks": ranks, "frames": frames, "nonfinite": nonfinite}
+        )
     return lanes

@@ -9,7 +9,8 @@ records.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,13 +62,23 @@ class Batches:
             parts["hashed_ids"] = input_ids.masked_fill(padding, -1)
         if keep_rows:
             parts["input_ids"] = input_ids
-            parts["labels"] = labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
+            parts["labels"] = (
+                labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
+            )
             parts["attention_mask"] = attention_mask[:keep_rows]
         if sample_ids is not None:
             sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
         varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(given) and given.dim() == 4)
-        return {"micro": micro, "shape": [rows, length], "sample_ids": sample_ids, "varlen": varlen,
-                "keep_rows": keep_rows, "parts": parts, "row_counts": list(counts), **self._tokenizer_state()}
+        return {
+            "micro": micro,
+            "shape": [rows, length],
+            "sample_ids": sample_ids,
+            "varlen": varlen,
+            "keep_rows": keep_rows,
+            "parts": parts,
+            "row_counts": list(counts),
+            **self._tokenizer_state(),
+        }
 
     def after_forward(self, m: dict, kwargs: Mapping[str, Any], output: Any) -> None:
         """The model's returned loss for micro-batch `m`, and (through a gradient hook on it)
@@ -85,18 +96,25 @@ class Batches:
         if items is not None:
             parts["num_items"] = items.detach() if torch.is_tensor(items) else torch.tensor(float(items))
         if loss.requires_grad:
+
             def weight(grad: torch.Tensor) -> None:
                 parts["loss_weight"] = grad.detach()
+
             loss.register_hook(weight)
         log_probs = getattr(output, "log_probs", None)
         mask = getattr(output, "label_mask", None)
-        if (torch.is_tensor(log_probs) and log_probs.requires_grad and torch.is_tensor(mask)
-                and mask.shape == log_probs.shape):
+        if (
+            torch.is_tensor(log_probs)
+            and log_probs.requires_grad
+            and torch.is_tensor(mask)
+            and mask.shape == log_probs.shape
+        ):
             trained = mask.sum().clamp(min=1)
             divides_by = parts.get("num_items", trained)
 
             def token_weight(grad: torch.Tensor) -> None:
                 parts["loss_weight"] = -(grad.detach() * mask).sum() * divides_by / trained
+
             log_probs.register_hook(token_weight)
 
     def _tokenizer_state(self) -> dict[str, Any]:
@@ -137,8 +155,12 @@ class Batches:
     def unpack(micro: list[dict], values: dict) -> None:
         """Each micro-batch's per-row count columns as values of their own, and its target tokens."""
         for m in micro:
-            values.update({(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])})
-            values[m["micro"], "target_tokens"] = values[m["micro"], "label_tokens"] - values[m["micro"], "first_trained"]
+            values.update(
+                {(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])}
+            )
+            values[m["micro"], "target_tokens"] = (
+                values[m["micro"], "label_tokens"] - values[m["micro"], "first_trained"]
+            )
 
     @staticmethod
     def window_loss(micro: list[dict], values: dict, recorded: float | None) -> float | None:
@@ -165,31 +187,54 @@ class Batches:
         if ids is None:
             hashed = values[micro, "hashed_ids"].reshape(rows, length).astype("int64")
             ids = ["h:" + hashlib.blake2b(row[row >= 0].tobytes(), digest_size=8).hexdigest() for row in hashed]
-        self._sink.write("batches", {
-            "step": step, "micro": micro, "rows": rows, "seq_len": length, "sample_ids": ids,
-            "lengths": values[micro, "lengths"].astype("int64").tolist(),
-            "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
-            "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
-            "left_padded_rows": int(values[micro, "left_padded"].sum()),
-            "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
-            **{key: values[micro, key].astype("int64").tolist() for key in ("bos_starts", "position_resets")
-               if (micro, key) in values},
-            "varlen": m["varlen"], "attention_mask_kind": m.get("attention_mask_kind"), "cache_built": m.get("cache_built"),
-            **{key: float(values[micro, key]) for key in ("model_loss", "loss_weight", "num_items", "backprop")
-               if (micro, key) in values},
-            "tokenizer_length": m["tokenizer_length"], "template_fingerprint": m["template_fingerprint"],
-        })
+        self._sink.write(
+            "batches",
+            {
+                "step": step,
+                "micro": micro,
+                "rows": rows,
+                "seq_len": length,
+                "sample_ids": ids,
+                "lengths": values[micro, "lengths"].astype("int64").tolist(),
+                "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
+                "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
+                "left_padded_rows": int(values[micro, "left_padded"].sum()),
+                "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+                **{
+                    key: values[micro, key].astype("int64").tolist()
+                    for key in ("bos_starts", "position_resets")
+                    if (micro, key) in values
+                },
+                "varlen": m["varlen"],
+                "attention_mask_kind": m.get("attention_mask_kind"),
+                "cache_built": m.get("cache_built"),
+                **{
+                    key: float(values[micro, key])
+                    for key in ("model_loss", "loss_weight", "num_items", "backprop")
+                    if (micro, key) in values
+                },
+                "tokenizer_length": m["tokenizer_length"],
+                "template_fingerprint": m["template_fingerprint"],
+            },
+        )
         keep = m["keep_rows"]
         if keep:
             full_ids = values[micro, "input_ids"].reshape(rows, length).astype("int64")
             labels = values[micro, "labels"].reshape(keep, length).astype("int64")
             mask = values[micro, "attention_mask"].reshape(keep, length).astype("int64")
             for r in range(keep):
-                self._sink.write("samples", {
-                    "step": step, "micro": micro, "row": r, "sample_id": ids[r],
-                    "input_ids": full_ids[r].tolist(), "labels": labels[r].tolist(),
-                    "attention_mask": mask[r].tolist(),
-                })
+                self._sink.write(
+                    "samples",
+                    {
+                        "step": step,
+                        "micro": micro,
+                        "row": r,
+                        "sample_id": ids[r],
+                        "input_ids": full_ids[r].tolist(),
+                        "labels": labels[r].tolist(),
+                        "attention_mask": mask[r].tolist(),
+                    },
+                )
 
 
 def attention_inputs(module, args, kwargs, output) -> dict:

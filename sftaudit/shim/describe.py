@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-
 # Module names that wrappers insert inside the tree (FSDP1 with use_orig_params, activation
 # checkpointing, torch.compile of a submodule); a saved state dict does not have them.
 WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
@@ -23,8 +22,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside DistributedDataParallel / DataParallel (also as accelerate prepares it), a
     DeepSpeed engine and torch.compile: the module whose state dict the checkpoints hold."""
     while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) \
-                or type(model).__name__ == "DeepSpeedEngine":
+        if (
+            isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+            or type(model).__name__ == "DeepSpeedEngine"
+        ):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
             model = model._orig_mod
@@ -48,13 +49,15 @@ def describe_params(model: torch.nn.Module) -> tuple[list[dict], dict[str, str]]
             tied[name] = canonical[id(p)]
             continue
         canonical[id(p)] = name
-        params.append({
-            "name": name,
-            "shape": list(p.shape),
-            "dtype": str(p.dtype).removeprefix("torch."),
-            "numel": p.numel(),
-            "requires_grad": p.requires_grad,
-        })
+        params.append(
+            {
+                "name": name,
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "numel": p.numel(),
+                "requires_grad": p.requires_grad,
+            }
+        )
     return params, tied
 
 
@@ -67,8 +70,11 @@ def describe_model(model: torch.nn.Module) -> dict:
         # What generate() stops on (LOOP-02 compares it with the template's end-of-turn marker).
         "generation_eos": jsonable(getattr(getattr(model, "generation_config", None), "eos_token_id", None)),
         "attn_implementation": getattr(config, "_attn_implementation", None),
-        "dropout": {k: v for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
-                    if "dropout" in k and isinstance(v, (int, float))},
+        "dropout": {
+            k: v
+            for k, v in (config.to_dict().items() if hasattr(config, "to_dict") else [])
+            if "dropout" in k and isinstance(v, (int, float))
+        },
     }
 
 
@@ -86,11 +92,16 @@ def marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
         rows = [embed.weight] + ([output.weight] if output is not None and output.weight.shape[0] > max(ids) else [])
         norms = [w.float().norm(dim=1) for w in rows]
         stats = torch.stack([torch.cat([n[ids], n.median().reshape(1)]) for n in norms]).cpu().tolist()
-    return {"ids": ids, "tokens": [added[i].content for i in ids], "embed_norm": stats[0][:-1],
-            "embed_median": stats[0][-1], "embed_trainable": bool(embed.weight.requires_grad),
-            "output_norm": stats[1][:-1] if len(stats) > 1 else None,
-            "output_median": stats[1][-1] if len(stats) > 1 else None,
-            "output_trainable": bool(output.weight.requires_grad) if len(stats) > 1 else None}
+    return {
+        "ids": ids,
+        "tokens": [added[i].content for i in ids],
+        "embed_norm": stats[0][:-1],
+        "embed_median": stats[0][-1],
+        "embed_trainable": bool(embed.weight.requires_grad),
+        "output_norm": stats[1][:-1] if len(stats) > 1 else None,
+        "output_median": stats[1][-1] if len(stats) > 1 else None,
+        "output_trainable": bool(output.weight.requires_grad) if len(stats) > 1 else None,
+    }
 
 
 def library_versions() -> dict[str, str]:
@@ -160,12 +171,18 @@ def describe_scheduler(scheduler: Any, steps: int | None = None) -> dict[str, An
     `trace_start` on (for a LambdaLR: base_lr x lr_lambda(s) from s = 0, its lambdas evaluated
     directly; otherwise a copy stepped on a one-tensor optimizer). The trace covers `steps`
     scheduler steps (the run's max_steps when known, else the scheduler's own horizon)."""
-    state = {k: v for k, v in scheduler.state_dict().items()
-             if isinstance(v, (int, float, str, bool, list, type(None))) and k != "_last_lr"}
+    state = {
+        k: v
+        for k, v in scheduler.state_dict().items()
+        if isinstance(v, (int, float, str, bool, list, type(None))) and k != "_last_lr"
+    }
     out: dict[str, Any] = {"class": type(scheduler).__name__, "state": jsonable(state), "trace_start": 0, "lr": None}
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if lambdas and isinstance(lambdas[0], functools.partial):
-        out["lr_lambda"] = {"function": getattr(lambdas[0].func, "__name__", None), "arguments": jsonable(lambdas[0].keywords)}
+        out["lr_lambda"] = {
+            "function": getattr(lambdas[0].func, "__name__", None),
+            "arguments": jsonable(lambdas[0].keywords),
+        }
     horizon = steps or _horizon(scheduler)
     if not horizon:
         return out
@@ -197,8 +214,10 @@ def _simulate(scheduler: Any, steps: int) -> list[float]:
     import copy
     import warnings
 
-    groups = [{"params": [torch.zeros(1, requires_grad=True)], **{k: v for k, v in g.items() if k != "params"}}
-              for g in scheduler.optimizer.param_groups]
+    groups = [
+        {"params": [torch.zeros(1, requires_grad=True)], **{k: v for k, v in g.items() if k != "params"}}
+        for g in scheduler.optimizer.param_groups
+    ]
     clone = copy.copy(scheduler)
     clone.__dict__ = copy.deepcopy({k: v for k, v in scheduler.__dict__.items() if k != "optimizer"})
     clone.optimizer = torch.optim.SGD(groups, lr=groups[0]["lr"])

@@ -10,9 +10,10 @@ read more.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from itertools import repeat
 from operator import is_not
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,7 +78,9 @@ class Gradients:
         callbacks queued during the pass (DDP's reduction, FSDP's), on the gradients the clipping will see."""
         get = output.get if isinstance(output, Mapping) else lambda k: getattr(output, k, None)
         # Whichever of them the loop's objective was computed from (TRL's own loss uses log_probs, not loss).
-        tensors = [t for t in (get(k) for k in ("loss", "log_probs", "logits")) if torch.is_tensor(t) and t.requires_grad]
+        tensors = [
+            t for t in (get(k) for k in ("loss", "log_probs", "logits")) if torch.is_tensor(t) and t.requires_grad
+        ]
         engine = torch.autograd.Variable._execution_engine
         queued = []
 
@@ -124,8 +127,10 @@ class Gradients:
         extra = {}
         if ("step", "post_norms") in values:
             post = values["step", "post_norms"].astype(np.float64)
-            extra = {"grad_norm_post_clip": float(np.sqrt(np.square(post).sum())),
-                     "grad_norms_post_clip": self._per_tensor(post)}
+            extra = {
+                "grad_norm_post_clip": float(np.sqrt(np.square(post).sum())),
+                "grad_norms_post_clip": self._per_tensor(post),
+            }
         elif self._read_after_clip:
             extra = {"grad_norm_source": "post_clip"}  # no backward-end read this step: the norms are post-clip
         return fields, extra
@@ -166,9 +171,16 @@ class Gradients:
         pieces = [grads[i] for i in index]
         scale = self._scale_since_recorded(pieces) if self.norms is not None and index == self._index else None
         if scale is None:
-            self._sink.write("events", {"kind": "grad_hists_not_recorded", "step": step, "time": time.time(),
-                                        "error": f"{reason} step: its gradients were freed or changed by the "
-                                                 f"optimizer step before the histograms ({self._pieces.framework})"})
+            self._sink.write(
+                "events",
+                {
+                    "kind": "grad_hists_not_recorded",
+                    "step": step,
+                    "time": time.time(),
+                    "error": f"{reason} step: its gradients were freed or changed by the "
+                    f"optimizer step before the histograms ({self._pieces.framework})",
+                },
+            )
             return
         if scale != 1.0:
             pieces = torch._foreach_div(pieces, scale)
@@ -193,10 +205,17 @@ class Gradients:
     def _write_hists(self, step: int, index: list[int], hist: Any, reason: str) -> None:
         hist = hist.reshape(len(index), -1).astype("int64")
         for i, counts in zip(index, hist):
-            self._sink.write("grad_hists", {
-                "step": step, "tensor": self._params[i]["name"], "reason": reason,
-                "zeros": int(counts[0]), "nonfinite": int(counts[1]), "counts": counts[2:].tolist(),
-            })
+            self._sink.write(
+                "grad_hists",
+                {
+                    "step": step,
+                    "tensor": self._params[i]["name"],
+                    "reason": reason,
+                    "zeros": int(counts[0]),
+                    "nonfinite": int(counts[1]),
+                    "counts": counts[2:].tolist(),
+                },
+            )
 
 
 def _none_missing(grads: list) -> bool:
@@ -212,8 +231,13 @@ def histograms(grads: list[torch.Tensor]) -> torch.Tensor:
         g = g.detach().float().reshape(-1)
         finite = torch.isfinite(g)
         mag = torch.log10(g[finite].abs().clamp_min(1e-30))
-        rows.append(torch.cat([
-            (g == 0).sum().reshape(1).float(), (~finite).sum().reshape(1).float(),
-            torch.histc(mag.clamp(lo, hi - 1e-6), bins=bins, min=lo, max=hi),
-        ]))
+        rows.append(
+            torch.cat(
+                [
+                    (g == 0).sum().reshape(1).float(),
+                    (~finite).sum().reshape(1).float(),
+                    torch.histc(mag.clamp(lo, hi - 1e-6), bins=bins, min=lo, max=hi),
+                ]
+            )
+        )
     return torch.stack(rows)

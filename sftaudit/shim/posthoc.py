@@ -17,8 +17,9 @@ import json
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
 from ..tokenizer_info import load_saved_tokenizer
@@ -28,9 +29,15 @@ POSTHOC_FILE = "posthoc.json"
 PROBE_KINDS = ("probes", "generations", "evals")
 
 
-def probe_checkpoints(run_dir: str | Path, prompts: Sequence[str], eval_set: Sequence[dict[str, Any]] = (),
-                      base: str | Path | None = None, progress: bool = True, max_new_tokens: int = 32,
-                      generations_per_prompt: int = 4) -> list[dict[str, Any]]:
+def probe_checkpoints(
+    run_dir: str | Path,
+    prompts: Sequence[str],
+    eval_set: Sequence[dict[str, Any]] = (),
+    base: str | Path | None = None,
+    progress: bool = True,
+    max_new_tokens: int = 32,
+    generations_per_prompt: int = 4,
+) -> list[dict[str, Any]]:
     """Probe every checkpoint not probed yet; returns [{step, checkpoint, seconds}] for those probed now."""
     from tqdm import tqdm
 
@@ -39,7 +46,10 @@ def probe_checkpoints(run_dir: str | Path, prompts: Sequence[str], eval_set: Seq
     done = {r["step"] for kind in PROBE_KINDS for r in read_jsonl(folder / f"{kind}.jsonl")}
     segments = {r["step"]: r.get("seg", 0) for r in read_jsonl(folder / "checkpoints.jsonl")}
     targets = ([(0, Path(base))] if base else []) + sorted(
-        (int(m.group(1)), p) for p in run_dir.glob("checkpoint-*") if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+        (int(m.group(1)), p)
+        for p in run_dir.glob("checkpoint-*")
+        if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))
+    )
     tokenizer = _tokenizer(run_dir, targets)
     timings = []
     for step, path in tqdm([t for t in targets if t[0] not in done], desc="probing checkpoints", disable=not progress):
@@ -49,11 +59,21 @@ def probe_checkpoints(run_dir: str | Path, prompts: Sequence[str], eval_set: Seq
         for kind, rows in records.items():
             with open(folder / f"{kind}.jsonl", "a", encoding="utf-8") as f:
                 f.writelines(json.dumps({**r, "seg": segments.get(step, 0)}) + "\n" for r in rows)
-        timings.append({"step": step, "checkpoint": path.name if step else "base", "seconds": time.perf_counter() - start})
-    (run_dir / ARTIFACT_DIR / POSTHOC_FILE).write_text(json.dumps({
-        "probe_prompts": list(prompts),
-        "eval_set": [{"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
-                     for i, it in enumerate(eval_set)]}), encoding="utf-8")
+        timings.append(
+            {"step": step, "checkpoint": path.name if step else "base", "seconds": time.perf_counter() - start}
+        )
+    (run_dir / ARTIFACT_DIR / POSTHOC_FILE).write_text(
+        json.dumps(
+            {
+                "probe_prompts": list(prompts),
+                "eval_set": [
+                    {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
+                    for i, it in enumerate(eval_set)
+                ],
+            }
+        ),
+        encoding="utf-8",
+    )
     return timings
 
 
@@ -81,14 +101,26 @@ def _load_model(path: Path, base: str | Path | None) -> Any:
     return model.eval()
 
 
-def _probe(model, tokenizer, step: int, prompts, eval_set, max_new_tokens: int, per_prompt: int) -> dict[str, list[dict]]:
+def _probe(
+    model, tokenizer, step: int, prompts, eval_set, max_new_tokens: int, per_prompt: int
+) -> dict[str, list[dict]]:
     """The shim's probes at one step, through a throwaway Recorder (its own files, then read back)."""
     from .recorder import Recorder
 
     with tempfile.TemporaryDirectory() as tmp:
-        recorder = Recorder(tmp, model, tokenizer, profile="dev", probe_prompts=prompts, eval_set=eval_set,
-                            probe_every=1, generate_every=1, eval_every=1, generations_per_prompt=per_prompt,
-                            max_new_tokens=max_new_tokens)
+        recorder = Recorder(
+            tmp,
+            model,
+            tokenizer,
+            profile="dev",
+            probe_prompts=prompts,
+            eval_set=eval_set,
+            probe_every=1,
+            generate_every=1,
+            eval_every=1,
+            generations_per_prompt=per_prompt,
+            max_new_tokens=max_new_tokens,
+        )
         recorder.probes.run(step)  # the same code the shim runs during training
         recorder.close()
         folder = rank_dir(tmp, 0)

@@ -8,8 +8,9 @@ the rows (data-parallel ranks probe in parallel). `PROBES` names them: the recor
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -23,8 +24,18 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # left-padded input ids and attention
 
 
 class Probes:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, schedule: Schedule, pieces: Pieces, sink: Sink,
-                 rank: int, world_size: int, probe_prompts: Sequence[str], eval_set: list[dict]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        schedule: Schedule,
+        pieces: Pieces,
+        sink: Sink,
+        rank: int,
+        world_size: int,
+        probe_prompts: Sequence[str],
+        eval_set: list[dict],
+    ):
         self._model = model
         self._tokenizer = tokenizer
         self._schedule = schedule
@@ -52,8 +63,11 @@ class Probes:
 
     def run(self, step: int) -> None:
         """The probes due at `step`, each under its own guard."""
-        due = [name for name, every in self._every.items() if every and step % every == 0
-               and name not in self._sink.disabled and self._shares[name][1] is not None]
+        due = [
+            name
+            for name, every in self._every.items()
+            if every and step % every == 0 and name not in self._sink.disabled and self._shares[name][1] is not None
+        ]
         if not due:
             return
         with self._probe_mode():
@@ -92,26 +106,47 @@ class Probes:
     def next_token(self, step: int, rows: list[int], batch: Batch, _chunks: int) -> list[dict]:  # one forward
         ids, mask = self._on_device(batch)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the positions
-        logp = torch.log_softmax(self._model(input_ids=ids, attention_mask=mask, position_ids=positions)
-                                 .logits[:, -1].float(), dim=-1)
+        logp = torch.log_softmax(
+            self._model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float(), dim=-1
+        )
         entropy = -(logp.exp() * logp).sum(-1)
         top = logp.exp().topk(min(self._schedule.probe_top_k, logp.shape[-1]), dim=-1)
         probs, top_ids, entropy = (t.cpu().tolist() for t in (top.values, top.indices, entropy))
-        return [{"step": step, "prompt": i, "entropy": entropy[k], "top_ids": top_ids[k], "top_probs": probs[k]}
-                for k, i in enumerate(rows)]
+        return [
+            {"step": step, "prompt": i, "entropy": entropy[k], "top_ids": top_ids[k], "top_probs": probs[k]}
+            for k, i in enumerate(rows)
+        ]
 
     def generations(self, step: int, rows: list[int], batch: Batch, chunks: int) -> list[dict]:
         n = self._schedule.generations_per_prompt
         torch.manual_seed(0)  # the same sampling noise at every step: differences are the model's
         texts, lengths, stopped = self._generate(batch, chunks, sample=True)
-        return [{"step": step, "prompt": r // n, "sample": r % n, "text": texts[k], "new_tokens": lengths[k],
-                 "stopped": stopped[k]} for k, r in enumerate(rows)]
+        return [
+            {
+                "step": step,
+                "prompt": r // n,
+                "sample": r % n,
+                "text": texts[k],
+                "new_tokens": lengths[k],
+                "stopped": stopped[k],
+            }
+            for k, r in enumerate(rows)
+        ]
 
     def evals(self, step: int, rows: list[int], batch: Batch, chunks: int) -> list[dict]:
         texts, lengths, stopped = self._generate(batch, chunks, sample=False)
-        return [{"step": step, "item": i, "id": str(self._eval_set[i].get("id", i)), "prediction": texts[k],
-                 "reference": self._eval_set[i]["reference"], "new_tokens": lengths[k], "stopped": stopped[k]}
-                for k, i in enumerate(rows)]
+        return [
+            {
+                "step": step,
+                "item": i,
+                "id": str(self._eval_set[i].get("id", i)),
+                "prediction": texts[k],
+                "reference": self._eval_set[i]["reference"],
+                "new_tokens": lengths[k],
+                "stopped": stopped[k],
+            }
+            for k, i in enumerate(rows)
+        ]
 
     def _generate(self, batch: Batch, chunks: int, sample: bool) -> tuple[list[str], list[int], list[bool]]:
         """Batched generation on left-padded prompts, in `chunks` calls of at most GENERATION_CHUNK rows
@@ -124,10 +159,15 @@ class Probes:
         for ids, mask in zip(*(t.tensor_split(chunks) for t in self._on_device(batch))):
             with self._pieces.generation_context():
                 out = self._model.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=sample, max_new_tokens=self._schedule.max_new_tokens,
-                    pad_token_id=self._pad_id(), eos_token_id=eos, synced_gpus=sharded,  # every rank to the last token
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=sample,
+                    max_new_tokens=self._schedule.max_new_tokens,
+                    pad_token_id=self._pad_id(),
+                    eos_token_id=eos,
+                    synced_gpus=sharded,  # every rank to the last token
                     **({"top_k": 0, "top_p": 1.0, "temperature": 1.0} if sample else {}),
-                )[:, ids.shape[1]:].cpu()
+                )[:, ids.shape[1] :].cpu()
             ended = (out == eos).any(1) if eos is not None else torch.zeros(len(out), dtype=torch.bool)
             length = torch.where(ended, (out == eos).int().argmax(1) + 1, out.shape[1]).tolist()
             texts += tok.batch_decode([row[:k] for row, k in zip(out, length)], skip_special_tokens=True)
@@ -142,8 +182,8 @@ class Probes:
         ids = torch.full((len(rows), width), self._pad_id() if rows else 0, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, row in enumerate(rows):
-            ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[r, width - len(row):] = 1
+            ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[r, width - len(row) :] = 1
         return ids, mask
 
     def _on_device(self, batch: Batch) -> Batch:
@@ -164,9 +204,14 @@ class Probes:
             self._sink.write("events", {"kind": "probe_disabled", "probe": "prompts", "error": "no tokenizer given"})
             return []
         with self._sink.guard("prompts"):
-            return [list(self._tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)["input_ids"])
-                    for c in conversations]
+            return [
+                list(
+                    self._tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                        "input_ids"
+                    ]
+                )
+                for c in conversations
+            ]
         return []
 
 

@@ -20,32 +20,50 @@ from dataclasses import dataclass, fields, replace
 class Schedule:
     """Intervals in optimizer steps; 0 switches a probe off."""
 
-    samples_every: int          # full rows (input_ids, labels) as loss-mask evidence
-    samples_per_batch: int      # at most this many rows of each micro-batch
-    grad_hist_every: int        # per-tensor histograms (also taken at suspicious steps)
-    probe_every: int            # next-token distributions on the probe prompts
-    probe_top_k: int            # how much of each distribution is kept
-    generate_every: int         # sampled generations on the probe prompts
+    samples_every: int  # full rows (input_ids, labels) as loss-mask evidence
+    samples_per_batch: int  # at most this many rows of each micro-batch
+    grad_hist_every: int  # per-tensor histograms (also taken at suspicious steps)
+    probe_every: int  # next-token distributions on the probe prompts
+    probe_top_k: int  # how much of each distribution is kept
+    generate_every: int  # sampled generations on the probe prompts
     generations_per_prompt: int
-    eval_every: int             # greedy generations on the eval set
+    eval_every: int  # greedy generations on the eval set
     max_new_tokens: int
 
 
 PROFILES: dict[str, Schedule] = {
     "dev": Schedule(
-        samples_every=1, samples_per_batch=8, grad_hist_every=50,
-        probe_every=10, probe_top_k=32, generate_every=50, generations_per_prompt=8,
-        eval_every=50, max_new_tokens=32,
+        samples_every=1,
+        samples_per_batch=8,
+        grad_hist_every=50,
+        probe_every=10,
+        probe_top_k=32,
+        generate_every=50,
+        generations_per_prompt=8,
+        eval_every=50,
+        max_new_tokens=32,
     ),
     "preprod": Schedule(
-        samples_every=50, samples_per_batch=2, grad_hist_every=200,
-        probe_every=50, probe_top_k=32, generate_every=200, generations_per_prompt=8,
-        eval_every=200, max_new_tokens=32,
+        samples_every=50,
+        samples_per_batch=2,
+        grad_hist_every=200,
+        probe_every=50,
+        probe_top_k=32,
+        generate_every=200,
+        generations_per_prompt=8,
+        eval_every=200,
+        max_new_tokens=32,
     ),
     "prod": Schedule(
-        samples_every=500, samples_per_batch=1, grad_hist_every=1000,
-        probe_every=0, probe_top_k=32, generate_every=0, generations_per_prompt=0,
-        eval_every=1000, max_new_tokens=32,
+        samples_every=500,
+        samples_per_batch=1,
+        grad_hist_every=1000,
+        probe_every=0,
+        probe_top_k=32,
+        generate_every=0,
+        generations_per_prompt=0,
+        eval_every=1000,
+        max_new_tokens=32,
     ),
 }
 DEFAULT_PROFILE = "preprod"

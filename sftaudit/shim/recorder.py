@@ -28,8 +28,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,16 @@ from .. import __version__
 from ..artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
 from .batches import Batches, attention_inputs
-from .describe import (describe_dataset, describe_model, describe_scheduler, describe_state, jsonable,
-                       library_versions, marker_rows, unwrap_model)
+from .describe import (
+    describe_dataset,
+    describe_model,
+    describe_scheduler,
+    describe_state,
+    jsonable,
+    library_versions,
+    marker_rows,
+    unwrap_model,
+)
 from .gradients import Gradients
 from .pieces import local_pieces
 from .probes import Probes
@@ -128,8 +137,17 @@ class Recorder:
             config["max_steps"] = int(max_steps)
         self._write("manifest", self._manifest(run_id, config, dataset, scheduler))
         self._write("events", {"kind": "start", "time": time.time()})
-        self.probes = Probes(model, tokenizer, self.schedule, self._pieces, self._sink, self.rank, self.world_size,
-                             self.probe_prompts, self.eval_set)
+        self.probes = Probes(
+            model,
+            tokenizer,
+            self.schedule,
+            self._pieces,
+            self._sink,
+            self.rank,
+            self.world_size,
+            self.probe_prompts,
+            self.eval_set,
+        )
         # The model's own loss per micro-batch and the weight the backpropagated objective gives it
         # (LOOP-13 recomputes the intended token mean from them).
         self._loss_hook = model.register_forward_hook(self._after_forward, with_kwargs=True)
@@ -138,22 +156,35 @@ class Recorder:
         """The segment's manifest record: the run, its model and parameters, versions, tokenizer, dataset."""
         norms_at_backward_end = self._grads.at_backward_end
         manifest = {
-            "schema_version": SCHEMA_VERSION, "run_id": run_id or self.run_dir.resolve().name,
-            "seg": self.segment, "rank": self.rank, "world_size": self.world_size, "profile": self.profile,
-            "schedule": self.schedule.__dict__, "started": time.time(),
+            "schema_version": SCHEMA_VERSION,
+            "run_id": run_id or self.run_dir.resolve().name,
+            "seg": self.segment,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "profile": self.profile,
+            "schedule": self.schedule.__dict__,
+            "started": time.time(),
             "versions": {"sftaudit": __version__, "torch": torch.__version__, **library_versions()},
             "instance_id": uuid.uuid4().hex,
             "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
             "model": describe_model(self.model),
             "params": self._pieces.params,  # with each parameter's layout on this rank (see `pieces`)
-            "framework": self._pieces.framework, "tied": self._pieces.tied, "grad_norm_source": self.grad_norm_source,
+            "framework": self._pieces.framework,
+            "tied": self._pieces.tied,
+            "grad_norm_source": self.grad_norm_source,
             # Where the norms were read: "on_backward" (the loop's call) or "backward_end" (the autograd callback,
             # with each step's post-clip norms beside them in grad_norms_post_clip).
             "grad_norm_read": "backward_end" if norms_at_backward_end else "on_backward",
-            "tokenizer": None, "dataset": None, "probe_prompts": self.probe_prompts,
-            "eval_set": [{"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
-                         for i, it in enumerate(self.eval_set)],
-            "config": jsonable(config), "param_norms": None, "scheduler": None,
+            "tokenizer": None,
+            "dataset": None,
+            "probe_prompts": self.probe_prompts,
+            "eval_set": [
+                {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
+                for i, it in enumerate(self.eval_set)
+            ],
+            "config": jsonable(config),
+            "param_norms": None,
+            "scheduler": None,
         }
         with self._guard("manifest"):
             if self.tokenizer is not None:
@@ -184,9 +215,16 @@ class Recorder:
             with self._guard("segment_start"):
                 # The weights' fingerprint and the optimizer's step count, which a resume must have
                 # restored from its checkpoint (LOOP-11).
-                self._write("events", {"kind": "segment_start", "step": step, "time": time.time(),
-                                       "param_norms": param_norms(self._pieces),
-                                       "optimizer_step": optimizer_step(self.optimizer)})
+                self._write(
+                    "events",
+                    {
+                        "kind": "segment_start",
+                        "step": step,
+                        "time": time.time(),
+                        "param_norms": param_norms(self._pieces),
+                        "optimizer_step": optimizer_step(self.optimizer),
+                    },
+                )
         with self._guard("batches"):
             self._begin_step(step)
             self._micro.append(self._batches.capture(step, batch, len(self._micro), step == self._first_step))
@@ -210,7 +248,9 @@ class Recorder:
             return
         with self._guard("gradients"):
             self._begin_step(step)
-            self._losses.append(loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss)))
+            self._losses.append(
+                loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss))
+            )
 
     def record_gradients(self, step: int) -> None:
         """Per-tensor gradient norms as the gradients stand now (and histograms on schedule). With
@@ -278,7 +318,7 @@ class Recorder:
         self._write("events", record)
         self._sink.close()
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -293,8 +333,11 @@ class Recorder:
             with self._guard("batches"):
                 self._micro[-1].update(attention_inputs(module, args, kwargs, output))
         # Only after the window's last backward is the clip next.
-        if self._grads.at_backward_end and "gradients" not in self.disabled \
-                and len(self._micro) >= self.accumulation_steps:
+        if (
+            self._grads.at_backward_end
+            and "gradients" not in self.disabled
+            and len(self._micro) >= self.accumulation_steps
+        ):
             with self._guard("gradients"):
                 self._grads.read_when_backward_ends(output, self._read_at_backward_end)
         if "losses" not in self.disabled:
@@ -333,14 +376,26 @@ class Recorder:
         self._batches.unpack(self._micro, values)
         grad_fields, grad_extra = self._grads.step_fields(values)
         losses = [values["loss", i] for i in range(len(self._losses))]
-        loss = self._batches.window_loss(self._micro, values, float(np.mean(losses, dtype=np.float64)) if losses else None)
+        loss = self._batches.window_loss(
+            self._micro, values, float(np.mean(losses, dtype=np.float64)) if losses else None
+        )
         tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
         for m in self._micro:  # before the step's own record, which marks the step complete after a kill
             self._batches.write(step, m, values)
-        self._write("steps", {
-            "step": step, "time": time.time(), "dt": time.perf_counter() - self._step_started,
-            "loss": loss, "lr": lr, **grad_fields, "micro_batches": len(self._micro), "tokens": tokens, **grad_extra,
-        })
+        self._write(
+            "steps",
+            {
+                "step": step,
+                "time": time.time(),
+                "dt": time.perf_counter() - self._step_started,
+                "loss": loss,
+                "lr": lr,
+                **grad_fields,
+                "micro_batches": len(self._micro),
+                "tokens": tokens,
+                **grad_extra,
+            },
+        )
         self._last_step = step
         self._grads.after_step(step, values, grad_fields)
 
@@ -360,7 +415,7 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
     out, offset = [], 0
     for t in tensors:
         n = t.numel()
-        out.append(flat[offset:offset + n].reshape(t.shape))
+        out.append(flat[offset : offset + n].reshape(t.shape))
         offset += n
     return out
 
@@ -370,5 +425,9 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        world_size = (
+            dist.get_world_size()
+            if dist.is_available() and dist.is_initialized()
+            else int(os.environ.get("WORLD_SIZE", 1))
+        )
     return rank, world_size

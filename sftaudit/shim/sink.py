@@ -11,9 +11,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from ..hashing import file_sha256
 from .writer import JsonlWriter, read_jsonl
@@ -40,8 +40,14 @@ class Sink:
         except Exception as exc:  # noqa: BLE001 - the shim must never take training down
             self.disabled.add(component)
             step = self._current_step() if step is None else step
-            record = {"kind": "shim_error", "probe": component, "step": step, "time": time.time(),
-                      "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+            record = {
+                "kind": "shim_error",
+                "probe": component,
+                "step": step,
+                "time": time.time(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=8),
+            }
             try:
                 self.write("events", record)
                 self.write("events", {"kind": "probe_disabled", "probe": component, "step": step})
@@ -49,9 +55,12 @@ class Sink:
                 pass
             if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
                 # One line for the run: later failures (other components, other ranks) are in the events.
-                warnings.warn(f"sftaudit: {component} recording failed at step {step} and was switched off "
-                              f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
-                              f"only", stacklevel=3)
+                warnings.warn(
+                    f"sftaudit: {component} recording failed at step {step} and was switched off "
+                    f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
+                    f"only",
+                    stacklevel=3,
+                )
 
     def write(self, kind: str, record: dict) -> None:
         if "writer" in self.disabled:
@@ -76,8 +85,16 @@ class Sink:
             hashes = {name: file_sha256(f) for f, name in zip(files, names)}
             self.write("checkpoints", {"event": "hashed", "step": step, "path": path, "sha256": hashes})
         except Exception as exc:  # noqa: BLE001
-            self.write("events", {"kind": "shim_error", "probe": "checkpoint_hash", "step": step,
-                                  "error": f"{type(exc).__name__}: {exc}", "time": time.time()})
+            self.write(
+                "events",
+                {
+                    "kind": "shim_error",
+                    "probe": "checkpoint_hash",
+                    "step": step,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "time": time.time(),
+                },
+            )
 
     def wait_for_hashes(self) -> None:
         for worker in self._hashers:

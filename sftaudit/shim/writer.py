@@ -46,9 +46,17 @@ except ImportError:  # pragma: no cover - the shim's own dependencies do not inc
 
 _JOURNAL = re.compile(r"journal-(\d{9,})\.bin")
 _TAIL_BYTES = 1 << 20  # the end of steps.jsonl read on a resume: thousands of records
-_PART_OPTIONS = {"compression": "zstd", "compression_level": 3, "use_dictionary": False,
-                 "column_encoding": {"step": "DELTA_BINARY_PACKED", "idx": "DELTA_BINARY_PACKED",
-                                     "norm": "BYTE_STREAM_SPLIT", "norm_post_clip": "BYTE_STREAM_SPLIT"}}
+_PART_OPTIONS = {
+    "compression": "zstd",
+    "compression_level": 3,
+    "use_dictionary": False,
+    "column_encoding": {
+        "step": "DELTA_BINARY_PACKED",
+        "idx": "DELTA_BINARY_PACKED",
+        "norm": "BYTE_STREAM_SPLIT",
+        "norm_post_clip": "BYTE_STREAM_SPLIT",
+    },
+}
 
 
 class JsonlWriter:
@@ -58,13 +66,24 @@ class JsonlWriter:
         self._files: dict[str, IO[str]] = {}
         self._lock = threading.Lock()  # checkpoint hashing writes from a worker thread
         rank = folder.name.removeprefix("rank-")
-        self._series = GradSeries(folder.parent / SERIES_DIR / GRAD_SERIES / f"rank={rank}", folder / "steps.jsonl",
-                                  roll_steps, roll_values) if rank.isdigit() else None
+        self._series = (
+            GradSeries(
+                folder.parent / SERIES_DIR / GRAD_SERIES / f"rank={rank}",
+                folder / "steps.jsonl",
+                roll_steps,
+                roll_values,
+            )
+            if rank.isdigit()
+            else None
+        )
 
     def write(self, kind: str, record: dict) -> None:
         columns = None
-        if kind == "steps" and self._series is not None and \
-                (record.get("grad_norms") is not None or record.get("grad_norms_post_clip") is not None):
+        if (
+            kind == "steps"
+            and self._series is not None
+            and (record.get("grad_norms") is not None or record.get("grad_norms_post_clip") is not None)
+        ):
             record = dict(record)
             columns = _step_columns(record.pop("grad_norms", None), record.pop("grad_norms_post_clip", None))
         line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
@@ -206,8 +225,11 @@ class GradSeries:
                 seg = folder.name.removeprefix("seg=")
                 columns = read_journal(journal.read_bytes())
                 # A segment whose last records are out of reach keeps them all (a resume supersedes them).
-                keep = columns["step"] <= last.get(int(seg), np.iinfo(np.int64).max) if seg.isdigit() \
+                keep = (
+                    columns["step"] <= last.get(int(seg), np.iinfo(np.int64).max)
+                    if seg.isdigit()
                     else np.zeros(len(columns["step"]), bool)
+                )
                 columns = {k: v[keep] for k, v in columns.items()}
                 if len(columns["step"]):
                     _write_part(folder, first, _table(columns))
@@ -222,7 +244,7 @@ def _last_steps(steps_file: Path) -> dict[int, int]:
     with open(steps_file, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - _TAIL_BYTES))
-        lines = f.read().split(b"\n")[1 if size > _TAIL_BYTES else 0:-1]  # complete lines only
+        lines = f.read().split(b"\n")[1 if size > _TAIL_BYTES else 0 : -1]  # complete lines only
     last: dict[int, int] = {}
     for line in lines:
         try:
@@ -236,9 +258,12 @@ def _last_steps(steps_file: Path) -> dict[int, int]:
 
 def _table(columns: dict[str, np.ndarray]):
     post, recorded = columns["norm_post_clip"], columns["post_recorded"]
-    arrays = [_arrow(columns["step"], pa.int64(), "<i8"), _arrow(columns["idx"], pa.int32(), "<i4"),
-              _arrow(columns["norm"], pa.float32(), "<f4"),
-              _arrow(post, pa.float32(), "<f4", None if recorded.all() else recorded)]
+    arrays = [
+        _arrow(columns["step"], pa.int64(), "<i8"),
+        _arrow(columns["idx"], pa.int32(), "<i4"),
+        _arrow(columns["norm"], pa.float32(), "<f4"),
+        _arrow(post, pa.float32(), "<f4", None if recorded.all() else recorded),
+    ]
     return pa.Table.from_arrays(arrays, names=[f.name for f in GRAD_NORM_SERIES.fields])
 
 
@@ -251,10 +276,15 @@ def _arrow(values: np.ndarray, kind, dtype: str, valid: np.ndarray | None = None
 def _buffer_table(buffer: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]):
     lengths = np.array([len(b[1]) for b in buffer])
     post = [b[3] if b[3] is not None else np.full(len(b[1]), np.nan, np.float32) for b in buffer]
-    return _table({"step": np.repeat(np.array([b[0] for b in buffer], dtype=np.int64), lengths),
-                   "idx": np.concatenate([b[1] for b in buffer]), "norm": np.concatenate([b[2] for b in buffer]),
-                   "norm_post_clip": np.concatenate(post),
-                   "post_recorded": np.repeat(np.array([b[3] is not None for b in buffer]), lengths)})
+    return _table(
+        {
+            "step": np.repeat(np.array([b[0] for b in buffer], dtype=np.int64), lengths),
+            "idx": np.concatenate([b[1] for b in buffer]),
+            "norm": np.concatenate([b[2] for b in buffer]),
+            "norm_post_clip": np.concatenate(post),
+            "post_recorded": np.repeat(np.array([b[3] is not None for b in buffer]), lengths),
+        }
+    )
 
 
 def _write_part(folder: Path, first: int, table) -> None:

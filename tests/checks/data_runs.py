@@ -8,19 +8,34 @@ from sftaudit.ingest import connect
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
 DATA_RUNS = {
     # loss mask: one answer dropped at 2, off-by-one boundary from 3, padding trained at 4, pads attended at 5
-    "data_mask": dict(steps=5, checkpoint_every=0, **QUIET,
-                      faults={"assistant_masked_at": 2, "prompt_off_by_one_at": 3, "padding_trained_at": 4,
-                              "pads_attended_at": 5}),
+    "data_mask": dict(
+        steps=5,
+        checkpoint_every=0,
+        **QUIET,
+        faults={"assistant_masked_at": 2, "prompt_off_by_one_at": 3, "padding_trained_at": 4, "pads_attended_at": 5},
+    ),
     # template and tokenizer identity: empty answer at 2, lopsided batches from 3, second template
     # from 4, tokenizer gains tokens at 5; checkpoints at 3 (before) and 6 (after)
-    "data_template": dict(steps=6, checkpoint_every=3, **QUIET,
-                          faults={"empty_assistant_at": 2, "length_variance_at": 3, "second_template_at": 4,
-                                  "tokenizer_swap_at": 5}),
+    "data_template": dict(
+        steps=6,
+        checkpoint_every=3,
+        **QUIET,
+        faults={"empty_assistant_at": 2, "length_variance_at": 3, "second_template_at": 4, "tokenizer_swap_at": 5},
+    ),
     # from the start: capitalised message keys, a marker that splits, pad == eos with pads masked,
     # generation stopping on the base model's eos, the end-of-turn marker's rows zero and frozen
-    "data_tokens": dict(steps=3, checkpoint_every=0, **QUIET,
-                        faults={"field_case": True, "split_marker": True, "pad_is_eos": True, "base_model_eos": True,
-                                "untrained_markers": True}),
+    "data_tokens": dict(
+        steps=3,
+        checkpoint_every=0,
+        **QUIET,
+        faults={
+            "field_case": True,
+            "split_marker": True,
+            "pad_is_eos": True,
+            "base_model_eos": True,
+            "untrained_markers": True,
+        },
+    ),
 }
 _verdicts: dict = {}
 
@@ -47,5 +62,8 @@ def batch_ids(run_dir, step):
 
 
 def clean_data_findings(verdict):
-    return [f for f in verdict["findings"]
-            if f["code"] in ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04") and f["severity"] != "info"]
+    return [
+        f
+        for f in verdict["findings"]
+        if f["code"] in ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04") and f["severity"] != "info"
+    ]

@@ -14,21 +14,39 @@ RUNS = {
     "frozen": dict(steps=20, faults={"frozen_param": FROZEN_TENSOR}, checkpoint_every=10, probe_every=0),
     "lr_jump": dict(steps=22, faults={"lr_jump_at": LR_JUMP_STEP}, **QUIET),
     "eval_leak": dict(steps=10, faults={"eval_leak_at": LEAK_STEP}, **QUIET),
-    "template": dict(steps=20, faults={"template_from": 1}, lr=1e-2, checkpoint_every=0, probe_every=2, generate_every=4, max_new_tokens=16),
+    "template": dict(
+        steps=20,
+        faults={"template_from": 1},
+        lr=1e-2,
+        checkpoint_every=0,
+        probe_every=2,
+        generate_every=4,
+        max_new_tokens=16,
+    ),
     # Gradient accumulation over 4 micro-batches, correctly token-normalised, then the mean of means (Z22).
-    "mean_of_means": dict(steps=8, grad_accum=4, batch_size=4, faults={"loss_mean_of_means_from": MEAN_OF_MEANS_STEP}, **QUIET),
+    "mean_of_means": dict(
+        steps=8, grad_accum=4, batch_size=4, faults={"loss_mean_of_means_from": MEAN_OF_MEANS_STEP}, **QUIET
+    ),
     # A cosine schedule (warmup 3 of 12 steps) whose scheduler is stepped twice per optimizer step (Z28).
-    "scheduler_twice": dict(steps=12, lr_schedule="cosine", warmup_steps=3, batch_size=4,
-                            faults={"scheduler_steps_per_step": 2}, **QUIET),
+    "scheduler_twice": dict(
+        steps=12, lr_schedule="cosine", warmup_steps=3, batch_size=4, faults={"scheduler_steps_per_step": 2}, **QUIET
+    ),
     # Z26 (layers without gradients), Z27 (lm_head declared trainable, frozen) and Z29 (stale layer-1 gradients
     # from step STALE_STEP) are independent: one run, three findings.
-    "trainable_set": dict(steps=8, batch_size=4, trainable=["lm_head.*"],
-                          faults={"reentrant_checkpointing": True, "frozen_module": "lm_head.*"}, **QUIET),
+    "trainable_set": dict(
+        steps=8,
+        batch_size=4,
+        trainable=["lm_head.*"],
+        faults={"reentrant_checkpointing": True, "frozen_module": "lm_head.*"},
+        **QUIET,
+    ),
     "stale_grads": dict(steps=8, batch_size=4, faults={"stale_grads_from": STALE_STEP}, **QUIET),
     # Z16: from step PACKED_STEP three samples per row, positions running on, plain causal attention.
     "packed": dict(steps=4, batch_size=6, faults={"packed_from": PACKED_STEP}, **QUIET),
     # Clean, with every probe the dynamics checks read (the session's clean_run has no generations or evals).
-    "clean_probed": dict(steps=20, checkpoint_every=0, probe_every=2, generate_every=4, eval_every=4, max_new_tokens=16),
+    "clean_probed": dict(
+        steps=20, checkpoint_every=0, probe_every=2, generate_every=4, eval_every=4, max_new_tokens=16
+    ),
 }
 
 
@@ -54,18 +72,53 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
 
     folder = rank_dir(run_dir, 0)
     folder.mkdir(parents=True)
-    params = [{"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names]
-    manifest = {"schema_version": SCHEMA_VERSION, "run_id": "series", "seg": 0, "rank": 0, "world_size": 1, "profile": "prod",
-                "schedule": {}, "started": 0.0, "versions": {}, "instance_id": "series", "model": {"class": "Recorded"},
-                "params": params, "tied": {}, "grad_norm_source": "pre_clip", "tokenizer": None, "dataset": None,
-                "probe_prompts": [], "eval_set": [], "config": {}, "param_norms": None}
+    params = [
+        {"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names
+    ]
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": "series",
+        "seg": 0,
+        "rank": 0,
+        "world_size": 1,
+        "profile": "prod",
+        "schedule": {},
+        "started": 0.0,
+        "versions": {},
+        "instance_id": "series",
+        "model": {"class": "Recorded"},
+        "params": params,
+        "tied": {},
+        "grad_norm_source": "pre_clip",
+        "tokenizer": None,
+        "dataset": None,
+        "probe_prompts": [],
+        "eval_set": [],
+        "config": {},
+        "param_norms": None,
+    }
     (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
     norms = np.asarray(norms, dtype=float)
     with open(folder / "steps.jsonl", "w") as f:
         for i in range(len(lr)):
-            f.write(json.dumps({"seg": 0, "step": i + 1, "time": float(i), "dt": 0.1, "loss": loss[i], "lr": lr[i],
-                                "grad_norm": float(np.sqrt((norms[i] ** 2).sum())), "grad_norms": norms[i].tolist(),
-                                "nonfinite_grads": {}, "micro_batches": 1, "tokens": 1000}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "seg": 0,
+                        "step": i + 1,
+                        "time": float(i),
+                        "dt": 0.1,
+                        "loss": loss[i],
+                        "lr": lr[i],
+                        "grad_norm": float(np.sqrt((norms[i] ** 2).sum())),
+                        "grad_norms": norms[i].tolist(),
+                        "nonfinite_grads": {},
+                        "micro_batches": 1,
+                        "tokens": 1000,
+                    }
+                )
+                + "\n"
+            )
     (folder / "events.jsonl").write_text(json.dumps({"seg": 0, "kind": "start", "time": 0.0}) + "\n")
     return run_dir
 
@@ -75,8 +128,8 @@ def recorded_loop(run_dir, tokenizer_cache, steps=1, rows=4, batch=lambda data: 
     `batch(data)` is what the loop hands the model (a collator's output), `loss(model, batch)` a loss computed
     outside the model (default: the model's own), `break_model(model)` damages it before training."""
     import torch
-
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(tokenizer_cache)
@@ -88,7 +141,7 @@ def recorded_loop(run_dir, tokenizer_cache, steps=1, rows=4, batch=lambda data: 
     data = load_dataset()
     with Recorder(run_dir, model, tok, profile="prod") as rec:
         for step in range(1, steps + 1):
-            b = batch(collate(tok, data[(step - 1) * rows:step * rows]))
+            b = batch(collate(tok, data[(step - 1) * rows : step * rows]))
             rec.on_batch(step, b)
             inputs = {k: v for k, v in b.items() if k != "sample_ids"}
             value = loss(model, inputs) if loss is not None else model(**inputs, use_cache=False).loss

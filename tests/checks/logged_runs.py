@@ -16,9 +16,19 @@ from sftaudit.imports import import_run
 REALRUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
 
 
-def trainer_run(run_dir: Path, loss, lr=2e-4, grad_norm=None, every: int = 1, max_steps: int | None = None,
-                evals=(), keys: dict | None = None, config: dict | None = None, train_batch_size: int | None = None,
-                decimals: int | None = None) -> Path:
+def trainer_run(
+    run_dir: Path,
+    loss,
+    lr=2e-4,
+    grad_norm=None,
+    every: int = 1,
+    max_steps: int | None = None,
+    evals=(),
+    keys: dict | None = None,
+    config: dict | None = None,
+    train_batch_size: int | None = None,
+    decimals: int | None = None,
+) -> Path:
     """A Trainer output folder: `loss[i]` logged at step (i + 1) x `every`; `lr` a number or a list; `grad_norm`
     a list or None (an older Trainer logs none); `evals` (step, eval_loss) pairs; `keys` extra per-log numbers
     (name -> list, e.g. TRL's `rewards/margins`); `config` a config.json; `decimals` rounds the loss as
@@ -29,9 +39,12 @@ def trainer_run(run_dir: Path, loss, lr=2e-4, grad_norm=None, every: int = 1, ma
     history = []
     for i in range(n):
         value = float(loss[i])
-        entry = {"epoch": round((i + 1) / n, 4), "learning_rate": float(lrs[i]),
-                 "loss": round(value, decimals) if decimals is not None and math.isfinite(value) else value,
-                 "step": (i + 1) * every}
+        entry = {
+            "epoch": round((i + 1) / n, 4),
+            "learning_rate": float(lrs[i]),
+            "loss": round(value, decimals) if decimals is not None and math.isfinite(value) else value,
+            "step": (i + 1) * every,
+        }
         if grad_norm is not None:
             entry["grad_norm"] = float(grad_norm[i])
         for name, values in (keys or {}).items():
@@ -41,10 +54,20 @@ def trainer_run(run_dir: Path, loss, lr=2e-4, grad_norm=None, every: int = 1, ma
         history.append({"epoch": step / (n * every), "eval_loss": float(value), "eval_runtime": 1.0, "step": int(step)})
     history.sort(key=lambda e: (e["step"], "eval_loss" in e))
     last = n * every
-    state = {"global_step": last, "max_steps": max_steps or last, "logging_steps": every, "num_train_epochs": 1,
-             "train_batch_size": train_batch_size, "save_steps": 500, "eval_steps": 500, "epoch": 1.0,
-             "log_history": history}
-    (run_dir / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")  # NaN / Infinity as the Trainer writes
+    state = {
+        "global_step": last,
+        "max_steps": max_steps or last,
+        "logging_steps": every,
+        "num_train_epochs": 1,
+        "train_batch_size": train_batch_size,
+        "save_steps": 500,
+        "eval_steps": 500,
+        "epoch": 1.0,
+        "log_history": history,
+    }
+    (run_dir / "trainer_state.json").write_text(
+        json.dumps(state), encoding="utf-8"
+    )  # NaN / Infinity as the Trainer writes
     if config is not None:
         (run_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return run_dir

@@ -17,13 +17,26 @@ TINY = dict(batch_size=2, max_length=64, record=False)
 RUNS = {
     # logging_steps 5: a NaN at step 13 (hidden by logging_nan_inf_filter) lies in the logged window 11-15;
     # one tensor's gradient is dropped before every optimizer step; Adam's eps is large enough to dominate.
-    "window": dict(steps=15, save_steps=5, logging_steps=5, trainer_options={"adam_epsilon": 0.05},
-                   faults={"nan_at": 13, "grad_dropped": GRAD_DROPPED}),
+    "window": dict(
+        steps=15,
+        save_steps=5,
+        logging_steps=5,
+        trainer_options={"adam_epsilon": 0.05},
+        faults={"nan_at": 13, "grad_dropped": GRAD_DROPPED},
+    ),
     # logging_steps 1, checkpoints every 6 steps: one tensor's gradient x100 from step 8 (moment jump in 7-12),
     # a loss spike at step 11, a tensor's weights x10 at step 14 (movement in 13-18), a NaN at step 21.
-    "exact": dict(steps=24, save_steps=6, logging_steps=1,
-                  faults={"grad_scale_from": {"step": 8, "tensor": SCALED, "factor": 100.0}, "loss_scale_at": 11,
-                          "weights_scaled_at": {"step": 14, "tensor": SCALED_WEIGHTS}, "nan_at": 21}),
+    "exact": dict(
+        steps=24,
+        save_steps=6,
+        logging_steps=1,
+        faults={
+            "grad_scale_from": {"step": 8, "tensor": SCALED, "factor": 100.0},
+            "loss_scale_at": 11,
+            "weights_scaled_at": {"step": 14, "tensor": SCALED_WEIGHTS},
+            "nan_at": 21,
+        },
+    ),
     # TRL's SFTTrainer, nothing planted.
     "clean_trl": dict(steps=8, save_steps=4, logging_steps=1, trl=True),
 }
@@ -35,8 +48,14 @@ def posthoc_run(tmp_path_factory, tokenizer_cache, name: str) -> Path:
     from sftaudit.fixtures.train import train_hf
 
     if name not in _MADE:
-        _MADE[name] = shared_dir(tmp_path_factory, f"posthoc-{name}", lambda folder: train_hf(
-            folder / name, tokenizer_cache=tokenizer_cache, **TINY, **RUNS[name])) / name
+        _MADE[name] = (
+            shared_dir(
+                tmp_path_factory,
+                f"posthoc-{name}",
+                lambda folder: train_hf(folder / name, tokenizer_cache=tokenizer_cache, **TINY, **RUNS[name]),
+            )
+            / name
+        )
     return _MADE[name]
 
 

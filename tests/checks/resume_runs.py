@@ -8,20 +8,27 @@ checkpoint. Checkpoints every 2 steps; the data faults resume mid-epoch, in the 
 
 import shutil
 
-from sftaudit.audit import audit
 from sftaudit.fixtures.train import train_plain
+
+from sftaudit.audit import audit
 
 from ..shared import shared_dir
 
 ORDERS = ("cyclic", "sampler", "dataloader")
-RUN = dict(dataset_rows=10, batch_size=4, max_length=64, checkpoint_every=2,
-           probe_every=0, generate_every=0, eval_every=0)
+RUN = dict(
+    dataset_rows=10, batch_size=4, max_length=64, checkpoint_every=2, probe_every=0, generate_every=0, eval_every=0
+)
 # The dataloader run also passes no sample ids: the shim content-hashes its rows.
 ORDER_FAULTS = {"dataloader": {"ids_not_given": True}}
 # (checkpoint resumed from, last step run)
 CLEAN = [(None, 5), (4, 8), (8, 9)]
-FAULTS = {9: "resume_rereads_data", 11: "resume_reshuffles", 13: "resume_restarts_warmup",
-          15: "resume_fresh_weights", 17: "resume_fresh_optimizer"}  # resume step -> fault
+FAULTS = {
+    9: "resume_rereads_data",
+    11: "resume_reshuffles",
+    13: "resume_restarts_warmup",
+    15: "resume_fresh_weights",
+    17: "resume_fresh_optimizer",
+}  # resume step -> fault
 LAST_STEP = {9: 11, 11: 13, 13: 15, 15: 17, 17: 18}
 
 _made: dict = {}
@@ -36,13 +43,27 @@ def resume_runs(order, tmp_path_factory, tokenizer_cache):
         def build(folder):
             clean = folder / "clean"
             for source, last in CLEAN:
-                train_plain(clean, steps=last, order=order, tokenizer_cache=tokenizer_cache, faults=base,
-                            resume_from=clean / f"checkpoint-{source}" if source else None, **RUN)
+                train_plain(
+                    clean,
+                    steps=last,
+                    order=order,
+                    tokenizer_cache=tokenizer_cache,
+                    faults=base,
+                    resume_from=clean / f"checkpoint-{source}" if source else None,
+                    **RUN,
+                )
             faulty = folder / "faulty"
             shutil.copytree(clean, faulty, ignore=shutil.ignore_patterns("audit.duckdb*"))
             for first, fault in FAULTS.items():
-                train_plain(faulty, steps=LAST_STEP[first], order=order, tokenizer_cache=tokenizer_cache,
-                            faults={**base, fault: True}, resume_from=faulty / f"checkpoint-{first - 1}", **RUN)
+                train_plain(
+                    faulty,
+                    steps=LAST_STEP[first],
+                    order=order,
+                    tokenizer_cache=tokenizer_cache,
+                    faults={**base, fault: True},
+                    resume_from=faulty / f"checkpoint-{first - 1}",
+                    **RUN,
+                )
 
         folder = shared_dir(tmp_path_factory, f"resume-{order}", build)
         _made[order] = (folder / "clean", audit(folder / "clean"), folder / "faulty", audit(folder / "faulty"))

@@ -1,7 +1,8 @@
 """LOOP-01: field mismatches, empty turns and a second template fire with their samples; clean is silent."""
 
-from sftaudit.chat_template import template_fields
 from sftaudit.fixtures import CHAT_TEMPLATE_PATH
+
+from sftaudit.chat_template import template_fields
 
 from .data_runs import audited, batch_ids, clean_data_findings, findings
 
@@ -12,15 +13,19 @@ def test_template_fields_come_from_the_ast_with_aliases_and_optional_reads():
     aliased = template_fields(
         "{% set first = messages[0] %}{{ first.Role }}{% set rest = messages[1:] %}"
         "{% for m in rest %}{{ m['text'] }}{% if m.tool_calls is defined %}{{ m.tool_calls }}{% endif %}"
-        "{% if 'name' in m %}{{ m['name'] }}{% endif %}{{ m.get('weight') }}{% endfor %}")
+        "{% if 'name' in m %}{{ m['name'] }}{% endif %}{{ m.get('weight') }}{% endfor %}"
+    )
     assert aliased.message_required == {"Role", "text"}
     assert aliased.message_optional == {"tool_calls", "name", "weight"}
 
 
 def test_field_case_mismatch_names_both_spellings(runs):
     _, verdict = audited(runs, "data_tokens")
-    fails = {f["evidence"]["template_field"]: f for f in findings(verdict, "LOOP-01", "fail")
-             if "template_field" in f["evidence"]}
+    fails = {
+        f["evidence"]["template_field"]: f
+        for f in findings(verdict, "LOOP-01", "fail")
+        if "template_field" in f["evidence"]
+    }
     assert set(fails) == {"role", "content"}
     assert fails["role"]["evidence"]["spelled_as"] == ["Role"]
     assert "'role'" in fails["role"]["message"] and "'Role'" in fails["role"]["message"]

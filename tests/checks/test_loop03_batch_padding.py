@@ -18,7 +18,8 @@ def test_high_length_variance_warns_from_its_step(runs):
     assert f["evidence"]["value"] > 0.15 and f["evidence"]["padding_share"] > 0.6
     con = connect(run_dir, read_only=True)
     ids, lengths = con.execute(
-        "SELECT sample_ids, lengths FROM batches WHERE step = ?", [f["evidence"]["worst_step"]]).fetchall()[0]
+        "SELECT sample_ids, lengths FROM batches WHERE step = ?", [f["evidence"]["worst_step"]]
+    ).fetchall()[0]
     con.close()
     assert max(lengths) > 4 * min(lengths) and f["evidence"]["lengths"] == lengths
     # the shortest and the longest sample of the worst batch

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import pytest
-
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
+
 from sftaudit.ingest import connect
 
 from ..torchless import PRELUDE
@@ -45,9 +45,14 @@ def test_padding_trained_counted_on_every_batch_row(runs):
     f = by_kind(verdict)["padding_trained"]
     assert (f["severity"], f["step"]) == ("fail", 4)
     con = connect(run_dir, read_only=True)
-    padded = {s for (ids, lengths, width) in con.execute(
-        "SELECT sample_ids, lengths, seq_len FROM batches WHERE step = 4").fetchall()
-        for s, n in zip(ids, lengths) if n < width}
+    padded = {
+        s
+        for (ids, lengths, width) in con.execute(
+            "SELECT sample_ids, lengths, seq_len FROM batches WHERE step = 4"
+        ).fetchall()
+        for s, n in zip(ids, lengths)
+        if n < width
+    }
     con.close()
     assert set(f["evidence"]["sample_ids"]) == padded
     assert any(t["expected"] == "padding" and t["actual"] == "trained" for t in f["evidence"]["tokens"])
@@ -61,8 +66,10 @@ def test_attended_padding_is_confused_with_prompt(runs):
     assert (f["severity"], f["step"]) == ("warn", 5)
     con = connect(run_dir, read_only=True)
     pad = build_tokenizer().pad_token_id
-    padded = {s for (s,) in con.execute("SELECT sample_id FROM samples WHERE step = 5 AND input_ids[-1] = ?",
-                                        [pad]).fetchall()}
+    padded = {
+        s
+        for (s,) in con.execute("SELECT sample_id FROM samples WHERE step = 5 AND input_ids[-1] = ?", [pad]).fetchall()
+    }
     con.close()
     assert set(f["evidence"]["sample_ids"]) == padded
     assert any(t["expected"] == "padding" and t["actual"] == "masked" for t in f["evidence"]["tokens"])
@@ -96,8 +103,7 @@ def test_clean_run_masks_exactly_the_template_spans(clean_run):
 def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
     run_dir, _ = audited(runs, "data_mask")
     script = (
-        PRELUDE +
-        "from sftaudit.audit import audit\n"
+        PRELUDE + "from sftaudit.audit import audit\n"
         f"v = audit({str(run_dir)!r})\n"
         "assert v['check_errors'] == [], v['check_errors']\n"
         "print(sorted({f['evidence'].get('kind') for f in v['findings'] if f['code'] == 'LOOP-04'} - {None}))\n"
@@ -110,13 +116,19 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
 def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
     from sftaudit.chat_template import TemplateLayout
 
-    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    chatml = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
     layout = TemplateLayout.derive(build_tokenizer(tokenizer_cache), chatml)
-    assert layout.texts == {"assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>",
-                            "user": "<|im_start|>user\n", "system": "<|im_start|>system\n"}
+    assert layout.texts == {
+        "assistant": "<|im_start|>assistant\n",
+        "turn_end": "<|im_end|>",
+        "user": "<|im_start|>user\n",
+        "system": "<|im_start|>system\n",
+    }
 
 
 def test_trl_packing_trains_every_token_a_configuration_named_once(trl_packing_run):
@@ -127,7 +139,8 @@ def test_trl_packing_trains_every_token_a_configuration_named_once(trl_packing_r
 
     verdict = audit(trl_packing_run)
     assert [(f["severity"], f["evidence"]["kind"]) for f in verdict["findings"] if f["code"] == "LOOP-04"] == [
-        ("warn", "full_sequence_loss")]
+        ("warn", "full_sequence_loss")
+    ]
     declared = audit(trl_packing_run, AuditConfig(check_options={"LOOP-04": {"expect": "all_tokens"}}))
     assert [f for f in declared["findings"] if f["severity"] in ("warn", "fail")] == []
 
@@ -136,19 +149,34 @@ def trl_assistant_only_run(run_dir, tokenizer_cache, template):
     """TRL's SFTTrainer as a user runs it (the installed TRL): a `messages` dataset, assistant_only_loss=True,
     the fixture tokenizer with `template`; TRL tokenizes and masks by the template's `{% generation %}` block."""
     from datasets import Dataset
+    from sftaudit.fixtures import build_model, build_tokenizer, load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from sftaudit.fixtures import build_model, build_tokenizer, load_dataset
     from sftaudit.hf import SFTAuditCallback
 
     tok = build_tokenizer(tokenizer_cache)
     tok.chat_template = template
     dataset = Dataset.from_list([{"messages": r["messages"]} for r in load_dataset()[:16]])
-    args = SFTConfig(output_dir=str(run_dir), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
-                     save_strategy="no", report_to=[], use_cpu=True, max_length=128, assistant_only_loss=True,
-                     dataloader_num_workers=0, disable_tqdm=True)
-    SFTTrainer(model=build_model(tok), args=args, train_dataset=dataset, processing_class=tok,
-               callbacks=[SFTAuditCallback(run_dir, profile="dev")]).train()
+    args = SFTConfig(
+        output_dir=str(run_dir),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        max_length=128,
+        assistant_only_loss=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    SFTTrainer(
+        model=build_model(tok),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[SFTAuditCallback(run_dir, profile="dev")],
+    ).train()
     return run_dir
 
 
@@ -156,8 +184,9 @@ def trl_assistant_only_run(run_dir, tokenizer_cache, template):
 def test_trl_assistant_only_loss_with_the_end_of_turn_outside_the_generation_block(tmp_path, tokenizer_cache):
     """The fixture template with `{% endgeneration %}` moved before `<|eot_id|>`: TRL trains no end-of-turn marker
     (the model never learns to stop) and LOOP-04 fails at step 1; the template as shipped is clean."""
-    from sftaudit.audit import audit
     from sftaudit.fixtures import CHAT_TEMPLATE_PATH
+
+    from sftaudit.audit import audit
 
     shipped = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
     inside = "{{- message['content'] | trim + '<|eot_id|>' }}\n        {%- endgeneration %}"

@@ -8,8 +8,16 @@ from sftaudit.ingest import connect
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit
-from .dynamics_runs import (DEFAULT_SCALED_TENSOR, FROZEN_TENSOR, SCALE_STEP, SPIKE_EVERY, SPIKE_START, of, recorded_series_run,
-                            run)
+from .dynamics_runs import (
+    DEFAULT_SCALED_TENSOR,
+    FROZEN_TENSOR,
+    SCALE_STEP,
+    SPIKE_EVERY,
+    SPIKE_START,
+    of,
+    recorded_series_run,
+    run,
+)
 
 
 def loop05(verdict):
@@ -26,7 +34,9 @@ def test_nan_loss_and_gradients_fail_at_the_planted_step(nan_run):
     grads = next(f for f in findings if "non-finite" in f["message"] and "gradients" in f["message"])
     tensors = {t["tensor"]: t for t in grads["evidence"]["tensors"]}
     # A NaN loss poisons every tensor: all are counted, the first 20 (model order) listed.
-    n_params = connect(nan_run, read_only=True).execute("SELECT count(*) FROM params WHERE idx IS NOT NULL").fetchall()[0][0]
+    n_params = (
+        connect(nan_run, read_only=True).execute("SELECT count(*) FROM params WHERE idx IS NOT NULL").fetchall()[0][0]
+    )
     assert grads["evidence"]["tensor_count"] == n_params
     assert list(tensors)[0] == "model.embed_tokens.weight" and len(tensors) == min(n_params, 20)
     assert all(t["nonfinite_elements"] > 0 for t in tensors.values())
@@ -85,19 +95,83 @@ def test_clean_run_raises_nothing(clean_run):
 # The sweep's Z25 run (60 steps, cosine, warmup 10, lr 3e-3): the norms of the layer scaled x100 from step 37,
 # as recorded. Its previous 8-step block (steps 25-32) was volatile (0.07..0.68): against that block alone the
 # x66 jump reached z 4.6 < 6; the sigma from the median of 4 blocks finds it.
-Z25_LAYER = [0.07833, 0.09006, 0.09309, 0.06732, 0.06663, 0.06552, 0.06195, 0.05498, 0.04756, 0.05782, 0.05571, 0.05109,
-             0.05468, 0.06532, 0.05474, 0.09591, 0.08484, 0.06375, 0.06983, 0.05588, 0.1158, 0.2506, 0.07845, 0.06516,
-             0.07107, 0.0949, 0.1971, 0.1342, 0.3272, 0.6781, 0.5892, 0.1298, 0.07236, 0.1218, 0.1134, 0.1341, 10.95,
-             13.35, 15.59, 29.04]
+Z25_LAYER = [
+    0.07833,
+    0.09006,
+    0.09309,
+    0.06732,
+    0.06663,
+    0.06552,
+    0.06195,
+    0.05498,
+    0.04756,
+    0.05782,
+    0.05571,
+    0.05109,
+    0.05468,
+    0.06532,
+    0.05474,
+    0.09591,
+    0.08484,
+    0.06375,
+    0.06983,
+    0.05588,
+    0.1158,
+    0.2506,
+    0.07845,
+    0.06516,
+    0.07107,
+    0.0949,
+    0.1971,
+    0.1342,
+    0.3272,
+    0.6781,
+    0.5892,
+    0.1298,
+    0.07236,
+    0.1218,
+    0.1134,
+    0.1341,
+    10.95,
+    13.35,
+    15.59,
+    29.04,
+]
 # The sweep's clean-15 (Adafactor, lr 3e-3, warmup 10): global norms of steps 1-24. Block 1-12 is mostly warmup
 # (the untrained model's calm norms), so step 18 (8.45) looked 11x its baseline: a false alarm.
-ADAFACTOR_GLOBAL = [0.7164, 0.7936, 0.783, 0.7971, 0.8493, 0.732, 0.6704, 0.8393, 0.8183, 0.8448, 0.6166, 0.6056, 0.6615,
-                    2.792, 0.6715, 2.386, 0.7228, 8.452, 0.5628, 0.6879, 1.023, 0.7457, 7.122, 0.8385]
+ADAFACTOR_GLOBAL = [
+    0.7164,
+    0.7936,
+    0.783,
+    0.7971,
+    0.8493,
+    0.732,
+    0.6704,
+    0.8393,
+    0.8183,
+    0.8448,
+    0.6166,
+    0.6056,
+    0.6615,
+    2.792,
+    0.6715,
+    2.386,
+    0.7228,
+    8.452,
+    0.5628,
+    0.6879,
+    1.023,
+    0.7457,
+    7.122,
+    0.8385,
+]
 
 
 def warmup_then_cosine(steps, warmup=10, peak=3e-3, total=60):
-    return [peak * (s / warmup if s <= warmup else 0.5 * (1 + np.cos(np.pi * (s - warmup) / (total - warmup))))
-            for s in range(1, steps + 1)]
+    return [
+        peak * (s / warmup if s <= warmup else 0.5 * (1 + np.cos(np.pi * (s - warmup) / (total - warmup))))
+        for s in range(1, steps + 1)
+    ]
 
 
 def test_a_volatile_previous_block_does_not_hide_the_broken_layer(tmp_path):
@@ -115,9 +189,16 @@ def test_a_volatile_previous_block_does_not_hide_the_broken_layer(tmp_path):
 def test_a_warmup_block_is_no_baseline_for_a_spiky_optimizer(tmp_path):
     steps = len(ADAFACTOR_GLOBAL)
     norms = np.asarray(ADAFACTOR_GLOBAL)[:, None] * np.full((1, 4), 0.5)  # every tensor moves with the global norm
-    run_dir = recorded_series_run(tmp_path / "adafactor", warmup_then_cosine(steps, total=200), [1.0] * steps, norms,
-                                  [f"model.layers.{i}.weight" for i in range(4)])
-    assert of(audit(run_dir, AuditConfig(check_options={"LOOP-05": {"window": 12}})), "LOOP-05") == []  # the 200-step run's
+    run_dir = recorded_series_run(
+        tmp_path / "adafactor",
+        warmup_then_cosine(steps, total=200),
+        [1.0] * steps,
+        norms,
+        [f"model.layers.{i}.weight" for i in range(4)],
+    )
+    assert (
+        of(audit(run_dir, AuditConfig(check_options={"LOOP-05": {"window": 12}})), "LOOP-05") == []
+    )  # the 200-step run's
 
 
 def test_a_step_the_fp16_scaler_skipped_is_no_spike_and_no_non_finite_fail(tmp_path):
@@ -134,7 +215,8 @@ def test_a_step_the_fp16_scaler_skipped_is_no_spike_and_no_non_finite_fail(tmp_p
     verdict = audit(recorded_series_run(tmp_path / "skip", lr_held, [1.0] * steps, skipped, names))
     assert loop05(verdict) == []
     assert [(f["code"], f["severity"], f["step"]) for f in verdict["findings"] if f["code"] == "LOOP-25"] == [
-        ("LOOP-25", "info", 33)]
+        ("LOOP-25", "info", 33)
+    ]
     applied = norms.copy()
     applied[40:] = np.nan
     [finding] = loop05(audit(recorded_series_run(tmp_path / "applied", lr, [1.0] * steps, applied, names)))

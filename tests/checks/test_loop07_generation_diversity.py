@@ -22,7 +22,9 @@ def test_template_answers_warn_at_the_first_low_diversity_step_with_the_template
     assert len(streak) == 3 and all(s["distinct_1"] < 0.35 for s in streak)
     # The finding's step is the first generation step of the streak, recomputed from the series.
     con = connect(run_dir, read_only=True)
-    series = con.execute("SELECT step, value FROM series WHERE code = 'LOOP-07' AND name = 'distinct-1' ORDER BY step").fetchall()
+    series = con.execute(
+        "SELECT step, value FROM series WHERE code = 'LOOP-07' AND name = 'distinct-1' ORDER BY step"
+    ).fetchall()
     low = [s for s, v in series if v < 0.35]
     assert finding["step"] == low[0] == streak[0]["step"]
     assert all(v >= 0.35 for s, v in series if s < low[0])

@@ -8,11 +8,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, NAN_TENSOR, PAYLOAD_FILE, STRAY_TENSOR
 
 from sftaudit.audit import audit
 from sftaudit.checks import AuditContext
 from sftaudit.checks.loop09_checkpoint_integrity import CheckpointIntegrity
-from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, NAN_TENSOR, PAYLOAD_FILE, STRAY_TENSOR
 from sftaudit.ingest import connect, ingest, load_manifest
 
 from ..conftest import HF_CHECKPOINT_FAULTS
@@ -27,8 +27,9 @@ def resume_risk(verdict, category="risk"):
     """The one run-level info naming the checkpoints that cannot resume exactly (a risk, or a
     configuration for weights-only saves): what each part is missing from."""
     found = [f for f in verdict["findings"] if f["code"] == "LOOP-09" and f["checkpoint"] is None]
-    assert len(found) <= 1 and all((f["severity"], f["category"], f["step"]) == ("info", category, None)
-                                   for f in found), found
+    assert len(found) <= 1 and all(
+        (f["severity"], f["category"], f["step"]) == ("info", category, None) for f in found
+    ), found
     return found[0]["evidence"]["missing_state"] if found else {}
 
 
@@ -44,7 +45,8 @@ def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
     # param_left_out from step 17: identical at checkpoint-18 (vs 16) and checkpoint-20 (vs 18).
     # checkpoint-16 lacks its RNG states: a resume risk for the run (info), not a fail of its own.
     assert sorted(found, key=lambda n: int(n.split("-")[1])) == [
-        f"checkpoint-{s}" for s in (4, 6, 8, 10, 12, 14, 18, 20)]
+        f"checkpoint-{s}" for s in (4, 6, 8, 10, 12, 14, 18, 20)
+    ]
     assert {f["severity"] for f in found.values()} == {"fail"}
     assert all(f["step"] == int(name.split("-")[1]) for name, f in found.items())
     verdicts = {c["name"]: c["verdict"] for c in faulty["checkpoints"]}
@@ -53,15 +55,19 @@ def test_each_fault_fails_only_its_own_checkpoint(faulty, checkpoint_fault_run):
     # File faults are not training anomalies; the parameter left out of the optimizer from step 17
     # is one, and LOOP-05 names it from the gradients and weight norms at that step.
     assert faulty["first_anomalous_step"] == 17
-    assert {f["code"] for f in faulty["findings"]
-            if f["scope"] == "run" and f["severity"] != "info" and f["step"] is not None} == {"LOOP-05"}
+    assert {
+        f["code"]
+        for f in faulty["findings"]
+        if f["scope"] == "run" and f["severity"] != "info" and f["step"] is not None
+    } == {"LOOP-05"}
 
 
 def test_missing_key_stray_dtype_and_nan_are_named(faulty):
     found = loop09(faulty)
     assert found["checkpoint-4"]["evidence"]["keys"] == {"missing": [DROPPED_KEY], "unexpected": []}
     assert found["checkpoint-6"]["evidence"]["dtypes"] == [
-        {"tensor": STRAY_TENSOR, "dtype": "float32", "expected": "bfloat16"}]
+        {"tensor": STRAY_TENSOR, "dtype": "float32", "expected": "bfloat16"}
+    ]
     nan = found["checkpoint-8"]["evidence"]
     assert nan["tensors"] == [{"tensor": NAN_TENSOR, "nonfinite_elements": 1, "shape": [64, 64]}]
 
@@ -83,8 +89,9 @@ def test_code_running_pickle_is_named_and_never_run(faulty, checkpoint_fault_run
     # The payload is live: a plain unpickle of the same file runs it (in a child process).
     with zipfile.ZipFile(checkpoint_fault_run / "checkpoint-14" / PAYLOAD_FILE) as z:
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                   input=data, check=True)
+    subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"], input=data, check=True
+    )
     assert marker.read_text() == "pickle code ran"
     marker.unlink()
 
@@ -113,7 +120,8 @@ def test_resume_state_fails_each_checkpoint_under_require_resume_state(checkpoin
         con.close()
     lacking = [f for f in findings if "cannot resume exactly" in f.message]
     assert [(f.checkpoint, f.severity, f.evidence["missing_state"]) for f in lacking] == [
-        ("checkpoint-16", "fail", ["rng_states"])]
+        ("checkpoint-16", "fail", ["rng_states"])
+    ]
 
 
 def test_trainer_checkpoints(hf_checkpoint_fault_run):
@@ -143,15 +151,21 @@ def test_a_configured_dtype_names_every_other_tensor(clean_run):
     assert findings[0].evidence["dtypes"][0]["expected"] == "bfloat16"
 
 
-
 @pytest.mark.slow
 def test_updates_that_round_away_are_not_stale(tmp_path):
     """Plain SGD at lr 1e-5 leaves the norm weights (1.0, tiny gradients) byte-identical between saves:
     their updates round away in float32. That is not a tensor missing from the optimizer."""
     from sftaudit.fixtures.train import train_plain
 
-    run = train_plain(tmp_path / "sgd-tiny-lr", steps=6, optimizer="sgd", lr=1e-5, checkpoint_every=3,
-                      profile="prod", tokenizer_cache=tmp_path / "tok")
+    run = train_plain(
+        tmp_path / "sgd-tiny-lr",
+        steps=6,
+        optimizer="sgd",
+        lr=1e-5,
+        checkpoint_every=3,
+        profile="prod",
+        tokenizer_cache=tmp_path / "tok",
+    )
     verdict = audit(run)
     assert loop09(verdict) == {}
     assert [c["name"] for c in verdict["checkpoints"] if c["intact"]] == ["checkpoint-3", "checkpoint-6"]
@@ -160,8 +174,14 @@ def test_updates_that_round_away_are_not_stale(tmp_path):
 # ---------------------------------------------------------------- training state: wherever saved, what the run has
 
 
-def step_folder_loop(run, steps=4, every=2, state=("step", "optimizer", "rng_states", "data_position"),
-                     scheduler=False, weights="step-{step}/model.safetensors"):
+def step_folder_loop(
+    run,
+    steps=4,
+    every=2,
+    state=("step", "optimizer", "rng_states", "data_position"),
+    scheduler=False,
+    weights="step-{step}/model.safetensors",
+):
     """A plain loop through the recorder (AdamW, a warmup LambdaLR only with `scheduler`) that saves
     `weights` (``step-N/model.safetensors``) and, beside it, ``trainer.pt`` holding the `state` parts;
     the recorder gets the weight file's path."""
@@ -170,9 +190,9 @@ def step_folder_loop(run, steps=4, every=2, state=("step", "optimizer", "rng_sta
     import numpy as np
     import torch
     from safetensors.torch import save_file
-
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
     from sftaudit.fixtures.layouts import untied_state_dict
+
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(run.parent / "tokenizer")
@@ -196,12 +216,25 @@ def step_folder_loop(run, steps=4, every=2, state=("step", "optimizer", "rng_sta
                 path = run / weights.format(step=step)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_file(untied_state_dict(model), str(path))
-                full = {"step": step, "optimizer": opt.state_dict(), "data_position": {"epoch": 0, "position": step},
-                        "rng_states": {"python": random.getstate(), "numpy": np.random.get_state(),
-                                       "torch": torch.get_rng_state()},
-                        **({"scheduler": sched.state_dict()} if sched else {})}
-                torch.save({k: v for k, v in full.items() if k in state or k == "scheduler" and scheduler
-                            and "scheduler" in state}, path.parent / "trainer.pt")
+                full = {
+                    "step": step,
+                    "optimizer": opt.state_dict(),
+                    "data_position": {"epoch": 0, "position": step},
+                    "rng_states": {
+                        "python": random.getstate(),
+                        "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state(),
+                    },
+                    **({"scheduler": sched.state_dict()} if sched else {}),
+                }
+                torch.save(
+                    {
+                        k: v
+                        for k, v in full.items()
+                        if k in state or k == "scheduler" and scheduler and "scheduler" in state
+                    },
+                    path.parent / "trainer.pt",
+                )
                 rec.on_checkpoint(step, path)
     return run
 
@@ -220,11 +253,15 @@ def test_a_part_missing_beside_the_weights_is_one_risk(tmp_path):
 
 
 def test_a_scheduler_is_demanded_where_the_run_had_one(tmp_path):
-    run = step_folder_loop(tmp_path / "sched", scheduler=True, state=("step", "optimizer", "rng_states",
-                                                                      "data_position"))
+    run = step_folder_loop(
+        tmp_path / "sched", scheduler=True, state=("step", "optimizer", "rng_states", "data_position")
+    )
     assert resume_risk(audit(run)) == {"scheduler": ["step-2", "step-4"]}
-    twin = step_folder_loop(tmp_path / "sched-saved", scheduler=True,
-                            state=("step", "optimizer", "rng_states", "data_position", "scheduler"))
+    twin = step_folder_loop(
+        tmp_path / "sched-saved",
+        scheduler=True,
+        state=("step", "optimizer", "rng_states", "data_position", "scheduler"),
+    )
     assert resume_risk(audit(twin)) == {}
 
 
@@ -235,7 +272,8 @@ def test_state_in_a_folder_shared_by_several_checkpoints_is_not_theirs(tmp_path)
     verdict = audit(run)
     names = ["model-2.safetensors", "model-4.safetensors"]
     assert resume_risk(verdict, category="configuration") == {
-        part: names for part in ("step", "optimizer", "rng_states", "data_position")}
+        part: names for part in ("step", "optimizer", "rng_states", "data_position")
+    }
     [stated] = [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
     assert stated["message"].startswith(f"2 checkpoint(s) are weights-only saves ({', '.join(names)})")
 

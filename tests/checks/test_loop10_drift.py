@@ -30,8 +30,16 @@ def test_clean_runs_raise_nothing(clean_run, runs):
 
 
 def test_overfitting_warns_when_validation_loss_turns_up_while_training_loss_falls(runs):
-    run_dir = runs("memorize", steps=45, checkpoint_every=0, eval_loss_every=3, faults={"memorize_from": 10},
-                   probe_every=0, generate_every=0, eval_every=0)
+    run_dir = runs(
+        "memorize",
+        steps=45,
+        checkpoint_every=0,
+        eval_loss_every=3,
+        faults={"memorize_from": 10},
+        probe_every=0,
+        generate_every=0,
+        eval_every=0,
+    )
     verdict = audit(run_dir)
     assert verdict["check_errors"] == []
     gaps = [f for f in of(verdict, "LOOP-10") if "validation loss" in f["message"]]
@@ -48,11 +56,76 @@ def test_overfitting_warns_when_validation_loss_turns_up_while_training_loss_fal
 # The sweep's clean-06 (plain loop, Adafactor, lr 1e-3, GA 4 of 2 rows, 200 steps): the loss of steps 133-200,
 # as recorded. Steps 181-192 happened to be calm (sigma 0.018 where the run's batch-to-batch noise is ~0.05), so
 # the ordinary 1.045 of step 194 read z 7 against that block alone: a false alarm.
-CONVERGED_LOSS = [1.151, 1.141, 1.201, 1.268, 1.21, 1.143, 1.201, 1.169, 1.177, 1.146, 1.243, 1.154, 1.176, 1.037, 1.11,
-                  1.122, 1.199, 1.131, 1.105, 1.159, 0.9846, 1.05, 1.076, 1.079, 1.073, 1.062, 1.148, 1.062, 1.039, 0.9751,
-                  1.049, 0.9713, 1.005, 1.048, 0.9683, 1.2, 0.9746, 1.042, 1.045, 1.037, 1.053, 0.9964, 1.045, 0.9609,
-                  1.057, 0.9884, 0.974, 0.937, 0.8699, 1.123, 0.8903, 0.9217, 0.9262, 0.9268, 0.9019, 0.9128, 0.9043,
-                  0.98, 0.819, 0.9197, 0.8985, 1.045, 0.939, 0.9503, 0.9719, 0.9063, 0.9073, 0.9097]
+CONVERGED_LOSS = [
+    1.151,
+    1.141,
+    1.201,
+    1.268,
+    1.21,
+    1.143,
+    1.201,
+    1.169,
+    1.177,
+    1.146,
+    1.243,
+    1.154,
+    1.176,
+    1.037,
+    1.11,
+    1.122,
+    1.199,
+    1.131,
+    1.105,
+    1.159,
+    0.9846,
+    1.05,
+    1.076,
+    1.079,
+    1.073,
+    1.062,
+    1.148,
+    1.062,
+    1.039,
+    0.9751,
+    1.049,
+    0.9713,
+    1.005,
+    1.048,
+    0.9683,
+    1.2,
+    0.9746,
+    1.042,
+    1.045,
+    1.037,
+    1.053,
+    0.9964,
+    1.045,
+    0.9609,
+    1.057,
+    0.9884,
+    0.974,
+    0.937,
+    0.8699,
+    1.123,
+    0.8903,
+    0.9217,
+    0.9262,
+    0.9268,
+    0.9019,
+    0.9128,
+    0.9043,
+    0.98,
+    0.819,
+    0.9197,
+    0.8985,
+    1.045,
+    0.939,
+    0.9503,
+    0.9719,
+    0.9063,
+    0.9073,
+    0.9097,
+]
 
 
 def test_one_calm_block_of_a_converged_run_does_not_make_batch_noise_a_spike(tmp_path):
@@ -98,11 +171,18 @@ def test_a_per_step_log_of_2_rows_is_noisy_not_spiky_and_a_garbage_batch_still_s
     n = 3000
     level = 0.1 + 2.0 * np.exp(-np.arange(n) / 600)
     loss = (level[:, None] * rng.lognormal(-0.32, 0.8, (n, 2))).mean(axis=1)
-    assert findings(audited(trainer_run(tmp_path / "batch2", loss, decimals=4, train_batch_size=2)), "LOOP-10",
-                    ("warn", "fail")) == []
+    assert (
+        findings(
+            audited(trainer_run(tmp_path / "batch2", loss, decimals=4, train_batch_size=2)), "LOOP-10", ("warn", "fail")
+        )
+        == []
+    )
     # A batch of garbage text (loss near ln V, 100x the converged level): found at its step.
-    [spike] = findings(audited(trainer_run(tmp_path / "garbage", _spiky(loss, 2400, 100.0), decimals=4,
-                                           train_batch_size=2)), "LOOP-10", ("warn",))
+    [spike] = findings(
+        audited(trainer_run(tmp_path / "garbage", _spiky(loss, 2400, 100.0), decimals=4, train_batch_size=2)),
+        "LOOP-10",
+        ("warn",),
+    )
     assert spike["step"] == 2401 and spike["evidence"]["rows_per_log"] == 2
 
 

@@ -50,8 +50,9 @@ def test_reread_data_names_the_samples_and_steps(verdict, resumed_run):
     con = connect(resumed_run, read_only=True)
     try:
         # The lost data position restarts the epoch: steps 26-30 train the batches of steps 1-5 again.
-        first_batches = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches "
-                                    "WHERE seg = 0 AND step <= 5").fetchall()[0][0]
+        first_batches = con.execute(
+            "SELECT flatten(list(sample_ids ORDER BY step)) FROM batches WHERE seg = 0 AND step <= 5"
+        ).fetchall()[0][0]
     finally:
         con.close()
     assert reread["evidence"]["count"] == len(first_batches) == 40
@@ -123,7 +124,6 @@ def state_saver(drop: str):
     """checkpoint-N/ as the plain loop saves it (model.safetensors, training_state.pt), without `drop`."""
     import torch
     from safetensors.torch import save_file
-
     from sftaudit.fixtures.layouts import training_state, untied_state_dict
 
     def save(run, step, position):
@@ -145,13 +145,23 @@ def test_a_resume_from_a_checkpoint_lacking_state(drop, tmp_path, tokenizer_cach
     LOOP-09's info alone, the run passes)."""
     from sftaudit.fixtures.train import train_plain
 
-    options = dict(steps=8, checkpoint_every=5, saver=state_saver(drop), profile="prod", dataset_rows=16,
-                   batch_size=4, tokenizer_cache=tokenizer_cache)
+    options = dict(
+        steps=8,
+        checkpoint_every=5,
+        saver=state_saver(drop),
+        profile="prod",
+        dataset_rows=16,
+        batch_size=4,
+        tokenizer_cache=tokenizer_cache,
+    )
     run = train_plain(tmp_path / drop, **options)
     train_plain(run, resume_from=run / "checkpoint-5", **options)
     verdict = audit(run)
-    risks = [(f["code"], f["severity"], f["step"], f["evidence"]["missing_state"]) for f in verdict["findings"]
-             if f["category"] == "risk"]
+    risks = [
+        (f["code"], f["severity"], f["step"], f["evidence"]["missing_state"])
+        for f in verdict["findings"]
+        if f["category"] == "risk"
+    ]
     if drop == "scheduler":
         assert ("LOOP-11", "warn", 6, ["scheduler"]) in risks
         assert any(f["severity"] == "fail" and "learning rate" in f["message"] for f in loop11(verdict))
@@ -201,8 +211,12 @@ def test_restarted_data_names_the_samples_and_where_the_order_restarted(order_ru
     assert data["restarted_at_step"] == data["epoch_started_at_step"]
     con = connect(faulty, read_only=True)
     try:
-        resumed = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches WHERE step >= 9").fetchall()[0][0]
-        before = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches WHERE step < 9").fetchall()[0][0]
+        resumed = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches WHERE step >= 9").fetchall()[
+            0
+        ][0]
+        before = con.execute("SELECT flatten(list(sample_ids ORDER BY step)) FROM batches WHERE step < 9").fetchall()[
+            0
+        ][0]
     finally:
         con.close()
     # Everything this epoch had trained before the resume is trained again, in the same order.
@@ -230,8 +244,16 @@ def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
     partial): resumed from checkpoint-4 with `ignore_data_skip`, it trains epoch 2 from its start."""
     from sftaudit.fixtures.train import train_hf
 
-    options = dict(save_steps=2, dataset_rows=10, batch_size=4, max_length=64, probe_every=0, generate_every=0,
-                   eval_every=0, tokenizer_cache=tokenizer_cache)
+    options = dict(
+        save_steps=2,
+        dataset_rows=10,
+        batch_size=4,
+        max_length=64,
+        probe_every=0,
+        generate_every=0,
+        eval_every=0,
+        tokenizer_cache=tokenizer_cache,
+    )
     run = train_hf(tmp_path / "hf", steps=6, **options)
     train_hf(run, steps=6, resume_from=run / "checkpoint-4", trainer_options={"ignore_data_skip": True}, **options)
     found = loop11(audit(run))

@@ -15,8 +15,15 @@ def loop12(verdict):
 
 @pytest.fixture(scope="module")
 def garbage_run(runs):
-    return runs("garbage", steps=18, checkpoint_every=0, faults={"garbage_from": GARBAGE_STEP},
-                probe_every=0, generate_every=0, eval_every=0)
+    return runs(
+        "garbage",
+        steps=18,
+        checkpoint_every=0,
+        faults={"garbage_from": GARBAGE_STEP},
+        probe_every=0,
+        generate_every=0,
+        eval_every=0,
+    )
 
 
 def test_garbage_burst_warns_at_its_first_step_with_the_sample_ids(garbage_run):

@@ -21,10 +21,25 @@ def trainer_run(tmp_path_factory, tokenizer_cache):
     model), the logged loss multiplied by GA (Z23) and a NaN loss at HF_NAN_STEP (Z18)."""
     from sftaudit.fixtures.train import train_hf
 
-    return shared_dir(tmp_path_factory, "hf-loss", lambda folder: train_hf(
-        folder / "hf-loss", steps=6, grad_accum=GA, batch_size=2, save_steps=100, tokenizer_cache=tokenizer_cache,
-        probe_every=0, generate_every=0, eval_every=0,
-        faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP})) / "hf-loss"
+    return (
+        shared_dir(
+            tmp_path_factory,
+            "hf-loss",
+            lambda folder: train_hf(
+                folder / "hf-loss",
+                steps=6,
+                grad_accum=GA,
+                batch_size=2,
+                save_steps=100,
+                tokenizer_cache=tokenizer_cache,
+                probe_every=0,
+                generate_every=0,
+                eval_every=0,
+                faults={"logged_loss_times_accumulation": True, "nan_at": HF_NAN_STEP},
+            ),
+        )
+        / "hf-loss"
+    )
 
 
 def test_mean_of_micro_batch_means_fails_at_its_step_naming_the_over_weighted_samples(runs):
@@ -38,7 +53,9 @@ def test_mean_of_micro_batch_means_fails_at_its_step_naming_the_over_weighted_sa
     # The most over-weighted micro-batch is the one with the fewest target tokens; its samples are named.
     fewest = min(micro, key=lambda m: m["target_tokens"])
     assert max(micro, key=lambda m: m["relative_error"]) == fewest
-    assert len(evidence["over_weighted_samples"]) == 4 and all(s["sample_id"].startswith("s") for s in evidence["over_weighted_samples"])
+    assert len(evidence["over_weighted_samples"]) == 4 and all(
+        s["sample_id"].startswith("s") for s in evidence["over_weighted_samples"]
+    )
 
 
 def test_trainer_with_accumulation_is_normalised_but_its_logged_loss_is_ga_times_too_big(trainer_run):
@@ -54,14 +71,15 @@ def test_the_step_loss_is_the_models_token_mean_over_the_accumulation_window(tra
     """Each micro-batch's loss is a sum over num_items_in_batch tokens (1/GA of the window's mean each): the step's
     loss is their token mean, recomputed here from step 1's recorded rows with the untrained model."""
     import torch
-
     from sftaudit.fixtures import build_model, build_tokenizer
 
     ingest(trainer_run)
     con = connect(trainer_run, read_only=True)
     recorded = con.execute("SELECT loss FROM steps WHERE step = 1").fetchone()[0]
-    micro = con.execute("SELECT micro, list(input_ids ORDER BY row), list(labels ORDER BY row), list(attention_mask ORDER BY row) "
-                        "FROM samples WHERE step = 1 GROUP BY micro ORDER BY micro").fetchall()
+    micro = con.execute(
+        "SELECT micro, list(input_ids ORDER BY row), list(labels ORDER BY row), list(attention_mask ORDER BY row) "
+        "FROM samples WHERE step = 1 GROUP BY micro ORDER BY micro"
+    ).fetchall()
     assert len(micro) == GA
     model = build_model(build_tokenizer(tokenizer_cache))
     summed = tokens = 0.0
@@ -103,18 +121,34 @@ def test_a_loss_computed_outside_the_model_is_not_run_saying_why(tmp_path, token
 
 
 def test_a_first_loss_far_above_a_uniform_guess_warns_at_step_1(tmp_path, tokenizer_cache):
-    verdict = audit(recorded_loop(tmp_path / "hot-head", tokenizer_cache, break_model=lambda m: m.lm_head.weight.mul_(300)))
+    verdict = audit(
+        recorded_loop(tmp_path / "hot-head", tokenizer_cache, break_model=lambda m: m.lm_head.weight.mul_(300))
+    )
     [finding] = [f for f in of(verdict, "LOOP-13") if "uniform guess" in f["message"]]
     assert (finding["severity"], finding["step"]) == ("warn", 1)
-    assert finding["evidence"]["value"] > finding["evidence"]["threshold"] == pytest.approx(2 * np.log(finding["evidence"]["vocab_size"]))
+    assert (
+        finding["evidence"]["value"]
+        > finding["evidence"]["threshold"]
+        == pytest.approx(2 * np.log(finding["evidence"]["vocab_size"]))
+    )
 
 
 def _hf(tmp_path_factory, tokenizer_cache, name, **options):
     from sftaudit.fixtures.train import train_hf
 
-    return train_hf(tmp_path_factory.mktemp(name) / name, steps=4, grad_accum=GA, batch_size=2, save_steps=100,
-                    max_length=64, tokenizer_cache=tokenizer_cache, probe_every=0, generate_every=0, eval_every=0,
-                    **options)
+    return train_hf(
+        tmp_path_factory.mktemp(name) / name,
+        steps=4,
+        grad_accum=GA,
+        batch_size=2,
+        save_steps=100,
+        max_length=64,
+        tokenizer_cache=tokenizer_cache,
+        probe_every=0,
+        generate_every=0,
+        eval_every=0,
+        **options,
+    )
 
 
 @pytest.mark.slow
@@ -139,8 +173,10 @@ def test_the_clean_accumulating_trainer_twin_is_quiet(tmp_path_factory, tokenize
     assert [c["status"] for c in verdict["checks"] if c["code"] == "LOOP-13"] == ["ran"]
     # With accumulation the norms are read after the window's last backward: pre-clip, as the Trainer's total
     con = connect(run, read_only=True)
-    rows = con.execute("SELECT s.grad_norm, m.value, s.grad_norm_source FROM steps s JOIN metrics m "
-                       "ON m.step = s.step AND m.name = 'grad_norm'").fetchall()
+    rows = con.execute(
+        "SELECT s.grad_norm, m.value, s.grad_norm_source FROM steps s JOIN metrics m "
+        "ON m.step = s.step AND m.name = 'grad_norm'"
+    ).fetchall()
     con.close()
     assert len(rows) == 4 and all(pre == pytest.approx(total, rel=1e-5) and src is None for pre, total, src in rows)
 
@@ -154,11 +190,15 @@ def test_trl_computing_its_own_loss_is_judged_through_its_log_probs(tmp_path_fac
     run = _hf(tmp_path_factory, tokenizer_cache, "trl-loss", trl=True, faults={"logged_loss_times_accumulation": True})
     ingest(run)
     con = connect(run, read_only=True)
-    weights = con.execute("SELECT step, sum(loss_weight), count(loss_weight), count(*) FROM batches GROUP BY step "
-                          "ORDER BY step").fetchall()
+    weights = con.execute(
+        "SELECT step, sum(loss_weight), count(loss_weight), count(*) FROM batches GROUP BY step ORDER BY step"
+    ).fetchall()
     con.close()
     # Every micro-batch weighted; a window's weights sum to 1 (a token mean over the window)
-    assert all(n == total == GA and w == pytest.approx(1.0, rel=1e-5) for _, w, n, total in weights), (trl.__version__, weights)
+    assert all(n == total == GA and w == pytest.approx(1.0, rel=1e-5) for _, w, n, total in weights), (
+        trl.__version__,
+        weights,
+    )
     verdict = audit(run)
     [status] = [c for c in verdict["checks"] if c["code"] == "LOOP-13"]
     assert status["status"] == "ran"

@@ -38,7 +38,9 @@ def _traced_run(run_dir, lr, norms, trace):
 
     from .dynamics_runs import recorded_series_run
 
-    recorded_series_run(run_dir, lr, [1.0] * len(lr), norms, [f"model.layers.{i}.weight" for i in range(norms.shape[1])])
+    recorded_series_run(
+        run_dir, lr, [1.0] * len(lr), norms, [f"model.layers.{i}.weight" for i in range(norms.shape[1])]
+    )
     path = rank_dir(run_dir, 0) / "manifest.jsonl"
     manifest = json.loads(path.read_text())
     manifest["scheduler"] = {"class": "LambdaLR", "lr": trace, "trace_start": 0}

@@ -46,7 +46,7 @@ def _series(tmp_path, name, stale=(), chance_cells=0, steps=10_000, tensors=200,
     for step, tensor in zip(rng.integers(100, steps, chance_cells), rng.integers(0, tensors, chance_cells)):
         norms[step - 1, tensor] = norms[step - 2, tensor]
     for first, which, length in stale:
-        norms[first - 1:first - 1 + length, which] = norms[first - 2, which]
+        norms[first - 1 : first - 1 + length, which] = norms[first - 2, which]
     names = [f"model.layers.{i // 8}.block.{i % 8}.weight" for i in range(tensors)]
     lr = [1e-4] * steps
     loss = (2.0 + 0.01 * rng.standard_normal(steps)).tolist()
@@ -56,8 +56,9 @@ def _series(tmp_path, name, stale=(), chance_cells=0, steps=10_000, tensors=200,
 def test_isolated_equal_norms_chance_explains_at_scale_stay_quiet(tmp_path):
     """12 single equal neighbours among 2 million norms: about what chance gives at 10^8 float32
     norms (the synthetic 1,000-tensor benchmark's false fail), so no finding."""
-    findings = [f for f in of(audit(_series(tmp_path, "chance", chance_cells=12)), "LOOP-15")
-                if "bit-identical" in f["message"]]
+    findings = [
+        f for f in of(audit(_series(tmp_path, "chance", chance_cells=12)), "LOOP-15") if "bit-identical" in f["message"]
+    ]
     assert findings == []
 
 
@@ -68,7 +69,10 @@ def test_a_stale_buffer_among_chance_equalities_fails_at_its_step(tmp_path):
     [finding] = [f for f in of(audit(run_dir), "LOOP-15") if "bit-identical" in f["message"]]
     assert (finding["severity"], finding["step"]) == ("fail", 7_200)
     assert [t["tensor"] for t in finding["evidence"]["tensors"]] == [
-        "model.layers.5.block.0.weight", "model.layers.5.block.1.weight", "model.layers.5.block.2.weight"]
+        "model.layers.5.block.0.weight",
+        "model.layers.5.block.1.weight",
+        "model.layers.5.block.2.weight",
+    ]
     assert finding["evidence"]["steps_affected"] == 3
     assert finding["evidence"]["chance_expected"] < finding["evidence"]["threshold"]
 

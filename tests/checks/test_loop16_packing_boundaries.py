@@ -16,8 +16,11 @@ def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs, tmp_
     first = evidence["rows"][0]
     assert first["samples"] == 3 and first["sample_id"].count("+") == 2 and not first["resets"]
     # The fixture loop hands the model its 2-D padding mask and builds a cache (config.use_cache).
-    assert first["causes"] == ["positions do not restart", "attention_mask given",
-                               "a KV cache was built (use_cache=True): pass use_cache=False"]
+    assert first["causes"] == [
+        "positions do not restart",
+        "attention_mask given",
+        "a KV cache was built (use_cache=True): pass use_cache=False",
+    ]
     assert evidence["attn_implementation"] in ("sdpa", "eager")
     # Before the fault every row held one sample.
     con = connect(run_dir, read_only=True)
@@ -26,7 +29,9 @@ def test_packed_rows_without_boundaries_fail_at_the_first_packed_step(runs, tmp_
     # Under flash attention the cache does not matter, the padded mask still does.
     [flash] = of(audit(under_flash_attention(run_dir, tmp_path / "flash")), "LOOP-16")
     assert flash["step"] == PACKED_STEP and flash["evidence"]["rows"][0]["causes"] == [
-        "attention_mask given (with padding)", "positions do not restart"]
+        "attention_mask given (with padding)",
+        "positions do not restart",
+    ]
 
 
 def test_clean_runs_raise_nothing(clean_run, nan_run):
@@ -39,8 +44,10 @@ def flattened(data, **options):
     from transformers import DataCollatorWithFlattening
 
     keep = data["attention_mask"].bool()
-    features = [{"input_ids": ids[m].tolist(), "labels": labels[m].tolist()}
-                for ids, labels, m in zip(data["input_ids"], data["labels"], keep)]
+    features = [
+        {"input_ids": ids[m].tolist(), "labels": labels[m].tolist()}
+        for ids, labels, m in zip(data["input_ids"], data["labels"], keep)
+    ]
     return DataCollatorWithFlattening(**options)(features)
 
 
@@ -48,7 +55,6 @@ def kept_apart(tokenizer_cache, packed, forward) -> bool:
     """Ground truth from the real model: the packed row's last sample gets the logits it gets alone, when
     the model is called as `forward(model, inputs)` calls it (train mode, as in the recorded loop)."""
     import torch
-
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 
     tok = build_tokenizer(tokenizer_cache)
@@ -57,7 +63,9 @@ def kept_apart(tokenizer_cache, packed, forward) -> bool:
     batch = packed(collate(tok, load_dataset()[:4]))
     start = int((clean["position_ids"][0] == 0).nonzero()[-1])
     with torch.no_grad():
-        together = forward(model, {k: v for k, v in batch.items() if k not in ("labels", "sample_ids")}).logits[0, start:]
+        together = forward(model, {k: v for k, v in batch.items() if k not in ("labels", "sample_ids")}).logits[
+            0, start:
+        ]
         alone = model(input_ids=batch["input_ids"][:, start:], use_cache=False).logits[0]
     return torch.allclose(together, alone, atol=1e-5)
 
@@ -99,18 +107,24 @@ PACKINGS = {
 def test_packing_judged_as_the_real_model_attends(tmp_path, tokenizer_cache):
     for name, (packed, forward, cause) in PACKINGS.items():
         assert kept_apart(tokenizer_cache, packed, forward) == (cause is None), name  # the ground truth
-        run_dir = recorded_loop(tmp_path / name, tokenizer_cache, batch=packed,
-                                loss=lambda model, inputs: forward(model, inputs).loss)
+        run_dir = recorded_loop(
+            tmp_path / name, tokenizer_cache, batch=packed, loss=lambda model, inputs: forward(model, inputs).loss
+        )
         findings = of(audit(run_dir), "LOOP-16")
         if cause is None:
             assert findings == [], name
-            rows = connect(run_dir, read_only=True).execute(
-                "SELECT bos_starts, position_resets, varlen, attention_mask_kind, cache_built FROM batches").fetchall()
+            rows = (
+                connect(run_dir, read_only=True)
+                .execute("SELECT bos_starts, position_resets, varlen, attention_mask_kind, cache_built FROM batches")
+                .fetchall()
+            )
             assert rows == [([4], [3], True, "none", False)]
         else:
             [finding] = findings
             assert (finding["severity"], finding["step"]) == ("fail", 1), name
-            assert finding["evidence"]["rows"][0]["causes"] == [cause] and finding["evidence"]["rows"][0]["samples"] == 4
+            assert (
+                finding["evidence"]["rows"][0]["causes"] == [cause] and finding["evidence"]["rows"][0]["samples"] == 4
+            )
             assert cause in finding["message"]
 
 
@@ -132,8 +146,9 @@ def test_flash_attention_reads_restarts_despite_a_cache_or_an_unpadded_mask(tmp_
     # transformers' flash path: varlen from cu_seq_lens or position_ids whatever the cache; an all-ones
     # 2-D mask is dropped (flash_attention_mask), a padded one unpads by the mask and crosses the samples.
     for name, (packed, forward, _) in PACKINGS.items():
-        run_dir = recorded_loop(tmp_path / name, tokenizer_cache, batch=packed,
-                                loss=lambda model, inputs: forward(model, inputs).loss)
+        run_dir = recorded_loop(
+            tmp_path / name, tokenizer_cache, batch=packed, loss=lambda model, inputs: forward(model, inputs).loss
+        )
         findings = of(audit(under_flash_attention(run_dir, tmp_path / f"flash-{name}")), "LOOP-16")
         if name == "running":
             assert [f["evidence"]["rows"][0]["causes"] for f in findings] == [["positions do not restart"]]
@@ -149,8 +164,12 @@ def without_mask_and_cache_fields(run_dir, copy_dir):
     shutil.copytree(run_dir / "sftaudit", copy_dir / "sftaudit", ignore=shutil.ignore_patterns("audit.duckdb"))
     batches = copy_dir / "sftaudit" / "rank-0" / "batches.jsonl"
     records = [json.loads(line) for line in batches.read_text().splitlines()]
-    batches.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("attention_mask_kind", "cache_built")}) + "\n"
-                               for r in records))
+    batches.write_text(
+        "".join(
+            json.dumps({k: v for k, v in r.items() if k not in ("attention_mask_kind", "cache_built")}) + "\n"
+            for r in records
+        )
+    )
     return copy_dir
 
 
@@ -161,16 +180,22 @@ def test_runs_recorded_without_the_mask_and_cache_keep_the_older_rule(tmp_path, 
     mask = recorded_loop(tmp_path / "mask", tokenizer_cache, batch=with_ones_mask)
     [finding] = of(audit(without_mask_and_cache_fields(mask, tmp_path / "old-mask")), "LOOP-16")
     assert finding["step"] == 1 and finding["evidence"]["rows"][0]["causes"] == [
-        f"positions restart but {finding['evidence']['attn_implementation']} ignores them"]
+        f"positions restart but {finding['evidence']['attn_implementation']} ignores them"
+    ]
 
 
 def test_trl_packing_raises_nothing(trl_packing_run):
     # TRL's padding-free packing keeps the samples apart under sdpa: restarts, no mask, no cache.
     assert of(audit(trl_packing_run), "LOOP-16") == []
-    rows = connect(trl_packing_run, read_only=True).execute(
-        "SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches").fetchall()
-    assert len(rows) == 3 and all(starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
-                                  for starts, resets, mask, cache in rows)
+    rows = (
+        connect(trl_packing_run, read_only=True)
+        .execute("SELECT bos_starts[1], position_resets[1], attention_mask_kind, cache_built FROM batches")
+        .fetchall()
+    )
+    assert len(rows) == 3 and all(
+        starts >= 4 and resets == starts - 1 and (mask, cache) == ("none", False)
+        for starts, resets, mask, cache in rows
+    )
 
 
 def doubled_bos(data):
@@ -179,17 +204,20 @@ def doubled_bos(data):
     import torch
 
     first = torch.full_like(data["input_ids"][:, :1], int(data["input_ids"][0, 0]))
-    return {**data, "input_ids": torch.cat([first, data["input_ids"]], 1),
-            "labels": torch.cat([torch.full_like(first, -100), data["labels"]], 1),
-            "attention_mask": torch.cat([torch.ones_like(first), data["attention_mask"]], 1)}
+    return {
+        **data,
+        "input_ids": torch.cat([first, data["input_ids"]], 1),
+        "labels": torch.cat([torch.full_like(first, -100), data["labels"]], 1),
+        "attention_mask": torch.cat([torch.ones_like(first), data["attention_mask"]], 1),
+    }
 
 
 def recorded_rows_loop(run_dir, tokenizer_cache, batch):
     """One real step of the tiny model through the Recorder with every row recorded (what a default-profile
     run records from its first batch): `batch(data)` is the collator's output the model is handed."""
     import torch
-
     from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
+
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(tokenizer_cache)

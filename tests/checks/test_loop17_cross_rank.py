@@ -41,8 +41,9 @@ def test_planted_fault_is_found_at_its_step(verdict_of, name):
     code, step, named = FAULTS[name]
     verdict = verdict_of(name)
     found = [f for f in verdict["findings"] if f["code"] == code and f["severity"] == "fail"]
-    assert found and found[0]["step"] == step and named in found[0]["message"], \
-        [(f["code"], f["step"], f["message"]) for f in verdict["findings"]]
+    assert found and found[0]["step"] == step and named in found[0]["message"], [
+        (f["code"], f["step"], f["message"]) for f in verdict["findings"]
+    ]
     assert verdict["verdict"] == "fail" and verdict["first_anomalous_step"] == step
     assert not [f for f in verdict["findings"] if f["code"] == "LOOP-17" and f["step"] < step]
 
@@ -63,14 +64,16 @@ def test_outlying_finite_local_loss_is_pinned_to_its_rank(verdict_of):
     """ZeRO-2, 12 steps: rank 1's model loss x10 at step 10 (finite; its gradients x10 too)."""
     verdict = verdict_of("zero2_loss_x10")
     found = [f for f in verdict["findings"] if f["code"] == "LOOP-17"]
-    assert [(f["severity"], f["step"], f["evidence"]["rank"], f["evidence"]["steps_affected"]) for f in found] == \
-        [("warn", 10, 1, 1)], found
+    assert [(f["severity"], f["step"], f["evidence"]["rank"], f["evidence"]["steps_affected"]) for f in found] == [
+        ("warn", 10, 1, 1)
+    ], found
     assert "rank 1 at step 10" in found[0]["message"] and found[0]["evidence"]["sample_ids"]
     assert 9 < found[0]["evidence"]["ratio"] < 11
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp1_flat", "fsdp2", "trainer_ddp", "zero1", "zero2", "zero3",
-                                  "fsdp2_spike"])
+@pytest.mark.parametrize(
+    "name", ["ddp", "fsdp1_flat", "fsdp2", "trainer_ddp", "zero1", "zero2", "zero3", "fsdp2_spike"]
+)
 def test_silent_on_clean_runs(verdict_of, name):
     """fsdp2_spike's x100 is in one gradient shard: its 12 steps of losses are a clean history
     long enough for the outlying-loss rule to judge steps 9-12."""
@@ -82,13 +85,41 @@ def ddp_records(run, norms_by_rank):
     for rank, steps in norms_by_rank.items():
         folder = rank_dir(run, rank)
         folder.mkdir(parents=True)
-        params = [{"name": n, "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True,
-                   "kind": "replicated", "start": 0, "stop": 2, "local_numel": 2, "replica": rank} for n in ("a", "b")]
-        (folder / "manifest.jsonl").write_text(json.dumps(
-            {"schema_version": 1, "seg": 0, "rank": rank, "world_size": 2, "profile": "prod", "params": params,
-             "tied": {}, "grad_norm_source": "pre_clip"}) + "\n")
-        (folder / "steps.jsonl").write_text("".join(
-            json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norms": norms}) + "\n" for s, norms in steps.items()))
+        params = [
+            {
+                "name": n,
+                "shape": [2],
+                "dtype": "float32",
+                "numel": 2,
+                "requires_grad": True,
+                "kind": "replicated",
+                "start": 0,
+                "stop": 2,
+                "local_numel": 2,
+                "replica": rank,
+            }
+            for n in ("a", "b")
+        ]
+        (folder / "manifest.jsonl").write_text(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "seg": 0,
+                    "rank": rank,
+                    "world_size": 2,
+                    "profile": "prod",
+                    "params": params,
+                    "tied": {},
+                    "grad_norm_source": "pre_clip",
+                }
+            )
+            + "\n"
+        )
+        (folder / "steps.jsonl").write_text(
+            "".join(
+                json.dumps({"seg": 0, "step": s, "loss": 1.0, "grad_norms": norms}) + "\n" for s, norms in steps.items()
+            )
+        )
     return run
 
 
@@ -117,14 +148,41 @@ def loss_records(run, losses):
     for rank in range(losses.shape[1]):
         folder = rank_dir(run, rank)
         folder.mkdir(parents=True)
-        params = [{"name": "a", "shape": [2], "dtype": "float32", "numel": 2, "requires_grad": True,
-                   "kind": "replicated", "start": 0, "stop": 2, "local_numel": 2, "replica": rank}]
-        (folder / "manifest.jsonl").write_text(json.dumps(
-            {"schema_version": 1, "seg": 0, "rank": rank, "world_size": losses.shape[1], "profile": "prod",
-             "params": params, "tied": {}, "grad_norm_source": "pre_clip"}) + "\n")
-        (folder / "steps.jsonl").write_text("".join(
-            json.dumps({"seg": 0, "step": s + 1, "loss": float(v), "grad_norms": [1.0]}) + "\n"
-            for s, v in enumerate(losses[:, rank])))
+        params = [
+            {
+                "name": "a",
+                "shape": [2],
+                "dtype": "float32",
+                "numel": 2,
+                "requires_grad": True,
+                "kind": "replicated",
+                "start": 0,
+                "stop": 2,
+                "local_numel": 2,
+                "replica": rank,
+            }
+        ]
+        (folder / "manifest.jsonl").write_text(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "seg": 0,
+                    "rank": rank,
+                    "world_size": losses.shape[1],
+                    "profile": "prod",
+                    "params": params,
+                    "tied": {},
+                    "grad_norm_source": "pre_clip",
+                }
+            )
+            + "\n"
+        )
+        (folder / "steps.jsonl").write_text(
+            "".join(
+                json.dumps({"seg": 0, "step": s + 1, "loss": float(v), "grad_norms": [1.0]}) + "\n"
+                for s, v in enumerate(losses[:, rank])
+            )
+        )
     return run
 
 

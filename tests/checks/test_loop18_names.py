@@ -23,8 +23,17 @@ def _train(run_dir, zero_head: bool):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     rows = [{"input_ids": torch.randint(0, VOCAB, (32,)).tolist()} for _ in range(64)]
 
     def collate(batch):
@@ -36,9 +45,21 @@ def _train(run_dir, zero_head: bool):
             if zero_head:
                 model.lm_head.weight.grad.zero_()
 
-    args = TrainingArguments(output_dir=str(run_dir), max_steps=8, save_steps=4, logging_steps=1, learning_rate=3e-3,
-                             per_device_train_batch_size=4, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                             dataloader_num_workers=0, remove_unused_columns=False, save_strategy="steps")
+    args = TrainingArguments(
+        output_dir=str(run_dir),
+        max_steps=8,
+        save_steps=4,
+        logging_steps=1,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        save_strategy="steps",
+    )
     Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[ZeroHead()]).train()
     return run_dir
 
@@ -46,8 +67,9 @@ def _train(run_dir, zero_head: bool):
 @pytest.fixture(scope="module")
 def head_runs(tmp_path_factory):
     names = {True: "zero-head", False: "clean"}
-    base = shared_dir(tmp_path_factory, "loop18-names",
-                      lambda folder: [_train(folder / names[zero], zero) for zero in names])
+    base = shared_dir(
+        tmp_path_factory, "loop18-names", lambda folder: [_train(folder / names[zero], zero) for zero in names]
+    )
     return {zero: base / name for zero, name in names.items()}
 
 
@@ -66,8 +88,9 @@ def test_the_entry_that_never_updated_is_the_tensor_that_never_moved(head_runs):
     verdict = audit(run)
     never = [f for f in of(verdict, "LOOP-18") if "never updated" in f["message"]]
     assert len(never) == 1 and never[0]["severity"] == "fail"
-    assert never[0]["evidence"]["tensors"] == [{"tensor": "lm_head.weight", "index": idle,
-                                                "reason": "all-zero second moment", "step": 8.0}]
+    assert never[0]["evidence"]["tensors"] == [
+        {"tensor": "lm_head.weight", "index": idle, "reason": "all-zero second moment", "step": 8.0}
+    ]
     assert "lm_head.weight: all-zero second moment" in never[0]["message"]
 
 

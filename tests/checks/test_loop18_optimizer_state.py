@@ -32,8 +32,9 @@ def test_a_tensor_the_optimizer_never_updated_is_named(tmp_path_factory, tokeniz
     _, _, verdict = audited(tmp_path_factory, tokenizer_cache, "window")
     never = [f for f in loop18(verdict) if "never updated" in f["message"]]
     assert len(never) == 1 and never[0]["severity"] == "fail" and never[0]["step"] is None
-    assert never[0]["evidence"]["tensors"] == [{"tensor": GRAD_DROPPED, "index": 6,
-                                                "reason": "no optimizer state: never had a gradient"}]
+    assert never[0]["evidence"]["tensors"] == [
+        {"tensor": GRAD_DROPPED, "index": 6, "reason": "no optimizer state: never had a gradient"}
+    ]
 
 
 def test_a_nan_in_the_optimizer_state_is_placed_in_its_checkpoint_window(tmp_path_factory, tokenizer_cache, tmp_path):
@@ -42,7 +43,9 @@ def test_a_nan_in_the_optimizer_state_is_placed_in_its_checkpoint_window(tmp_pat
     _, _, verdict = audited(tmp_path_factory, tokenizer_cache, "window")
     assert not [f for f in loop18(verdict) if "optimizer state saved at" in f["message"]]
     run = tmp_path / "run"
-    shutil.copytree(posthoc_run(tmp_path_factory, tokenizer_cache, "window"), run, ignore=shutil.ignore_patterns("sftaudit"))
+    shutil.copytree(
+        posthoc_run(tmp_path_factory, tokenizer_cache, "window"), run, ignore=shutil.ignore_patterns("sftaudit")
+    )
     for path in run.glob("checkpoint-*/trainer_state.json"):
         state = json.loads(path.read_text(encoding="utf-8"))
         for entry in state["log_history"]:
@@ -52,8 +55,13 @@ def test_a_nan_in_the_optimizer_state_is_placed_in_its_checkpoint_window(tmp_pat
     verdict = audit(run)
     state = [f for f in loop18(verdict) if "optimizer state saved at" in f["message"]]
     assert len(state) == 1 and state[0]["step"] == 11 and verdict["rollback_checkpoint"] == "checkpoint-10"
-    assert state[0]["evidence"]["resolution"] == {"kind": "checkpoint window", "first_step": 11, "last_step": 15,
-                                                  "from": "checkpoint-10", "to": "checkpoint-15"}
+    assert state[0]["evidence"]["resolution"] == {
+        "kind": "checkpoint window",
+        "first_step": 11,
+        "last_step": 15,
+        "from": "checkpoint-10",
+        "to": "checkpoint-15",
+    }
 
 
 def test_updates_dominated_by_eps(tmp_path_factory, tokenizer_cache):
@@ -92,7 +100,9 @@ def test_names_come_from_the_weights_and_ambiguity_is_refused(tmp_path_factory, 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run / "checkpoint-10"))
     decay = set(Trainer.get_decay_parameter_names(None, model))
-    order = [n for n, _ in model.named_parameters() if n in decay] + [n for n, _ in model.named_parameters() if n not in decay]
+    order = [n for n, _ in model.named_parameters() if n in decay] + [
+        n for n, _ in model.named_parameters() if n not in decay
+    ]
     assert all(order[i] == name for i, name in names.items())
     assert len(names) >= len(state.entries) - 2
     alone = map_names(state, checkpoint_weights(run / "checkpoint-10"), {})  # nothing to tell same shapes apart
@@ -116,8 +126,9 @@ def _hostile_optimizer(path: Path, sentinel: Path) -> None:
 def test_a_hostile_optimizer_state_is_refused_without_running_it(tmp_path_factory, tokenizer_cache, tmp_path):
     sentinel = tmp_path / "pwned"
     run = tmp_path / "run"
-    shutil.copytree(posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl"), run,
-                    ignore=shutil.ignore_patterns("sftaudit"))
+    shutil.copytree(
+        posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl"), run, ignore=shutil.ignore_patterns("sftaudit")
+    )
     _hostile_optimizer(run / "checkpoint-8" / "optimizer.pt", sentinel)
     with pytest.raises(UnsafeOptimizerState, match="posix.system|os.system"):
         read_adam_state(run / "checkpoint-8" / "optimizer.pt")
@@ -127,8 +138,10 @@ def test_a_hostile_optimizer_state_is_refused_without_running_it(tmp_path_factor
     assert verdict["check_errors"] == []
     skipped = [f for f in verdict["findings"] if f["code"] == "LOOP-18"]
     assert [f["severity"] for f in skipped] == ["info"] and "refused without loading it" in skipped[0]["message"]
-    assert any(f["code"] == "LOOP-09" and f["severity"] == "fail" and f["checkpoint"] == "checkpoint-8"
-               for f in verdict["findings"])  # LOOP-09 reports the unsafe pickle itself
+    assert any(
+        f["code"] == "LOOP-09" and f["severity"] == "fail" and f["checkpoint"] == "checkpoint-8"
+        for f in verdict["findings"]
+    )  # LOOP-09 reports the unsafe pickle itself
 
 
 def test_not_an_optimizer_state(tmp_path):
@@ -147,8 +160,9 @@ def test_sgd_state_is_not_read_as_adam_with_every_tensor_never_updated(tmp_path_
     import torch
 
     run = tmp_path / "run"
-    shutil.copytree(posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl"), run,
-                    ignore=shutil.ignore_patterns("sftaudit"))
+    shutil.copytree(
+        posthoc_run(tmp_path_factory, tokenizer_cache, "clean_trl"), run, ignore=shutil.ignore_patterns("sftaudit")
+    )
     for path in run.glob("checkpoint-*/optimizer.pt"):
         count = len(read_adam_state(path).indices)
         params = [torch.nn.Parameter(torch.ones(2)) for _ in range(count)]

@@ -12,17 +12,22 @@ GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size"
 
 def test_a_model_stuck_at_chance_for_its_whole_run_fails_and_a_learning_twin_does_not(tmp_path):
     # A GPT-2 run logging every 100 steps whose loss never leaves ln 50257 = 10.825.
-    verdict = audited(trainer_run(tmp_path / "stuck", [10.8312, 10.7825, 10.7671, 10.79, 10.7755], every=100,
-                                  config=GPT2))
+    verdict = audited(
+        trainer_run(tmp_path / "stuck", [10.8312, 10.7825, 10.7671, 10.79, 10.7755], every=100, config=GPT2)
+    )
     [finding] = findings(verdict, "LOOP-20")
     assert (finding["severity"], finding["step"]) == ("fail", 1)
-    assert finding["evidence"]["vocab_size"] == 50257 and finding["evidence"]["vocab_source"] == "manifest"  # the importer's
+    assert (
+        finding["evidence"]["vocab_size"] == 50257 and finding["evidence"]["vocab_source"] == "manifest"
+    )  # the importer's
     assert abs(finding["evidence"]["chance_loss"] - math.log(50257)) < 1e-9
     assert "ln 50,257 = 10.82" in finding["message"]
     learning = audited(trainer_run(tmp_path / "learning", [10.83, 7.9, 6.2, 5.1, 4.6, 4.3], every=100, config=GPT2))
     assert findings(learning, "LOOP-20") == []
     # The first 8 steps of a model trained from scratch: at chance, too early to call stuck.
-    early = audited(trainer_run(tmp_path / "early", [10.83, 10.81, 10.82, 10.79, 10.8, 10.78, 10.8, 10.77], config=GPT2))
+    early = audited(
+        trainer_run(tmp_path / "early", [10.83, 10.81, 10.82, 10.79, 10.8, 10.78, 10.8, 10.77], config=GPT2)
+    )
     assert findings(early, "LOOP-20") == []
 
 
@@ -39,8 +44,10 @@ def test_a_first_window_above_chance_warns_at_that_window(tmp_path):
 
 def test_without_a_vocabulary_or_with_a_loss_that_is_no_token_cross_entropy_it_is_not_judged(tmp_path):
     verdict = audited(trainer_run(tmp_path / "novocab", [10.8, 10.8, 10.8]))
-    assert status(verdict, "LOOP-20") == ("not_run", "the vocabulary size is unknown (no model config.json, tokenizer "
-                                                      "or checkpoint header)")
+    assert status(verdict, "LOOP-20") == (
+        "not_run",
+        "the vocabulary size is unknown (no model config.json, tokenizer or checkpoint header)",
+    )
     # A multi-head model logs its loss as the sum of 7 per-head losses: above ln V by construction.
     heads = {f"train/ploss_{k}": np.full(5, 3.5) for k in range(7)}
     verdict = audited(trainer_run(tmp_path / "heads", np.full(5, 24.5), keys=heads, config=GPT2))

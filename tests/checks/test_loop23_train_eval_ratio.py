@@ -1,7 +1,6 @@
 """LOOP-23: a training loss many times the eval loss beside it; ordinary gaps (over-fitting, regularisation)
 stay silent."""
 
-
 from .logged_runs import audited, falling, findings, status, trainer_run
 
 

@@ -36,8 +36,9 @@ def test_skips_in_the_warmup_do_not_end_it_or_read_as_a_learning_rate_jump(tmp_p
     n = 120
     norms = list(np.exp(0.3 * np.random.default_rng(1).standard_normal(n)))
     norms[0] = norms[1] = norms[5] = float("nan")
-    verdict = audited(trainer_run(tmp_path / "warmup", falling(n), lr=warmup_then_linear(n, held={1, 2, 6}),
-                                  grad_norm=norms))
+    verdict = audited(
+        trainer_run(tmp_path / "warmup", falling(n), lr=warmup_then_linear(n, held={1, 2, 6}), grad_norm=norms)
+    )
     assert [f["evidence"]["count"] for f in findings(verdict, "LOOP-25")] == [3]
     assert not [f for f in findings(verdict, "LOOP-10") if "learning rate" in f["message"]]
 
@@ -46,8 +47,9 @@ def test_a_streak_of_skipped_steps_fails_at_its_first_step(tmp_path):
     n = 100
     norms = list(np.exp(0.3 * np.random.default_rng(2).standard_normal(n)))
     norms[40:48] = [INF] * 8
-    verdict = audited(trainer_run(tmp_path / "streak", falling(n), lr=warmup_then_linear(n, held=set(range(41, 49))),
-                                  grad_norm=norms))
+    verdict = audited(
+        trainer_run(tmp_path / "streak", falling(n), lr=warmup_then_linear(n, held=set(range(41, 49))), grad_norm=norms)
+    )
     streak = [f for f in findings(verdict, "LOOP-25") if f["severity"] == "fail"]
     assert [(f["step"], f["evidence"]["streak"]) for f in streak] == [(41, 8)]
     assert verdict["first_anomalous_step"] == 41
@@ -60,8 +62,11 @@ def test_a_nan_gradient_norm_through_the_end_behind_a_finite_loss_fails_without_
     norms[49:] = [float("nan")] * 31
     loss = falling(n)
     loss[50:] = 0.0  # whole logging windows of NaN steps: the filter adds nothing to 0
-    [finding] = [f for f in findings(audited(trainer_run(tmp_path / "nan", loss, grad_norm=norms)), "LOOP-25")
-                 if f["severity"] == "fail"]
+    [finding] = [
+        f
+        for f in findings(audited(trainer_run(tmp_path / "nan", loss, grad_norm=norms)), "LOOP-25")
+        if f["severity"] == "fail"
+    ]
     assert finding["step"] == 50 and finding["evidence"]["steps_affected"] == 31
     assert finding["evidence"]["hidden_by_logging_filter"] is True
 

@@ -50,7 +50,12 @@ def test_coverage_says_which_checks_ran_and_why_the_others_did_not(clean_run):
     assert set(coverage) == {c.code for c in registered_checks()}
     # The 30-step clean run records steps and gradients but no generations or evals (dev profile).
     assert coverage["LOOP-05"]["status"] == "ran" and coverage["LOOP-05"]["sources"] == ["shim"]
-    assert coverage["LOOP-07"] == {"code": "LOOP-07", "name": "generation diversity", "status": "not_run",
-                                   "reason": "not recorded: generations on the probe prompts", "evidence": [],
-                                   "sources": []}
+    assert coverage["LOOP-07"] == {
+        "code": "LOOP-07",
+        "name": "generation diversity",
+        "status": "not_run",
+        "reason": "not recorded: generations on the probe prompts",
+        "evidence": [],
+        "sources": [],
+    }
     assert cached_audit(clean_run, AuditConfig(disabled=["LOOP-10"]))["checks"][9]["status"] == "disabled"

@@ -17,23 +17,44 @@ def trainer_run(root: Path, steps: int = 40, checkpoints: tuple[int, ...] = (20,
     """A Trainer output_dir with a smooth loss log and the given checkpoint folders (trainer_state.json only)."""
     run = root / "run"
     run.mkdir(parents=True)
-    history = [{"step": s, "epoch": s / steps, "loss": 2.0 - s / (2 * steps) + 0.01 * (s % 3),
-                "grad_norm": 1.0 + 0.05 * (s % 4), "learning_rate": 1e-4} for s in range(1, steps + 1)]
-    state = {"global_step": steps, "max_steps": steps, "num_train_epochs": 1, "log_history": history,
-             "logging_steps": 1, "save_steps": checkpoints[0] if checkpoints else 0}
+    history = [
+        {
+            "step": s,
+            "epoch": s / steps,
+            "loss": 2.0 - s / (2 * steps) + 0.01 * (s % 3),
+            "grad_norm": 1.0 + 0.05 * (s % 4),
+            "learning_rate": 1e-4,
+        }
+        for s in range(1, steps + 1)
+    ]
+    state = {
+        "global_step": steps,
+        "max_steps": steps,
+        "num_train_epochs": 1,
+        "log_history": history,
+        "logging_steps": 1,
+        "save_steps": checkpoints[0] if checkpoints else 0,
+    }
     (run / "trainer_state.json").write_text(json.dumps(state))
     for step in checkpoints:
         folder = run / f"checkpoint-{step}"
         folder.mkdir()
-        (folder / "trainer_state.json").write_text(json.dumps({**state, "global_step": step,
-                                                               "log_history": history[:step]}))
+        (folder / "trainer_state.json").write_text(
+            json.dumps({**state, "global_step": step, "log_history": history[:step]})
+        )
     return run
 
 
 def audit(run: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`sftaudit audit RUN` in a subprocess; raises TimeoutExpired (a failed test) past the bound."""
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", "audit", str(run), *args], cwd=cwd or run.parent,
-                          capture_output=True, text=True, timeout=AUDIT_BOUND_S, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", "audit", str(run), *args],
+        cwd=cwd or run.parent,
+        capture_output=True,
+        text=True,
+        timeout=AUDIT_BOUND_S,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def verdict(run: Path) -> dict:
@@ -47,9 +68,37 @@ def findings(run: Path, code: str) -> list[dict]:
 def preflight(root: Path, tokenizer_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """`sftaudit preflight` on a small clean dataset with `tokenizer_dir`, in a subprocess under the bound."""
     data = root / "data.jsonl"
-    data.write_text("\n".join(json.dumps({"id": f"r{i}", "messages": [
-        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]})
-        for i in range(20)))
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", "preflight", "--data", str(data), "--tokenizer",
-                           str(tokenizer_dir), "--out", str(root / "out"), *args], cwd=root, capture_output=True,
-                          text=True, timeout=AUDIT_BOUND_S, stdin=subprocess.DEVNULL)
+    data.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "id": f"r{i}",
+                    "messages": [
+                        {"role": "user", "content": f"question {i}"},
+                        {"role": "assistant", "content": f"answer {i}"},
+                    ],
+                }
+            )
+            for i in range(20)
+        )
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sftaudit.cli",
+            "preflight",
+            "--data",
+            str(data),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(root / "out"),
+            *args,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=AUDIT_BOUND_S,
+        stdin=subprocess.DEVNULL,
+    )

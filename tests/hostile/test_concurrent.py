@@ -13,18 +13,21 @@ from sftaudit.ingest import artifact_root, run_lock
 
 
 def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_concurrent_audits_gate_and_replay_of_one_run_all_finish(nan_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(nan_run, run, ignore=shutil.ignore_patterns("audit.duckdb*"))
     procs = [start("audit", run, "--no-report", "--out", tmp_path / f"out{i}") for i in range(2)]
-    procs += [start("gate", run, "--checkpoint", "checkpoint-20"), start("replay", run, "--json"),
-              start("ingest", run)]
+    procs += [start("gate", run, "--checkpoint", "checkpoint-20"), start("replay", run, "--json"), start("ingest", run)]
     results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    for code, out, err in results:
+    for _code, _out, err in results:
         assert "lock" not in err.lower() or "waiting for another sftaudit" in err, err
         assert "Traceback" not in err and "error" not in err, err
     assert [code for code, _, _ in results] == [1, 1, 1, 1, 0]
@@ -36,16 +39,28 @@ def test_concurrent_audits_gate_and_replay_of_one_run_all_finish(nan_run, tmp_pa
 def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(clean_run, run, ignore=shutil.ignore_patterns("audit.duckdb*", "checkpoint-*"))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
-        "print('held', flush=True); time.sleep(60)"), str(artifact_root(run))], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+                "print('held', flush=True); time.sleep(60)"
+            ),
+            str(artifact_root(run)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         start_time = time.monotonic()
         with pytest.raises(InputError, match="another sftaudit has used this run's database for over 1 s"):
             with run_lock(run, timeout=1.0):
                 pass
-        assert time.monotonic() - start_time < 30  # gave up, never waited out the holder's 60 s (load only adds seconds)
+        assert (
+            time.monotonic() - start_time < 30
+        )  # gave up, never waited out the holder's 60 s (load only adds seconds)
     finally:
         holder.kill()
         holder.wait()

@@ -12,8 +12,8 @@ from sftaudit.gate import Policy
 BAD_CONFIGS = [
     ('[audit]\ndisable = "LOOP-05"\n', "audit.disable must be a list"),
     ('[audit]\nstrict = "no"\n', "audit.strict must be true or false"),
-    ('[audit]\nstrict = 1\n', "audit.strict must be true or false"),
-    ('[audti]\nstrict = true\n', "unknown section [audti]; known: [audit], [checks], [ingest], [verdict]"),
+    ("[audit]\nstrict = 1\n", "audit.strict must be true or false"),
+    ("[audti]\nstrict = true\n", "unknown section [audti]; known: [audit], [checks], [ingest], [verdict]"),
     ('[audit]\ndisabel = ["LOOP-05"]\n', "unknown key 'disabel' in [audit]"),
     ('[audit]\ndisable = ["LOOP-99"]\n', "unknown check 'LOOP-99'"),
     ('[checks."LOOP-99"]\nx = 1\n', "unknown check 'LOOP-99' in [checks]; known: LOOP-01"),
@@ -28,17 +28,18 @@ BAD_CONFIGS = [
     ('[checks."LOOP-04"]\nexpect = 3\n', "expect must be a string"),
     ('[checks."LOOP-05"]\nno_such_option = 1\n', "no_such_option"),
     ('[verdict]\nrollback_margin = "100"\n', "verdict.rollback_margin must be an integer"),
-    ('[verdict]\nrollback_margin = 0\n', "rollback_margin must be an integer >= 1"),
-    ('[verdict]\nmax_missing_share = 2\n', "a share between 0 and 1"),
-    ('[ingest]\nmax_record_bytes = -5\n', "must be a finite number >= 0"),
-    ('[audit\n', "not TOML"),
-    (b'\xff\xfe[audit]\n', "not UTF-8 text"),
+    ("[verdict]\nrollback_margin = 0\n", "rollback_margin must be an integer >= 1"),
+    ("[verdict]\nmax_missing_share = 2\n", "a share between 0 and 1"),
+    ("[ingest]\nmax_record_bytes = -5\n", "must be a finite number >= 0"),
+    ("[audit\n", "not TOML"),
+    (b"\xff\xfe[audit]\n", "not UTF-8 text"),
 ]
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 @pytest.mark.parametrize("text, reason", BAD_CONFIGS)
@@ -54,8 +55,12 @@ def test_the_cli_refuses_a_bad_config_before_reading_the_run(tmp_path):
     """Every command that takes --config exits 2 with the one line (the run folder is never opened)."""
     config = tmp_path / "audit.toml"
     config.write_text('[audit]\ndisable = "LOOP-05"\n')
-    for command in (["audit", tmp_path / "no-run"], ["replay", tmp_path / "no-run"], ["ingest", tmp_path / "no-run"],
-                    ["gate", tmp_path / "no-run", "--checkpoint", "1"]):
+    for command in (
+        ["audit", tmp_path / "no-run"],
+        ["replay", tmp_path / "no-run"],
+        ["ingest", tmp_path / "no-run"],
+        ["gate", tmp_path / "no-run", "--checkpoint", "1"],
+    ):
         result = run_cli(*command, "--config", config)
         assert result.returncode == 2, result
         assert result.stderr.count("\n") == 1 and "audit.disable must be a list" in result.stderr
@@ -79,23 +84,33 @@ def test_a_fifo_config_does_not_block(tmp_path):
 
 def test_a_sound_config_is_read_with_its_types(tmp_path):
     config = tmp_path / "audit.toml"
-    config.write_text('[audit]\ndisable = ["LOOP-06"]\nstrict = true\n[checks."LOOP-05"]\nsigma_own = 7\nwindow = 12\n'
-                      '[verdict]\nrollback_margin = 3\nmax_missing_share = 0.05\n[ingest]\nmax_record_bytes = 1000000\n')
+    config.write_text(
+        '[audit]\ndisable = ["LOOP-06"]\nstrict = true\n[checks."LOOP-05"]\nsigma_own = 7\nwindow = 12\n'
+        "[verdict]\nrollback_margin = 3\nmax_missing_share = 0.05\n[ingest]\nmax_record_bytes = 1000000\n"
+    )
     c = AuditConfig.load(config)
-    assert (c.disabled, c.strict, c.rollback_margin, c.max_missing_share, c.max_record_bytes) == \
-        (["LOOP-06"], True, 3, 0.05, 1000000)
+    assert (c.disabled, c.strict, c.rollback_margin, c.max_missing_share, c.max_record_bytes) == (
+        ["LOOP-06"],
+        True,
+        3,
+        0.05,
+        1000000,
+    )
     assert c.check_options == {"LOOP-05": {"sigma_own": 7.0, "window": 12}}
     assert isinstance(c.check_options["LOOP-05"]["sigma_own"], float)
 
 
-@pytest.mark.parametrize("text, reason", [
-    ('[gate]\nblock = "fail"\n', "gate.block must be a list of strings"),
-    ('[gate]\nblock = ["fatal"]\n', "unknown severities"),
-    ('[gate]\nignore = ["LOOP-99"]\n', "unknown check 'LOOP-99'"),
-    ('[gate]\nrequire_resume_state = "yes"\n', "require_resume_state must be true or false"),
-    ('[gaet]\nblock = ["fail"]\n', "unknown section [gaet]"),
-    ('[gate]\nblocks = ["fail"]\n', "unknown key 'blocks'"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ('[gate]\nblock = "fail"\n', "gate.block must be a list of strings"),
+        ('[gate]\nblock = ["fatal"]\n', "unknown severities"),
+        ('[gate]\nignore = ["LOOP-99"]\n', "unknown check 'LOOP-99'"),
+        ('[gate]\nrequire_resume_state = "yes"\n', "require_resume_state must be true or false"),
+        ('[gaet]\nblock = ["fail"]\n', "unknown section [gaet]"),
+        ('[gate]\nblocks = ["fail"]\n', "unknown key 'blocks'"),
+    ],
+)
 def test_a_policy_mistake_is_refused(tmp_path, text, reason):
     policy = tmp_path / "policy.toml"
     policy.write_text(text)
@@ -104,13 +119,16 @@ def test_a_policy_mistake_is_refused(tmp_path, text, reason):
     assert reason in str(err.value)
 
 
-@pytest.mark.parametrize("args, reason", [
-    (["preflight", "--data", "d", "--tokenizer", "t", "--max-length", "-5"], "--max-length: -5 is less than 1"),
-    (["preflight", "--data", "d", "--tokenizer", "t", "--batch-size", "0"], "--batch-size: 0 is less than 1"),
-    (["preflight", "--data", "d", "--tokenizer", "t", "--max-length", "x"], "'x' is not an integer"),
-    (["probe", "r", "--prompts", "p", "--samples", "-1"], "--samples: -1 is less than 1"),
-    (["demo", "--steps", "0"], "--steps: 0 is less than 1"),
-])
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["preflight", "--data", "d", "--tokenizer", "t", "--max-length", "-5"], "--max-length: -5 is less than 1"),
+        (["preflight", "--data", "d", "--tokenizer", "t", "--batch-size", "0"], "--batch-size: 0 is less than 1"),
+        (["preflight", "--data", "d", "--tokenizer", "t", "--max-length", "x"], "'x' is not an integer"),
+        (["probe", "r", "--prompts", "p", "--samples", "-1"], "--samples: -1 is less than 1"),
+        (["demo", "--steps", "0"], "--steps: 0 is less than 1"),
+    ],
+)
 def test_bad_numbers_on_the_command_line_exit_2_in_one_line(args, reason):
     result = run_cli(*args)
     assert result.returncode == 2 and reason in result.stderr and result.stderr.count("\n") == 1

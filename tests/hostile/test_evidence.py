@@ -14,8 +14,9 @@ from sftaudit.config import AuditConfig
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def copy_run(src, dst):
@@ -48,8 +49,9 @@ def test_a_single_bare_step_record_is_unjudged(clean_run, tmp_path):
 def test_a_run_without_batch_or_gradient_records_is_unjudged(clean_run, tmp_path):
     run = copy_run(clean_run, tmp_path / "run")
     (rank_dir(run, 0) / "batches.jsonl").unlink()
-    rewrite(rank_dir(run, 0) / "steps.jsonl",
-            lambda line: json.dumps({**json.loads(line), "grad_norms": None}).encode())
+    rewrite(
+        rank_dir(run, 0) / "steps.jsonl", lambda line: json.dumps({**json.loads(line), "grad_norms": None}).encode()
+    )
     shutil.rmtree(series_dir(run, 0))  # schema version 2 keeps the norms in the columnar series
     verdict = audit(run)
     assert verdict["verdict"] == "unjudged"
@@ -57,11 +59,14 @@ def test_a_run_without_batch_or_gradient_records_is_unjudged(clean_run, tmp_path
     assert "30 of 30 recorded steps lack their gradient norms" in verdict["cannot_judge"]
 
 
-@pytest.mark.parametrize("poison", [
-    lambda line: b"\x00" * len(line),                       # NUL bytes (a sparse or zeroed file)
-    lambda line: line.replace(b'"s0', b'"\\ud800s0'),        # lone surrogates in the sample ids
-    lambda line: line.replace(b'"rows":8', b'"rows":"eight"'),  # a field of the wrong type
-])
+@pytest.mark.parametrize(
+    "poison",
+    [
+        lambda line: b"\x00" * len(line),  # NUL bytes (a sparse or zeroed file)
+        lambda line: line.replace(b'"s0', b'"\\ud800s0'),  # lone surrogates in the sample ids
+        lambda line: line.replace(b'"rows":8', b'"rows":"eight"'),  # a field of the wrong type
+    ],
+)
 def test_a_run_whose_batch_records_are_all_unreadable_is_unjudged(clean_run, tmp_path, poison):
     run = copy_run(clean_run, tmp_path / "run")
     rewrite(rank_dir(run, 0) / "batches.jsonl", poison)
@@ -112,7 +117,15 @@ def test_a_preflight_where_no_sample_renders_is_never_a_pass(clean_run, tmp_path
     data.write_text('{"id": "a", "text": "no messages"}\n{"id": "b", "text": "none here"}\n')
     config = tmp_path / "audit.toml"
     config.write_text('[audit]\ndisable = ["LOOP-01"]\n')
-    args = ["preflight", "--data", data, "--tokenizer", artifact_root(clean_run) / TOKENIZER_DIR, "--no-report", "--quiet"]
+    args = [
+        "preflight",
+        "--data",
+        data,
+        "--tokenizer",
+        artifact_root(clean_run) / TOKENIZER_DIR,
+        "--no-report",
+        "--quiet",
+    ]
     result = run_cli(*args, "--out", tmp_path / "out")
     assert result.returncode == 1 and "LOOP-01 fail" in result.stdout and "fail to render" in result.stdout
     result = run_cli(*args, "--out", tmp_path / "off", "--config", config)

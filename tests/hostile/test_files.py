@@ -69,8 +69,10 @@ def test_git_lfs_pointers_are_named_once_per_checkpoint(tmp_path):
     assert not any("hostile header" in f["message"] or "opcode" in f["message"] for f in loop09)
 
 
-REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),
-                Path("absent"))
+REALRUNS = next(
+    (p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),
+    Path("absent"),
+)
 
 
 @pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")

@@ -72,17 +72,21 @@ def test_a_database_that_is_not_duckdb_is_refused_with_what_to_do(clean_run, tmp
 
 
 def run_cli(*args, timeout=300):  # a hang guard: a loaded machine takes a minute to start the CLI
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda p: os.mkfifo(p), "not a regular file"),
-    (lambda p: os.symlink("/dev/zero", p), "outside the run folder"),
-    (lambda p: os.symlink("/etc/passwd", p), "outside the run folder"),
-    (lambda p: os.symlink("../../../../..", p), "outside the run folder"),
-    (lambda p: p.mkdir(), "not a regular file"),
-])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: os.mkfifo(p), "not a regular file"),
+        (lambda p: os.symlink("/dev/zero", p), "outside the run folder"),
+        (lambda p: os.symlink("/etc/passwd", p), "outside the run folder"),
+        (lambda p: os.symlink("../../../../..", p), "outside the run folder"),
+        (lambda p: p.mkdir(), "not a regular file"),
+    ],
+)
 def test_an_artifact_that_is_not_a_plain_file_inside_the_run_is_refused_fast(clean_run, tmp_path, make, reason):
     run = copy_run(clean_run, tmp_path / "run")
     steps = rank_dir(run, 0) / "steps.jsonl"

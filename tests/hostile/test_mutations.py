@@ -66,7 +66,7 @@ def mutate(line: bytes, op: str, data) -> list[bytes]:
     if op == "flip":
         at = data.draw(st.integers(0, len(line) - 1), label="at")
         byte = data.draw(st.integers(0, 255), label="byte")
-        return [line[:at] + bytes([byte]) + line[at + 1:]]
+        return [line[:at] + bytes([byte]) + line[at + 1 :]]
     if op == "drop":
         return []
     if op == "duplicate":
@@ -82,12 +82,18 @@ def pristine(clean_run):
     return clean_run
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),  # no shrinking: bounded
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),  # no shrinking: bounded
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_mutated_artifacts_never_pass_without_their_evidence(pristine, data):
-    name = data.draw(st.sampled_from([f for f in FILES if (rank_dir(pristine, 0) / f"{f}.jsonl").exists()]),
-                     label="file")
+    name = data.draw(
+        st.sampled_from([f for f in FILES if (rank_dir(pristine, 0) / f"{f}.jsonl").exists()]), label="file"
+    )
     ops = ("truncate", "drop") if name == "manifest" else OPS
     op = data.draw(st.sampled_from(ops), label="op")
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +104,7 @@ def test_mutated_artifacts_never_pass_without_their_evidence(pristine, data):
         index = data.draw(st.integers(0, len(lines) - 1), label="line")
         mutated = mutate(lines[index], op, data)
         removed = removes_evidence(name, lines[index], mutated, index == len(lines) - 1, op)
-        path.write_bytes(b"".join(line + b"\n" for line in lines[:index] + mutated + lines[index + 1:]))
+        path.write_bytes(b"".join(line + b"\n" for line in lines[:index] + mutated + lines[index + 1 :]))
         # No share of lost records allowed (the default allows 1%: tested in test_evidence), so that
         # every removal must be noticed.
         config = Path(tmp) / "audit.toml"

@@ -17,8 +17,9 @@ FOLDER = "checkpoint-10'$(touch marker)'"
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "sftaudit.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_escapes():
@@ -38,8 +39,9 @@ def test_a_hostile_checkpoint_folder_stays_one_word_in_the_printed_command(tmp_p
     assert not (tmp_path / "marker").exists()
     # Inside a word of another language (a Python string) such a path cannot be quoted: not filled in.
     assert fill_template("python -c 'train(resume_from=\"{checkpoint}\")'", f"run/{FOLDER}", []) is None
-    assert fill_template("python -c 'train(resume_from=\"{checkpoint}\")'", "run/checkpoint-10", []) == \
-        shlex.join(["python", "-c", 'train(resume_from="run/checkpoint-10")'])
+    assert fill_template("python -c 'train(resume_from=\"{checkpoint}\")'", "run/checkpoint-10", []) == shlex.join(
+        ["python", "-c", 'train(resume_from="run/checkpoint-10")']
+    )
 
 
 def hostile_run(nan_run, run, names: bool):
@@ -80,7 +82,9 @@ def test_hostile_names_reach_the_terminal_junit_and_shell_inert(nan_run, tmp_pat
     assert pasted.stdout.strip() == f"resuming {run / FOLDER}" and not (tmp_path / "marker").exists()
 
     junit = tmp_path / "gate.xml"
-    gate = run_cli("gate", tmp_path / "names", "--checkpoint", "checkpoint-20", "--junit", junit, "--json", tmp_path / "gate.json")
+    gate = run_cli(
+        "gate", tmp_path / "names", "--checkpoint", "checkpoint-20", "--junit", junit, "--json", tmp_path / "gate.json"
+    )
     assert gate.returncode == 1 and not any(c in gate.stdout + gate.stderr for c in RAW)
     suite = ET.parse(junit).getroot()  # well-formed XML despite the control characters
     text = ET.tostring(suite, encoding="unicode")

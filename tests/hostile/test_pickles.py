@@ -34,14 +34,17 @@ def _many_marks(marker) -> bytes:
     return b"\x80\x02" + b"(" * 200_000 + b"N" + b"l" * 200_000 + b"."
 
 
-@pytest.mark.parametrize("name,build,file", [
-    ("deep key, weights", _deep_key, "pytorch_model.bin"),
-    ("deep key, optimizer", _deep_key, "optimizer.pt"),
-    ("deep key, training state", _deep_key, "training_state.pt"),
-    ("deep key, rng state", _deep_key, "rng_state.pth"),
-    ("shared nested lists", _shared_lists, "optimizer.pt"),
-    ("two hundred thousand marks", _many_marks, "rng_state.pth"),
-])
+@pytest.mark.parametrize(
+    "name,build,file",
+    [
+        ("deep key, weights", _deep_key, "pytorch_model.bin"),
+        ("deep key, optimizer", _deep_key, "optimizer.pt"),
+        ("deep key, training state", _deep_key, "training_state.pt"),
+        ("deep key, rng state", _deep_key, "rng_state.pth"),
+        ("shared nested lists", _shared_lists, "optimizer.pt"),
+        ("two hundred thousand marks", _many_marks, "rng_state.pth"),
+    ],
+)
 def test_a_hostile_pickle_is_a_loop09_fail_and_never_runs(tmp_path, name, build, file):
     marker = tmp_path / "MARKER"
     run = trainer_run(tmp_path)
@@ -82,5 +85,7 @@ def test_a_zip64_storage_that_claims_64_gb_is_refused_before_decompression(tmp_p
     done = audit(run)
     assert done.returncode == 1, done.stdout + done.stderr
     fails = [f["message"] for f in findings(run, "LOOP-09") if f["severity"] == "fail"]
-    assert any("storage record 0 holds 68719476736 bytes but the pickle declares 20" in m
-               and "refusing to decompress" in m for m in fails), fails
+    assert any(
+        "storage record 0 holds 68719476736 bytes but the pickle declares 20" in m and "refusing to decompress" in m
+        for m in fails
+    ), fails

@@ -36,8 +36,9 @@ print("rendered")
 def test_a_template_bomb_exceeds_its_budget(name):
     # A subprocess with a memory cap: a bomb that escaped the budget would die there, not fill the machine.
     capped = "import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))\n" + PROGRAM
-    done = subprocess.run([sys.executable, "-c", capped, BOMBS[name] + BASE], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", capped, BOMBS[name] + BASE], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.strip().startswith("chat template exceeded its render budget")
     assert len(done.stdout.strip().splitlines()) == 1

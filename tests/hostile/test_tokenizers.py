@@ -15,9 +15,15 @@ from .builders import audit, trainer_run, verdict
 def _evil_folder(folder, marker):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenization_evil.py").write_text(f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]},
-        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "EvilTokenizer",
+                "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]},
+                "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+            }
+        )
+    )
     (folder / "tokenizer.json").write_text("{}")
 
 
@@ -43,7 +49,9 @@ def test_an_auto_map_tokenizer_in_a_checkpoint_is_not_a_question(tmp_path):
 def test_a_tokenizer_config_alone_is_not_used(tmp_path):
     folder = tmp_path / "tok"
     folder.mkdir()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", "eos_token": "<eos>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GemmaTokenizer", "eos_token": "<eos>"})
+    )
     with pytest.raises(TokenizerRefused, match="cannot be built whole"):
         load_saved_tokenizer(folder)
     run = trainer_run(tmp_path / "r")
@@ -60,8 +68,10 @@ def test_a_tokenizer_config_alone_is_not_used(tmp_path):
 
 
 # <repo>/../shared/realruns (a worktree under <repo>/../wt/NAME has it one level further up).
-REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),
-                Path("absent"))
+REALRUNS = next(
+    (p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),
+    Path("absent"),
+)
 
 
 @pytest.mark.skipif(not (REALRUNS / "gemma3-kaggle-lfs-clone").is_dir(), reason="the real runs are not here")
@@ -69,8 +79,9 @@ REALRUNS = next((p for p in (Path(__file__).resolve().parents[i] / "shared" / "r
 def test_gemma3s_real_template_gives_a_layout_with_a_whole_tokenizer(tmp_path):
     """The template is not what broke LOOP-01/02 on the Gemma 3 run: the 22-token tokenizer rebuilt from its
     tokenizer_config.json alone was. With a whole vocabulary the template's markers are found."""
-    from sftaudit.chat_template import TemplateLayout
     from sftaudit.fixtures import build_tokenizer
+
+    from sftaudit.chat_template import TemplateLayout
 
     source = (REALRUNS / "gemma3-kaggle-lfs-clone" / "checkpoint-200" / "chat_template.jinja").read_text()
     tokenizer = build_tokenizer(tmp_path / "tok")

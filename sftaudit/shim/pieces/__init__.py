@@ -28,8 +28,7 @@ class Pieces:
     # A forward pass needs every rank (each gathers the others' shards): probes then run on all ranks.
     shards_weights = False
 
-    def __init__(self, params: list[dict], tied: dict[str, str], tensors: list[torch.nn.Parameter],
-                 layout: list[dict]):
+    def __init__(self, params: list[dict], tied: dict[str, str], tensors: list[torch.nn.Parameter], layout: list[dict]):
         self.params = [{**p, **kind} for p, kind in zip(params, layout)]  # the manifest's entries
         self.tied = tied
         self._tensors = tensors

@@ -26,7 +26,7 @@ that the pieces still have the norms it recorded before taking histograms of the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,14 +58,18 @@ class ZeroPieces(Pieces):
         if self._stage3:
             from deepspeed.utils import safe_get_local_grad
 
-            return [safe_get_local_grad(p)[: stop - start] if p.requires_grad else None
-                    for p, (start, stop) in zip(self._tensors, self._ranges)]
+            return [
+                safe_get_local_grad(p)[: stop - start] if p.requires_grad else None
+                for p, (start, stop) in zip(self._tensors, self._ranges)
+            ]
         fragments = [_fragment_grad(p, start, stop) for p, (start, stop) in zip(self._tensors, self._ranges)]
         if all(g is None for g in fragments):
             return fragments  # between the optimizer step and the next reduction: no gradient anywhere
         # A parameter with no fragment on this rank gets an empty piece (the other ranks hold it all).
-        self._read = [g if g is not None or getattr(p, "_hp_mapping", True) is not None else p.detach().reshape(-1)[:0]
-                      for g, p in zip(fragments, self._tensors)]
+        self._read = [
+            g if g is not None or getattr(p, "_hp_mapping", True) is not None else p.detach().reshape(-1)[:0]
+            for g, p in zip(fragments, self._tensors)
+        ]
         return self._read
 
     def weights(self) -> list[torch.Tensor]:
@@ -112,8 +116,14 @@ def _fragment_grad(p: torch.nn.Parameter, start: int, stop: int) -> torch.Tensor
 def zero_optimizer(optimizer):
     """The ZeRO optimizer: `optimizer` itself, or the one an accelerate wrapper holds as `.optimizer`
     (None when there is none)."""
-    return next((o for o in (optimizer, getattr(optimizer, "optimizer", None))
-                 if any(c.__name__ == "ZeROOptimizer" for c in type(o).__mro__)), None)
+    return next(
+        (
+            o
+            for o in (optimizer, getattr(optimizer, "optimizer", None))
+            if any(c.__name__ == "ZeROOptimizer" for c in type(o).__mro__)
+        ),
+        None,
+    )
 
 
 def read_before_step(zero, read: Callable[[], None]) -> None:

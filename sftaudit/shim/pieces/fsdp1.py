@@ -52,17 +52,29 @@ def pieces(model: torch.nn.Module, rank: int, world_size: int) -> Pieces | None:
         sharded = handle._sharding_strategy != HandleShardingStrategy.NO_SHARD
         replica = rank // handle.process_group.size() if handle._sharding_strategy in HYBRID else 0
         for i, (fqn, shape, numel) in enumerate(zip(flat._fqns, flat._shapes, flat._numels)):
-            params.append({"name": canonical_name(f"{owner}.{fqn}" if owner else fqn), "shape": list(shape),
-                           "dtype": str(flat.dtype).removeprefix("torch."), "numel": numel,
-                           "requires_grad": flat.requires_grad})
+            params.append(
+                {
+                    "name": canonical_name(f"{owner}.{fqn}" if owner else fqn),
+                    "shape": list(shape),
+                    "dtype": str(flat.dtype).removeprefix("torch."),
+                    "numel": numel,
+                    "requires_grad": flat.requires_grad,
+                }
+            )
             slots.append((handle, i))
             info = flat._shard_param_infos[i]
             if not sharded:
                 layout.append(whole("replicated", numel, rank))
             elif info.in_shard:
-                layout.append({"kind": "sharded", "start": info.intra_param_start_idx,
-                               "stop": info.intra_param_end_idx + 1, "local_numel": info.numel_in_shard,
-                               "replica": replica})
+                layout.append(
+                    {
+                        "kind": "sharded",
+                        "start": info.intra_param_start_idx,
+                        "stop": info.intra_param_end_idx + 1,
+                        "local_numel": info.numel_in_shard,
+                        "replica": replica,
+                    }
+                )
             else:
                 layout.append({"kind": "sharded", "start": 0, "stop": 0, "local_numel": 0, "replica": replica})
     return FlatParamPieces(model, params, slots, layout)
@@ -85,4 +97,4 @@ def _piece(handle, i: int, grad: bool) -> torch.Tensor | None:
         return None
     if not info.in_shard:
         return source[:0]
-    return source[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+    return source[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]

@@ -49,8 +49,7 @@ def _layout(p: DTensor, rank: int) -> dict:
     mesh, placements = p.device_mesh, p.placements
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     if any(isinstance(pl, Partial) for pl in placements):
-        return {"kind": "partial", "start": None, "stop": None, "local_numel": p._local_tensor.numel(),
-                "replica": rank}
+        return {"kind": "partial", "start": None, "stop": None, "local_numel": p._local_tensor.numel(), "replica": rank}
     replica_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
     replica = 0
     for d in replica_dims:  # the coordinate on the replicate dims, flattened
