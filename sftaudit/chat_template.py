@@ -795,11 +795,16 @@ class TemplateLayout:
         )
 
 
+BYTE_FALLBACK_BLANKS = {"<0x0A>", "<0x09>", "<0x20>"}
+
+
 def _blank_ids(tokenizer: Any) -> np.ndarray:
     """[vocab] bool: tokens that decode to whitespace only (tolerated next to turn markers)."""
     vocab = tokenizer.get_vocab()
     blank = np.zeros(max(len(tokenizer), max(vocab.values(), default=0) + 1), dtype=bool)
-    pieces = [t for t in vocab if t.strip("\u0120\u010a\u0109\u2581\n\t\r <0x0A><0x09><0x20>") == ""]
+    # Whitespace characters as byte-level (Ġ Ċ ĉ) and SentencePiece (▁) vocabularies spell them, and
+    # SentencePiece's byte-fallback pieces for them: a strip() set of "<0x0A>" would also blank "A", "0", "x".
+    pieces = [t for t in vocab if t in BYTE_FALLBACK_BLANKS or t.strip("\u0120\u010a\u0109\u2581\n\t\r ") == ""]
     for token in pieces:
         # A lone word-start piece decodes to nothing (a legacy SentencePiece `▁` after a special token).
         text = tokenizer.convert_tokens_to_string([token])
