@@ -25,9 +25,7 @@ Its parts, beside it: `sink` (guarded writes), `batches` (batch statistics), `gr
 from __future__ import annotations
 
 import os
-import sys
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,18 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import __version__
-from ..artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
-from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
+from ..artifacts import rank_dir
+from ..tokenizer_info import tokenizer_fingerprint
 from .batches import Batches, attention_inputs
 from .describe import (
-    describe_dataset,
-    describe_model,
-    describe_scheduler,
     describe_state,
-    jsonable,
-    library_versions,
-    marker_rows,
+    segment_manifest,
     unwrap_model,
 )
 from .gradients import Gradients
@@ -135,7 +127,7 @@ class Recorder:
         config = dict(config or {})
         if max_steps is not None:
             config["max_steps"] = int(max_steps)
-        self._write("manifest", self._manifest(run_id, config, dataset, scheduler))
+        self._write("manifest", segment_manifest(self, run_id, config, dataset, scheduler))
         self._write("events", {"kind": "start", "time": time.time()})
         self.probes = Probes(
             model,
@@ -151,57 +143,6 @@ class Recorder:
         # The model's own loss per micro-batch and the weight the backpropagated objective gives it
         # (LOOP-13 recomputes the intended token mean from them).
         self._loss_hook = model.register_forward_hook(self._after_forward, with_kwargs=True)
-
-    def _manifest(self, run_id: str | None, config: dict, dataset: Any, scheduler: Any) -> dict:
-        """The segment's manifest record: the run, its model and parameters, versions, tokenizer, dataset."""
-        norms_at_backward_end = self._grads.at_backward_end
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "run_id": run_id or self.run_dir.resolve().name,
-            "seg": self.segment,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "profile": self.profile,
-            "schedule": self.schedule.__dict__,
-            "started": time.time(),
-            "versions": {"sftaudit": __version__, "torch": torch.__version__, **library_versions()},
-            "instance_id": uuid.uuid4().hex,
-            "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
-            "model": describe_model(self.model),
-            "params": self._pieces.params,  # with each parameter's layout on this rank (see `pieces`)
-            "framework": self._pieces.framework,
-            "tied": self._pieces.tied,
-            "grad_norm_source": self.grad_norm_source,
-            # Where the norms were read: "on_backward" (the loop's call) or "backward_end" (the autograd callback,
-            # with each step's post-clip norms beside them in grad_norms_post_clip).
-            "grad_norm_read": "backward_end" if norms_at_backward_end else "on_backward",
-            "tokenizer": None,
-            "dataset": None,
-            "probe_prompts": self.probe_prompts,
-            "eval_set": [
-                {"id": str(it.get("id", i)), "messages": it["messages"], "reference": it["reference"]}
-                for i, it in enumerate(self.eval_set)
-            ],
-            "config": jsonable(config),
-            "param_norms": None,
-            "scheduler": None,
-        }
-        with self._guard("manifest"):
-            if self.tokenizer is not None:
-                manifest["tokenizer"] = describe_tokenizer(self.tokenizer)
-                plain = self._pieces.framework == "plain"
-                manifest["marker_rows"] = marker_rows(self.model, self.tokenizer) if plain else None
-                target = artifact_root(self.run_dir) / TOKENIZER_DIR
-                if self.rank == 0 and not target.exists() and hasattr(self.tokenizer, "save_pretrained"):
-                    self.tokenizer.save_pretrained(str(target))
-            if dataset is not None:
-                manifest["dataset"] = describe_dataset(dataset)
-            manifest["param_norms"] = param_norms(self._pieces)
-            if scheduler is not None:
-                manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
-            if self.optimizer is not None:  # LOOP-22 judges the learning rate against the optimizer's family
-                manifest["optimizer"] = {"class": type(self.optimizer).__name__}
-        return manifest
 
     # ------------------------------------------------------------------ public hooks
 
