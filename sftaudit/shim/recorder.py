@@ -38,10 +38,10 @@ from ..tokenizer_info import tokenizer_fingerprint
 from .batches import Batches, attention_inputs
 from .describe import (
     describe_state,
-    segment_manifest,
     unwrap_model,
 )
 from .gradients import Gradients
+from .manifest import segment_manifest
 from .pieces import local_pieces
 from .probes import Probes
 from .profiles import DEFAULT_PROFILE, resolve_schedule
