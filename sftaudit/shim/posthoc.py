@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
+from ..safe_io import read_text
 from ..tokenizer_info import load_saved_tokenizer
 from .writer import read_jsonl
 
@@ -92,13 +93,30 @@ def _load_model(path: Path, base: str | Path | None) -> Any:
     if (path / "adapter_config.json").is_file():
         if base is None:
             raise ValueError(f"{path.name} holds a PEFT adapter: give the base model with --base")
-        from peft import PeftModel
-
         base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, trust_remote_code=False)
-        model = PeftModel.from_pretrained(base_model, str(path))
+        model = _with_adapter(base_model, path)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)
     return model.eval()
+
+
+def _with_adapter(base_model: Any, path: Path) -> Any:
+    """The base model with the checkpoint's PEFT adapter, from its JSON config and safetensors weights alone.
+    PeftModel.from_pretrained falls back to a pickled adapter_model.bin and has no remote-code switch; an
+    adapter is data, so nothing of the folder runs and nothing is unpickled."""
+    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(
+            f"{path.name}: the adapter has no adapter_model.safetensors (a pickled adapter_model.bin is not loaded); "
+            f"save it with safe_serialization=True"
+        )
+    settings = json.loads(read_text(path / "adapter_config.json", root=path))  # a regular file, bounded
+    model = get_peft_model(base_model, PeftConfig.from_peft_type(**settings))
+    set_peft_model_state_dict(model, load_file(str(weights)))
+    return model
 
 
 def _probe(
