@@ -82,7 +82,7 @@ def write_synthetic_run(
     warm = 500
     lr = 3e-4 * np.minimum(1.0, step / warm)
     loss = 2.0 + 1.5 * np.exp(-step / 8000) + 0.05 * rng.standard_normal(steps)
-    scale = np.exp(rng.normal(-3, 1.0, tensors))  # tensors differ by orders of magnitude, as in a real model
+    scale = _scales(seed, tensors)
     if "loss_spike" in anomalies:
         a = anomalies["loss_spike"]
         loss[a["step"] - 1 : a["step"] - 1 + a["steps"]] += 3.0
@@ -139,6 +139,12 @@ def write_synthetic_run(
     return anomalies
 
 
+def _scales(seed: int, tensors: int) -> np.ndarray:
+    """Each tensor's typical norm: they differ by orders of magnitude, as in a real model (a generator of
+    their own, so appended steps continue the same tensors)."""
+    return np.exp(np.random.default_rng([seed, 1]).normal(-3, 1.0, tensors))
+
+
 def _norms(rng, scale: np.ndarray, lo: int, hi: int, anomalies: dict, previous: np.ndarray | None) -> np.ndarray:
     """Steps lo+1..hi of the per-tensor norms (float32, as the shim transfers them), anomalies planted."""
     norms = scale * np.exp(0.15 * rng.standard_normal((hi - lo, scale.size)))
@@ -157,12 +163,15 @@ def _norms(rng, scale: np.ndarray, lo: int, hi: int, anomalies: dict, previous: 
     return norms
 
 
-def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed: int = 1) -> None:
-    """`steps` more clean steps after step `after`, as the same segment still running would write them."""
-    rng = np.random.default_rng(seed)
+def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed: int = 0) -> None:
+    """`steps` more steps after step `after`, as the same segment still running would write them: the same
+    tensors at their level (the planted scale-up kept), the loss and learning rate where the run left them."""
+    rng = np.random.default_rng([seed, 2, after])
     writer = JsonlWriter(rank_dir(run_dir, 0))
-    norms = np.exp(rng.normal(-3, 1.0, tensors)) * np.exp(0.15 * rng.standard_normal((steps, tensors)))
-    norms = norms.astype(np.float32)
+    anomalies = default_anomalies(after, tensors)
+    norms = _norms(rng, _scales(seed, tensors), after, after + steps, {"grad_scale": anomalies["grad_scale"]}, None)
+    lr = 3e-4 * anomalies["lr_jump"]["factor"]
+    loss = 2.0 + 8.0 + 0.05 * rng.standard_normal(steps)
     for i in range(steps):
         writer.write(
             "steps",
@@ -171,8 +180,8 @@ def append_steps(run_dir: str | Path, after: int, tensors: int, steps: int, seed
                 "step": after + i + 1,
                 "time": time.time(),
                 "dt": 0.1,
-                "loss": 2.0,
-                "lr": 3e-4,
+                "loss": float(loss[i]),
+                "lr": lr,
                 "grad_norm": float(np.sqrt((norms[i].astype(np.float64) ** 2).sum())),
                 "grad_norms": norms[i],
                 "nonfinite_grads": {},

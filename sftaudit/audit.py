@@ -167,7 +167,7 @@ def bad_lines(con) -> list[dict[str, Any]]:
 # Per-step evidence the shim writes at every step in every profile, and its component's name.
 PER_STEP_EVIDENCE = (
     ("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
-    ("grad_pieces", "gradients", "gradient norms"),
+    ("grad_piece_cells", "gradients", "gradient norms"),  # grad_pieces without the names: a scan of every norm
 )
 
 
@@ -261,7 +261,7 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
     recorded = {"tokenizer": bool(tokenizer), "chat_template": bool(tokenizer.get("chat_template"))}
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for table in set(EVIDENCE) - set(recorded):
-        recorded[table] = table in tables and bool(first_row(con, f'SELECT count(*) FROM "{table}"')[0])
+        recorded[table] = table in tables and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
     return recorded
 
 

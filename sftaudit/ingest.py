@@ -142,8 +142,8 @@ def _sql_text(value: str) -> str:
 def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
     """The gradient-norm views of this connection (temporary, so a moved run folder still reads):
     ``grad_pieces`` (each rank's own pieces on the timeline), ``grad_norms`` (the whole tensors: the
-    pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` (grad_norms
-    without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
+    pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` and
+    ``grad_piece_cells`` (grad_norms and grad_pieces without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
     root = artifact_root(run_dir).resolve()
     parts = [
         root / f
@@ -188,12 +188,13 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
     )
     cells = f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({series}) g {cut if resumed else ''} WHERE {listed}"
     con.execute(
-        "CREATE OR REPLACE TEMP VIEW grad_cells AS "
-        + (
-            "SELECT rank, seg, step, idx, norm FROM grad_norms_reduced"
-            if reduced
-            else cells + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
-        )
+        "CREATE OR REPLACE TEMP VIEW grad_piece_cells AS "
+        + cells
+        + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
+    )
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW grad_cells AS SELECT rank, seg, step, idx, norm FROM "
+        + ("grad_norms_reduced" if reduced else "grad_piece_cells")
     )
     if resumed:
         con.execute(f"CREATE OR REPLACE TEMP VIEW superseded_grad_pieces AS {named} {cut} WHERE g.step >= c.cutoff")

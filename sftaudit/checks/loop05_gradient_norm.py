@@ -6,11 +6,12 @@ import numpy as np
 
 from ..artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
+from .gradient_columns import gradient_columns
 from .rolling import (
     adaptive_window,
+    block_stats,
     column,
     dominant_period,
-    grad_norm_matrix,
     nonfinite_logged,
     previous_block_stats,
     robust_z,
@@ -165,13 +166,11 @@ class GradientNormAnomaly(Check):
         if steps_frame.height < 2:
             return []
         steps = steps_frame["step"].to_numpy()
-        _, names, norms = grad_norm_matrix(ctx)
+        columns = gradient_columns(ctx)
+        names = columns.names
         # Non-finite norms are no spikes: a skipped update is LOOP-25's info, an applied one the non-finite rule's.
         g = column(steps_frame, "grad_norm")
         with np.errstate(divide="ignore", invalid="ignore"):
-            y = np.log(
-                np.where(np.isfinite(norms) & (norms > 0), norms, np.nan).astype(np.float32)
-            )  # float32: half the memory traffic
             global_y = np.log(np.where(np.isfinite(g) & (g > 0), g, np.nan))
         window = self.params["window"] or adaptive_window(steps.size)
         warmup = self.params["warmup_steps"]
@@ -181,32 +180,15 @@ class GradientNormAnomaly(Check):
             else steps[warmup_end(np.nan_to_num(column(steps_frame, "lr")), skipped)]
         )
         judged = steps >= first_judged
-
-        # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline for what follows.
-        median, sigma = previous_block_stats(
-            np.where(judged[:, None], y, np.nan), window, SIGMA_BLOCKS, MIN_BASELINE_SHARE
-        )
-        z_own = robust_z(y, median, sigma, LOG_SIGMA_FLOOR)
-        log_ratio = y - median
-        with np.errstate(invalid="ignore"):
-            own = (
-                judged[:, None] & (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
-            )
-        # The cross-tensor rule, evaluated only on the steps where some tensor spiked on its own.
-        z_across = np.full(y.shape, np.nan)
-        candidates = np.flatnonzero(own.any(axis=1))
-        if candidates.size:
-            sub = log_ratio[candidates]
-            finite = np.isfinite(sub)
-            count = finite.sum(axis=1, keepdims=True)
-            mean = np.where(finite, sub, 0.0).sum(axis=1, keepdims=True) / count
-            spread = np.sqrt((np.where(finite, sub - mean, 0.0) ** 2).sum(axis=1, keepdims=True) / count)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                z_across[candidates] = (sub - mean) / np.where(spread > 0, spread, np.nan)
-        with np.errstate(invalid="ignore"):
-            flagged = own & (z_across >= self.params["sigma_across"])
-        # initial: a run that lists no tensors (an imported log without checkpoints) has no columns to reduce
-        largest = np.fmax.reduce(np.where(judged[:, None], log_ratio, np.nan), axis=1, initial=-np.inf)
+        cells, largest, across = self._own_history(columns, judged, window)
+        tensor, cell_step, norm, median, log_ratio, z_own = cells
+        # The cross-tensor rule at the cells that spiked on their own: against every tensor's log-ratio at that step.
+        total, total_sq, count = across
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = total / count
+            spread = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
+            z_across = (log_ratio - mean[cell_step]) / np.where(spread[cell_step] > 0, spread[cell_step], np.nan)
+            flagged = z_across >= self.params["sigma_across"]
         ctx.add_series(
             self.code,
             "largest gradient norm / own running median",
@@ -217,46 +199,48 @@ class GradientNormAnomaly(Check):
 
         findings: list[Finding] = []
         episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
-        explained = flagged.any(axis=1)  # steps a tensor-level finding accounts for
-        for col in np.flatnonzero(own.any(axis=0)):
+        explained = np.zeros(steps.size, dtype=bool)  # steps a tensor-level finding accounts for
+        explained[cell_step[flagged]] = True
+        order = np.lexsort((cell_step, tensor))  # by tensor, then step
+        spiking, starts = np.unique(tensor[order], return_index=True)
+        for col, own in zip(spiking, np.split(order, starts[1:])):
             # Periodicity is judged on the tensor's own history: other tensors may spike with it.
-            rows = np.flatnonzero(own[:, col])
-            period = dominant_period(steps[rows], self.params["min_periodic_spikes"])
-            if period is None:
-                rows = np.flatnonzero(flagged[:, col])
-                if not rows.size:
-                    continue
-            row = rows[0]
+            period = dominant_period(steps[cell_step[own]], self.params["min_periodic_spikes"])
+            chosen = own if period is not None else own[flagged[own]]
+            if not chosen.size:
+                continue
+            i = chosen[0]
             entry = {
                 "tensor": names[col],
-                "norm": norms[row, col],
-                "baseline_median": float(np.exp(median[row, col])),
-                "effect_size": float(np.exp(log_ratio[row, col])),
-                "z_own": z_own[row, col],
-                "p_value": float(stats.norm.sf(z_own[row, col])),
-                "z_across": z_across[row, col],
-                "steps_flagged": int(rows.size),
-                "last_step": int(steps[rows[-1]]),
+                "norm": float(norm[i]),
+                "baseline_median": float(np.exp(median[i])),
+                "effect_size": float(np.exp(log_ratio[i])),
+                "z_own": float(z_own[i]),
+                "p_value": float(stats.norm.sf(z_own[i])),
+                "z_across": float(z_across[i]),
+                "steps_flagged": int(chosen.size),
+                "last_step": int(steps[cell_step[chosen[-1]]]),
             }
+            at = int(steps[cell_step[i]])
             if period is not None:
-                explained[rows] = True
+                explained[cell_step[chosen]] = True
                 findings.append(
                     self.finding(
                         "warn",
-                        f"{names[col]} gradient norm spikes every {period} steps from step {steps[row]} ({rows.size} spikes, "
-                        f"up to {np.exp(log_ratio[rows, col].max()):.0f}x its running median); look for work the framework repeats on that "
+                        f"{names[col]} gradient norm spikes every {period} steps from step {at} ({chosen.size} spikes, "
+                        f"up to {np.exp(log_ratio[chosen].max()):.0f}x its running median); look for work the framework repeats on that "
                         f"period (recompilation, a scheduled hook), not for bad data",
-                        step=steps[row],
+                        step=at,
                         period=period,
-                        spike_steps=steps[rows].tolist(),
+                        spike_steps=steps[cell_step[chosen]].tolist(),
                         tensors=[entry],
                         threshold=self.params["min_ratio"],
                         value=entry["effect_size"],
-                        **self._histogram(ctx, int(steps[row]), names[col]),
+                        **self._histogram(ctx, at, names[col]),
                     )
                 )
             else:
-                episodes.setdefault(int(steps[row]), []).append(entry)
+                episodes.setdefault(at, []).append(entry)
         for step, tensors in sorted(episodes.items()):
             tensors.sort(key=lambda t: -t["effect_size"])
             top = tensors[0]
@@ -304,6 +288,67 @@ class GradientNormAnomaly(Check):
                 )
             )
         return findings
+
+    def _own_history(self, columns, judged: np.ndarray, window: int):
+        """Each tensor against its own history, a block of tensors at a time: the cells (tensor, step row,
+        norm, baseline log-median, log-ratio, z) that spiked on their own; per step, the largest judged
+        log-ratio; and the sum, sum of squares and count of every tensor's finite log-ratio (the
+        cross-tensor rule's mean and spread)."""
+        n = judged.size
+        largest = np.full(n, -np.inf)
+        total, total_sq, count = np.zeros(n), np.zeros(n), np.zeros(n)
+        cells = []
+        min_log_ratio = np.log(self.params["min_ratio"])
+        blocks = n // window
+        groups = -(-n // window)  # the blocks and the incomplete one after them: the steps in groups of `window`
+        unjudged = np.flatnonzero(~judged)
+        for first, norms in columns.blocks():
+            if blocks < 2:
+                break  # no step has a previous block to be judged against
+            # y = log norm, in a buffer of whole groups: a group's log-ratios are computed in place against
+            # the statistics of the block before it (a view, not a steps-long copy of them).
+            y = np.full((len(norms), groups * window), np.nan, dtype=np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                np.log(norms, out=y[:, :n], where=np.isfinite(norms) & (norms > 0))
+            # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline and are not judged.
+            y[:, unjudged] = np.nan
+            med, sig = block_stats(y[:, :n], window, SIGMA_BLOCKS, MIN_BASELINE_SHARE)
+            grouped = y.reshape(len(norms), groups, window)
+            grouped[:, 0] = np.nan
+            grouped[:, 1:] -= med[:, : groups - 1, None]
+            log_ratio = y[:, :n]
+            z_own = np.empty_like(y)
+            z_grouped = z_own.reshape(grouped.shape)
+            z_grouped[:, 0] = np.nan
+            np.divide(grouped[:, 1:], np.maximum(sig, LOG_SIGMA_FLOOR)[:, : groups - 1, None], out=z_grouped[:, 1:])
+            z_own = z_own[:, :n]
+            with np.errstate(invalid="ignore"):
+                own = (z_own >= self.params["sigma_own"]) & (log_ratio >= min_log_ratio)
+            tensor, row = np.nonzero(own)
+            del own
+            cells.append(
+                (
+                    tensor + first,
+                    row,
+                    norms[tensor, row],
+                    med[tensor, row // window - 1],
+                    log_ratio[tensor, row],
+                    z_own[tensor, row],
+                )
+            )
+            # initial: a step no tensor of the block has a finite log-ratio at has nothing to reduce
+            largest = np.fmax(largest, np.fmax.reduce(log_ratio, axis=0, initial=-np.inf))
+            finite = np.isfinite(log_ratio)
+            log_ratio[~finite] = 0.0
+            total += log_ratio.sum(axis=0, dtype=np.float64)
+            total_sq += np.square(log_ratio, out=z_own).sum(axis=0, dtype=np.float64)
+            count += finite.sum(axis=0)
+        if cells:
+            joined = tuple(np.concatenate(part) for part in zip(*cells))
+        else:
+            empty = np.zeros(0)
+            joined = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
+        return joined, largest, (total, total_sq, count)
 
     def _histogram(self, ctx: AuditContext, step: int, tensor: str) -> dict:
         row = ctx.row(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
+from .gradient_columns import gradient_columns
 from .rolling import (
     adaptive_window,
     column,
-    grad_norm_matrix,
     loss_excursions,
     loss_family,
     nonfinite_logged,
@@ -237,52 +239,68 @@ class LossDynamics(Check):
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
         from scipy import stats  # (imported on use, as above)
 
-        series = {"loss": column(frame, "loss"), "global grad norm": column(frame, "grad_norm")}
         steps = frame["step"].to_numpy()
-        _, names, norms = grad_norm_matrix(ctx)
-        labels = list(series) + [f"grad norm {n}" for n in names]
-        values = np.column_stack([series["loss"], series["global grad norm"], norms])
         start = -(-max(first, 1) // window) * window
         blocks = (steps.size - start - 1) // window
         if blocks < 2:
             return []
-        with np.errstate(divide="ignore", invalid="ignore"):
-            change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=0))[
-                start : start + blocks * window
-            ]
-        windows = change.reshape(blocks, window, -1).transpose(0, 2, 1)  # block, series, step
-        finite = np.isfinite(windows).all(axis=2)
-        ok = finite[:-1] & finite[1:]
-        medians = np.median(windows, axis=2)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            effect = medians[1:] / medians[:-1]
-        # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
-        # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
-        tested = ok & (effect >= self.params["min_volatility_ratio"])
-        p = np.ones(ok.shape)
-        if tested.any():
-            p[tested] = stats.mannwhitneyu(
-                windows[:-1][tested], windows[1:][tested], axis=1, alternative="two-sided"
-            ).pvalue
-        q = stats.false_discovery_control(p.ravel(), method="bh").reshape(p.shape)
-        hit = (q < self.params["fdr_q"]) & (effect >= self.params["min_volatility_ratio"]) & ok
+        columns = gradient_columns(ctx)
+        labels = ["loss", "global grad norm"] + [f"grad norm {n}" for n in columns.names]
+        logged = np.vstack([column(frame, "loss"), column(frame, "grad_norm")])
+        found = []  # per block of series: (window index, series index, p-value, effect size) of each test
+        compared = 0
+        for first_series, values in itertools.chain([(0, logged)], ((2 + i, b) for i, b in columns.blocks())):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=1))
+            windows = change[:, start : start + blocks * window].reshape(len(values), blocks, window)
+            del change
+            finite = np.isfinite(windows).all(axis=2)
+            ok = finite[:, :-1] & finite[:, 1:]
+            ordered = np.sort(windows, axis=2)
+            medians = (ordered[..., (window - 1) // 2] + ordered[..., window // 2]) / 2
+            del ordered
+            with np.errstate(divide="ignore", invalid="ignore"):
+                effect = medians[:, 1:] / medians[:, :-1]
+            # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
+            # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
+            series, at = np.nonzero(ok & (effect >= self.params["min_volatility_ratio"]))
+            p = (
+                stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
+                if series.size
+                else np.zeros(0)
+            )
+            found.append((at, series + first_series, p, effect[series, at]))
+            compared += int(ok.sum())
+        at, series, p, effect = (np.concatenate(part) for part in zip(*found))
+        q = _benjamini_hochberg(p, (blocks - 1) * len(labels))
+        hit = q < self.params["fdr_q"]
         if not hit.any():
             return []
-        b = int(np.flatnonzero(hit.any(axis=1))[0])
-        cols = np.flatnonzero(hit[b])
-        at = int(steps[start + (b + 1) * window + 1])
+        b = int(at[hit].min())
+        chosen = np.flatnonzero(hit & (at == b))
+        step = int(steps[start + (b + 1) * window + 1])
         listed = sorted(
-            ({"series": labels[c], "q_value": q[b, c], "effect_size": effect[b, c]} for c in cols),
+            ({"series": labels[series[i]], "q_value": float(q[i]), "effect_size": float(effect[i])} for i in chosen),
             key=lambda r: r["q_value"],
         )[: self.params["max_series_listed"]]
         return [
             self.finding(
                 "info",
-                f"step-to-step volatility of {len(cols)} series ({listed[0]['series']} first) rose from step {at} "
+                f"step-to-step volatility of {chosen.size} series ({listed[0]['series']} first) rose from step {step} "
                 f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",
-                step=at,
+                step=step,
                 drifted=listed,
-                tests=int(ok.sum()),
+                tests=compared,
                 threshold=self.params["fdr_q"],
             )
         ]
+
+
+def _benjamini_hochberg(p: np.ndarray, tests: int) -> np.ndarray:
+    """Benjamini-Hochberg q-values of `p` among `tests` tests in all, the others' p-values being 1 (so they
+    rank last and lower no q-value)."""
+    order = np.argsort(p, kind="stable")
+    ranked = p[order] * tests / np.arange(1, p.size + 1)
+    q = np.empty(p.size)
+    q[order] = np.minimum(np.minimum.accumulate(ranked[::-1])[::-1], 1.0)
+    return q

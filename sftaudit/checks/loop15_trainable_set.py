@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import grad_norm_matrix, runs_of
+from .gradient_columns import ABSENT, gradient_columns
 
 
 class TrainableSetConformance(Check):
@@ -92,40 +92,40 @@ class TrainableSetConformance(Check):
         ]
 
     def _gradients(self, ctx: AuditContext, params) -> list[Finding]:
-        steps, _, norms = grad_norm_matrix(ctx)  # NaN where absent: a recorded NaN is told apart below
-        if steps.size == 0 or norms.shape[1] == 0:
+        columns = gradient_columns(ctx)
+        n_params = len(columns.names)
+        graded = columns.graded  # a step whose gradients were not recorded at all is not judged
+        if n_params == 0 or not graded.any():
             return []
-        present = ~np.isnan(norms)
-        nan_cells = ctx.con.sql("SELECT step, idx FROM grad_cells WHERE rank = 0 AND isnan(norm)").fetchnumpy()
-        rows = np.minimum(np.searchsorted(steps, nan_cells["step"]), steps.size - 1)
-        at = (steps[rows] == nan_cells["step"]) & (nan_cells["idx"] < norms.shape[1])
-        present[rows[at], nan_cells["idx"][at]] = True
-        graded = present.any(axis=1)  # a step whose gradients were not recorded at all is not judged
-        if not graded.all():
-            steps, norms, present = steps[graded], norms[graded], present[graded]
-        if steps.size == 0:
-            return []
-        n_params = norms.shape[1]
+        steps = columns.steps[graded]
+        keep = None if graded.all() else np.flatnonzero(graded)
         names = dict(zip(params["idx"].to_list(), params["name"].to_list()))
         requires = np.zeros(n_params, dtype=bool)
         idx = params["idx"].to_numpy()
         inside = idx < n_params
         requires[idx[inside]] = params["requires_grad"].fill_null(False).to_numpy()[inside]
-        findings = []
-
-        starved = (~present | (norms == 0)) & requires[None, :]
         k = min(self.params["min_steps"], steps.size)
-        first_hit = {}
-        for col in np.flatnonzero(starved.any(axis=0)):
-            hits = runs_of(starved[:, col], k)
-            if hits.size:
-                first_hit[col] = int(hits[0])
-        del starved
-        if first_hit:
-            row = min(first_hit.values())
-            cols = sorted((c for c, r in first_hit.items() if r == row), key=lambda c: c)
-            none = [names[c] for c in cols if not present[row, c]]
-            listed = [{"tensor": names[c], "gradient": "none" if not present[row, c] else "zero"} for c in cols]
+        consecutive = np.diff(steps) == 1
+        starved_at = np.full(n_params, -1)  # per tensor: the step row ending its first run of k starved steps
+        none_at = np.zeros(n_params, dtype=bool)  # whether it had no gradient there (else a zero one)
+        stale = _StaleCells(steps.size)
+        for first, norms in columns.blocks(absent=ABSENT):  # NaN: recorded non-finite; ABSENT: no gradient
+            if keep is not None:
+                norms = norms[:, keep]
+            tensors = slice(first, first + len(norms))
+            present = norms != ABSENT
+            at = _first_run((~present | (norms == 0)) & requires[tensors, None], k)
+            starved_at[tensors] = at
+            hit = np.flatnonzero(at >= 0)
+            none_at[first + hit] = ~present[hit, at[hit]]
+            del present
+            stale.add(first, norms, consecutive)
+        findings = []
+        if (starved_at >= 0).any():
+            row = int(starved_at[starved_at >= 0].min())
+            cols = np.flatnonzero(starved_at == row)
+            none = none_at[cols].any()
+            listed = [{"tensor": names[c], "gradient": "none" if none_at[c] else "zero"} for c in cols]
             findings.append(
                 self.finding(
                     "fail",
@@ -136,57 +136,45 @@ class TrainableSetConformance(Check):
                     tensors=listed[: self.params["max_tensors_listed"]],
                     tensor_count=len(cols),
                     min_steps=k,
-                    other_tensors_later=len(first_hit) - len(cols),
+                    other_tensors_later=int((starved_at >= 0).sum()) - len(cols),
                 )
             )
-        return findings + self._stale(steps, norms, names)
+        return findings + self._stale(steps, stale, names)
 
-    def _stale(self, steps: np.ndarray, norms: np.ndarray, names: dict) -> list[Finding]:
+    def _stale(self, steps: np.ndarray, stale: _StaleCells, names: dict) -> list[Finding]:
         """Equal norms on consecutive steps that chance does not explain in a run of this length."""
-        consecutive = np.diff(steps) == 1
-        with np.errstate(invalid="ignore"):
-            valid = np.isfinite(norms) & (norms > 0)
-        both = valid[1:] & valid[:-1] & consecutive[:, None]
-        del valid
-        equal = both & (norms[1:] == norms[:-1])
-        if not equal.any():
+        if not stale.rows:
             return []
-        density = _change_density(norms, both, equal)
-        rows, cols = np.nonzero(equal)
-        cell = norms[rows + 1, cols]
-        chance = np.spacing(cell.astype(np.float32)).astype(np.float64) / cell * density[cols]
-        # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
-        log_p = np.log(np.where(density[cols] > 0, np.minimum(1.0, chance), 1.0))
-        new = (rows == 0) | ~equal[np.maximum(rows - 1, 0), cols]
-        order, start = np.unique(rows, return_index=True)
-        per_row = np.add.reduceat(log_p, start)
+        rows, cols, cell = (np.concatenate(part) for part in (stale.rows, stale.cols, stale.norms))
+        order = np.unique(rows)  # the step pairs with equal cells
         from scipy.special import gammaln  # only a run with equal norms pays for scipy
 
-        compared = both[order].sum(axis=1).astype(np.float64)
-        fresh = np.add.reduceat(new.astype(np.float64), start)
-        per_row += gammaln(compared + 1) - gammaln(fresh + 1) - gammaln(compared - fresh + 1)  # which tensors start
+        compared, fresh = stale.compared[order].astype(np.float64), stale.fresh[order]
+        per_row = stale.log_p[order] + gammaln(compared + 1) - gammaln(fresh + 1) - gammaln(compared - fresh + 1)
         event = np.cumsum(np.r_[True, np.diff(order) > 1])  # consecutive rows with equal cells: one event
         with np.errstate(over="ignore"):
-            expected = int(both.any(axis=1).sum()) * np.exp(np.bincount(event, weights=per_row)[1:])
+            expected = int((stale.compared > 0).sum()) * np.exp(np.bincount(event, weights=per_row)[1:])
         firing = np.flatnonzero(expected < self.params["chance_expected"]) + 1
         if not firing.size:
             return []
         first_row = int(order[event == firing[0]][0])
-        in_row = cols[rows == first_row]
+        in_row = np.flatnonzero(rows == first_row)
+        in_row = in_row[np.argsort(cols[in_row], kind="stable")]
         affected = int(np.isin(event, firing).sum())
         chance = float(expected[firing[0] - 1])
+        first_name = names[int(cols[in_row[0]])]
         return [
             self.finding(
                 "fail",
                 f"{in_row.size} tensor(s) had a gradient bit-identical in norm to the previous step's at step "
-                f"{steps[first_row + 1]}, first {names[int(in_row[0])]} ({affected} step(s); chance would do this "
+                f"{steps[first_row + 1]}, first {first_name} ({affected} step(s); chance would do this "
                 f"{chance:.2g} times in a clean run this long): a stale gradient buffer is reused "
                 f"(ZeRO bucket, a hook that caches, a missing zero_grad with a frozen graph); resume from a checkpoint "
                 f"before it",
                 step=int(steps[first_row + 1]),
                 tensors=[
-                    {"tensor": names[int(c)], "norm": float(norms[first_row + 1, c])}
-                    for c in in_row[: self.params["max_tensors_listed"]]
+                    {"tensor": names[int(cols[i])], "norm": float(cell[i])}
+                    for i in in_row[: self.params["max_tensors_listed"]]
                 ],
                 tensor_count=int(in_row.size),
                 steps_affected=affected,
@@ -196,23 +184,69 @@ class TrainableSetConformance(Check):
         ]
 
 
-def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray, block: int = 256) -> np.ndarray:
-    """Per tensor: the density near 0 of its step-to-step relative change |n_t / n_(t-1) - 1|, from the
-    smallest 1% of its nonzero changes (k of them below h: k / (2 h count)); 0 for a tensor with too
-    few (an equal norm of it is then no evidence). In column blocks, so the temporaries stay small."""
-    out = np.zeros(norms.shape[1])
-    for lo in range(0, norms.shape[1], block):
-        sl = slice(lo, lo + block)
-        usable = both[:, sl] & ~equal[:, sl]
-        count = usable.sum(axis=0)
-        k = max(1, int(np.ceil(0.01 * count.max())))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            change = np.where(usable, np.abs(norms[1:, sl] / norms[:-1, sl] - 1), np.inf).astype(np.float32)
-        h = (
-            np.partition(change, k - 1, axis=0)[k - 1].astype(np.float64)
-            if change.shape[0] >= k
-            else np.full(change.shape[1], np.inf)
-        )
-        ok = np.isfinite(h) & (h > 0) & (count >= k)
-        out[lo : lo + block][ok] = k / (2 * h[ok] * count[ok])
-    return out
+def _first_run(mask: np.ndarray, length: int) -> np.ndarray:
+    """Per row of `mask` (series x steps): the index of the step ending its first run of `length` true
+    steps, or -1."""
+    if mask.shape[1] < length or length < 1:
+        return np.full(len(mask), -1)
+    total = np.cumsum(mask, axis=1, dtype=np.int32)
+    window = total[:, length - 1 :].copy()
+    window[:, 1:] -= total[:, :-length]
+    hit = window >= length
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + length - 1, -1)
+
+
+class _StaleCells:
+    """Equal non-zero norms on consecutive steps, gathered a block of tensors at a time, with what the chance
+    of each needs: per step pair, the tensors compared, the sum of the equal cells' log-chances and how many
+    of them start being equal there."""
+
+    def __init__(self, steps: int):
+        pairs = max(steps - 1, 0)
+        self.compared = np.zeros(pairs, dtype=np.int64)
+        self.log_p, self.fresh = np.zeros(pairs), np.zeros(pairs)
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.norms: list[np.ndarray] = []
+
+    def add(self, first: int, norms: np.ndarray, consecutive: np.ndarray) -> None:
+        with np.errstate(invalid="ignore"):
+            valid = np.isfinite(norms) & (norms > 0)
+        both = valid[:, 1:] & valid[:, :-1] & consecutive
+        del valid
+        self.compared += both.sum(axis=0)
+        equal = both & (norms[:, 1:] == norms[:, :-1])
+        tensors = np.flatnonzero(equal.any(axis=1))
+        if not tensors.size:
+            return
+        equal, both, norms = equal[tensors], both[tensors], norms[tensors]
+        density = _change_density(norms, both, equal)
+        cols, rows = np.nonzero(equal)
+        cell = norms[cols, rows + 1]
+        chance = np.spacing(cell).astype(np.float64) / cell * density[cols]
+        # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
+        log_p = np.log(np.where(density[cols] > 0, np.minimum(1.0, chance), 1.0))
+        new = (rows == 0) | ~equal[cols, np.maximum(rows - 1, 0)]
+        self.log_p += np.bincount(rows, weights=log_p, minlength=self.log_p.size)
+        self.fresh += np.bincount(rows, weights=new, minlength=self.fresh.size)
+        self.rows.append(rows)
+        self.cols.append(tensors[cols] + first)
+        self.norms.append(cell)
+
+
+def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray) -> np.ndarray:
+    """Per tensor (row): the density near 0 of its step-to-step relative change |n_t / n_(t-1) - 1|, from
+    the smallest 1% of its nonzero changes (k of them below h: k / (2 h count)); 0 for a tensor with too
+    few (an equal norm of it is then no evidence)."""
+    usable = both & ~equal
+    count = usable.sum(axis=1)
+    k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        change = np.where(usable, np.abs(norms[:, 1:] / norms[:, :-1] - 1), np.inf).astype(np.float32)
+    h = np.full(len(norms), np.inf)
+    if change.shape[1]:
+        kth = np.minimum(k, change.shape[1]) - 1
+        h = np.take_along_axis(np.partition(change, np.unique(kth), axis=1), kth[:, None], axis=1)[:, 0]
+        h = h.astype(np.float64)
+    ok = np.isfinite(h) & (h > 0) & (count >= k)
+    return np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
