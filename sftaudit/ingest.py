@@ -186,12 +186,15 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
         if len(counts) == 1
         else "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)"
     )
-    cells = f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({series}) g {cut if resumed else ''} WHERE {listed}"
-    con.execute(
-        "CREATE OR REPLACE TEMP VIEW grad_piece_cells AS "
-        + cells
-        + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
-    )
+    def cells(source: str) -> str:
+        return (
+            f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({source}) g {cut if resumed else ''} WHERE {listed}"
+            + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
+        )
+
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_piece_cells AS " + cells(series))
+    # The cells not in Parquet parts (journal tails, schema-1 rows): a reader of the parts themselves adds these.
+    con.execute("CREATE OR REPLACE TEMP VIEW grad_tail_cells AS " + cells(" UNION ALL ".join(sources[-2:])))
     con.execute(
         "CREATE OR REPLACE TEMP VIEW grad_cells AS SELECT rank, seg, step, idx, norm FROM "
         + ("grad_norms_reduced" if reduced else "grad_piece_cells")

@@ -13,6 +13,7 @@ import duckdb
 import numpy as np
 
 from sftaudit.artifacts import SCHEMA_VERSION, journal_name, rank_dir, series_dir
+from sftaudit.checks.gradient_columns import ABSENT, GradientColumns
 from sftaudit.ingest import connect, ingest
 from sftaudit.shim.writer import JsonlWriter
 
@@ -83,6 +84,7 @@ def _timeline(run: Path):
             "SELECT seg, step, list(norm ORDER BY idx), list(idx ORDER BY idx) FROM grad_pieces "
             "GROUP BY seg, step ORDER BY step"
         ).fetchall()
+        _columns_equal_the_view(con, run)
         superseded = (
             con.execute("SELECT DISTINCT seg, step FROM superseded_grad_pieces").fetchall()
             if con.execute(
@@ -93,6 +95,18 @@ def _timeline(run: Path):
     finally:
         con.close()
     return steps, grads, set(superseded)
+
+
+def _columns_equal_the_view(con, run: Path) -> None:
+    """The checks' reader of the parts themselves (GradientColumns) holds grad_cells' rows: the resumed
+    segments' cutoffs, the journal tails, a tensor never recorded and the NaN norms included."""
+    columns = GradientColumns(con, run)
+    view = np.full((len(columns.names), columns.steps.size), ABSENT, dtype=np.float32)
+    cells = con.sql("SELECT step, idx, norm FROM grad_cells WHERE rank = 0").fetchnumpy()
+    view[cells["idx"], np.searchsorted(columns.steps, cells["step"])] = cells["norm"]
+    read = np.concatenate([block for _, block in columns.blocks(absent=ABSENT)])
+    np.testing.assert_array_equal(read, view)
+    assert (columns.nonfinite == np.isnan(view).any(axis=0)).all()
 
 
 def test_sigkill_at_random_points_loses_at_most_the_step_in_flight(tmp_path):

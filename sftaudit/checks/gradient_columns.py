@@ -14,8 +14,12 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from ..artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
+from ..ingest import first_row
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
@@ -23,10 +27,10 @@ BLOCK_VALUES = 1 << 24  # norms per block of tensors handed to a check (64 MB as
 
 
 class GradientColumns:
-    """`steps` (rank 0's, ascending), `names` (the tensors, by index), `graded` (per step: any norm recorded)
-    and `blocks()`, the norms a block of tensors at a time."""
+    """`steps` (rank 0's, ascending), `names` (the tensors, by index), per step `graded` (any norm recorded)
+    and `nonfinite` (a NaN or inf one), and `blocks()`, the norms a block of tensors at a time."""
 
-    def __init__(self, con):
+    def __init__(self, con, run_dir):
         self.steps = con.sql("SELECT DISTINCT step FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()["step"]
         self.names = [
             r[0]
@@ -37,50 +41,155 @@ class GradientColumns:
         ]
         n, k = self.steps.size, len(self.names)
         self.graded = np.zeros(n, dtype=bool)
+        self.nonfinite = np.zeros(n, dtype=bool)  # per step: a recorded norm is NaN or inf
         self._rows = max(1, STEP_VALUES // max(k, 1))  # steps per range
         self._file = tempfile.TemporaryFile(prefix="sftaudit-grad-")
         if n and k:
-            self._write(con, n, k)
+            self._write(con, artifact_root(run_dir).resolve(), n, k)
 
-    def _write(self, con, n: int, k: int) -> None:
-        steps, fd = self.steps, self._file.fileno()
-        contiguous = steps[-1] - steps[0] == n - 1  # the usual case: a step's row is its offset
-        for lo in range(0, n, self._rows):
-            hi = min(n, lo + self._rows)
-            cells = con.sql(
-                "SELECT step, idx, norm FROM grad_cells WHERE rank = 0 AND idx < ? AND step BETWEEN ? AND ?",
-                params=[k, int(steps[lo]), int(steps[hi - 1])],
-            ).fetchnumpy()
-            step, idx, norm = cells["step"], cells["idx"], cells["norm"]
-            rows = step - steps[0] if contiguous else np.searchsorted(steps, step)
-            if not contiguous:  # a norm of a step without its step record (a crash) has no row
-                ok = steps[np.minimum(rows, n - 1)] == step
-                rows, idx, norm = rows[ok], idx[ok], norm[ok]
-            block = np.full((k, hi - lo), ABSENT, dtype=np.float32)  # tensor-major: a tensor's range is contiguous
-            block[idx, rows - lo] = norm
-            self.graded[np.unique(rows)] = True
-            _write_all(fd, memoryview(block).cast("B"), lo * k * 4)
+    def _write(self, con, root, n: int, k: int) -> None:
+        """Every range of steps, in order, tensor-major: [tensors x steps of the range] one after another."""
+        reduced = first_row(
+            con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'grad_norms_reduced'"
+        )[0]
+        ranges = _Ranges(self, n, k)
+        # A sharded run (the whole tensors' norms are the reduction ingest stored) or a schema-1 run (the norms
+        # are rows of a table): through the view, a range of steps at a time.
+        if reduced or first_row(con, "SELECT 1 FROM grad_rows WHERE rank = 0 LIMIT 1"):
+            for lo in range(0, n, self._rows):
+                hi = min(n, lo + self._rows)
+                ranges.add(
+                    *_fetch(
+                        con, "grad_cells", "AND step BETWEEN ? AND ?", [k, int(self.steps[lo]), int(self.steps[hi - 1])]
+                    )
+                )
+                ranges.flush(hi)
+        else:
+            # The Parquet parts are read directly (pyarrow, two at a time), not through the view: DuckDB's
+            # hand-over of a billion rows to Python costs several times their decoding. The same rows as
+            # grad_cells: rank 0, the tensors its segment lists, the steps before the segment's cutoff.
+            ranges.add(*_fetch(con, "grad_tail_cells", "", [k]))
+            for next_row, (step, idx, norm) in _parts(con, root, self.steps, k):
+                ranges.add(step, idx, norm)
+                ranges.flush(next_row)
+        ranges.flush(n)
 
-    def blocks(self, absent: float = np.nan, values: int = BLOCK_VALUES) -> Iterator[tuple[int, np.ndarray]]:
+    def _read(self, lo: int, first: int, last: int) -> np.ndarray:
+        """Tensors `first`..`last` - 1 of the range of steps starting at row `lo`, tensors x steps."""
+        n, k = self.steps.size, len(self.names)
+        rows = min(n, lo + self._rows) - lo
+        size = (last - first) * rows * 4
+        piece = os.pread(self._file.fileno(), size, (lo * k + first * rows) * 4)
+        if len(piece) != size:
+            raise OSError(f"the audit's temporary gradient file is short: {len(piece)} of {size} bytes read")
+        return np.frombuffer(piece, dtype=np.float32).reshape(last - first, rows)
+
+    def blocks(self, absent: float = np.nan) -> Iterator[tuple[int, np.ndarray]]:
         """(first tensor index, tensors x steps float32 norms) for consecutive blocks of tensors of about
-        `values` norms; a norm not recorded reads as `absent` (NaN by default; `ABSENT` keeps it apart
+        `BLOCK_VALUES` norms; a norm not recorded reads as `absent` (NaN by default; `ABSENT` keeps it apart
         from a recorded NaN)."""
         n, k = self.steps.size, len(self.names)
-        width = max(1, min(k, values // max(n, 1)))
-        fd = self._file.fileno()
+        width = max(1, min(k, BLOCK_VALUES // max(n, 1)))
         for first in range(0, k, width):
             last = min(k, first + width)
             out = np.empty((last - first, n), dtype=np.float32)
             for lo in range(0, n, self._rows):
-                rows = min(n, lo + self._rows) - lo
-                size = (last - first) * rows * 4
-                piece = os.pread(fd, size, (lo * k + first * rows) * 4)
-                if len(piece) != size:
-                    raise OSError(f"the audit's temporary gradient file is short: {len(piece)} of {size} bytes read")
-                out[:, lo : lo + rows] = np.frombuffer(piece, dtype=np.float32).reshape(last - first, rows)
+                out[:, lo : lo + self._rows] = self._read(lo, first, last)
             if absent != ABSENT:
                 out[out == ABSENT] = absent
             yield first, out
+
+
+def _fetch(con, view: str, where: str, params: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    cells = con.sql(
+        f"SELECT step, idx, norm::FLOAT AS norm FROM {view} WHERE rank = 0 AND idx < ? {where}", params=params
+    ).fetchnumpy()
+    return cells["step"], cells["idx"], cells["norm"]
+
+
+def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """Rank 0's parts in step order, each as (the step row no later part starts before, its kept cells)."""
+    import pyarrow.parquet as pq  # only an audit with a columnar series reads parts
+
+    listed = [
+        (int(seg), int(first), root / file)
+        for file, seg, first in con.execute(
+            "SELECT file, regexp_extract(file, '/seg=(\\d+)/', 1), regexp_extract(file, 'part-(\\d+)\\.parquet$', 1) "
+            "FROM ingest_state WHERE file LIKE ? ORDER BY file",
+            [f"{SERIES_DIR}/{GRAD_SERIES}/rank=0/seg=%/part-%.parquet"],
+        ).fetchall()
+    ]
+    cutoff = dict(con.execute("SELECT seg, cutoff FROM segment_cutoffs WHERE rank = 0").fetchall())
+    tensors = dict(
+        con.execute("SELECT seg, count(*) FROM params WHERE rank = 0 AND idx IS NOT NULL GROUP BY seg").fetchall()
+    )
+    # A part starting at or after its segment's cutoff was abandoned whole (the run went back to a checkpoint).
+    listed = sorted(p for p in listed if p[1] < cutoff.get(p[0], np.inf))
+    starts = np.searchsorted(steps, [first for _, first, _ in listed] + [np.iinfo(np.int64).max])
+
+    def read(part):
+        seg, _, path = part
+        table = pq.read_table(path, columns=["step", "idx", "norm"], use_threads=False)
+        step, idx, norm = (table.column(c).to_numpy() for c in ("step", "idx", "norm"))
+        keep = (idx >= 0) & (idx < min(k, tensors.get(seg, 0)))
+        if seg in cutoff:
+            keep &= step < cutoff[seg]
+        return (step, idx, norm) if keep.all() else (step[keep], idx[keep], norm[keep])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # pyarrow decodes without the GIL: one part per core
+        ahead = [pool.submit(read, p) for p in listed[:2]]
+        for i in range(len(listed)):
+            if i + 2 < len(listed):
+                ahead.append(pool.submit(read, listed[i + 2]))
+            yield int(starts[i + 1]), ahead.pop(0).result()
+
+
+class _Ranges:
+    """The ranges of steps being filled, written out in order once no later cell can fall in them."""
+
+    def __init__(self, columns: GradientColumns, n: int, k: int):
+        self.columns, self.n, self.k = columns, n, k
+        self.contiguous = columns.steps[-1] - columns.steps[0] == n - 1  # the usual case: a step's row is its offset
+        self.open: dict[int, np.ndarray] = {}
+        self.written = 0  # ranges written so far
+
+    def add(self, step: np.ndarray, idx: np.ndarray, norm: np.ndarray) -> None:
+        steps, size = self.columns.steps, self.columns._rows
+        rows = step - steps[0] if self.contiguous else np.searchsorted(steps, step)
+        ok = (rows >= 0) & (rows < self.n)
+        ok[ok] = steps[rows[ok]] == step[ok]  # a norm of a step without its step record (a crash) has no row
+        if not ok.all():
+            rows, idx, norm = rows[ok], idx[ok], norm[ok]
+        if not rows.size:
+            return
+        self.columns.graded[rows] = True
+        self.columns.nonfinite[rows[~np.isfinite(norm)]] = True
+        which = rows // size
+        for r in np.unique(which):  # a part spans one or two ranges
+            sel = which == r
+            block = self._range(int(r))
+            block[idx[sel], rows[sel] - r * size] = norm[sel]
+            if r < self.written:  # a part out of step order (renamed by hand): its range is written again
+                _write_all(
+                    self.columns._file.fileno(), memoryview(self.open.pop(int(r))).cast("B"), r * size * self.k * 4
+                )
+
+    def _range(self, r: int) -> np.ndarray:
+        if r < self.written and r not in self.open:
+            self.open[r] = self.columns._read(r * self.columns._rows, 0, self.k).copy()
+        if r not in self.open:
+            width = min(self.n, (r + 1) * self.columns._rows) - r * self.columns._rows
+            self.open[r] = np.full((self.k, width), ABSENT, dtype=np.float32)  # tensor-major
+        return self.open[r]
+
+    def flush(self, before_row: int) -> None:
+        """Write every range wholly before step row `before_row` (a range nothing fell in: all ABSENT)."""
+        size, fd = self.columns._rows, self.columns._file.fileno()
+        while (self.written + 1) * size <= before_row or (before_row >= self.n and self.written * size < self.n):
+            block = self._range(self.written)
+            _write_all(fd, memoryview(block).cast("B"), self.written * size * self.k * 4)
+            del self.open[self.written]
+            self.written += 1
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -93,5 +202,5 @@ def gradient_columns(ctx) -> GradientColumns:
     """The audit's `GradientColumns`, written once and kept on the context for every check that reads it."""
     cached = ctx.__dict__.get("_gradient_columns")
     if cached is None:
-        cached = ctx.__dict__["_gradient_columns"] = GradientColumns(ctx.con)
+        cached = ctx.__dict__["_gradient_columns"] = GradientColumns(ctx.con, ctx.run_dir)
     return cached

@@ -125,12 +125,18 @@ class GradientNormAnomaly(Check):
 
     def _nonfinite_grads(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
         # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
-        skips = ctx.frame("SELECT step FROM steps WHERE rank = 0 ORDER BY step")["step"].to_numpy()[skipped].tolist()
-        where = "NOT isfinite(norm) AND step NOT IN (SELECT unnest(?::BIGINT[]))"
-        first = ctx.scalar(f"SELECT min(step) FROM grad_cells WHERE {where}", [skips])
-        if first is None:
+        skips = ctx.frame("SELECT step FROM steps WHERE rank = 0 ORDER BY step")["step"].to_numpy()[skipped]
+        columns = gradient_columns(ctx)
+        bad = columns.steps[columns.nonfinite & ~np.isin(columns.steps, skips)]  # rank 0's, read once already
+        others = ctx.frame(  # the other ranks' (hive-partitioned by rank: rank 0's parts are not read again)
+            "SELECT DISTINCT step FROM grad_cells WHERE rank <> 0 AND NOT isfinite(norm) "
+            "AND step NOT IN (SELECT unnest(?::BIGINT[]))",
+            [skips.tolist()],
+        )["step"].to_numpy()
+        bad = np.union1d(bad, others)
+        if not bad.size:
             return []
-        last, n = ctx.row(f"SELECT max(step), count(DISTINCT step) FROM grad_cells WHERE {where}", [skips])
+        first, last, n = int(bad[0]), int(bad[-1]), int(bad.size)
         tensors = ctx.frame(
             """
             SELECT g.tensor, g.norm, s.nonfinite_grads[g.tensor] AS nonfinite_elements
@@ -303,7 +309,7 @@ class GradientNormAnomaly(Check):
         groups = -(-n // window)  # the blocks and the incomplete one after them: the steps in groups of `window`
         unjudged = np.flatnonzero(~judged)
         for first, norms in columns.blocks():
-            if blocks < 2:
+            if blocks < 1 or groups < 2:
                 break  # no step has a previous block to be judged against
             # y = log norm, in a buffer of whole groups: a group's log-ratios are computed in place against
             # the statistics of the block before it (a view, not a steps-long copy of them).
