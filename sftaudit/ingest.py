@@ -186,6 +186,7 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
         if len(counts) == 1
         else "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)"
     )
+
     def cells(source: str) -> str:
         return (
             f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({source}) g {cut if resumed else ''} WHERE {listed}"
