@@ -167,7 +167,7 @@ def bad_lines(con) -> list[dict[str, Any]]:
 # Per-step evidence the shim writes at every step in every profile, and its component's name.
 PER_STEP_EVIDENCE = (
     ("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
-    ("grad_piece_cells", "gradients", "gradient norms"),  # grad_pieces without the names: a scan of every norm
+    ("grad_piece_steps", "gradients", "gradient norms"),  # the steps of grad_pieces, listed at ingest
 )
 
 

@@ -68,7 +68,8 @@ LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 _COPY_BLOCK = 8 * 2**20
 # The database's own layout: a database of another format is rebuilt from the artifacts.
 # 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
-DATABASE_FORMAT = 2
+# 3: each part's steps listed at ingest (grad_part_steps).
+DATABASE_FORMAT = 3
 
 # Column types of each record kind (the JSON field names), from the declaration in sftaudit/schema/records.py;
 # the manifest has its own table.
@@ -94,6 +95,7 @@ ALTER TABLE params ADD COLUMN IF NOT EXISTS replica INTEGER;
 CREATE TABLE IF NOT EXISTS grad_rows (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
 CREATE TABLE IF NOT EXISTS grad_journal (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
 CREATE TABLE IF NOT EXISTS segment_cutoffs (rank INTEGER, seg INTEGER, cutoff BIGINT);
+CREATE TABLE IF NOT EXISTS grad_part_steps (rank INTEGER, seg INTEGER, step BIGINT);
 CREATE TABLE IF NOT EXISTS sftaudit_meta (key VARCHAR PRIMARY KEY, value VARCHAR);
 """
 
@@ -143,7 +145,9 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
     """The gradient-norm views of this connection (temporary, so a moved run folder still reads):
     ``grad_pieces`` (each rank's own pieces on the timeline), ``grad_norms`` (the whole tensors: the
     pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` and
-    ``grad_piece_cells`` (grad_norms and grad_pieces without the tensor names: cheaper to scan) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
+    ``grad_piece_cells`` (grad_norms and grad_pieces without the tensor names: cheaper to scan),
+    ``grad_piece_steps`` (the steps with any norm recorded, per rank and segment: the parts' steps listed at
+    ingest, whatever tensor index their rows name) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
     root = artifact_root(run_dir).resolve()
     parts = [
         root / f
@@ -194,6 +198,14 @@ def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
         )
 
     con.execute("CREATE OR REPLACE TEMP VIEW grad_piece_cells AS " + cells(series))
+    # The steps with a norm recorded, per rank and segment: the parts' steps were listed at ingest (a
+    # distinct over every norm costs seconds per 10^8 of them).
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW grad_piece_steps AS SELECT g.rank, g.seg, g.step FROM ("
+        "SELECT rank, seg, step FROM grad_part_steps UNION ALL SELECT DISTINCT rank, seg, step FROM grad_rows "
+        f"UNION ALL SELECT DISTINCT rank, seg, step FROM grad_journal) g {cut if resumed else ''}"
+        + (" WHERE c.cutoff IS NULL OR g.step < c.cutoff" if resumed else "")
+    )
     # The cells not in Parquet parts (journal tails, schema-1 rows): a reader of the parts themselves adds these.
     con.execute("CREATE OR REPLACE TEMP VIEW grad_tail_cells AS " + cells(" UNION ALL ".join(sources[-2:])))
     con.execute(
@@ -549,7 +561,7 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
         for name in sorted(parts):
             key = str((folder / name).relative_to(root))
             if key not in known:
-                _add_part(con, run_dir, folder / name, key, limits)
+                _add_part(con, run_dir, folder / name, key, limits, rank, seg)
         # A journal's last step may lack its steps record (killed between the two): it is left out.
         last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
         for journal in journals:
@@ -585,9 +597,16 @@ def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> d
 
 
 def _add_part(
-    con: duckdb.DuckDBPyConnection, run_dir: str | Path, path: Path, key: str, limits: tuple[int, int]
+    con: duckdb.DuckDBPyConnection,
+    run_dir: str | Path,
+    path: Path,
+    key: str,
+    limits: tuple[int, int],
+    rank: int,
+    seg: int,
 ) -> None:
-    """A part is listed for the views once its header, footer and schema are what the shim writes."""
+    """A part is listed for the views once its header, footer and schema are what the shim writes; its
+    steps are listed in grad_part_steps."""
     fd, st = _open_artifact(path, run_dir, limits[1])
     try:
         framed = st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"
@@ -608,6 +627,17 @@ def _add_part(
             f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
             f"found {', '.join(wrong)}); {again}"
         )
+    import numpy as np  # only a run with a columnar series needs these
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    step = pq.read_table(os.path.realpath(path), columns=["step"], use_threads=False).column("step").to_numpy()
+    # The shim writes a part in step order: its distinct steps in one pass (any order: a sort).
+    ordered = not (step[1:] < step[:-1]).any()
+    step = step[np.r_[True, step[1:] != step[:-1]]] if ordered and step.size else np.unique(step)
+    con.register("part_steps", pa.table({"step": step}))
+    con.execute("INSERT INTO grad_part_steps SELECT ?, ?, step FROM part_steps", [rank, seg])
+    con.unregister("part_steps")
     con.execute(
         'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
         "VALUES (?, ?, ?, 0, ?, ?, ?, ?)",

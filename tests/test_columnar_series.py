@@ -14,7 +14,7 @@ import numpy as np
 
 from sftaudit.artifacts import SCHEMA_VERSION, journal_name, rank_dir, series_dir
 from sftaudit.checks.gradient_columns import ABSENT, GradientColumns
-from sftaudit.ingest import connect, ingest
+from sftaudit.ingest import DATABASE_FORMAT, connect, ingest
 from sftaudit.shim.writer import JsonlWriter
 
 TENSORS = 6
@@ -257,7 +257,9 @@ def test_an_older_database_is_rebuilt_and_a_version_1_run_still_reads(tmp_path):
     ingest(run)
     assert _rows(run) == [(s, i, v) for s in range(1, 6) for i, v in ((0, float(s)), (2, 0.5))]
     con = connect(run, read_only=True)
-    assert con.execute("SELECT value FROM sftaudit_meta WHERE key = 'database_format'").fetchone() == ("2",)
+    assert con.execute("SELECT value FROM sftaudit_meta WHERE key = 'database_format'").fetchone() == (
+        str(DATABASE_FORMAT),
+    )
     assert con.execute(
         "SELECT table_type FROM information_schema.tables WHERE table_name = 'grad_pieces'"
     ).fetchall() == [("VIEW",)]

@@ -69,8 +69,8 @@ class GradientColumns:
             # hand-over of a billion rows to Python costs several times their decoding. The same rows as
             # grad_cells: rank 0, the tensors its segment lists, the steps before the segment's cutoff.
             ranges.add(*_fetch(con, "grad_tail_cells", "", [k]))
-            for next_row, (step, idx, norm) in _parts(con, root, self.steps, k):
-                ranges.add(step, idx, norm)
+            for next_row, part in _parts(con, root, self.steps, k):
+                ranges.add(*part)
                 ranges.flush(next_row)
         ranges.flush(n)
 
@@ -107,8 +107,9 @@ def _fetch(con, view: str, where: str, params: list) -> tuple[np.ndarray, np.nda
     return cells["step"], cells["idx"], cells["norm"]
 
 
-def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-    """Rank 0's parts in step order, each as (the step row no later part starts before, its kept cells)."""
+def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple]]:
+    """Rank 0's parts in step order, each as (the step row no later part starts before, (its step, idx and
+    norm columns, the tensors its segment lists, the segment's cutoff or None))."""
     import pyarrow.parquet as pq  # only an audit with a columnar series reads parts
 
     listed = [
@@ -130,11 +131,7 @@ def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple[np
     def read(part):
         seg, _, path = part
         table = pq.read_table(path, columns=["step", "idx", "norm"], use_threads=False)
-        step, idx, norm = (table.column(c).to_numpy() for c in ("step", "idx", "norm"))
-        keep = (idx >= 0) & (idx < min(k, tensors.get(seg, 0)))
-        if seg in cutoff:
-            keep &= step < cutoff[seg]
-        return (step, idx, norm) if keep.all() else (step[keep], idx[keep], norm[keep])
+        return (*(table.column(c).to_numpy() for c in ("step", "idx", "norm")), tensors.get(seg, 0), cutoff.get(seg))
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # pyarrow decodes without the GIL: one part per core
         ahead = [pool.submit(read, p) for p in listed[:2]]
@@ -153,26 +150,70 @@ class _Ranges:
         self.open: dict[int, np.ndarray] = {}
         self.written = 0  # ranges written so far
 
-    def add(self, step: np.ndarray, idx: np.ndarray, norm: np.ndarray) -> None:
-        steps, size = self.columns.steps, self.columns._rows
+    def add(
+        self, step: np.ndarray, idx: np.ndarray, norm: np.ndarray, listed: int | None = None, cutoff: int | None = None
+    ) -> None:
+        """Cells of the tensors below `listed` (default: all) at steps before `cutoff` (default: any)."""
+        k = self.k
+        listed = k if listed is None else min(k, listed)
+        if listed == k and step.size and step.size % k == 0:
+            # The shim's parts are dense: each step's tensors 0..k-1 in order. Then the part is a steps x
+            # tensors matrix already, checked in two passes and copied transposed (a scatter costs 3-4 times that).
+            by_step = step.reshape(-1, k)
+            if (idx.reshape(-1, k) == np.arange(k, dtype=idx.dtype)).all() and (by_step == by_step[:, :1]).all():
+                return self._add_steps(by_step[:, 0], norm.reshape(-1, k), cutoff)
+        keep = (idx >= 0) & (idx < listed)
+        if cutoff is not None:
+            keep &= step < cutoff
+        rows, ok = self._rows_of(step)
+        keep &= ok
+        if not keep.all():
+            rows, idx, norm = rows[keep], idx[keep], norm[keep]
+        size = self.columns._rows
+        which = rows // size
+        for r in np.unique(which):
+            sel = which == r
+            width = min(self.n, (r + 1) * size) - r * size
+            cells = np.full((width, k), ABSENT, dtype=np.float32)
+            cells[rows[sel] - r * size, idx[sel]] = norm[sel]
+            self._copy(int(r * size), cells, merge=True)
+
+    def _rows_of(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each step's row, and whether it has one (a norm of a step without its step record, a crash, has not)."""
+        steps = self.columns.steps
         rows = step - steps[0] if self.contiguous else np.searchsorted(steps, step)
         ok = (rows >= 0) & (rows < self.n)
-        ok[ok] = steps[rows[ok]] == step[ok]  # a norm of a step without its step record (a crash) has no row
-        if not ok.all():
-            rows, idx, norm = rows[ok], idx[ok], norm[ok]
-        if not rows.size:
-            return
-        self.columns.graded[rows] = True
-        self.columns.nonfinite[rows[~np.isfinite(norm)]] = True
-        which = rows // size
-        for r in np.unique(which):  # a part spans one or two ranges
-            sel = which == r
-            block = self._range(int(r))
-            block[idx[sel], rows[sel] - r * size] = norm[sel]
+        ok[ok] = steps[rows[ok]] == step[ok]
+        return rows, ok
+
+    def _add_steps(self, step: np.ndarray, norms: np.ndarray, cutoff: int | None) -> None:
+        rows, keep = self._rows_of(step)
+        if cutoff is not None:
+            keep &= step < cutoff
+        if not keep.all():
+            rows, norms = rows[keep], norms[keep]
+        if rows.size and rows[-1] - rows[0] == rows.size - 1 and (np.diff(rows) == 1).all():
+            self._copy(int(rows[0]), norms, merge=False)
+        elif rows.size:  # steps missing in the middle: row by row
+            cells = np.full((int(rows[-1] - rows[0]) + 1, self.k), ABSENT, dtype=np.float32)
+            cells[rows - rows[0]] = norms
+            self._copy(int(rows[0]), cells, merge=True)
+
+    def _copy(self, first: int, cells: np.ndarray, merge: bool) -> None:
+        """Steps x tensors `cells` from step row `first` on into their ranges; `merge`: where not ABSENT."""
+        size, end = self.columns._rows, first + len(cells)
+        self.columns.graded[first:end] |= (cells != ABSENT).any(axis=1) if merge else True
+        self.columns.nonfinite[first:end] |= ~np.isfinite(cells).all(axis=1)
+        for r in range(first // size, (end - 1) // size + 1):
+            a, b = max(first, r * size), min(end, (r + 1) * size)
+            block = self._range(r)[:, a - r * size : b - r * size]
+            src = cells[a - first : b - first].T
+            if merge:
+                np.copyto(block, src, where=src != ABSENT)
+            else:
+                block[...] = src
             if r < self.written:  # a part out of step order (renamed by hand): its range is written again
-                _write_all(
-                    self.columns._file.fileno(), memoryview(self.open.pop(int(r))).cast("B"), r * size * self.k * 4
-                )
+                _write_all(self.columns._file.fileno(), memoryview(self.open.pop(r)).cast("B"), r * size * self.k * 4)
 
     def _range(self, r: int) -> np.ndarray:
         if r < self.written and r not in self.open:
