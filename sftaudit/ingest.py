@@ -555,13 +555,14 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
     recorded = " UNION ALL ".join(
         f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if t in tables
     )
+    part_steps: list = []  # (rank, seg, steps) of each new part, inserted at once
     for rank, seg, folder in _series_folders(run_dir):
         journals = sorted(folder.glob("journal-*.bin"))  # listed first: one may turn into a part meanwhile
         parts = {q.name for q in folder.glob("part-*.parquet") if _PART.fullmatch(q.name)}
         for name in sorted(parts):
             key = str((folder / name).relative_to(root))
             if key not in known:
-                _add_part(con, run_dir, folder / name, key, limits, rank, seg)
+                _add_part(con, run_dir, folder / name, key, limits, rank, seg, part_steps)
         # A journal's last step may lack its steps record (killed between the two): it is left out.
         last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
         for journal in journals:
@@ -581,6 +582,22 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
                 )
                 con.execute("INSERT INTO grad_journal SELECT ?, ?, step, idx, norm FROM journal_rows", [rank, seg])
                 con.unregister("journal_rows")
+    if part_steps:
+        import numpy as np
+        import pyarrow as pa
+
+        con.register(
+            "part_steps",
+            pa.table(
+                {
+                    "rank": np.concatenate([np.full(len(st), r, np.int32) for r, _, st in part_steps]),
+                    "seg": np.concatenate([np.full(len(st), g, np.int32) for _, g, st in part_steps]),
+                    "step": np.concatenate([st for _, _, st in part_steps]),
+                }
+            ),
+        )
+        con.execute("INSERT INTO grad_part_steps SELECT rank, seg, step FROM part_steps")
+        con.unregister("part_steps")
 
 
 def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> dict:
@@ -604,9 +621,10 @@ def _add_part(
     limits: tuple[int, int],
     rank: int,
     seg: int,
+    listed: list,
 ) -> None:
     """A part is listed for the views once its header, footer and schema are what the shim writes; its
-    steps are listed in grad_part_steps."""
+    (rank, seg, steps) are added to `listed`."""
     fd, st = _open_artifact(path, run_dir, limits[1])
     try:
         framed = st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"
@@ -628,16 +646,13 @@ def _add_part(
             f"found {', '.join(wrong)}); {again}"
         )
     import numpy as np  # only a run with a columnar series needs these
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     step = pq.read_table(os.path.realpath(path), columns=["step"], use_threads=False).column("step").to_numpy()
     # The shim writes a part in step order: its distinct steps in one pass (any order: a sort).
     ordered = not (step[1:] < step[:-1]).any()
     step = step[np.r_[True, step[1:] != step[:-1]]] if ordered and step.size else np.unique(step)
-    con.register("part_steps", pa.table({"step": step}))
-    con.execute("INSERT INTO grad_part_steps SELECT ?, ?, step FROM part_steps", [rank, seg])
-    con.unregister("part_steps")
+    listed.append((rank, seg, step))
     con.execute(
         'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
         "VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
