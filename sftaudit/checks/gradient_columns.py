@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from ..ingest import first_row
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
 BLOCK_VALUES = 1 << 24  # norms per block of tensors handed to a check (64 MB as float32)
+T = TypeVar("T")
 
 
 class GradientColumns:
@@ -98,6 +100,18 @@ class GradientColumns:
             if absent != ABSENT:
                 out[out == ABSENT] = absent
             yield first, out
+
+    def map(self, judge: Callable[[int, np.ndarray], T], absent: float = np.nan) -> Iterator[T]:
+        """`judge(first tensor index, block)` of every block, in order, two blocks at a time (numpy's sorts
+        and ufuncs release the GIL: one block per core), at most three blocks read at once."""
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            pending = []
+            for first, block in self.blocks(absent):
+                pending.append(pool.submit(judge, first, block))
+                if len(pending) == 2:
+                    yield pending.pop(0).result()
+            for done in pending:
+                yield done.result()
 
 
 def _fetch(con, view: str, where: str, params: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -304,57 +304,64 @@ class GradientNormAnomaly(Check):
         largest = np.full(n, -np.inf)
         total, total_sq, count = np.zeros(n), np.zeros(n), np.zeros(n)
         cells = []
-        min_log_ratio = np.log(self.params["min_ratio"])
-        blocks = n // window
-        groups = -(-n // window)  # the blocks and the incomplete one after them: the steps in groups of `window`
-        unjudged = np.flatnonzero(~judged)
-        for first, norms in columns.blocks():
-            if blocks < 1 or groups < 2:
-                break  # no step has a previous block to be judged against
-            # y = log norm, in a buffer of whole groups: a group's log-ratios are computed in place against
-            # the statistics of the block before it (a view, not a steps-long copy of them).
-            y = np.full((len(norms), groups * window), np.nan, dtype=np.float32)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                np.log(norms, out=y[:, :n], where=np.isfinite(norms) & (norms > 0))
-            # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline and are not judged.
-            y[:, unjudged] = np.nan
-            med, sig = block_stats(y[:, :n], window, SIGMA_BLOCKS, MIN_BASELINE_SHARE)
-            grouped = y.reshape(len(norms), groups, window)
-            grouped[:, 0] = np.nan
-            grouped[:, 1:] -= med[:, : groups - 1, None]
-            log_ratio = y[:, :n]
-            z_own = np.empty_like(y)
-            z_grouped = z_own.reshape(grouped.shape)
-            z_grouped[:, 0] = np.nan
-            np.divide(grouped[:, 1:], np.maximum(sig, LOG_SIGMA_FLOOR)[:, : groups - 1, None], out=z_grouped[:, 1:])
-            z_own = z_own[:, :n]
-            with np.errstate(invalid="ignore"):
-                own = (z_own >= self.params["sigma_own"]) & (log_ratio >= min_log_ratio)
-            tensor, row = np.nonzero(own)
-            del own
-            cells.append(
-                (
-                    tensor + first,
-                    row,
-                    norms[tensor, row],
-                    med[tensor, row // window - 1],
-                    log_ratio[tensor, row],
-                    z_own[tensor, row],
-                )
-            )
-            # initial: a step no tensor of the block has a finite log-ratio at has nothing to reduce
-            largest = np.fmax(largest, np.fmax.reduce(log_ratio, axis=0, initial=-np.inf))
-            finite = np.isfinite(log_ratio)
-            log_ratio[~finite] = 0.0
-            total += log_ratio.sum(axis=0, dtype=np.float64)
-            total_sq += np.square(log_ratio, out=z_own).sum(axis=0, dtype=np.float64)
-            count += finite.sum(axis=0)
+        if n // window >= 1 and n > window:  # else no step has a previous block to be judged against
+            unjudged = np.flatnonzero(~judged)
+            for found, block_largest, sums in columns.map(
+                lambda first, norms: self._block(first, norms, unjudged, window)
+            ):
+                cells.append(found)
+                largest = np.fmax(largest, block_largest)
+                total, total_sq, count = total + sums[0], total_sq + sums[1], count + sums[2]
         if cells:
             joined = tuple(np.concatenate(part) for part in zip(*cells))
         else:
             empty = np.zeros(0)
             joined = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
         return joined, largest, (total, total_sq, count)
+
+    def _block(self, first: int, norms: np.ndarray, unjudged: np.ndarray, window: int):
+        """`_own_history` of one block of tensors (tensors x steps)."""
+        n = norms.shape[1]
+        groups = -(-n // window)  # the blocks and the incomplete one after them: the steps in groups of `window`
+        # y = log norm, in a buffer of whole groups: a group's log-ratios are computed in place against
+        # the statistics of the block before it (a view, not a steps-long copy of them).
+        y = np.full((len(norms), groups * window), np.nan, dtype=np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.log(norms, out=y[:, :n], where=np.isfinite(norms) & (norms > 0))
+        # Warmup steps (tiny learning rates, the untrained model's norms) are no baseline and are not judged.
+        y[:, unjudged] = np.nan
+        med, sig = block_stats(y[:, :n], window, SIGMA_BLOCKS, MIN_BASELINE_SHARE)
+        grouped = y.reshape(len(norms), groups, window)
+        grouped[:, 0] = np.nan
+        grouped[:, 1:] -= med[:, : groups - 1, None]
+        log_ratio = y[:, :n]
+        z_own = np.empty_like(y)
+        z_grouped = z_own.reshape(grouped.shape)
+        z_grouped[:, 0] = np.nan
+        np.divide(grouped[:, 1:], np.maximum(sig, LOG_SIGMA_FLOOR)[:, : groups - 1, None], out=z_grouped[:, 1:])
+        z_own = z_own[:, :n]
+        with np.errstate(invalid="ignore"):
+            own = (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+        tensor, row = np.nonzero(own)
+        del own
+        found = (
+            tensor + first,
+            row,
+            norms[tensor, row],
+            med[tensor, row // window - 1],
+            log_ratio[tensor, row],
+            z_own[tensor, row],
+        )
+        # initial: a step no tensor of the block has a finite log-ratio at has nothing to reduce
+        largest = np.fmax.reduce(log_ratio, axis=0, initial=-np.inf)
+        finite = np.isfinite(log_ratio)
+        log_ratio[~finite] = 0.0
+        sums = (
+            log_ratio.sum(axis=0, dtype=np.float64),
+            np.square(log_ratio, out=z_own).sum(axis=0, dtype=np.float64),
+            finite.sum(axis=0),
+        )
+        return found, largest, sums
 
     def _histogram(self, ctx: AuditContext, step: int, tensor: str) -> dict:
         row = ctx.row(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
@@ -237,7 +235,6 @@ class LossDynamics(Check):
         ]
 
     def _drift(self, ctx, frame, window, first) -> list[Finding]:
-        from scipy import stats  # (imported on use, as above)
 
         steps = frame["step"].to_numpy()
         start = -(-max(first, 1) // window) * window
@@ -247,30 +244,13 @@ class LossDynamics(Check):
         columns = gradient_columns(ctx)
         labels = ["loss", "global grad norm"] + [f"grad norm {n}" for n in columns.names]
         logged = np.vstack([column(frame, "loss"), column(frame, "grad_norm")])
-        found = []  # per block of series: (window index, series index, p-value, effect size) of each test
-        compared = 0
-        for first_series, values in itertools.chain([(0, logged)], ((2 + i, b) for i, b in columns.blocks())):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=1))
-            windows = change[:, start : start + blocks * window].reshape(len(values), blocks, window)
-            del change
-            finite = np.isfinite(windows).all(axis=2)
-            ok = finite[:, :-1] & finite[:, 1:]
-            ordered = np.sort(windows, axis=2)
-            medians = (ordered[..., (window - 1) // 2] + ordered[..., window // 2]) / 2
-            del ordered
-            with np.errstate(divide="ignore", invalid="ignore"):
-                effect = medians[:, 1:] / medians[:, :-1]
-            # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
-            # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
-            series, at = np.nonzero(ok & (effect >= self.params["min_volatility_ratio"]))
-            p = (
-                stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
-                if series.size
-                else np.zeros(0)
-            )
-            found.append((at, series + first_series, p, effect[series, at]))
-            compared += int(ok.sum())
+
+        def test(first_series: int, values: np.ndarray):
+            return self._volatility_tests(values, first_series, start, blocks, window)
+
+        found = [test(0, logged)] + list(columns.map(lambda first, block: test(2 + first, block)))
+        compared = sum(ok for *_, ok in found)
+        found = [tests for *tests, _ in found]
         at, series, p, effect = (np.concatenate(part) for part in zip(*found))
         q = _benjamini_hochberg(p, (blocks - 1) * len(labels))
         hit = q < self.params["fdr_q"]
@@ -294,6 +274,33 @@ class LossDynamics(Check):
                 threshold=self.params["fdr_q"],
             )
         ]
+
+    def _volatility_tests(self, values: np.ndarray, first_series: int, start: int, blocks: int, window: int):
+        """Mann-Whitney U of consecutive windows of each series' step-to-step change (series x steps `values`,
+        series numbered from `first_series`) where the volatility rose enough: (window index, series, p-value,
+        effect size) of each test, and how many window pairs could be compared."""
+        from scipy import stats  # (imported on use, as above)
+
+        with np.errstate(divide="ignore", invalid="ignore"):
+            change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=1))
+        windows = change[:, start : start + blocks * window].reshape(len(values), blocks, window)
+        del change
+        finite = np.isfinite(windows).all(axis=2)
+        ok = finite[:, :-1] & finite[:, 1:]
+        ordered = np.sort(windows, axis=2)
+        medians = (ordered[..., (window - 1) // 2] + ordered[..., window // 2]) / 2
+        del ordered
+        with np.errstate(divide="ignore", invalid="ignore"):
+            effect = medians[:, 1:] / medians[:, :-1]
+        # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
+        # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
+        series, at = np.nonzero(ok & (effect >= self.params["min_volatility_ratio"]))
+        p = (
+            stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
+            if series.size
+            else np.zeros(0)
+        )
+        return at, series + first_series, p, effect[series, at], int(ok.sum())
 
 
 def _benjamini_hochberg(p: np.ndarray, tests: int) -> np.ndarray:

@@ -109,17 +109,19 @@ class TrainableSetConformance(Check):
         starved_at = np.full(n_params, -1)  # per tensor: the step row ending its first run of k starved steps
         none_at = np.zeros(n_params, dtype=bool)  # whether it had no gradient there (else a zero one)
         stale = _StaleCells(steps.size)
-        for first, norms in columns.blocks(absent=ABSENT):  # NaN: recorded non-finite; ABSENT: no gradient
+
+        def judge(first: int, norms: np.ndarray):  # NaN: recorded non-finite; ABSENT: no gradient
             if keep is not None:
                 norms = norms[:, keep]
-            tensors = slice(first, first + len(norms))
             present = norms != ABSENT
-            at = _first_run((~present | (norms == 0)) & requires[tensors, None], k)
-            starved_at[tensors] = at
+            at = _first_run((~present | (norms == 0)) & requires[first : first + len(norms), None], k)
             hit = np.flatnonzero(at >= 0)
-            none_at[first + hit] = ~present[hit, at[hit]]
-            del present
-            stale.add(first, norms, consecutive)
+            return first, at, hit, ~present[hit, at[hit]], _stale_cells(first, norms, consecutive)
+
+        for first, at, hit, none, cells in columns.map(judge, absent=ABSENT):
+            starved_at[first : first + len(at)] = at
+            none_at[first + hit] = none
+            stale.add(*cells)
         findings = []
         if (starved_at >= 0).any():
             row = int(starved_at[starved_at >= 0].min())
@@ -209,29 +211,38 @@ class _StaleCells:
         self.cols: list[np.ndarray] = []
         self.norms: list[np.ndarray] = []
 
-    def add(self, first: int, norms: np.ndarray, consecutive: np.ndarray) -> None:
-        with np.errstate(invalid="ignore"):
-            valid = np.isfinite(norms) & (norms > 0)
-        both = valid[:, 1:] & valid[:, :-1] & consecutive
-        del valid
-        self.compared += both.sum(axis=0)
-        equal = both & (norms[:, 1:] == norms[:, :-1])
-        tensors = np.flatnonzero(equal.any(axis=1))
-        if not tensors.size:
-            return
-        equal, both, norms = equal[tensors], both[tensors], norms[tensors]
-        density = _change_density(norms, both, equal)
-        cols, rows = np.nonzero(equal)
-        cell = norms[cols, rows + 1]
-        chance = np.spacing(cell).astype(np.float64) / cell * density[cols]
-        # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
-        log_p = np.log(np.where(density[cols] > 0, np.minimum(1.0, chance), 1.0))
-        new = (rows == 0) | ~equal[cols, np.maximum(rows - 1, 0)]
-        self.log_p += np.bincount(rows, weights=log_p, minlength=self.log_p.size)
-        self.fresh += np.bincount(rows, weights=new, minlength=self.fresh.size)
-        self.rows.append(rows)
-        self.cols.append(tensors[cols] + first)
-        self.norms.append(cell)
+    def add(self, compared: np.ndarray, rows: np.ndarray, cols: np.ndarray, cell: np.ndarray, log_p, new) -> None:
+        self.compared += compared
+        if rows.size:
+            self.log_p += np.bincount(rows, weights=log_p, minlength=self.log_p.size)
+            self.fresh += np.bincount(rows, weights=new, minlength=self.fresh.size)
+            self.rows.append(rows)
+            self.cols.append(cols)
+            self.norms.append(cell)
+
+
+def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray) -> tuple:
+    """One block of tensors' part of `_StaleCells`: per step pair the tensors compared, and each equal cell's
+    step pair, tensor, norm, log-chance and whether it starts being equal there."""
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(norms) & (norms > 0)
+    both = valid[:, 1:] & valid[:, :-1] & consecutive
+    del valid
+    compared = both.sum(axis=0)
+    equal = both & (norms[:, 1:] == norms[:, :-1])
+    tensors = np.flatnonzero(equal.any(axis=1))
+    if not tensors.size:
+        none = np.zeros(0, dtype=np.intp)
+        return compared, none, none, np.zeros(0, np.float32), np.zeros(0), np.zeros(0, bool)
+    equal, both, norms = equal[tensors], both[tensors], norms[tensors]
+    density = _change_density(norms, both, equal)
+    cols, rows = np.nonzero(equal)
+    cell = norms[cols, rows + 1]
+    chance = np.spacing(cell).astype(np.float64) / cell * density[cols]
+    # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
+    log_p = np.log(np.where(density[cols] > 0, np.minimum(1.0, chance), 1.0))
+    new = (rows == 0) | ~equal[cols, np.maximum(rows - 1, 0)]
+    return compared, rows, tensors[cols] + first, cell, log_p, new
 
 
 def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray) -> np.ndarray:
