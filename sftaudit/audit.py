@@ -20,6 +20,13 @@ def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], l
     """Every registered, enabled check that can judge what was recorded (`cannot_run`); a check that
     crashes is reported, not fatal (the verdict is then unjudged). A check that finds too little to
     judge (`CannotJudge`) goes in `ctx.not_judged` with its reason."""
+    try:
+        return _run_checks(ctx, config)
+    finally:
+        ctx.close()
+
+
+def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
     findings, errors = [], []
     recorded = recorded_evidence(ctx.con, ctx.manifest)
     for check_cls in registered_checks():

@@ -79,6 +79,7 @@ class AuditContext:
     manifest: dict[str, Any]
     series: list[dict[str, Any]] = field(default_factory=list)
     not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
+    resources: list[Any] = field(default_factory=list)  # what checks share and `close` releases (temporary files)
 
     def add_series(
         self,
@@ -105,6 +106,11 @@ class AuditContext:
                 "sole_condition": sole_condition,
             }
         )
+
+    def close(self) -> None:
+        """Release what the checks shared (the audit's temporary files); the context's results stay."""
+        while self.resources:
+            self.resources.pop().close()
 
     def frame(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
         return self.con.sql(sql, params=params or None).pl()

@@ -47,7 +47,16 @@ class GradientColumns:
         self._rows = max(1, STEP_VALUES // max(k, 1))  # steps per range
         self._file = tempfile.TemporaryFile(prefix="sftaudit-grad-")
         if n and k:
-            self._write(con, artifact_root(run_dir).resolve(), n, k)
+            try:
+                self._write(con, artifact_root(run_dir).resolve(), n, k)
+            except BaseException as exc:
+                self._file.close()
+                if not isinstance(exc, OSError) or exc.errno is None:
+                    raise
+                raise OSError(
+                    f"the audit's temporary copy of the gradient norms ({n * k * 4 / 2**30:.1f} GiB in "
+                    f"{tempfile.gettempdir()}) could not be written ({exc.strerror}); point TMPDIR at a folder with room"
+                ) from None
 
     def _write(self, con, root, n: int, k: int) -> None:
         """Every range of steps, in order, tensor-major: [tensors x steps of the range] one after another."""
@@ -75,6 +84,9 @@ class GradientColumns:
                 ranges.add(*part)
                 ranges.flush(next_row)
         ranges.flush(n)
+
+    def close(self) -> None:
+        self._file.close()
 
     def _read(self, lo: int, first: int, last: int) -> np.ndarray:
         """Tensors `first`..`last` - 1 of the range of steps starting at row `lo`, tensors x steps."""
@@ -258,4 +270,5 @@ def gradient_columns(ctx) -> GradientColumns:
     cached = ctx.__dict__.get("_gradient_columns")
     if cached is None:
         cached = ctx.__dict__["_gradient_columns"] = GradientColumns(ctx.con, ctx.run_dir)
+        ctx.resources.append(cached)
     return cached
