@@ -8,9 +8,9 @@ import sys
 
 from sftaudit.fixtures import build_tokenizer, load_dataset
 
-# Modules no check module may import at module level (the registry imports every check). Not pandas:
-# pyarrow imports it itself on its first `pa.array` call when it is installed.
-HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk")
+# Modules no check module may import at module level (the registry imports every check), nor preflight
+# (pandas: pyarrow's `pa.array` imports it on its first call when it is installed, 0.5 s).
+HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk", "pandas")
 
 
 def loaded_after(script: str, watched=HEAVY) -> set[str]:
