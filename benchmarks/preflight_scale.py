@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         build_tokenizer(args.vocab, tmp / "tokenizer")
@@ -139,7 +140,7 @@ def main() -> None:
     print(
         f"preflight on the {args.vocab} vocabulary: {args.samples} samples ({size_mb:.0f} MB JSONL), batch size "
         f"{args.batch_size}, medians of {args.repeat} runs, {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f}"
+        f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     )
     print(
         "  time to the first sample (fresh interpreter), wall / CPU s: "

@@ -147,6 +147,10 @@ def _sized(value: Any) -> int:
 
 def _guard_binop(operator: str, left: Any, right: Any) -> None:
     """Refuse an operator whose result would be huge, before computing it."""
+    if operator == "+":  # first: nearly every binop of a chat template is a string concatenation
+        if _sized(left) + _sized(right) > MAX_RENDER_CHARS:
+            raise TemplateBudget(f"a concatenation of {_sized(left) + _sized(right)} items")
+        return
     ints = [type(v) is int for v in (left, right)]
     if operator == "**" and all(ints) and right > 0 and abs(left) > 1 and right * left.bit_length() > _MAX_POWER_BITS:
         raise TemplateBudget(f"{left} ** {right} is too large")
@@ -156,8 +160,6 @@ def _guard_binop(operator: str, left: Any, right: Any) -> None:
         count, seq = (left, right) if ints[0] else (right, left)
         if type(count) is int and count > 0 and _sized(seq) * count > MAX_RENDER_CHARS:
             raise TemplateBudget(f"a repetition of {_sized(seq) * count} items")
-    if operator == "+" and _sized(left) + _sized(right) > MAX_RENDER_CHARS:
-        raise TemplateBudget(f"a concatenation of {_sized(left) + _sized(right)} items")
     if operator == "%" and isinstance(left, str) and _BIG_FORMAT.search(left):
         raise TemplateBudget("a format with a huge width")
 

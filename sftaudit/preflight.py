@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 
 from .artifacts import (
@@ -121,14 +122,38 @@ def preflight(
         con.close()
 
 
+def _numbers(values: np.ndarray) -> pa.Array:
+    """A numeric (not bool: Arrow packs those in bits) numpy vector as an Arrow array over its buffer. Not
+    `pa.array`: its first call imports pandas (to ask whether the input is a pandas object), half a second of
+    preflight's fixed cost."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def _strings(values: list[str]) -> pa.Array:
+    """Python strings as an Arrow string column (its UTF-8 bytes and offsets; not `pa.array`, as above)."""
+    encoded = [v.encode() for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
+
+
+def _records(records: list[dict]) -> pl.DataFrame:
+    """Dict records as a frame with a type per field inferred from every record (pyarrow's `from_pylist`
+    would import pandas, as above; polars is loaded anyway, for the checks)."""
+    return pl.from_dicts(records, infer_schema_length=None)
+
+
 def _list_column(matrices: list[np.ndarray]) -> pa.Array:
     """Rows of [B, T] matrices as one Arrow list column (no per-value Python objects)."""
     if not matrices:
-        return pa.array([], type=pa.list_(pa.int32()))
+        return pa.ListArray.from_arrays(_numbers(np.zeros(1, dtype=np.int32)), _numbers(np.zeros(0, dtype=np.int32)))
     values = np.concatenate([m.reshape(-1) for m in matrices]).astype(np.int32)
     widths = np.concatenate([np.full(m.shape[0], m.shape[1], dtype=np.int64) for m in matrices])
     offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.ListArray.from_arrays(_numbers(offsets), _numbers(values))
 
 
 def _store(
@@ -147,22 +172,21 @@ def _store(
         _insert(
             con,
             "batches",
-            pa.Table.from_pylist(
-                [batch_record(b, step, 0, tokenizer_length, fingerprint) for step, b in enumerate(batches, 1)]
-            ),
+            _records([batch_record(b, step, 0, tokenizer_length, fingerprint) for step, b in enumerate(batches, 1)]),
         )
     sizes = np.array([len(b["sample_ids"]) for b in batches], dtype=np.int64)
-    zeros = pa.array(np.zeros(int(sizes.sum()), dtype=np.int32))
+    zeros = _numbers(np.zeros(int(sizes.sum()), dtype=np.int32))
+    rows = [np.arange(s, dtype=np.int32) for s in sizes] or [np.zeros(0, dtype=np.int32)]
     _insert(
         con,
         "samples",
         pa.table(
             {
                 "seg": zeros,
-                "step": pa.array(np.repeat(np.arange(1, len(batches) + 1), sizes), pa.int64()),
+                "step": _numbers(np.repeat(np.arange(1, len(batches) + 1, dtype=np.int64), sizes)),
                 "micro": zeros,
-                "row": pa.array(np.concatenate([np.arange(s) for s in sizes]) if len(sizes) else [], pa.int32()),
-                "sample_id": pa.array([s for b in batches for s in b["sample_ids"]], pa.string()),
+                "row": _numbers(np.concatenate(rows)),
+                "sample_id": _strings([s for b in batches for s in b["sample_ids"]]),
                 "input_ids": _list_column([b["input_ids"] for b in batches]),
                 "labels": _list_column([b["labels"] for b in batches]),
                 "attention_mask": _list_column([b["attention_mask"] for b in batches]),
@@ -170,10 +194,10 @@ def _store(
         ),
     )
     if failures:
-        _insert(con, "events", pa.Table.from_pylist(failure_records(failures)))
+        _insert(con, "events", _records(failure_records(failures)))
 
 
-def _insert(con, kind: str, table: pa.Table) -> None:
+def _insert(con, kind: str, table: pa.Table | pl.DataFrame) -> None:
     """Records of the dataset path into the kind's table: the fields declared as its (`sftaudit.schema.records`)."""
     names = ", ".join(f'"{name}"' for name in RECORDS[kind].names(DATASET))
     con.register("new_records", table)

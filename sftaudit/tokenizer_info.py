@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,9 @@ def load_saved_tokenizer(folder: str | Path) -> Any:
         raise TokenizerRefused(reason)
     generic = _generic_fast_class(Path(folder))
     if generic is not None:
-        return generic.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+        return generic.from_pretrained(
+            str(folder), trust_remote_code=False, local_files_only=True, **_added_tokens_decoder(Path(folder))
+        )
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
@@ -141,3 +144,50 @@ def _generic_fast_class(folder: Path) -> Any:
     import transformers
 
     return getattr(transformers, name, None)
+
+
+def _added_tokens_decoder(folder: Path) -> dict[str, Any]:
+    """`added_tokens_decoder` for from_pretrained, taken from the head of tokenizer.json, when
+    tokenizer_config.json lacks it (as transformers 5 saves it) and no legacy special_tokens_map.json or
+    added_tokens.json asks for transformers' own merge. Without it transformers json-loads the whole
+    tokenizer.json in Python for that list alone (0.45 s CPU on Llama 3's 128k vocabulary), and builds the
+    same tokens from it. Empty (transformers reads the file itself) in every other case."""
+    if (folder / "special_tokens_map.json").exists() or (folder / "added_tokens.json").exists():
+        return {}
+    try:
+        config = json.loads(read_text(folder / "tokenizer_config.json", max_bytes=_CONFIG_LIMIT))
+        text = read_text(folder / "tokenizer.json")
+    except (InputError, ValueError):
+        return {}
+    if not isinstance(config, dict) or "added_tokens_decoder" in config or text.count('"added_tokens"') != 1:
+        return {}  # a repeated key: the last one counts, in the Rust parser and in json.load
+    tokens = _leading_member(text, "added_tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, dict) and type(t.get("id")) is int for t in tokens):
+        return {}
+    return {"added_tokens_decoder": {t["id"]: {k: v for k, v in t.items() if k != "id"} for t in tokens}}
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+
+
+def _leading_member(text: str, name: str) -> Any:
+    """The value of the top-level member `name` of the JSON object `text`, parsing only the members up to it
+    (the tokenizers library writes version, truncation, padding and added_tokens ahead of the vocabulary);
+    None when the text is not such an object."""
+    decoder, pos = json.JSONDecoder(), _SPACE.match(text).end()
+    if not text.startswith("{", pos):
+        return None
+    try:
+        while True:
+            key, pos = decoder.raw_decode(text, _SPACE.match(text, pos + 1).end())
+            pos = _SPACE.match(text, pos).end()
+            if not isinstance(key, str) or not text.startswith(":", pos):
+                return None
+            value, pos = decoder.raw_decode(text, _SPACE.match(text, pos + 1).end())
+            if key == name:
+                return value
+            pos = _SPACE.match(text, pos).end()
+            if not text.startswith(",", pos):
+                return None
+    except ValueError:  # not JSON there
+        return None

@@ -5,12 +5,14 @@ that need them import them inside the code that runs them."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from sftaudit.fixtures import build_tokenizer, load_dataset
 
-# Modules no check module may import at module level (the registry imports every check). Not pandas:
-# pyarrow imports it itself on its first `pa.array` call when it is installed.
-HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk")
+# Modules no check module may import at module level (the registry imports every check), nor preflight
+# (pandas: pyarrow's `pa.array` imports it on its first call when it is installed, 0.5 s).
+HEAVY = ("scipy", "plotly", "rouge_score", "sacrebleu", "nltk", "pandas")
 
 
 def loaded_after(script: str, watched=HEAVY) -> set[str]:
@@ -51,14 +53,50 @@ def test_preflight_imports_no_scipy_or_plotly(tmp_path):
     assert loaded_after(script, ("torch",)) == set()
 
 
-def test_a_bare_tokenizer_folder_loads_as_autotokenizer_loads_it(tmp_path):
+@pytest.mark.parametrize("family", ["fixture", "llama3", "qwen2"])
+def test_a_bare_tokenizer_folder_loads_as_autotokenizer_loads_it(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 
     from sftaudit.tokenizer_info import describe_tokenizer, load_saved_tokenizer
 
-    build_tokenizer(tmp_path)
-    direct, auto = load_saved_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    if family == "fixture":
+        build_tokenizer(tmp_path)
+        folder = tmp_path
+    else:  # released vocabularies, saved as transformers saves them (tokenizer.json + tokenizer_config.json)
+        from .corpus import real_tokenizer, tokenizer_cache
+
+        real_tokenizer(family, tokenizer_cache())
+        folder = tokenizer_cache() / family
+    # transformers json-loads the whole tokenizer.json in Python for its added tokens alone (the vocabulary
+    # parsed twice: 0.45 s on Llama 3's); the direct load reads them from the file's head.
+    loaded, json_load = [], json.load
+    monkeypatch.setattr(json, "load", lambda f, *a, **k: loaded.append(Path(f.name).name) or json_load(f, *a, **k))
+    direct = load_saved_tokenizer(folder)
+    assert "tokenizer.json" not in loaded
+    auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    assert "tokenizer.json" in loaded  # what the direct load skips, and would repeat if it went through it
+    monkeypatch.undo()
     assert type(direct) is type(auto) and describe_tokenizer(direct) == describe_tokenizer(auto)
     assert direct.init_kwargs == auto.init_kwargs and direct.model_max_length == auto.model_max_length
+    assert direct.added_tokens_decoder == auto.added_tokens_decoder
+    assert direct.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     text = load_dataset()[0]["messages"][0]["content"] + f" {auto.eos_token}"
     assert direct(text)["input_ids"] == auto(text)["input_ids"]
+
+
+def test_the_added_tokens_are_left_to_transformers_where_the_head_of_tokenizer_json_cannot_give_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from sftaudit.tokenizer_info import _added_tokens_decoder, describe_tokenizer, load_saved_tokenizer
+
+    build_tokenizer(tmp_path)
+    assert set(_added_tokens_decoder(tmp_path)) == {"added_tokens_decoder"}
+    text = (tmp_path / "tokenizer.json").read_text(encoding="utf-8")
+    # A repeated key (the last one counts in both parsers), and the legacy file transformers merges itself.
+    (tmp_path / "tokenizer.json").write_text(text.replace("{", '{"added_tokens": [],', 1), encoding="utf-8")
+    assert _added_tokens_decoder(tmp_path) == {}
+    (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<|eot_id|>"}), encoding="utf-8")
+    assert _added_tokens_decoder(tmp_path) == {}
+    direct, auto = load_saved_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert describe_tokenizer(direct) == describe_tokenizer(auto) and direct.init_kwargs == auto.init_kwargs
