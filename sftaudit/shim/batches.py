@@ -13,7 +13,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..artifacts import template_fingerprint
