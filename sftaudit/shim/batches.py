@@ -47,20 +47,24 @@ class Batches:
         # this size an op costs its first call's cold code, not its arithmetic. The host derives the rest.
         attended = given != 0 if padding_mask else torch.ones_like(input_ids, dtype=torch.bool)
         flags = [attended, trained, trained & attended]  # padding_trained = label_tokens - trained & attended
-        names = ["lengths", "label_tokens", "trained_attended"]
+        names = ["attended", "label_tokens", "trained_attended"]
         bos = self._bos_token_id()
         if bos is not None:  # sequence starts: attended BOS tokens (a packed row holds one per sample)
-            flags.append(attended & (input_ids != bos))  # bos_starts = lengths - this
+            flags.append(attended & (input_ids != bos))  # bos_starts = attended - this
             names.append("attended_not_bos")
         flags = torch.stack(flags)
         # The per-row counts travel as one tensor (cat promotes the bool columns): fewer pieces at the transfer;
         # last, after the named rows, the first token's flags (attended, trained) as sums over one column.
-        counts = [flags.sum(-1), flags[:2, :, :1].sum(-1)]
+        counts = [flags.sum(-1)]
+        if padding_mask:  # lengths: the mask's sum (without one, every position: the host fills it in)
+            counts.append(given.sum(-1).reshape(1, -1))
+            names.append("lengths")
         positions = batch.get("position_ids")
         if torch.is_tensor(positions) and positions.shape[-1] == length:  # how often they restart at 0 (LOOP-16)
             positions = positions.reshape(-1, length).expand(rows, -1)
-            counts.insert(1, (positions[:, 1:] == 0).sum(1).reshape(1, -1))
+            counts.append((positions[:, 1:] == 0).sum(1).reshape(1, -1))
             names.append("position_resets")
+        counts.append(flags[:2, :, :1].sum(-1))
         parts = {"row_counts": torch.cat(counts)}
         # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
         # row's attended tokens (padding dropped: -1) serves as its sample id.
@@ -168,11 +172,13 @@ class Batches:
             key, names = m["micro"], m["row_counts"]
             counts = [[int(v) for v in row] for row in values[key, "row_counts"].tolist()]  # exact below 2**24
             values.update(zip([(key, name) for name in names], counts))
-            lengths, labelled = values[key, "lengths"], values[key, "label_tokens"]
+            attended, labelled = values.pop((key, "attended")), values[key, "label_tokens"]
+            rows, length = m["shape"]
+            values.setdefault((key, "lengths"), [length] * rows)  # no padding mask: every position attended
             first_attended, first_trained = counts[len(names)], counts[len(names) + 1]
             values[key, "padding_trained"] = [a - b for a, b in zip(labelled, values.pop((key, "trained_attended")))]
             if (key, "attended_not_bos") in values:
-                values[key, "bos_starts"] = [a - b for a, b in zip(lengths, values.pop((key, "attended_not_bos")))]
+                values[key, "bos_starts"] = [a - b for a, b in zip(attended, values.pop((key, "attended_not_bos")))]
             values[key, "left_padded"] = [1 - v for v in first_attended]
             # A causal LM's shifted loss averages over the labels after the first.
             values[key, "target_tokens"] = [a - b for a, b in zip(labelled, first_trained)]
