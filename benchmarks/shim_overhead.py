@@ -80,7 +80,8 @@ class Arm:
     def timed(self, call, *args):
         start = clocks()
         out = call(*args)
-        self.hook_s += clocks() - start
+        end = clocks()
+        self.hook_s += np.subtract(end, start)
         return out
 
     def open(self, model, opt, tokenizer, rows, folder: str) -> None: ...
@@ -130,7 +131,8 @@ class SftauditArm(Arm):
 
     def _forward_hooked(self, *_):
         if self._forward_end is not None and self.active:
-            self.hook_s += clocks() - self._forward_end
+            end = clocks()
+            self.hook_s += np.subtract(end, self._forward_end)
         self._forward_end = None
 
     def begin_block(self, plan):
@@ -281,10 +283,11 @@ def make_batches(tokenizer, rows: list[dict], batch: int, seq: int, count: int =
     return out
 
 
-def clocks() -> np.ndarray:
+def clocks() -> tuple[float, float, float]:
     """Wall time, this thread's CPU time (the hooks run on the training thread: CPU time is not
-    inflated by the thread waiting for a core on a shared machine) and its CPU time in the norm pass."""
-    return np.array((time.perf_counter(), time.thread_time(), NORM_CPU_S[0]))
+    inflated by the thread waiting for a core on a shared machine) and its CPU time in the norm pass.
+    A tuple: the arithmetic on them runs after the second reading, outside the timed call."""
+    return time.perf_counter(), time.thread_time(), NORM_CPU_S[0]
 
 
 def train_step(model, opt, batch: dict, arm: Arm | None, step: int) -> tuple[float, float]:
