@@ -17,7 +17,8 @@ drifts over minutes moves A and B alike, so the ratio stays put where raw step t
 "hooks" is the time spent inside the instrumentation's calls at ordinary steps (the Recorder's
 on_batch / on_backward / on_step_end and its forward hook, timed from outside; for TensorBoard and
 W&B the loop's norm and logging calls: W&B's own hooks inside forward/backward are not in it), in
-the training thread's CPU time (not inflated by waiting for a core) and in wall time. The ratios
+the training thread's CPU time (not inflated by waiting for a core) and in wall time; its Python work
+is that CPU time less the part spent inside torch._foreach_norm (the norm pass: compute). The ratios
 are printed twice: in wall time (what a run pays) and in the process's CPU time (steadier on a
 shared machine; it leaves out work done by other processes, such as W&B's service).
 
