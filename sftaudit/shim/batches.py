@@ -9,10 +9,10 @@ records.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..artifacts import template_fingerprint
@@ -30,6 +30,7 @@ class Batches:
         self._schedule = schedule
         self._sink = sink
         self._template: tuple[Any, str | None] = (None, None)  # (template object, its fingerprint)
+        self._bos: tuple[Any, int | None] = (None, None)  # ((length, template), BOS id)
 
     def capture(self, step: int, batch: Mapping[str, Any], micro: int, first_step: bool) -> dict:
         """One micro-batch's record in the making: its device tensors under ``parts``."""
@@ -37,35 +38,44 @@ class Batches:
         given = batch.get("attention_mask")
         # A 2-D padding mask; a 4-D or block mask carries sample boundaries (varlen), not padding.
         padding_mask = torch.is_tensor(given) and given.shape == input_ids.shape
-        attention_mask = given if padding_mask else torch.ones_like(input_ids)
         labels = batch.get("labels")
         trained = labels != IGNORE_INDEX if labels is not None else torch.zeros_like(input_ids, dtype=torch.bool)
-        padding = attention_mask == 0
         rows, length = input_ids.shape
         sample_ids = batch.get("sample_ids")
         keep_rows = self._rows_to_keep(step, rows, first_step)
-        counts = {
-            "lengths": attention_mask.sum(1),
-            "label_tokens": trained.sum(1),
-            # A causal LM's shifted loss averages over the labels after the first: the host
-            # subtracts this column (cheaper than summing a strided slice).
-            "first_trained": trained[:, 0],
-            "padding_trained": (trained & padding).sum(1),
-            "left_padded": padding[:, 0],
-            **self._segments(batch, input_ids, padding),
-        }
-        # The per-row counts travel as one tensor (stack promotes the bool columns): fewer pieces at the transfer.
-        parts = {"row_counts": torch.stack(list(counts.values()))}
+        # Every per-row count is one sum over a stack of token flags, built from few kinds of op (ne, and): at
+        # this size an op costs its first call's cold code, not its arithmetic. The host derives the rest.
+        attended = given != 0 if padding_mask else torch.ones_like(input_ids, dtype=torch.bool)
+        flags = [attended, trained, trained & attended]  # padding_trained = label_tokens - trained & attended
+        names = ["attended", "label_tokens", "trained_attended"]
+        bos = self._bos_token_id()
+        if bos is not None:  # sequence starts: attended BOS tokens (a packed row holds one per sample)
+            flags.append(attended & (input_ids != bos))  # bos_starts = attended - this
+            names.append("attended_not_bos")
+        flags = torch.stack(flags)
+        # The per-row counts travel as one tensor (cat promotes the bool columns): fewer pieces at the transfer;
+        # last, after the named rows, the first token's flags (attended, trained) as sums over one column.
+        counts = [flags.sum(-1)]
+        if padding_mask:  # lengths: the mask's sum (without one, every position: the host fills it in)
+            counts.append(given.sum(-1).reshape(1, -1))
+            names.append("lengths")
+        positions = batch.get("position_ids")
+        if torch.is_tensor(positions) and positions.shape[-1] == length:  # how often they restart at 0 (LOOP-16)
+            positions = positions.reshape(-1, length).expand(rows, -1)
+            counts.append((positions[:, 1:] == 0).sum(1).reshape(1, -1))
+            names.append("position_resets")
+        counts.append(flags[:2, :, :1].sum(-1))
+        parts = {"row_counts": torch.cat(counts)}
         # Rows are kept whole as evidence on schedule; when no ids were given, a hash of the
         # row's attended tokens (padding dropped: -1) serves as its sample id.
         if sample_ids is None:
-            parts["hashed_ids"] = input_ids.masked_fill(padding, -1)
+            parts["hashed_ids"] = input_ids.masked_fill(~attended, -1) if padding_mask else input_ids
         if keep_rows:
             parts["input_ids"] = input_ids
             parts["labels"] = (
                 labels[:keep_rows] if labels is not None else torch.full_like(input_ids[:keep_rows], IGNORE_INDEX)
             )
-            parts["attention_mask"] = attention_mask[:keep_rows]
+            parts["attention_mask"] = given[:keep_rows] if padding_mask else attended[:keep_rows]
         if sample_ids is not None:
             sample_ids = [str(s) for s in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
         varlen = any(k in batch for k in VARLEN_KEYS) or (torch.is_tensor(given) and given.dim() == 4)
@@ -76,7 +86,7 @@ class Batches:
             "varlen": varlen,
             "keep_rows": keep_rows,
             "parts": parts,
-            "row_counts": list(counts),
+            "row_counts": names,
             **self._tokenizer_state(),
         }
 
@@ -100,7 +110,12 @@ class Batches:
             def weight(grad: torch.Tensor) -> None:
                 parts["loss_weight"] = grad.detach()
 
-            loss.register_hook(weight)
+            # On the node that made the loss (its one output's gradient): cheaper to register than a tensor hook.
+            node, nr = loss.grad_fn, loss.output_nr
+            if node is not None:
+                node.register_prehook(lambda grads: weight(grads[nr]) if grads[nr] is not None else None)
+            else:  # a leaf
+                loss.register_hook(weight)
         log_probs = getattr(output, "log_probs", None)
         mask = getattr(output, "label_mask", None)
         if (
@@ -117,6 +132,17 @@ class Batches:
 
             log_probs.register_hook(token_weight)
 
+    def _bos_token_id(self) -> int | None:
+        """The tokenizer's BOS id, looked up again only when its length or template changes (`_tokenizer_state`
+        notices a swap): the property is a token-to-id conversion at every call."""
+        tok = self._tokenizer
+        if tok is None:
+            return None
+        key = (len(tok), getattr(tok, "chat_template", None))
+        if self._bos[0] != key:
+            self._bos = (key, getattr(tok, "bos_token_id", None))
+        return self._bos[1]
+
     def _tokenizer_state(self) -> dict[str, Any]:
         """Cheap per-batch identity of the tokenizer (vocabulary size, chat template): a tokenizer
         or template swapped mid-run shows at the step it happened, not only at the next checkpoint."""
@@ -127,19 +153,6 @@ class Batches:
         if template is not self._template[0]:  # hash only when the template object changes
             self._template = (template, template_fingerprint(template))
         return {"tokenizer_length": len(tok), "template_fingerprint": self._template[1]}
-
-    def _segments(self, batch: Mapping[str, Any], input_ids: torch.Tensor, padding: torch.Tensor) -> dict:
-        """Per row: sequence starts (attended BOS tokens: a packed row holds one per sample) and, when
-        the batch gives position_ids, how often they restart at 0 (LOOP-16, packing boundaries)."""
-        bos = getattr(self._tokenizer, "bos_token_id", None) if self._tokenizer is not None else None
-        out = {}
-        if bos is not None:
-            out["bos_starts"] = (input_ids == bos).logical_and_(~padding).sum(1)
-        positions = batch.get("position_ids")
-        if torch.is_tensor(positions) and positions.shape[-1] == input_ids.shape[1]:
-            positions = positions.reshape(-1, input_ids.shape[1]).expand(input_ids.shape[0], -1)
-            out["position_resets"] = (positions[:, 1:] == 0).sum(1)
-        return out
 
     def _rows_to_keep(self, step: int, rows: int, first_step: bool) -> int:
         """Rows kept whole as evidence: on the schedule, and every row of each segment's first step (a
@@ -153,14 +166,22 @@ class Batches:
 
     @staticmethod
     def unpack(micro: list[dict], values: dict) -> None:
-        """Each micro-batch's per-row count columns as values of their own, and its target tokens."""
+        """Each micro-batch's per-row count columns as values of their own (lists of ints), and its target
+        tokens. Plain Python from here on: at a few rows, each numpy call would cost more than its work."""
         for m in micro:
-            values.update(
-                {(m["micro"], name): row for name, row in zip(m["row_counts"], values[m["micro"], "row_counts"])}
-            )
-            values[m["micro"], "target_tokens"] = (
-                values[m["micro"], "label_tokens"] - values[m["micro"], "first_trained"]
-            )
+            key, names = m["micro"], m["row_counts"]
+            counts = [[int(v) for v in row] for row in values[key, "row_counts"].tolist()]  # exact below 2**24
+            values.update(zip([(key, name) for name in names], counts))
+            attended, labelled = values.pop((key, "attended")), values[key, "label_tokens"]
+            rows, length = m["shape"]
+            values.setdefault((key, "lengths"), [length] * rows)  # no padding mask: every position attended
+            first_attended, first_trained = counts[len(names)], counts[len(names) + 1]
+            values[key, "padding_trained"] = [a - b for a, b in zip(labelled, values.pop((key, "trained_attended")))]
+            if (key, "attended_not_bos") in values:
+                values[key, "bos_starts"] = [a - b for a, b in zip(attended, values.pop((key, "attended_not_bos")))]
+            values[key, "left_padded"] = [1 - v for v in first_attended]
+            # A causal LM's shifted loss averages over the labels after the first.
+            values[key, "target_tokens"] = [a - b for a, b in zip(labelled, first_trained)]
 
     @staticmethod
     def window_loss(micro: list[dict], values: dict, recorded: float | None) -> float | None:
@@ -169,16 +190,19 @@ class Batches:
         share of the objective (the loss / the accumulation steps, or a sum over the Trainer's
         `num_items_in_batch`), so the mean of those is 1/GA of the trained loss. Otherwise the mean
         of the recorded losses; a non-finite recorded loss (corrupted after the model) stays."""
-        if not micro or (recorded is not None and not np.isfinite(recorded)):
+        if not micro or (recorded is not None and not math.isfinite(recorded)):
             return recorded
         if any((m["micro"], "model_loss") not in values for m in micro):
             return recorded
-        n = np.array([values[m["micro"], "target_tokens"].sum() for m in micro], dtype=np.float64)
-        loss = np.array([values[m["micro"], "model_loss"] for m in micro], dtype=np.float64)
+        n = [sum(values[m["micro"], "target_tokens"]) for m in micro]
         # The model's loss is its summed token loss / num_items_in_batch when the Trainer passes it, else / n.
-        divides_by = np.array([values.get((m["micro"], "num_items"), k) for m, k in zip(micro, n)], dtype=np.float64)
-        trained = n > 0  # a micro-batch without target tokens adds nothing (its own mean is 0/0)
-        return float((loss * divides_by)[trained].sum() / n[trained].sum()) if trained.any() else recorded
+        summed = [
+            float(values[m["micro"], "model_loss"]) * float(values.get((m["micro"], "num_items"), k))
+            for m, k in zip(micro, n)
+        ]
+        # A micro-batch without target tokens adds nothing (its own mean is 0/0).
+        trained = [(x, k) for x, k in zip(summed, n) if k > 0]
+        return sum(x for x, _ in trained) / sum(k for _, k in trained) if trained else recorded
 
     def write(self, step: int, m: dict, values: dict) -> None:
         micro = m["micro"]
@@ -195,13 +219,13 @@ class Batches:
                 "rows": rows,
                 "seq_len": length,
                 "sample_ids": ids,
-                "lengths": values[micro, "lengths"].astype("int64").tolist(),
-                "label_tokens": values[micro, "label_tokens"].astype("int64").tolist(),
-                "padding_trained": values[micro, "padding_trained"].astype("int64").tolist(),
-                "left_padded_rows": int(values[micro, "left_padded"].sum()),
-                "target_tokens": values[micro, "target_tokens"].astype("int64").tolist(),
+                "lengths": values[micro, "lengths"],
+                "label_tokens": values[micro, "label_tokens"],
+                "padding_trained": values[micro, "padding_trained"],
+                "left_padded_rows": sum(values[micro, "left_padded"]),
+                "target_tokens": values[micro, "target_tokens"],
                 **{
-                    key: values[micro, key].astype("int64").tolist()
+                    key: values[micro, key]
                     for key in ("bos_starts", "position_resets")
                     if (micro, key) in values
                 },

@@ -9,6 +9,7 @@ read more.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from itertools import repeat
@@ -66,7 +67,8 @@ class Gradients:
         if not index:
             return
         grads = all_grads if len(index) == len(all_grads) else [all_grads[i] for i in index]
-        self.norms = torch.stack(torch._foreach_norm(grads)).float()
+        norms = torch.stack(torch._foreach_norm(grads))
+        self.norms = norms if norms.dtype == torch.float32 else norms.float()
         self._index = index
         every = self._schedule.grad_hist_every
         if every and step % every == 0 and "grad_hists" not in self._sink.disabled:
@@ -96,12 +98,12 @@ class Gradients:
         """The gradients at the tensors whose norms were read (all of them, mostly: no copy then)."""
         return all_grads if len(self._index) == len(all_grads) else [all_grads[i] for i in self._index]
 
-    def _per_tensor(self, host: np.ndarray) -> list[float | None]:
+    def _per_tensor(self, host: list[float]) -> list[float | None]:
         """Host norms as one value per parameter (None where it had no gradient)."""
         if len(self._index) == len(self._params):
-            return host.tolist()
+            return host
         out: list[float | None] = [None] * len(self._params)
-        for i, v in zip(self._index, host.tolist()):
+        for i, v in zip(self._index, host):
             out[i] = v
         return out
 
@@ -116,19 +118,19 @@ class Gradients:
         norms: list[float | None] = [None] * len(self._params)
         nonfinite, global_norm = {}, None
         if ("step", "norms") in values:
-            host_norms = values["step", "norms"].astype(np.float64)
+            host_norms = values["step", "norms"].tolist()  # plain floats: a few dozen, numpy would cost more
             norms = self._per_tensor(host_norms)
-            global_norm = float(np.sqrt(np.square(host_norms).sum()))
-            if not np.isfinite(global_norm):  # else every norm is finite
-                bad = np.flatnonzero(~np.isfinite(host_norms))
+            global_norm = _l2(host_norms)
+            if not math.isfinite(global_norm):  # else every norm is finite
+                bad = np.flatnonzero(~np.isfinite(values["step", "norms"]))
                 if bad.size:
                     nonfinite = self._count_nonfinite([self._index[j] for j in bad])
         fields = {"grad_norm": global_norm, "grad_norms": norms, "nonfinite_grads": nonfinite}
         extra = {}
         if ("step", "post_norms") in values:
-            post = values["step", "post_norms"].astype(np.float64)
+            post = values["step", "post_norms"].tolist()
             extra = {
-                "grad_norm_post_clip": float(np.sqrt(np.square(post).sum())),
+                "grad_norm_post_clip": _l2(post),
                 "grad_norms_post_clip": self._per_tensor(post),
             }
         elif self._read_after_clip:
@@ -218,26 +220,26 @@ class Gradients:
             )
 
 
+def _l2(values: list[float]) -> float:
+    """The L2 norm of the per-tensor norms, in float64 (NaN when one is NaN, inf when one is inf)."""
+    return math.sqrt(sum(v * v for v in values))
+
+
 def _none_missing(grads: list) -> bool:
     """No None among them, checked without a Python-level loop (`None in grads` would compare tensors)."""
     return all(map(is_not, grads, repeat(None)))
 
 
 def histograms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Per tensor: [zeros, non-finite, counts of log10|g| in GRAD_HIST_EDGES bins]."""
+    """Per tensor: [zeros, non-finite, counts of log10|g| in GRAD_HIST_EDGES bins] (zeros and values below
+    the first edge in the first bin, above the last in the last). No masked copy of the finite values:
+    histc skips NaN, and the infinities, clamped into the last bin, are taken out of it again."""
     lo, hi, bins = GRAD_HIST_EDGES[0], GRAD_HIST_EDGES[-1], len(GRAD_HIST_EDGES) - 1
     rows = []
     for g in grads:
         g = g.detach().float().reshape(-1)
-        finite = torch.isfinite(g)
-        mag = torch.log10(g[finite].abs().clamp_min(1e-30))
-        rows.append(
-            torch.cat(
-                [
-                    (g == 0).sum().reshape(1).float(),
-                    (~finite).sum().reshape(1).float(),
-                    torch.histc(mag.clamp(lo, hi - 1e-6), bins=bins, min=lo, max=hi),
-                ]
-            )
-        )
+        counts = torch.histc(torch.log10(g.abs()).clamp_(lo, hi - 1e-6), bins=bins, min=lo, max=hi)
+        counts[-1] -= torch.isinf(g).sum()
+        nonfinite = g.numel() - counts.sum()  # the NaN histc skipped and the infinities taken out
+        rows.append(torch.cat([(g == 0).sum().reshape(1).float(), nonfinite.reshape(1), counts]))
     return torch.stack(rows)

@@ -189,9 +189,7 @@ class Recorder:
             return
         with self._guard("gradients"):
             self._begin_step(step)
-            self._losses.append(
-                loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss))
-            )
+            self._losses.append(_scalar(loss) if torch.is_tensor(loss) else torch.tensor(float(loss)))
 
     def record_gradients(self, step: int) -> None:
         """Per-tensor gradient norms as the gradients stand now (and histograms on schedule). With
@@ -317,10 +315,9 @@ class Recorder:
         self._batches.unpack(self._micro, values)
         grad_fields, grad_extra = self._grads.step_fields(values)
         losses = [values["loss", i] for i in range(len(self._losses))]
-        loss = self._batches.window_loss(
-            self._micro, values, float(np.mean(losses, dtype=np.float64)) if losses else None
-        )
-        tokens = sum(int(values[m["micro"], "lengths"].sum()) for m in self._micro)
+        mean = float(losses[0]) if len(losses) == 1 else float(np.mean(losses, dtype=np.float64)) if losses else None
+        loss = self._batches.window_loss(self._micro, values, mean)
+        tokens = sum(sum(values[m["micro"], "lengths"]) for m in self._micro)
         for m in self._micro:  # before the step's own record, which marks the step complete after a kill
             self._batches.write(step, m, values)
         self._write(
@@ -347,12 +344,21 @@ class Recorder:
             return str(path.resolve())
 
 
+def _scalar(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a detached float32 0-d tensor (no op where it is one already)."""
+    loss = loss.detach()
+    if loss.dtype != torch.float32:
+        loss = loss.float()
+    return loss.reshape(()) if loss.dim() else loss
+
+
 def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
     """One device-to-host copy for all of a step's values (float32 holds token ids < 2**24 exactly)."""
     if not tensors:
         return []
-    # cat promotes mixed dtypes (bool, int64, float32) to one; a single conversion follows. All detached already.
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32).cpu().numpy()
+    # One call flattens and concatenates them all (cat promotes mixed dtypes: bool, int64, float32 to one); a
+    # single conversion follows, a no-op when that is float32 already. All detached already.
+    flat = torch._C._nn.flatten_dense_tensors(tensors).to(torch.float32).cpu().numpy()
     out, offset = [], 0
     for t in tensors:
         n = t.numel()

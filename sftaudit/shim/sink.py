@@ -12,7 +12,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..hashing import file_sha256
@@ -30,37 +29,36 @@ class Sink:
         self._current_step = current_step  # the step an error is dated at, read when it happens
         self._hashers: list[threading.Thread] = []
 
-    @contextmanager
-    def guard(self, component: str, step: int | None = None):
+    def guard(self, component: str, step: int | None = None) -> _Guard:
         """Run one component; on any exception record it, switch the component off, carry on.
 
         Callers skip components already in `disabled` before entering."""
+        return _Guard(self, component, step)
+
+    def _failed(self, component: str, step: int | None, exc: Exception) -> None:
+        self.disabled.add(component)
+        step = self._current_step() if step is None else step
+        record = {
+            "kind": "shim_error",
+            "probe": component,
+            "step": step,
+            "time": time.time(),
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=8)),
+        }
         try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - the shim must never take training down
-            self.disabled.add(component)
-            step = self._current_step() if step is None else step
-            record = {
-                "kind": "shim_error",
-                "probe": component,
-                "step": step,
-                "time": time.time(),
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=8),
-            }
-            try:
-                self.write("events", record)
-                self.write("events", {"kind": "probe_disabled", "probe": component, "step": step})
-            except Exception:  # noqa: BLE001
-                pass
-            if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
-                # One line for the run: later failures (other components, other ranks) are in the events.
-                warnings.warn(
-                    f"sftaudit: {component} recording failed at step {step} and was switched off "
-                    f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
-                    f"only",
-                    stacklevel=3,
-                )
+            self.write("events", record)
+            self.write("events", {"kind": "probe_disabled", "probe": component, "step": step})
+        except Exception:  # noqa: BLE001
+            pass
+        if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
+            # One line for the run: later failures (other components, other ranks) are in the events.
+            warnings.warn(
+                f"sftaudit: {component} recording failed at step {step} and was switched off "
+                f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
+                f"only",
+                stacklevel=3,
+            )
 
     def write(self, kind: str, record: dict) -> None:
         if "writer" in self.disabled:
@@ -102,3 +100,22 @@ class Sink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class _Guard:
+    """`Sink.guard`'s context: a plain class, entered several times a step (a generator-based context
+    manager costs a generator and its frames each time)."""
+
+    __slots__ = ("_sink", "_component", "_step")
+
+    def __init__(self, sink: Sink, component: str, step: int | None):
+        self._sink, self._component, self._step = sink, component, step
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception):  # BaseException (KeyboardInterrupt) goes on up
+            return False
+        self._sink._failed(self._component, self._step, exc)  # the shim must never take training down
+        return True

@@ -59,6 +59,10 @@ _PART_OPTIONS = {
 }
 
 
+# One encoder for every record: json.dumps with options builds a new one per call.
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 class JsonlWriter:
     def __init__(self, folder: Path, roll_steps: int = ROLL_STEPS, roll_values: int = ROLL_VALUES):
         self.folder = folder
@@ -86,7 +90,7 @@ class JsonlWriter:
         ):
             record = dict(record)
             columns = _step_columns(record.pop("grad_norms", None), record.pop("grad_norms_post_clip", None))
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        line = _encode(record) + "\n"
         with self._lock:
             f = self._files.get(kind)
             if f is None:
@@ -120,9 +124,10 @@ class JsonlWriter:
 
 def _step_columns(norms, post) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(idx, norm, post) of the tensors that have a norm this step (None: no gradient; NaN kept)."""
-    values = np.asarray(norms if norms is not None else post, dtype=np.float32)
+    given = norms if norms is not None else post
+    values = np.asarray(given, dtype=np.float32)
     clipped = None if post is None else np.asarray(post, dtype=np.float32)
-    if not np.isnan(values).any():  # the usual step: every tensor has a finite norm
+    if None not in given:  # the usual step: every tensor has a norm (a list of floats: no numpy call to tell)
         idx = _every(len(values))
     else:  # None became NaN too: tell them apart only when there is one
         idx = np.flatnonzero(np.asarray(norms if norms is not None else post, dtype=object) != None)  # noqa: E711
@@ -147,13 +152,16 @@ class GradSeries:
         self.roll_steps, self.roll_values = roll_steps, roll_values
         self._journal: IO[bytes] | None = None
         self._where: tuple[Path, int] | None = None  # (segment folder, first step) of the open journal
+        self._seg, self._seg_folder = None, None  # the last segment appended to, and its folder
         self._buffer: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] = []
         self._values = 0
         self._thread: threading.Thread | None = None
         self._recover(steps_file)
 
     def append(self, seg: int, step: int, idx: np.ndarray, norm: np.ndarray, post: np.ndarray | None) -> None:
-        folder = self.root / f"seg={seg}"
+        if seg != self._seg:
+            self._seg, self._seg_folder = seg, self.root / f"seg={seg}"
+        folder = self._seg_folder
         if self._where is not None and self._where[0] != folder:
             self.roll()
         if self._journal is None:
