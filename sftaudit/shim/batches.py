@@ -224,11 +224,7 @@ class Batches:
                 "padding_trained": values[micro, "padding_trained"],
                 "left_padded_rows": sum(values[micro, "left_padded"]),
                 "target_tokens": values[micro, "target_tokens"],
-                **{
-                    key: values[micro, key]
-                    for key in ("bos_starts", "position_resets")
-                    if (micro, key) in values
-                },
+                **{key: values[micro, key] for key in ("bos_starts", "position_resets") if (micro, key) in values},
                 "varlen": m["varlen"],
                 "attention_mask_kind": m.get("attention_mask_kind"),
                 "cache_built": m.get("cache_built"),
