@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sftaudit.audit import audit
 from sftaudit.checks import gradient_columns
 from sftaudit.checks.rolling import MAD_TO_SIGMA, block_stats
+from sftaudit.ingest import connect, ingest
 
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 _spec = importlib.util.spec_from_file_location("synthetic_run", _BENCHMARKS / "synthetic_run.py")
@@ -106,3 +107,32 @@ def test_the_temporary_file_is_gone_after_the_audit(planted_run, tmp_path, monke
     monkeypatch.setattr("tempfile.tempdir", None)
     audit(run)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_part_named_out_of_step_order_still_reads_whole(tmp_path):
+    """A part renamed by hand (its name's first step far after its rows) is read after the ranges its rows
+    fall in were written: they are written again, and the checks' reader still equals the view."""
+    run = tmp_path / "run"
+    synthetic_run.write_synthetic_run(run, steps=12_000, tensors=10, block=1_000)  # parts roll every 10,000 steps
+    folder = next((run / "sftaudit" / "series" / "grad_norms" / "rank=0").glob("seg=*"))
+    parts = sorted(folder.glob("part-*.parquet"))
+    assert len(parts) == 2, parts
+    parts[0].rename(folder / "part-000011990.parquet")  # steps 1-10,000, read after steps 10,001-12,000
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(gradient_columns, "STEP_VALUES", 10 * 500)  # ranges of 500 steps: 23 written before
+    try:
+        ingest(run)
+        con = connect(run, read_only=True)
+        try:
+            columns = gradient_columns.GradientColumns(con, run)
+            view = np.full((len(columns.names), columns.steps.size), gradient_columns.ABSENT, dtype=np.float32)
+            cells = con.sql("SELECT step, idx, norm FROM grad_cells WHERE rank = 0").fetchnumpy()
+            view[cells["idx"], np.searchsorted(columns.steps, cells["step"])] = cells["norm"]
+            read = np.concatenate([block for _, block in columns.blocks(absent=gradient_columns.ABSENT)])
+            columns.close()
+        finally:
+            con.close()
+    finally:
+        monkeypatch.undo()
+    assert (view[:, :10] != gradient_columns.ABSENT).all()  # the renamed part's steps are there
+    np.testing.assert_array_equal(read, view)
