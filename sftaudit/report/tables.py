@@ -42,6 +42,10 @@ def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
     return first_row(con, f'SELECT count(*) FROM "{table}"')[0] if has_table(con, table) else 0
 
 
+def has_rows(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    return has_table(con, table) and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
+
+
 def envelope(
     con: duckdb.DuckDBPyConnection,
     source: str,
@@ -72,21 +76,27 @@ def envelope(
 
 def gradient_matrix(con: duckdb.DuckDBPyConnection, buckets: int = HEATMAP_BUCKETS) -> dict[str, Any] | None:
     """Per tensor and step bucket: the largest finite gradient norm and whether any was non-finite."""
-    if not row_count(con, "grad_norms"):
+    # One pass over rank 0's norms (grad_cells: no tensor-name join), the step range from the steps ingest
+    # listed and the names from the manifest: three passes over a billion norms took minutes.
+    if not has_rows(con, "grad_cells"):
         return None
-    lo, hi = first_row(con, "SELECT min(step), max(step) FROM grad_norms WHERE rank = 0")
+    lo, hi = first_row(con, "SELECT min(step), max(step) FROM grad_piece_steps WHERE rank = 0")
+    if lo is None:
+        return None
     width = max(1, -(-(hi - lo + 1) // buckets))  # steps per bucket, rounded up
     cells = con.sql(
         """
         SELECT idx, (step - ?) // ? AS bucket,
                max(norm) FILTER (WHERE isfinite(norm)) AS norm,
                count(*) FILTER (WHERE NOT isfinite(norm)) AS nonfinite
-        FROM grad_norms WHERE rank = 0 GROUP BY idx, bucket
+        FROM grad_cells WHERE rank = 0 AND step BETWEEN ? AND ? GROUP BY idx, bucket
         """,
-        params=[lo, width],
+        params=[lo, width, lo, hi],
     ).pl()
     names = con.sql(
-        "SELECT idx, any_value(tensor) AS tensor FROM grad_norms WHERE rank = 0 GROUP BY idx ORDER BY idx"
+        "SELECT idx, arg_max(name, seg) AS tensor FROM params WHERE rank = 0 AND idx IN (SELECT unnest(?::INTEGER[])) "
+        "GROUP BY idx ORDER BY idx",
+        params=[sorted(set(cells["idx"].to_list()))],
     ).pl()
     row_of = {idx: i for i, idx in enumerate(names["idx"].to_list())}
     n_buckets = (hi - lo) // width + 1
