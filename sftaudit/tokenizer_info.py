@@ -115,9 +115,8 @@ def load_saved_tokenizer(folder: str | Path) -> Any:
         raise TokenizerRefused(reason)
     generic = _generic_fast_class(Path(folder))
     if generic is not None:
-        return generic.from_pretrained(
-            str(folder), trust_remote_code=False, local_files_only=True, **_added_tokens_decoder(Path(folder))
-        )
+        added = _added_tokens_decoder(Path(folder))  # only added_tokens_decoder: no switch can come in through it
+        return generic.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True, **added)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
