@@ -223,6 +223,23 @@ class OptimizerState(Check):
                 ]
         return []
 
+    def _jump(
+        self, message: str, a: Snapshot, b: Snapshot, tensors: list[dict], limit: float, median: float
+    ) -> Finding:
+        """A warn at the first step after save `a`: the listed tensors' ratio between saves `a` and `b` stands
+        out from their peers' (`median`)."""
+        first = a.step + 1
+        return self.finding(
+            "warn",
+            message,
+            step=first,
+            resolution=_resolution(first, b.step, a.name, b.name),
+            tensors=tensors,
+            value=tensors[0]["ratio"],
+            threshold=limit,
+            median_ratio=median,
+        )
+
     def _moment_jumps(self, snapshots: list[Snapshot], with_state: list[Snapshot]) -> list[Finding]:
         findings = []
         for a, b in zip(with_state, with_state[1:]):
@@ -254,18 +271,16 @@ class OptimizerState(Check):
             ]
             first, last = a.step + 1, b.step
             findings.append(
-                self.finding(
-                    "warn",
+                self._jump(
                     f"the gradient scale of {tensors[0]['tensor']} (from Adam's second moment) grew {tensors[0]['ratio']:.0f}x "
                     f"between {a.name} and {b.name}, its peers' {median:.2g}x"
                     + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
                     + f": a gradient spike in steps {first}-{last}; inspect that layer and those steps' data",
-                    step=first,
-                    resolution=_resolution(first, last, a.name, b.name),
-                    tensors=tensors,
-                    value=tensors[0]["ratio"],
-                    threshold=limit,
-                    median_ratio=median,
+                    a,
+                    b,
+                    tensors,
+                    limit,
+                    median,
                 )
             )
             break  # later windows carry the same moments forward
@@ -343,18 +358,16 @@ class OptimizerState(Check):
             ]
             first, last = a.step + 1, b.step
             return [
-                self.finding(
-                    "warn",
+                self._jump(
                     f"{tensors[0]['tensor']} moved {tensors[0]['ratio']:.0f}x more between {a.name} and {b.name} than in "
                     f"the window before (its peers {median:.2g}x)"
                     + (f", with {len(tensors) - 1} more tensor(s)" if len(tensors) > 1 else "")
                     + f": something hit it in steps {first}-{last}; inspect those steps and roll back to {a.name}",
-                    step=first,
-                    resolution=_resolution(first, last, a.name, b.name),
-                    tensors=tensors,
-                    value=tensors[0]["ratio"],
-                    threshold=limit,
-                    median_ratio=median,
+                    a,
+                    b,
+                    tensors,
+                    limit,
+                    median,
                 )
             ]
         return []

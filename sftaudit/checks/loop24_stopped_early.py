@@ -59,20 +59,23 @@ class StoppedEarly(Check):
             ctx.scalar("SELECT count(*) FROM events WHERE rank = 0 AND kind = 'close'")
         )
         share = last / planned
+        evidence = {
+            "step": last,
+            "category": "risk",
+            "last_step": last,
+            "planned": planned,
+            "planned_from": source,
+            "share": share,
+            "closed": closed,
+            "resolution": self._where(last),
+        }
         if closed:
             return [
                 self.finding(
                     "info",
                     f"the run closed at step {last:,} of {planned:,} planned ({share:.0%}): it was stopped on purpose "
                     "(an early stop or a shortened run)",
-                    step=last,
-                    category="risk",
-                    last_step=last,
-                    planned=planned,
-                    planned_from=source,
-                    share=share,
-                    closed=True,
-                    resolution=self._where(last),
+                    **evidence,
                 )
             ]
         imported = bool(ctx.manifest.get("imported"))
@@ -83,15 +86,8 @@ class StoppedEarly(Check):
                 + (" and did not close" if not imported else "")
                 + ": it crashed, was killed or was interrupted; find why, and resume it from its last checkpoint or "
                 "accept the shorter run deliberately (its learning rate never finished its schedule)",
-                step=last,
-                category="risk",
-                last_step=last,
-                planned=planned,
-                planned_from=source,
-                share=share,
-                closed=False,
                 tolerance=interval,
-                resolution=self._where(last),
+                **evidence,
             )
         ]
 
