@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from sftaudit.fixtures.recording import bare_manifest
 
 from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
 from sftaudit.shim.writer import JsonlWriter
@@ -55,28 +56,7 @@ def write_synthetic_run(
         {"name": n, "shape": [64, 64], "dtype": "torch.bfloat16", "numel": 4096, "requires_grad": True} for n in names
     ]
     now = time.time()
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "run_id": Path(run_dir).name,
-        "seg": 0,
-        "rank": 0,
-        "world_size": 1,
-        "profile": "prod",
-        "schedule": {},
-        "started": now,
-        "versions": {},
-        "instance_id": "synthetic",
-        "model": {"class": "Synthetic"},
-        "params": params,
-        "tied": {},
-        "grad_norm_source": "pre_clip",
-        "tokenizer": None,
-        "dataset": None,
-        "probe_prompts": [],
-        "eval_set": [],
-        "config": {},
-        "param_norms": None,
-    }
+    manifest = bare_manifest(Path(run_dir).name, params, "Synthetic", started=now)
 
     step = np.arange(1, steps + 1)
     warm = 500

@@ -67,36 +67,16 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
     import json
 
     import numpy as np
+    from sftaudit.fixtures.recording import bare_manifest
 
-    from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
+    from sftaudit.artifacts import rank_dir
 
     folder = rank_dir(run_dir, 0)
     folder.mkdir(parents=True)
     params = [
         {"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names
     ]
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "run_id": "series",
-        "seg": 0,
-        "rank": 0,
-        "world_size": 1,
-        "profile": "prod",
-        "schedule": {},
-        "started": 0.0,
-        "versions": {},
-        "instance_id": "series",
-        "model": {"class": "Recorded"},
-        "params": params,
-        "tied": {},
-        "grad_norm_source": "pre_clip",
-        "tokenizer": None,
-        "dataset": None,
-        "probe_prompts": [],
-        "eval_set": [],
-        "config": {},
-        "param_norms": None,
-    }
+    manifest = bare_manifest("series", params, "Recorded")
     (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
     norms = np.asarray(norms, dtype=float)
     with open(folder / "steps.jsonl", "w") as f:
