@@ -205,3 +205,20 @@ def test_a_dpo_per_step_loss_is_heavy_tailed_not_spiky(tmp_path):
     verdict = audited(trainer_run(tmp_path / "dpo", loss, lr=5e-6, keys=keys, decimals=4, train_batch_size=3))
     assert findings(verdict, "LOOP-10", ("warn", "fail")) == []
     assert findings(verdict, "LOOP-19") == []
+
+
+def test_benjamini_hochberg_on_the_tested_p_values_equals_scipy_on_all_of_them():
+    """LOOP-10 corrects only the p-values it tested; the untested ones are 1, so the q-values of the tested
+    ones equal scipy's over the full array."""
+    from scipy import stats
+
+    from sftaudit.checks.loop10_drift import _benjamini_hochberg
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        p = np.ones(300)
+        tested = rng.choice(300, rng.integers(1, 60), replace=False)
+        p[tested] = rng.random(tested.size) ** 4
+        np.testing.assert_allclose(
+            _benjamini_hochberg(p[tested], p.size), stats.false_discovery_control(p, method="bh")[tested]
+        )
