@@ -24,21 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from synthetic_run import write_synthetic_run  # noqa: E402  (benchmarks/synthetic_run.py)
 
 from sftaudit.audit import audit, stored_verdict  # noqa: E402
 from sftaudit.report import write_report  # noqa: E402
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, float, float, float, float]]]:

@@ -5,27 +5,17 @@ Skipped only when /usr/bin/chromium is absent (`.ci/install-browser` installs it
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
+from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS
 
 from sftaudit.audit import audit
 from sftaudit.report import write_report
 from tests.conftest import NAN_STEP
 from tests.test_report import XSS_SCRIPT, plant, plant_unjudged, preflight_report, ranks_report
 
-CHROMIUM = os.environ.get("SFTAUDIT_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 LOAD_TIMEOUT_MS = 60_000  # generous: the CI box is shared; the load-time budget is measured by benchmarks/
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}")]
