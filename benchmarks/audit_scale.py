@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from synthetic_run import append_steps, write_synthetic_run  # noqa: E402
 
-from sftaudit.audit import audit  # noqa: E402
 from sftaudit.checks import registered_checks  # noqa: E402
-from sftaudit.ingest import ingest  # noqa: E402
+from sftaudit.store.ingest import ingest  # noqa: E402
+from sftaudit.verdict.audit import audit  # noqa: E402
 
 
 def _peak_rss_mb() -> float:

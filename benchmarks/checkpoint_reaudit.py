@@ -16,8 +16,8 @@ from pathlib import Path
 
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.audit import audit
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 
 def timed_audit(run: Path, keep_cache: bool) -> float:

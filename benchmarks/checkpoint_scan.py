@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from sftaudit.checkpoints import read_safetensors_header, scan_safetensors
+from sftaudit.readers.checkpoints import read_safetensors_header, scan_safetensors
 
 
 def main(size_mb: int = 512) -> None:

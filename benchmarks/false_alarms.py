@@ -212,8 +212,8 @@ def train(out: Path, spec: dict) -> Path:
 
 
 def judge(run_dir: Path, spec: dict) -> dict:
-    from sftaudit.audit import audit
-    from sftaudit.config import AuditConfig
+    from sftaudit.verdict.audit import audit
+    from sftaudit.verdict.config import AuditConfig
 
     # TRL's packing of a `messages` dataset trains every token (its default): declared, as its user would.
     declared = {"LOOP-04": {"expect": "all_tokens"}} if spec.get("packing") else {}

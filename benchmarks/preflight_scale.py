@@ -37,17 +37,17 @@ FIRST_SAMPLE = """
 import json, sys, time
 t0, c0 = time.perf_counter(), 0.0  # CPU from process start: the interpreter's own start counts
 from sftaudit.cli import main  # noqa: F401 - what the command imports first
-from sftaudit import preflight as _
+from sftaudit.commands import preflight as _
 from sftaudit.checks import registered_checks
 registered_checks()
 t1, c1 = time.perf_counter(), time.process_time()
-from sftaudit.tokenizer_info import load_saved_tokenizer
+from sftaudit.core.tokenizer import load_saved_tokenizer
 tokenizer = load_saved_tokenizer(sys.argv[1])
 t2, c2 = time.perf_counter(), time.process_time()
-from sftaudit.chat_template import Renderer, tokenizer_specials
+from sftaudit.dataset.chat_template import Renderer, tokenizer_specials
 renderer = Renderer(tokenizer.chat_template, tokenizer_specials(tokenizer))
 t3, c3 = time.perf_counter(), time.process_time()
-from sftaudit.dataset import load_rows
+from sftaudit.dataset.batches import load_rows
 text, _ = renderer.render(load_rows(sys.argv[2])[0]["messages"])
 tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)
 t4, c4 = time.perf_counter(), time.process_time()

@@ -265,7 +265,7 @@ def run_case(name: str) -> str:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             return f"{name} | {shown} | training failed: {last} | expected {expected} | SKIP"
 
-        from sftaudit.audit import audit
+        from sftaudit.verdict.audit import audit
 
         verdict = audit(run_dir)
         findings = verdict["findings"]

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from synthetic_run import write_synthetic_run  # noqa: E402  (benchmarks/synthetic_run.py)
 
-from sftaudit.audit import audit, stored_verdict  # noqa: E402
-from sftaudit.report import write_report  # noqa: E402
+from sftaudit.outputs.report import write_report  # noqa: E402
+from sftaudit.verdict.audit import audit, stored_verdict  # noqa: E402
 
 
 def load_times(pages: list[Path], loads: int) -> dict[Path, list[tuple[float, float, float, float, float]]]:
@@ -105,7 +105,7 @@ def main() -> None:
         size = report.stat().st_size
         from plotly.offline import get_plotlyjs
 
-        from sftaudit.report import plotly_js
+        from sftaudit.outputs.report import plotly_js
 
         floor_page = plotly_floor(root, "cartesian", plotly_js())
         full_page = plotly_floor(root, "full", get_plotlyjs())

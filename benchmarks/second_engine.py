@@ -8,7 +8,7 @@ they agree (integers exactly, z within 1e-9 relative).
 Without --run it writes a test run (tests/series_data.py: pyarrow parts in the shim's layout) with rank 0
 resumed from an earlier checkpoint (500 abandoned steps) and one planted spike, which every engine must
 find at its step and tensor. Spark needs `pip install pyspark` and a Java runtime (17+); without pyspark
-that part is skipped with a message. Spark runs the same SQL text as DuckDB (sftaudit/engines.py).
+that part is skipped with a message. Spark runs the same SQL text as DuckDB (sftaudit/checks/engines.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import polars as pl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sftaudit import engines  # noqa: E402
+from sftaudit.checks import engines  # noqa: E402
 from tests.series_data import noisy_norms, write_manifest, write_parts  # noqa: E402
 
 

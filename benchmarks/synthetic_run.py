@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from sftaudit.fixtures.recording import bare_manifest
 
-from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
+from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir
 from sftaudit.shim.writer import JsonlWriter
 
 

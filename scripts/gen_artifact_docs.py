@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sftaudit.artifacts import SCHEMA_VERSION
+from sftaudit.core.artifacts import SCHEMA_VERSION
 from sftaudit.schema.records import DATASET, IMPORT, PARAM_FIELDS, RECORDS, SERIES, SHIM, Field
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "artifacts.md"

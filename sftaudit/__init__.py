@@ -5,12 +5,14 @@ Importing this package imports nothing heavy: the training side lives in
 other modules (DuckDB, scipy; never torch).
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
+
+__all__ = ["__version__", "open"]
 
 
 def open(run_dir, config=None):  # noqa: A001 - sftaudit.open(RUN_DIR), as a notebook calls it
-    """A run's audit database as polars frames (`sftaudit.notebook.AuditedRun`); the analyzer is
+    """A run's audit database as polars frames (`sftaudit.commands.notebook.AuditedRun`); the analyzer is
     imported here, on first use, so `import sftaudit` stays light for the shim."""
-    from .notebook import AuditedRun
+    from .commands.notebook import AuditedRun
 
     return AuditedRun(run_dir, config)

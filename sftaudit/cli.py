@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from .core.terminal import json_safe, safe_name, shown
 from .errors import InputError, one_line
-from .terminal import json_safe, safe_name, shown
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
 DEFAULT_REPORTS = Path("reports")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "run_dir", None) is None:
             return _COMMANDS[args.command](args)
-        from .ingest import run_lock
+        from .store.ingest import run_lock
 
         with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
             return _COMMANDS[args.command](args)
@@ -257,7 +257,7 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _read(path: Path) -> str:
-    from .config import read_small_text
+    from .verdict.config import read_small_text
 
     return read_small_text(path, "file", limit=256 * 2**20)
 
@@ -270,8 +270,8 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from .config import AuditConfig
-    from .ingest import ingest
+    from .store.ingest import ingest
+    from .verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
     added = ingest(args.run_dir, config.max_record_bytes, config.max_file_bytes)
@@ -284,8 +284,8 @@ def _out_dir(args: argparse.Namespace, run: str) -> Path:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import audit
-    from .config import AuditConfig
+    from .verdict.audit import audit
+    from .verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
     _prepare(args)
@@ -294,11 +294,11 @@ def _audit(args: argparse.Namespace) -> int:
     _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
     report = None
     if not args.no_report:
-        from .report import write_report
+        from .outputs.report import write_report
 
         report = write_report(args.run_dir, out)
     if args.sarif:
-        from .sarif import to_sarif
+        from .outputs.sarif import to_sarif
 
         _write(args.sarif, json.dumps(to_sarif(verdict, args.run_dir), indent=1) + "\n", "--sarif")
     _print_summary(verdict, out / "verdict.json", report)
@@ -306,8 +306,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .audit import stored_verdict
-    from .report import write_report
+    from .outputs.report import write_report
+    from .verdict.audit import stored_verdict
 
     verdict = stored_verdict(args.run_dir)
     _say(str(write_report(args.run_dir, _out_dir(args, verdict["run"]))))
@@ -315,8 +315,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from .config import AuditConfig
-    from .preflight import preflight
+    from .commands.preflight import preflight
+    from .verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
     out = _out_dir(args, f"preflight-{args.data.stem}")
@@ -334,7 +334,7 @@ def _preflight(args: argparse.Namespace) -> int:
     _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
     report = None
     if not args.no_report:
-        from .report import write_report
+        from .outputs.report import write_report
 
         report = write_report(out, out)
     _print_summary(verdict, out / "verdict.json", report)
@@ -342,8 +342,8 @@ def _preflight(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .config import AuditConfig
-    from .replay import replay, to_json, to_text
+    from .commands.replay import replay, to_json, to_text
+    from .verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
     _prepare(args)
@@ -356,8 +356,8 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _gate(args: argparse.Namespace) -> int:
-    from .config import AuditConfig
-    from .gate import Policy, gate
+    from .commands.gate import Policy, gate
+    from .verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
     _prepare(args)
@@ -366,8 +366,8 @@ def _gate(args: argparse.Namespace) -> int:
         if path:
             _write(path, text(), "--junit" if text == result.to_junit else "--json")
     if args.sarif:
-        from .audit import stored_verdict
-        from .sarif import to_sarif
+        from .outputs.sarif import to_sarif
+        from .verdict.audit import stored_verdict
 
         considered = {**stored_verdict(args.run_dir), "findings": result.findings}
         _write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
@@ -376,13 +376,13 @@ def _gate(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from .diff import compare, load
+    from .commands.diff import compare, load
 
     if args.exact and args.tolerance is not None:
         raise InputError("--exact and --tolerance exclude each other: give one")
     result = compare(load(args.run_a), load(args.run_b), tolerance=args.tolerance, exact=args.exact)
     if args.out:
-        from .report import write_diff_report
+        from .outputs.report import write_diff_report
 
         write_diff_report(result, args.out)
     if args.json:
@@ -428,7 +428,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _golden(args: argparse.Namespace) -> int:
-    from .diff import write_golden
+    from .commands.diff import write_golden
 
     _say(str(write_golden(args.run_dir, args.out, stride=args.stride)))
     return EXIT_PASS
@@ -450,7 +450,7 @@ def _exit_code(verdict: str, strict: bool) -> int:
 
 def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
     if verdict.get("cannot_judge"):
-        from .audit import unjudged_reason
+        from .verdict.audit import unjudged_reason
 
         _error(unjudged_reason(verdict))
     lines = [f"{shown(verdict['run'])}: {verdict['verdict'].upper()}"]

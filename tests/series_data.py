@@ -1,5 +1,5 @@
 """Test data: a run folder holding only the columnar gradient-norm series and the manifests that name
-its tensors, in the layout the shim's Parquet writer uses (sftaudit/engines.py describes it):
+its tensors, in the layout the shim's Parquet writer uses (sftaudit/checks/engines.py describes it):
 
     RUN_DIR/sftaudit/series/grad_norms/rank=<r>/seg=<s>/part-<first step, 9 digits>.parquet
     RUN_DIR/sftaudit/rank-<r>/manifest.jsonl   (one record per segment; `params` names the tensors)
@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
-from sftaudit.engines import series_root
+from sftaudit.checks.engines import series_root
+from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir
 
 
 def write_manifest(run_dir: Path, rank: int, seg: int, names: list[str]) -> None:

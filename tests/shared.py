@@ -66,8 +66,8 @@ def cached_audit(run_dir: Path, config=None) -> dict:
     """`audit(run_dir, config)`, run once per worker for each run and config: for tests that only read the
     verdict (each gets its own copy to read). A test that changes the run, or reads what the audit
     stored in it, calls `audit` itself."""
-    from sftaudit.audit import audit
-    from sftaudit.config import AuditConfig
+    from sftaudit.verdict.audit import audit
+    from sftaudit.verdict.config import AuditConfig
 
     key = (str(Path(run_dir).resolve()), json.dumps(dataclasses.asdict(config or AuditConfig()), sort_keys=True))
     if key not in _VERDICTS:

@@ -12,12 +12,12 @@ from .torchless import PRELUDE
 PACKAGE = Path(sftaudit.__file__).parent
 ANALYZER_ONLY = ("duckdb", "scipy", "plotly", "polars", "pandas", "jinja2")
 ANALYZER_MODULES = (
-    "sftaudit.ingest",
+    "sftaudit.store.ingest",
     "sftaudit.checks",
-    "sftaudit.audit",
-    "sftaudit.verdict",
-    "sftaudit.report",
-    "sftaudit.config",
+    "sftaudit.verdict.audit",
+    "sftaudit.verdict.attribution",
+    "sftaudit.outputs.report",
+    "sftaudit.verdict.config",
     "sftaudit.cli",
 )
 
@@ -38,7 +38,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 # Modules both halves import: they must need neither torch nor the analyzer's libraries.
-SHARED = ("artifacts", "schema", "hashing", "tokenizer_info", "errors", "safe_io")
+SHARED = ("core", "schema", "errors", "_version")
 
 
 def test_shim_never_imports_the_analyzer():
@@ -62,8 +62,8 @@ def test_shared_modules_need_neither_torch_nor_the_analyzer():
 def test_checks_never_render_and_the_report_only_presents():
     for path in (PACKAGE / "checks").rglob("*.py"):
         assert not {n for n in imports_of(path) if n.split(".")[0] in ("plotly", "jinja2")}, path.name
-        assert not {n for n in imports_of(path) if n.startswith("sftaudit.report")}, path.name
-    for path in (PACKAGE / "report").rglob("*.py"):
+        assert not {n for n in imports_of(path) if n.startswith("sftaudit.outputs.report")}, path.name
+    for path in (PACKAGE / "outputs").rglob("*.py"):
         source = path.read_text(encoding="utf-8")
         assert "run_checks" not in source and "audit(" not in source, path.name  # reads stored results only
         assert not {n for n in imports_of(path) if n.split(".")[0] in ("scipy", "torch")}, path.name

@@ -8,9 +8,9 @@ import pytest
 from sftaudit.fixtures import layouts
 from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
 
-from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 RUN = dict(steps=12, checkpoint_every=4, profile="prod")
 

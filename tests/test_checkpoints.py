@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sftaudit.checkpoints import (
+from sftaudit.readers.checkpoints import (
     CheckpointError,
     inside_run,
     read_pickle,

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from sftaudit.artifacts import rank_dir
 from sftaudit.cli import main
+from sftaudit.core.artifacts import rank_dir
 
 
 def run_cli(*args, cwd=None):

@@ -12,10 +12,10 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from sftaudit.artifacts import SCHEMA_VERSION, journal_name, rank_dir, series_dir
 from sftaudit.checks.gradient_columns import ABSENT, GradientColumns
-from sftaudit.ingest import DATABASE_FORMAT, connect, ingest
+from sftaudit.core.artifacts import SCHEMA_VERSION, journal_name, rank_dir, series_dir
 from sftaudit.shim.writer import JsonlWriter
+from sftaudit.store.ingest import DATABASE_FORMAT, connect, ingest
 
 TENSORS = 6
 
@@ -25,7 +25,7 @@ CHILD = """
 import os, sys
 from pathlib import Path
 from sftaudit.shim.writer import JsonlWriter
-from sftaudit.artifacts import SCHEMA_VERSION
+from sftaudit.core.artifacts import SCHEMA_VERSION
 run, seg, step, last, progress = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 w = JsonlWriter(run / "sftaudit" / "rank-0", roll_steps=5)
 params = [{"name": f"w{i}", "shape": [4], "dtype": "torch.float32", "numel": 4, "requires_grad": True}

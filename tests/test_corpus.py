@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sftaudit.chat_template import Renderer, TemplateLayout, tokenizer_specials
-from sftaudit.preflight import preflight
+from sftaudit.commands.preflight import preflight
+from sftaudit.dataset.chat_template import Renderer, TemplateLayout, tokenizer_specials
 
 from .corpus import CLEAN_CHATS, CORPUS, TOOL_CHATS, real_tokenizer, template, tokenizer_cache
 
@@ -60,8 +60,8 @@ def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_pr
     the fast path uses (a version-guarded import: the public render_jinja_template takes over)."""
     from sftaudit.fixtures import CHAT_TEMPLATE_PATH
 
-    from sftaudit import chat_template
-    from sftaudit.chat_template import template_fields
+    from sftaudit.dataset import chat_template
+    from sftaudit.dataset.chat_template import template_fields
 
     assert chat_template._internals() != (None, None), "the installed transformers lost the fast path's helpers"
     thinking = [
@@ -193,7 +193,7 @@ def test_clean_chats_pass_preflight_on_real_families(tmp_path, tokenizers, famil
 def test_no_released_template_requires_a_field_beyond_role_and_content():
     """Reads of optional fields are guarded (`message.tool_calls is defined and message.tool_calls | length`),
     so plain chats without `tool_calls` or `reasoning_content` are no LOOP-01 finding on any template."""
-    from sftaudit.chat_template import template_fields
+    from sftaudit.dataset.chat_template import template_fields
 
     required = {name: template_fields(template(name)).message_required - {"role", "content"} for name, _ in CORPUS}
     assert {name: fields for name, fields in required.items() if fields} == {}
@@ -267,7 +267,7 @@ def one_earlier_answer_dropped(tokenizer, rows, max_length=4096):
 def test_last_turn_only_training_is_a_policy_to_declare(tmp_path, tokenizers):
     """Undeclared: one LOOP-04 warn naming the policy and the config that declares it; declared: a pass.
     A sample that drops an earlier answer while another sample trains all of its answers stays a fail."""
-    from sftaudit.config import AuditConfig
+    from sftaudit.verdict.config import AuditConfig
 
     args = (tokenizers, "qwen2", "Qwen-Qwen2.5-7B-Instruct", CLEAN_CHATS)
     verdict, problems = run_preflight(tmp_path / "undeclared", *args, "tests.test_corpus:last_turn_only")
@@ -405,7 +405,7 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
     by turn; families without a vocabulary here get the Llama 3 one with their markers added as specials."""
     import re
 
-    from sftaudit.chat_template import EITHER, actual_labels, expected_labels, template_fields
+    from sftaudit.dataset.chat_template import EITHER, actual_labels, expected_labels, template_fields
 
     marker = re.compile(
         r"<\|[^<>|\s]+\|>|</?[a-z_]+>|\[/?[A-Z_]{2,}\]|<\uff5c[^>]+\uff5c>|\[\|[a-z]+\|\]|<\|[a-z]+>|<[a-z]+\|>"
@@ -444,7 +444,7 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
 def test_macro_and_presence_guarded_fields_are_optional_on_released_templates():
     """Kimi K2 reads `tool_calls` in a macro it calls only under `if message.get('tool_calls')`; OLMo 3 reads
     `function_calls` after `message.get('function_calls', none) is not none`: plain chats need neither."""
-    from sftaudit.chat_template import template_fields
+    from sftaudit.dataset.chat_template import template_fields
 
     for name, field_name in [
         ("moonshotai-Kimi-K2-Thinking", "tool_calls"),

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
-from sftaudit.ingest import connect
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # trains in a subprocess until it kills it
 

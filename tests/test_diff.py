@@ -7,7 +7,7 @@ import json
 import pytest
 from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR
 
-from sftaudit.diff import compare, load, profile, write_golden
+from sftaudit.commands.diff import compare, load, profile, write_golden
 from sftaudit.errors import InputError
 
 SCALED_FROM = 30
@@ -78,7 +78,7 @@ def test_what_cannot_be_compared_is_said_in_one_line(clean_run, tmp_path):
 
 
 def test_the_diff_report_names_the_step_and_escapes_names(clean_profile, scaled_profile, tmp_path):
-    from sftaudit.report import write_diff_report
+    from sftaudit.outputs.report import write_diff_report
 
     result = compare(clean_profile, scaled_profile)
     result["differences"].append({"what": "config note", "a": "<script>alert(1)</script>", "b": "x"})

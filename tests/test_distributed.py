@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
-from sftaudit.ingest import connect, ingest
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, ingest
+from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
@@ -150,7 +150,7 @@ def test_an_eval_item_trained_on_rank_1_only_is_found(distributed_runs, tmp_path
 
     from tokenizers import Tokenizer
 
-    from sftaudit.artifacts import TOKENIZER_DIR, artifact_root
+    from sftaudit.core.artifacts import TOKENIZER_DIR, artifact_root
 
     run = Path(shutil.copytree(distributed_runs / "ddp", tmp_path / "ddp", ignore=shutil.ignore_patterns("*.duckdb*")))
     sample = records(run, 1, "samples")[0]
@@ -273,7 +273,7 @@ def test_histograms_of_a_spike_are_of_the_steps_gradients_or_not_taken(tmp_path,
     hists = records(tmp_path, 0, "grad_hists")
     if after_backward == "zeroed":
         assert [e["step"] for e in missing] == [4] and "spike step" in missing[0]["error"] and hists == []
-        from sftaudit.report.tables import run_summary
+        from sftaudit.outputs.report.tables import run_summary
 
         ingest(tmp_path)
         con = connect(tmp_path, read_only=True)

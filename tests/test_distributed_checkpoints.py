@@ -8,10 +8,10 @@ import torch
 from sftaudit.fixtures import layouts
 from sftaudit.fixtures.distributed import process_group
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.ingest import connect, load_manifest
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, load_manifest
+from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
@@ -75,7 +75,7 @@ def test_compiled_and_wrapped_models_are_recorded_under_their_checkpoint_names(t
 def test_per_rank_means_fail_loss_normalisation_when_the_run_is_declared_a_token_mean_across_ranks(distributed_runs):
     """Z24: DDP averages each rank's own token mean; ranks train different token counts, so when the objective
     is declared a token mean across ranks (as the Trainer's average_tokens_across_devices does) tokens weigh unequally."""
-    from sftaudit.config import AuditConfig
+    from sftaudit.verdict.config import AuditConfig
 
     dcp_run = distributed_runs / "dcp"
     assert not [f for f in audit(dcp_run)["findings"] if f["code"] == "LOOP-13" and f["severity"] != "info"]

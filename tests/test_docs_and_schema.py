@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from sftaudit.artifacts import SCHEMA_VERSION, rank_dir
-from sftaudit.audit import audit
 from sftaudit.checks.base import Finding
-from sftaudit.verdict import build_verdict
+from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir
+from sftaudit.verdict.attribution import build_verdict
+from sftaudit.verdict.audit import audit
 
 from .shared import cached_audit
 

@@ -4,9 +4,9 @@ a data bug present from step 1 is dated step 1, and `gate` fails the first check
 import pytest
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.audit import audit
 from sftaudit.cli import main
-from sftaudit.ingest import connect, ingest
+from sftaudit.store.ingest import connect, ingest
+from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir
 
@@ -111,7 +111,7 @@ def killed_at_3_of_80(tmp_path_factory, tokenizer_cache):
 def test_a_killed_run_records_its_plan_and_no_close(killed_at_3_of_80):
     import json
 
-    from sftaudit.artifacts import rank_dir
+    from sftaudit.core.artifacts import rank_dir
 
     manifest = json.loads((rank_dir(killed_at_3_of_80, 0) / "manifest.jsonl").read_text().splitlines()[0])
     assert manifest["config"]["max_steps"] == 80
@@ -140,7 +140,7 @@ def test_a_finished_run_closes_with_its_last_step_and_the_keyword_plan(tmp_path,
     import torch
     from sftaudit.fixtures import build_model, build_tokenizer
 
-    from sftaudit.artifacts import rank_dir
+    from sftaudit.core.artifacts import rank_dir
     from sftaudit.shim import Recorder
 
     tok = build_tokenizer(tokenizer_cache)

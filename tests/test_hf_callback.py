@@ -5,9 +5,9 @@ import json
 import pytest
 from sftaudit.fixtures.train import train_hf
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
-from sftaudit.ingest import connect, ingest
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, ingest
+from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir
 

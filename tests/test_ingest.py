@@ -2,8 +2,8 @@
 
 import shutil
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.ingest import connect, ingest
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, ingest
 
 
 def copy_run(src, dst):

@@ -57,7 +57,7 @@ def test_preflight_imports_no_scipy_or_plotly(tmp_path):
 def test_a_bare_tokenizer_folder_loads_as_autotokenizer_loads_it(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 
-    from sftaudit.tokenizer_info import describe_tokenizer, load_saved_tokenizer
+    from sftaudit.core.tokenizer import describe_tokenizer, load_saved_tokenizer
 
     if family == "fixture":
         build_tokenizer(tmp_path)
@@ -87,7 +87,7 @@ def test_a_bare_tokenizer_folder_loads_as_autotokenizer_loads_it(tmp_path, famil
 def test_the_added_tokens_are_left_to_transformers_where_the_head_of_tokenizer_json_cannot_give_them(tmp_path):
     from transformers import AutoTokenizer
 
-    from sftaudit.tokenizer_info import _added_tokens_decoder, describe_tokenizer, load_saved_tokenizer
+    from sftaudit.core.tokenizer import _added_tokens_decoder, describe_tokenizer, load_saved_tokenizer
 
     build_tokenizer(tmp_path)
     assert set(_added_tokens_decoder(tmp_path)) == {"added_tokens_decoder"}

@@ -12,8 +12,8 @@ import plotly.graph_objects as go
 import polars as pl
 
 import sftaudit
-from sftaudit.artifacts import rank_dir
-from sftaudit.ingest import connect
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect
 
 
 def test_frames_match_the_verdict_and_the_tables(nan_run, tmp_path):
@@ -59,7 +59,7 @@ def test_opening_a_run_while_it_trains_sees_the_new_steps(clean_run, tmp_path):
 def test_importing_sftaudit_stays_light():
     """`import sftaudit` (what the shim does) imports no analyzer module, DuckDB or polars."""
     code = (
-        "import sys, sftaudit; heavy = [m for m in ('duckdb', 'polars', 'scipy', 'sftaudit.notebook') "
+        "import sys, sftaudit; heavy = [m for m in ('duckdb', 'polars', 'scipy', 'sftaudit.commands.notebook') "
         "if m in sys.modules]; print(json.dumps(heavy))"
     )
     done = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)

@@ -125,7 +125,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tokenizer_dir, capsys):
 def test_preflight_runs_without_torch_and_shows_progress(tmp_path, tokenizer_dir):
     data = write_jsonl(tmp_path / "d.jsonl", load_dataset()[:ROWS])
     script = (
-        PRELUDE + "import sftaudit.dataset as d; d.PROGRESS_FROM = 1\n"
+        PRELUDE + "import sftaudit.dataset.batches as d; d.PROGRESS_FROM = 1\n"
         "from sftaudit.cli import main\n"
         f"sys.exit(main(['preflight', '--data', {str(data)!r}, '--tokenizer', {str(tokenizer_dir)!r}, "
         f"'--out', {str(tmp_path / 'out')!r}]))\n"

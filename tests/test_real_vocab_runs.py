@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from .corpus import CLEAN_CHATS, real_tokenizer, template, tokenizer_cache
 from .test_corpus import incremental_collator

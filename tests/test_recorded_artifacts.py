@@ -4,8 +4,8 @@ import json
 
 import duckdb
 
-from sftaudit.artifacts import SCHEMA_VERSION, rank_dir, series_dir
-from sftaudit.ingest import connect, database_path, ingest
+from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir, series_dir
+from sftaudit.store.ingest import connect, database_path, ingest
 
 
 def test_manifest_describes_model_tokenizer_and_dataset(clean_run):

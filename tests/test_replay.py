@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
 from sftaudit.checks import Finding
 from sftaudit.cli import main
-from sftaudit.config import AuditConfig
-from sftaudit.ingest import connect, ingest, load_manifest
-from sftaudit.replay import replay, resume_command
-from sftaudit.verdict import build_verdict
+from sftaudit.commands.replay import replay, resume_command
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.verdict.attribution import build_verdict
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 from .conftest import NAN_STEP
 
@@ -178,7 +178,7 @@ def test_a_trainer_run_resumed_from_the_named_checkpoint_audits_pass(trl, tmp_pa
 def test_configuration_findings_are_changes_not_batches_to_skip():
     """A last-turn-only setup found from step 1 (a configuration) and a NaN at step 13 (an anomaly): the
     rollback and the chain are the anomaly's; the configuration is listed as what to change."""
-    from sftaudit.replay import chain, configuration, to_text
+    from sftaudit.commands.replay import chain, configuration, to_text
 
     checkpoints = [{"name": f"checkpoint-{s}", "step": s, "path": f"checkpoint-{s}"} for s in (5, 10, 15)]
     setup = Finding("LOOP-04", "warn", "only the last turn is trained", step=1, category="configuration")

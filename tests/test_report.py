@@ -17,14 +17,14 @@ import duckdb
 import pytest
 from markupsafe import escape
 
-from sftaudit.audit import audit
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
 from sftaudit.cli import main
-from sftaudit.ingest import database_path
-from sftaudit.report import plotly_js, write_report
-from sftaudit.report.evidence import DOCS_URL, blocks, check_doc, check_page
-from sftaudit.report.tables import envelope
+from sftaudit.outputs.report import plotly_js, write_report
+from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
+from sftaudit.outputs.report.tables import envelope
+from sftaudit.store.ingest import database_path
+from sftaudit.verdict.audit import audit
 from tests.conftest import NAN_STEP
 
 XSS_SCRIPT = "<script>window.__xss = 1</script>"
@@ -368,9 +368,9 @@ def test_checks_not_run_never_show_as_passing(clean_report):
 
 
 def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
-    from sftaudit.audit import stored_verdict
-    from sftaudit.ingest import connect
-    from sftaudit.report import _ENV, _context, plotly_js, strip_context
+    from sftaudit.outputs.report import _ENV, _context, plotly_js, strip_context
+    from sftaudit.store.ingest import connect
+    from sftaudit.verdict.audit import stored_verdict
 
     run = planted_report.parent.parent / "planted-run"
     con = duckdb.connect()
@@ -396,7 +396,7 @@ def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
 def test_every_lane_autoscales_to_its_own_values():
     import polars as pl
 
-    from sftaudit.report.figures import _autoscale
+    from sftaudit.outputs.report.figures import _autoscale
 
     def frame(values):
         return pl.DataFrame({"seg": [0] * len(values), "step": list(range(len(values))), "value": values})
@@ -439,7 +439,7 @@ def test_ranks_that_differ_get_a_line_each_and_a_non_finite_loss_names_its_rank(
 
 
 def test_a_metric_every_rank_recorded_alike_is_drawn_once():
-    from sftaudit.report.tables import rank_lanes
+    from sftaudit.outputs.report.tables import rank_lanes
 
     con = duckdb.connect()
     con.execute("""CREATE TABLE steps AS SELECT r AS rank, 0 AS seg, s AS step, 2.0 / s AS loss, 0.1 + r AS dt
@@ -555,10 +555,10 @@ def test_configuration_is_listed_apart_and_risks_are_marked(unjudged_report, pla
 def test_a_statistic_of_one_point_is_a_value_and_thresholds_say_if_they_fire_alone(tmp_path):
     """LOOP-07/08 recorded at one eval: values, not a chart on an axis around one point. A threshold that
     alone fires the check is red; one condition of several is grey and says so."""
-    from sftaudit.audit import _store_series
     from sftaudit.checks import AuditContext
-    from sftaudit.report import _series_figures
-    from sftaudit.report.figures import CONDITION_COLOUR, SEVERITY_COLOURS
+    from sftaudit.outputs.report import _series_figures
+    from sftaudit.outputs.report.figures import CONDITION_COLOUR, SEVERITY_COLOURS
+    from sftaudit.verdict.audit import _store_series
 
     ctx = AuditContext(duckdb.connect(), tmp_path, {})
     ctx.add_series("LOOP-05", "ratio", [1, 2, 3], [1.0, 48.0, 2.0], threshold=10)

@@ -4,8 +4,8 @@ import shutil
 
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.audit import audit
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 from .conftest import NAN_STEP
 

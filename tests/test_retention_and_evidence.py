@@ -9,9 +9,9 @@ import torch
 from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.train import train_hf
 
-from sftaudit.audit import audit
 from sftaudit.cli import main
 from sftaudit.shim import Recorder
+from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir
 

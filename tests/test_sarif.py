@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft4Validator
 
 from sftaudit.checks import registered_checks
-from sftaudit.sarif import to_sarif, write_sarif
+from sftaudit.outputs.sarif import to_sarif, write_sarif
 
 from .shared import cached_audit
 

@@ -11,9 +11,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from sftaudit import engines
+from sftaudit.checks import engines
 from sftaudit.checks import loop05_gradient_norm as loop05
-from sftaudit.checks.rolling import (
+from sftaudit.checks.stats.rolling import (
     MAD_TO_SIGMA,
     adaptive_window,
     previous_block_stats,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sftaudit.artifacts import GRAD_HIST_EDGES
+from sftaudit.core.artifacts import GRAD_HIST_EDGES
 from sftaudit.shim.gradients import histograms
 
 

@@ -5,7 +5,7 @@ import json
 import torch
 from sftaudit.fixtures import build_model, build_tokenizer, collate, load_dataset
 
-from sftaudit.artifacts import rank_dir
+from sftaudit.core.artifacts import rank_dir
 from sftaudit.shim import Recorder
 
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import duckdb
 import polars as pl
 
-from ..ingest import first_row
+from ..store.ingest import first_row
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}

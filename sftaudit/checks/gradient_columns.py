@@ -19,8 +19,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
-from ..ingest import first_row
+from ..core.artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
+from ..store.ingest import first_row
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from ..artifacts import template_fingerprint
-from ..chat_template import TemplateOverBudget, empty_turns, run_layout, sample_blocks, template_fields, template_source
+from ..core.artifacts import template_fingerprint
+from ..dataset.chat_template import (
+    TemplateOverBudget,
+    empty_turns,
+    run_layout,
+    sample_blocks,
+    template_fields,
+    template_source,
+)
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer

@@ -7,7 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import TemplateOverBudget, matches, run_layout, sample_blocks, template_fields, template_source
+from ..dataset.chat_template import (
+    TemplateOverBudget,
+    matches,
+    run_layout,
+    sample_blocks,
+    template_fields,
+    template_source,
+)
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import (
+from ..dataset.chat_template import (
     CATEGORY_NAMES,
     EITHER,
     IGNORE_INDEX,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..artifacts import GRAD_HIST_EDGES
+from ..core.artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding
 from .gradient_columns import gradient_columns
-from .rolling import (
+from .stats.rolling import (
     adaptive_window,
     block_stats,
     column,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import previous_block_stats, robust_z, warmup_end
+from .stats.rolling import previous_block_stats, robust_z, warmup_end
 
 
 def kl_top_k(prev_ids, prev_probs, cur_ids, cur_probs) -> float:

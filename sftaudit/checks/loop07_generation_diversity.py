@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import runs_of
-from .text import join_ngram, tokenize
+from .stats.rolling import runs_of
+from .stats.text import join_ngram, tokenize
 
 
 def ngrams(tokens: list[str], n: int) -> list[tuple[str, ...]]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..artifacts import TOKENIZER_DIR, artifact_root
+from ..core.artifacts import TOKENIZER_DIR, artifact_root
 from .base import AuditContext, Check, Finding
-from .text import SharedTokenizer, tokenize
+from .stats.text import SharedTokenizer, tokenize
 
 
 def shingles(tokens: list[str], n: int) -> set[tuple[str, ...]]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..checkpoints import TRAINER_GLOBALS
-from ..inspection import Inspection, groups_of, listed
+from ..readers.checkpoints import TRAINER_GLOBALS
+from ..readers.inspection import Inspection, groups_of, listed
 from .base import AuditContext, Check, Finding
 from .resume_state import (
     cannot_resume,
@@ -18,7 +18,7 @@ class CheckpointIntegrity(Check):
     """Checkpoint integrity (trigger point: before/after save).
 
     What it detects:
-        Checkpoints that cannot be resumed from or shipped, in every layout `sftaudit.layouts`
+        Checkpoints that cannot be resumed from or shipped, in every layout `sftaudit.readers.layouts`
         reads (safetensors, torch.save, Trainer folders, PEFT adapters, DCP, DeepSpeed): weight
         keys missing or unexpected against the model's parameters (tied weights understood) or,
         for an adapter, against its target modules and rank; wrong shapes, a stray dtype,

@@ -6,7 +6,7 @@ import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
 from .gradient_columns import gradient_columns
-from .rolling import (
+from .stats.rolling import (
     adaptive_window,
     column,
     loss_excursions,

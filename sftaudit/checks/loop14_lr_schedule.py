@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import skipped_updates
+from .stats.rolling import skipped_updates
 
 SPEEDS = (2, 3, 4, 5, 6, 8)  # how many times too fast (or slow) a mis-stepped scheduler may run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import adaptive_window, previous_block_stats, robust_z
+from .stats.rolling import adaptive_window, previous_block_stats, robust_z
 
 # The inter-rank loss spread's sigma is the median over this many previous blocks (as LOOP-05's).
 SIGMA_BLOCKS = 4
@@ -34,7 +34,7 @@ class CrossRankConsistency(Check):
         single-process statistic looking normal.
     Statistic:
         From each rank's records (the shim writes each parameter's local piece and its layout, see
-        `sftaudit.ingest`): recorded steps per rank; per replicated tensor and step, the distinct
+        `sftaudit.store.ingest`): recorded steps per rank; per replicated tensor and step, the distinct
         gradient norms across ranks (float32 norms of identical tensors are bit-identical); per
         replicated tensor at each save, the integer bit-sum fingerprint of the weights per rank
         (exact, independent of summation order); per step, the sample ids that more than one rank

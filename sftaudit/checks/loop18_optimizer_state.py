@@ -8,10 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import CheckpointError, inside_run
 from ..imports.logs import LFS_HINT, is_lfs_pointer
-from ..ingest import recorded_checkpoints
-from ..optimizer_state import OPTIMIZER_FILE, AdamState, checkpoint_weights, load_weight, map_names, read_adam_state
+from ..readers.checkpoints import CheckpointError, inside_run
+from ..readers.optimizer_state import (
+    OPTIMIZER_FILE,
+    AdamState,
+    checkpoint_weights,
+    load_weight,
+    map_names,
+    read_adam_state,
+)
+from ..store.ingest import recorded_checkpoints
 from .base import AuditContext, Check, Finding
 
 
@@ -51,7 +58,7 @@ class OptimizerState(Check):
         beta2^t))); eps share = fraction of non-zero v elements with sqrt(v_hat) < eps. Between
         consecutive checkpoints A and B: moment jump = RMS_B / RMS_A per tensor; weight movement =
         |w_B - w_A| / |w_A| per tensor, and its ratio to the tensor's movement in the window before.
-        Names come from the weights saved beside the state (`sftaudit.optimizer_state`): the
+        Names come from the weights saved beside the state (`sftaudit.readers.optimizer_state`): the
         shape, then among same-shaped tensors their movement between checkpoints (an entry that never
         updated is the tensor that never moved; the last one left is named by elimination); entries
         whose name stays ambiguous are listed by index and shape.

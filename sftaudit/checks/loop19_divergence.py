@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import (
+from .stats.rolling import (
     MAD_TO_SIGMA,
     adaptive_window,
     column,

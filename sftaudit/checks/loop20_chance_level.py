@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import column, loss_family, positive, step_frame
+from .stats.rolling import column, loss_family, positive, step_frame
 
 # Logged numbers that are parts of the loss, not other metrics (a multi-head or auxiliary loss sums them).
 COMPONENT = re.compile(r"(^|[/_])p?loss(_|/|$)|_loss$|^loss[/_]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import MAD_TO_SIGMA, column, log_quantum, loss_family, step_frame
+from .stats.rolling import MAD_TO_SIGMA, column, log_quantum, loss_family, step_frame
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

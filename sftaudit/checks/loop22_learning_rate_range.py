@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import column, run_config, step_frame
+from .stats.rolling import column, run_config, step_frame
 
 # The largest learning rate a fine-tune uses with each optimizer family, generously: Adam-style updates are
 # about lr per element whatever the gradient's scale, so lr 0.1 moves every weight by ~0.1 per step (P-tuning

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import column, run_config, step_frame
+from .stats.rolling import column, run_config, step_frame
 
 
 class TrainEvalRatio(Check):

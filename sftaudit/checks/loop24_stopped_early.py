@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .rolling import positive, run_config
+from .stats.rolling import positive, run_config
 
 
 class StoppedEarly(Check):

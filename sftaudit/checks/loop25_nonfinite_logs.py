@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .rolling import column, nonfinite_logged, skipped_updates, step_frame
+from .stats.rolling import column, nonfinite_logged, skipped_updates, step_frame
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

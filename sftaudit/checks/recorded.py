@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
-from ..chat_template import TokenizerUnusable, load_tokenizer
+from ..core.artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
+from ..dataset.chat_template import TokenizerUnusable, load_tokenizer
 from .base import CannotJudge
 
 

@@ -1,5 +1,5 @@
 """What the checkpoint checks share: the run's saved checkpoints with the parameters each is judged
-against, their inspections (`sftaudit.inspection`), and the training-state parts an exact resume of
+against, their inspections (`sftaudit.readers.inspection`), and the training-state parts an exact resume of
 the run needs that a checkpoint lacks (LOOP-09 states them, LOOP-11 says where they bit, `gate`
 blocks on them under `require_resume_state`)."""
 
@@ -9,8 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..ingest import recorded_checkpoints
-from ..inspection import ALWAYS_NEEDED, STATE_KEYS, Inspection, inspect_checkpoint
+from ..readers.inspection import ALWAYS_NEEDED, STATE_KEYS, Inspection, inspect_checkpoint
+from ..store.ingest import recorded_checkpoints
 from .base import AuditContext
 
 

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
+from ..core.artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
 from ..errors import InputError
 
 DATASET_FILE = "dataset.json"
@@ -36,8 +36,8 @@ DATASET_UNJUDGED = {
 def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, progress: bool = False) -> dict[str, list]:
     """``batches`` and ``samples`` records of the dataset, rendered and collated with the run's saved
     tokenizer; writes its description (and the rows that failed to render) to ``sftaudit/dataset.json``."""
-    from ..chat_template import load_tokenizer
-    from ..dataset import batch_record, dataset_batches, load_rows
+    from ..dataset.batches import batch_record, dataset_batches, load_rows
+    from ..dataset.chat_template import load_tokenizer
 
     folder = artifact_root(run_dir) / TOKENIZER_DIR
     if not (folder / "tokenizer_config.json").is_file():
@@ -80,7 +80,7 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
 
 def failure_events(description: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows the template refused or dropped content from, as the preflight records them (LOOP-01)."""
-    from ..dataset import failure_records
+    from ..dataset.batches import failure_records
 
     return failure_records(description.get("failures", []))
 

@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from ..core.artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..errors import InputError
 from .dataset import (
     DATASET_KINDS,
@@ -441,8 +441,8 @@ def _tokenizer(
 ) -> tuple[dict[str, Any] | None, dict[Path, str], str | None]:
     """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), each checkpoint's fingerprint,
     and, when no saved tokenizer is usable, why the last one was refused (remote code, not whole)."""
-    from ..chat_template import TokenizerUnusable, load_tokenizer
-    from ..tokenizer_info import describe_tokenizer, tokenizer_fingerprint
+    from ..core.tokenizer import describe_tokenizer, tokenizer_fingerprint
+    from ..dataset.chat_template import TokenizerUnusable, load_tokenizer
 
     folders = [p for _, p in checkpoints] + [run_dir]
     fingerprints: dict[Path, str] = {}
@@ -489,8 +489,8 @@ def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str,
 def _params(folders: list[Path]) -> list[dict[str, Any]]:
     """The tensors of the first readable folder (file order: a checkpoint does not keep the model's
     parameter order; whether each was trainable is not on disk either)."""
-    from ..checkpoints import CheckpointError
-    from ..optimizer_state import checkpoint_weights
+    from ..readers.checkpoints import CheckpointError
+    from ..readers.optimizer_state import checkpoint_weights
 
     for folder in folders:
         try:

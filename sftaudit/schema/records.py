@@ -1,8 +1,8 @@
 """The artifact records, declared once: every record kind, each field's type, whether every record
 carries it, who writes it, and what it means.
 
-Ingest derives its columns from this (`sftaudit.ingest.RECORD_COLUMNS`), the shim's writer its file
-names (`sftaudit.artifacts.RECORD_KINDS`), the dataset path its batch and sample columns, and
+Ingest derives its columns from this (`sftaudit.store.ingest.RECORD_COLUMNS`), the shim's writer its file
+names (`sftaudit.core.artifacts.RECORD_KINDS`), the dataset path its batch and sample columns, and
 ``docs/artifacts.md`` its tables (``scripts/gen_artifact_docs.py``); tests/test_record_schema.py
 records real runs and fails on a key a writer emits that is not declared here, or a required one
 it leaves out. Imported by both halves: no torch, no DuckDB.
@@ -60,7 +60,7 @@ MANIFEST = RecordKind(
         Field(
             "schema_version",
             "INTEGER",
-            "the artifact format's version (`sftaudit.artifacts.SCHEMA_VERSION`)",
+            "the artifact format's version (`sftaudit.core.artifacts.SCHEMA_VERSION`)",
             ALL,
             True,
         ),
@@ -329,7 +329,7 @@ BATCHES = RecordKind(
             "template_fingerprint",
             "VARCHAR",
             "a short hash of the chat template in use "
-            "(`sftaudit.artifacts.template_fingerprint`; LOOP-01 compares it across the run)",
+            "(`sftaudit.core.artifacts.template_fingerprint`; LOOP-01 compares it across the run)",
             (SHIM, DATASET),
             True,
         ),
@@ -409,7 +409,7 @@ GRAD_HISTS = RecordKind(
         Field(
             "counts",
             "BIGINT[]",
-            "log10|g| in half-decade bins from 1e-12 to 1e2 (`sftaudit.artifacts.GRAD_HIST_EDGES`)",
+            "log10|g| in half-decade bins from 1e-12 to 1e2 (`sftaudit.core.artifacts.GRAD_HIST_EDGES`)",
             (SHIM,),
             True,
         ),
@@ -551,7 +551,7 @@ RECORDS: dict[str, RecordKind] = {
 
 
 # The columnar series (schema version 2): Parquet parts under RUN_DIR/sftaudit/series/<name>/rank=<r>/seg=<s>/
-# (the layout: `sftaudit.artifacts`); `rank` and `seg` are the hive partitions, not columns.
+# (the layout: `sftaudit.core.artifacts`); `rank` and `seg` are the hive partitions, not columns.
 GRAD_NORM_SERIES = RecordKind(
     "grad_norms",
     "tensor with a gradient at an optimizer step (a Parquet row)",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import template_fingerprint
+from ..core.artifacts import template_fingerprint
 from .profiles import Schedule
 from .sink import Sink
 

@@ -2,7 +2,7 @@
 fields, LR schedule, and the outline of a saved training state.
 
 Computed once when a recorder starts (the state outline: at each checkpoint), never per step. The tokenizer's description lives in
-`sftaudit.tokenizer_info` (torch-free: `preflight` describes tokenizers too).
+`sftaudit.core.tokenizer` (torch-free: `preflight` describes tokenizers too).
 """
 
 from __future__ import annotations

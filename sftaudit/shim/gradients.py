@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifacts import GRAD_HIST_EDGES
+from ..core.artifacts import GRAD_HIST_EDGES
 from .pieces import Pieces
 from .profiles import Schedule
 from .sink import Sink

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import __version__
-from ..artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root
-from ..tokenizer_info import describe_tokenizer
+from .._version import __version__
+from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root
+from ..core.tokenizer import describe_tokenizer
 from .describe import describe_dataset, describe_model, describe_scheduler, jsonable, library_versions, marker_rows
 from .weights import param_norms
 

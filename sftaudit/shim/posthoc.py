@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
-from ..safe_io import read_text
-from ..tokenizer_info import load_saved_tokenizer
+from ..core.artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
+from ..core.safe_io import read_text
+from ..core.tokenizer import load_saved_tokenizer
 from .writer import read_jsonl
 
 POSTHOC_FILE = "posthoc.json"

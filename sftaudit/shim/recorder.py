@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifacts import rank_dir
-from ..tokenizer_info import tokenizer_fingerprint
+from ..core.artifacts import rank_dir
+from ..core.tokenizer import tokenizer_fingerprint
 from .batches import Batches, attention_inputs
 from .describe import (
     describe_state,

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..hashing import file_sha256
+from ..core.hashing import file_sha256
 from .writer import JsonlWriter, read_jsonl
 
 

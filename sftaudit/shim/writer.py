@@ -1,5 +1,5 @@
 """Append-only, crash-safe artifact writer: one JSONL file per record kind, one rank folder, and the
-per-tensor gradient norms of the ``steps`` records in the columnar series (see `sftaudit.artifacts`).
+per-tensor gradient norms of the ``steps`` records in the columnar series (see `sftaudit.core.artifacts`).
 
 Each record is written as one line and flushed to the OS at once, so a SIGKILL
 loses nothing already written (only a power cut can lose the page cache; `sync()`
@@ -25,7 +25,7 @@ from typing import IO
 
 import numpy as np
 
-from ..artifacts import (
+from ..core.artifacts import (
     GRAD_SERIES,
     RECORD_KINDS,
     ROLL_STEPS,

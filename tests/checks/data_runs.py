@@ -2,8 +2,8 @@
 
 Faults that do not interfere share a run, each starting at its own step."""
 
-from sftaudit.audit import audit
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
 DATA_RUNS = {

@@ -69,7 +69,7 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
     import numpy as np
     from sftaudit.fixtures.recording import bare_manifest
 
-    from sftaudit.artifacts import rank_dir
+    from sftaudit.core.artifacts import rank_dir
 
     folder = rank_dir(run_dir, 0)
     folder.mkdir(parents=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sftaudit.audit import audit
 from sftaudit.imports import import_run
+from sftaudit.verdict.audit import audit
 
 REALRUNS = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns"
 

@@ -10,7 +10,7 @@ import shutil
 
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from ..shared import shared_dir
 

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sftaudit.audit import audit
 from sftaudit.checks import gradient_columns
-from sftaudit.checks.rolling import MAD_TO_SIGMA, block_stats
-from sftaudit.ingest import connect, ingest
+from sftaudit.checks.stats.rolling import MAD_TO_SIGMA, block_stats
+from sftaudit.store.ingest import connect, ingest
+from sftaudit.verdict.audit import audit
 
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 _spec = importlib.util.spec_from_file_location("synthetic_run", _BENCHMARKS / "synthetic_run.py")

@@ -7,7 +7,7 @@ import pytest
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
 
 from ..torchless import PRELUDE
 from .data_runs import audited, batch_ids, clean_data_findings, findings
@@ -103,7 +103,7 @@ def test_clean_run_masks_exactly_the_template_spans(clean_run):
 def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
     run_dir, _ = audited(runs, "data_mask")
     script = (
-        PRELUDE + "from sftaudit.audit import audit\n"
+        PRELUDE + "from sftaudit.verdict.audit import audit\n"
         f"v = audit({str(run_dir)!r})\n"
         "assert v['check_errors'] == [], v['check_errors']\n"
         "print(sorted({f['evidence'].get('kind') for f in v['findings'] if f['code'] == 'LOOP-04'} - {None}))\n"
@@ -114,7 +114,7 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
 
 
 def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
-    from sftaudit.chat_template import TemplateLayout
+    from sftaudit.dataset.chat_template import TemplateLayout
 
     chatml = (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -134,8 +134,8 @@ def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
 def test_trl_packing_trains_every_token_a_configuration_named_once(trl_packing_run):
     """TRL trains every token of a packed `messages` dataset but each sample's first (nothing before it in
     the sample predicts it; its padding-free collator masks it): one configuration warn, none once declared."""
-    from sftaudit.audit import audit
-    from sftaudit.config import AuditConfig
+    from sftaudit.verdict.audit import audit
+    from sftaudit.verdict.config import AuditConfig
 
     verdict = audit(trl_packing_run)
     assert [(f["severity"], f["evidence"]["kind"]) for f in verdict["findings"] if f["code"] == "LOOP-04"] == [
@@ -186,7 +186,7 @@ def test_trl_assistant_only_loss_with_the_end_of_turn_outside_the_generation_blo
     (the model never learns to stop) and LOOP-04 fails at step 1; the template as shipped is clean."""
     from sftaudit.fixtures import CHAT_TEMPLATE_PATH
 
-    from sftaudit.audit import audit
+    from sftaudit.verdict.audit import audit
 
     shipped = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
     inside = "{{- message['content'] | trim + '<|eot_id|>' }}\n        {%- endgeneration %}"

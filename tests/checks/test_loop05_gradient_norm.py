@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from sftaudit.audit import audit
-from sftaudit.config import AuditConfig
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit

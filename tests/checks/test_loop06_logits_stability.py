@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from sftaudit.audit import audit
 from sftaudit.checks.loop06_logits_stability import kl_top_k, own_history
+from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import of, run
 

@@ -1,9 +1,9 @@
 """LOOP-07: template answers collapse the generations; the clean run's generations stay diverse."""
 
-from sftaudit.audit import audit
 from sftaudit.checks.loop07_generation_diversity import GenerationDiversity
-from sftaudit.checks.text import join_ngram, tokenize
-from sftaudit.ingest import connect
+from sftaudit.checks.stats.text import join_ngram, tokenize
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import of, run
 

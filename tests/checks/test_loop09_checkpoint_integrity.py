@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, NAN_TENSOR, PAYLOAD_FILE, STRAY_TENSOR
 
-from sftaudit.audit import audit
 from sftaudit.checks import AuditContext
 from sftaudit.checks.loop09_checkpoint_integrity import CheckpointIntegrity
-from sftaudit.ingest import connect, ingest, load_manifest
+from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.verdict.audit import audit
 
 from ..conftest import HF_CHECKPOINT_FAULTS
 from ..shared import cached_audit

@@ -3,9 +3,9 @@ family); clean runs stay silent."""
 
 import numpy as np
 
-from sftaudit.audit import audit
-from sftaudit.config import AuditConfig
-from sftaudit.ingest import connect
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 from .dynamics_runs import LR_JUMP_STEP, of, recorded_series_run, run
 from .logged_runs import audited, findings, trainer_run

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
 from sftaudit.checks.loop11_resume_continuity import epoch_starts, numbered_occurrences
-from sftaudit.ingest import connect
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect
+from sftaudit.verdict.audit import audit
 
 from ..shared import cached_audit, shared_dir
 from .resume_runs import FAULTS, ORDERS, resume_runs

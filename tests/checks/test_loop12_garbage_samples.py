@@ -2,7 +2,7 @@
 
 import pytest
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from ..shared import cached_audit
 

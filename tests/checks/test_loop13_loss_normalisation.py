@@ -4,8 +4,8 @@ logging filter hides (Z18) are found at their step; correctly normalised runs st
 import numpy as np
 import pytest
 
-from sftaudit.audit import audit
-from sftaudit.ingest import connect, ingest
+from sftaudit.store.ingest import connect, ingest
+from sftaudit.verdict.audit import audit
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit, shared_dir

@@ -1,7 +1,7 @@
 """LOOP-14: a scheduler stepped twice per optimizer step (Z28) and a resume that restarts the warmup
 (Z36) leave the configured schedule at their step; clean runs follow it."""
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from ..conftest import RESUMES
 from .dynamics_runs import of, run
@@ -34,7 +34,7 @@ def _traced_run(run_dir, lr, norms, trace):
     """A shim run's records with the schedule the shim traced at start (the LR after 0, 1, 2, ... scheduler steps)."""
     import json
 
-    from sftaudit.artifacts import rank_dir
+    from sftaudit.core.artifacts import rank_dir
 
     from .dynamics_runs import recorded_series_run
 

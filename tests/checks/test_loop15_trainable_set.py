@@ -1,7 +1,7 @@
 """LOOP-15: layers without gradients under reentrant checkpointing (Z26), a module declared trainable
 but frozen (Z27) and stale gradients (Z29) are found at their step; clean runs stay quiet."""
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import STALE_STEP, of, run
 

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
 from sftaudit.checks.base import AuditContext
 from sftaudit.checks.loop17_cross_rank import CrossRankConsistency
-from sftaudit.ingest import connect, ingest, load_manifest
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.verdict.audit import audit
 
 # run -> (code, step, what the message must name)
 FAULTS = {

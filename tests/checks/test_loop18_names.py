@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from sftaudit.audit import audit
 from sftaudit.imports import import_run
-from sftaudit.optimizer_state import checkpoint_weights, map_names, read_adam_state
+from sftaudit.readers.optimizer_state import checkpoint_weights, map_names, read_adam_state
+from sftaudit.verdict.audit import audit
 
 from ..shared import shared_dir
 from .dynamics_runs import of

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from sftaudit.audit import audit
-from sftaudit.checkpoints import CheckpointError
 from sftaudit.imports import import_run
-from sftaudit.optimizer_state import UnsafeOptimizerState, checkpoint_weights, map_names, read_adam_state
+from sftaudit.readers.checkpoints import CheckpointError
+from sftaudit.readers.optimizer_state import UnsafeOptimizerState, checkpoint_weights, map_names, read_adam_state
+from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import of
 from .posthoc_runs import GRAD_DROPPED, SCALED, SCALED_WEIGHTS, audited, posthoc_run

@@ -4,7 +4,7 @@ stay silent."""
 import numpy as np
 import pytest
 
-from sftaudit.audit import audit
+from sftaudit.verdict.audit import audit
 
 from ..shared import cached_audit
 from .dynamics_runs import LR_JUMP_STEP, of, run

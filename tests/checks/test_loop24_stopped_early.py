@@ -3,8 +3,8 @@ that finished, or that the shim saw close on purpose, is not warned."""
 
 import json
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import recorded_series_run
 from .logged_runs import audited, falling, findings, status, trainer_run

@@ -3,10 +3,10 @@
 import re
 from pathlib import Path
 
-from sftaudit.audit import audit
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import DOC_SECTIONS, EVIDENCE, needed
-from sftaudit.config import AuditConfig
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 from ..shared import cached_audit
 

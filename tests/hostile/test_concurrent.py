@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sftaudit.errors import InputError
-from sftaudit.ingest import artifact_root, run_lock
+from sftaudit.store.ingest import artifact_root, run_lock
 
 
 def start(*args):

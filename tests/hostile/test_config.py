@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from sftaudit.config import AuditConfig
+from sftaudit.commands.gate import Policy
 from sftaudit.errors import InputError
-from sftaudit.gate import Policy
+from sftaudit.verdict.config import AuditConfig
 
 BAD_CONFIGS = [
     ('[audit]\ndisable = "LOOP-05"\n', "audit.disable must be a list"),

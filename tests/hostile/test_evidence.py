@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from sftaudit.artifacts import TOKENIZER_DIR, artifact_root, rank_dir, series_dir
-from sftaudit.audit import audit
-from sftaudit.config import AuditConfig
+from sftaudit.core.artifacts import TOKENIZER_DIR, artifact_root, rank_dir, series_dir
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 
 def run_cli(*args, cwd=None):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sftaudit.safe_io import UnsafeFile, read_bytes
+from sftaudit.core.safe_io import UnsafeFile, read_bytes
 
 from .builders import audit, findings, trainer_run
 

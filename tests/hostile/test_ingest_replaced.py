@@ -10,11 +10,11 @@ import time
 import duckdb
 import pytest
 
-from sftaudit.artifacts import rank_dir
-from sftaudit.audit import audit
-from sftaudit.config import AuditConfig
+from sftaudit.core.artifacts import rank_dir
 from sftaudit.errors import InputError
-from sftaudit.ingest import database_path, ingest
+from sftaudit.store.ingest import database_path, ingest
+from sftaudit.verdict.audit import audit
+from sftaudit.verdict.config import AuditConfig
 
 
 def copy_run(src, dst):

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from sftaudit.artifacts import rank_dir
 from sftaudit.cli import main
-from sftaudit.ingest import RECORD_COLUMNS
+from sftaudit.core.artifacts import rank_dir
+from sftaudit.store.ingest import RECORD_COLUMNS
 
 FILES = ("steps", "batches", "samples", "grad_hists", "probes", "checkpoints", "events", "manifest")
 OPS = ("truncate", "flip", "drop", "duplicate", "retype")

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sftaudit.artifacts import SCHEMA_VERSION, rank_dir, series_dir
-from sftaudit.ingest import ingest
+from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir, series_dir
 from sftaudit.shim.writer import JsonlWriter
+from sftaudit.store.ingest import ingest
 
 from .builders import audit
 

@@ -20,7 +20,7 @@ BOMBS = {
 }
 PROGRAM = """
 import sys
-from sftaudit.chat_template import Renderer
+from sftaudit.dataset.chat_template import Renderer
 from sftaudit.errors import InputError
 import jinja2
 try:
@@ -45,7 +45,7 @@ def test_a_template_bomb_exceeds_its_budget(name):
 
 
 def test_a_plain_template_renders_as_before():
-    from sftaudit.chat_template import Renderer
+    from sftaudit.dataset.chat_template import Renderer
 
     text, _ = Renderer(BASE).render([{"role": "user", "content": "hi"}])
     assert text == "<|user|>hi<|end|>"

@@ -3,7 +3,7 @@
 A `Pieces` object names the model's parameters as a checkpoint of the whole model does (full
 shapes) and hands the recorder, for each of them, this rank's *local piece* of the gradient and of
 the weight: a plain tensor, never a DTensor, so nothing the recorder computes on it runs a
-collective. Its `layout` says how the analyzer combines the ranks' pieces (`sftaudit.ingest`):
+collective. Its `layout` says how the analyzer combines the ranks' pieces (`sftaudit.store.ingest`):
 
 * ``local``: the rank's own tensor, not synchronised with any other (one process);
 * ``replicated``: every rank of the replica holds the whole tensor (DDP after the all-reduce):

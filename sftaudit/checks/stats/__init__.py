@@ -1,0 +1,1 @@
+"""Statistics the checks share: rolling robust levels, text metrics."""

@@ -1,0 +1,1 @@
+"""The commands behind the CLI and the notebook API: gate, replay, preflight, diff."""

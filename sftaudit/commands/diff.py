@@ -1,0 +1,317 @@
+"""Run against run, or run against a golden file: where did this run start to differ from the good one?
+
+`profile(run)` reads what two runs can be compared on: per step the loss, learning rate and global
+gradient norm, per tensor its gradient norm (at a stride), the probe distributions where recorded,
+the data order (sample ids per step), and what should be equal in two runs meant to train the same:
+the config, the library versions, the chat template and tokenizer fingerprints, the checkpoints'
+digests, and the warn/fail findings. A golden file is that profile saved as JSON
+(`sftaudit golden RUN --out golden.json`), so CI can gate a training-code change on "still trains
+the same" without keeping the reference run.
+
+Divergence is judged per series on the steps both runs have:
+- exact (`exact=True`): any bit of difference (same-seed CPU runs are bit-identical);
+- `tolerance=T`: a relative difference above T;
+- otherwise against run-to-run noise: a difference above `NOISE_K` times the series' own
+  step-to-step noise (1.4826 x MAD of its first differences, pooled over both runs; gradient norms
+  and probe probabilities in log space), so two runs of another seed do not diverge at every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+GOLDEN_VERSION = 1
+NOISE_K = 6.0
+TENSORS_LISTED = 10
+# A series whose own noise is zero (a deterministic LR schedule) diverges above this relative gap.
+CONSTANT_RTOL = 1e-6
+
+
+def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) -> dict[str, Any]:
+    """What `compare` reads from a run (recorded or imported)."""
+    from ..imports import ensure_artifacts
+    from ..store.ingest import connect, ingest, load_manifest
+    from ..verdict.audit import audit
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: no such run directory")
+    if stride < 1:
+        raise InputError(f"--stride must be 1 or more, not {stride}")
+    ensure_artifacts(run_dir)
+    ingest(run_dir)
+    verdict = audit(run_dir) if with_findings else None
+    con = connect(run_dir, read_only=True)
+    try:
+        manifest = load_manifest(con)
+        steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()
+        grads = con.sql(f"""SELECT tensor, list(step ORDER BY step) AS steps, list(norm ORDER BY step) AS norms
+                            FROM grad_norms WHERE rank = 0 AND step % {int(stride)} = 0
+                            GROUP BY tensor, idx ORDER BY idx""").fetchall()
+        probes = con.sql("""SELECT step, prompt, top_ids[1] AS top_id, top_probs[1] AS top_prob FROM probes
+                            ORDER BY step, prompt""").fetchall()
+        order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
+                           GROUP BY step ORDER BY step""").fetchall()
+        templates = [
+            t
+            for (t,) in con.sql(
+                "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
+            ).fetchall()
+        ]
+        digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
+                             GROUP BY path ORDER BY path""").fetchall()
+    finally:
+        con.close()
+    tokenizer = manifest.get("tokenizer") or {}
+    from ..core.artifacts import template_fingerprint
+
+    return {
+        "run": manifest.get("run_id") or run_dir.name,
+        "stride": stride,
+        "steps": {k: [_plain(v) for v in steps[k].tolist()] for k in ("step", "loss", "lr", "grad_norm")},
+        "tensors": {name: {"steps": s, "norms": [_plain(v) for v in n]} for name, s, n in grads},
+        "probes": [[s, p, i, _plain(v)] for s, p, i, v in probes],
+        "data_order": {str(s): hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for s, ids in order},
+        "fingerprints": {
+            "tokenizer": tokenizer.get("fingerprint"),
+            "chat_template": template_fingerprint(tokenizer.get("chat_template")),
+            "templates_trained": templates,
+        },
+        "config": _without_location(manifest.get("config") or {}, run_dir),
+        "versions": manifest.get("versions") or {},
+        "checkpoints": {path: json.loads(sha) if isinstance(sha, str) else sha for path, sha in digests},
+        "findings": None
+        if verdict is None
+        else sorted(
+            {(f["code"], f["severity"], f["step"]) for f in verdict["findings"] if f["severity"] != "info"},
+            key=lambda f: (f[2] is None, f[2] or 0, f[0]),
+        ),
+    }
+
+
+def write_golden(run_dir: str | Path, out: str | Path, stride: int = 10) -> Path:
+    golden = {"sftaudit_golden": GOLDEN_VERSION, **profile(run_dir, stride=stride)}
+    out = Path(out)
+    out.write_text(json.dumps(golden, indent=None, separators=(",", ":"), allow_nan=True), encoding="utf-8")
+    return out
+
+
+def load(source: str | Path) -> dict[str, Any]:
+    """A run folder's profile, or a golden file's."""
+    source = Path(source)
+    if source.is_dir():
+        return profile(source)
+    if not source.is_file():
+        raise InputError(f"{source}: neither a run folder nor a golden file")
+    try:
+        golden = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(
+            f"{source}: not a golden file ({exc.__class__.__name__.lower()}); "
+            f"write one with `sftaudit golden RUN --out {source.name}`"
+        ) from None
+    if not isinstance(golden, dict) or golden.get("sftaudit_golden") != GOLDEN_VERSION:
+        raise InputError(
+            f"{source}: not a golden file of version {GOLDEN_VERSION}; "
+            f"write it again with `sftaudit golden RUN --out {source.name}`"
+        )
+    golden["findings"] = (
+        [tuple(f) for f in golden.get("findings") or []] if golden.get("findings") is not None else None
+    )
+    return golden
+
+
+def compare(
+    a: dict[str, Any], b: dict[str, Any], tolerance: float | None = None, exact: bool = False
+) -> dict[str, Any]:
+    """Where b starts to differ from a: first divergent step, the tensors that moved first, what else
+    differs, and the findings one run has that the other lacks."""
+    if tolerance is not None and not (tolerance >= 0):
+        raise InputError(f"--tolerance must be a number >= 0, not {tolerance}")
+    steps_a, steps_b = np.array(a["steps"]["step"], dtype=np.int64), np.array(b["steps"]["step"], dtype=np.int64)
+    common, ia, ib = np.intersect1d(steps_a, steps_b, return_indices=True)
+    if not common.size:
+        raise InputError(f"{a['run']} and {b['run']} share no recorded step: nothing to compare")
+    judge = _judge(tolerance, exact)
+    series = {}
+    for key, log in (("loss", False), ("lr", False), ("grad_norm", True)):
+        x, y = (np.array(p["steps"][key], dtype=float)[i] for p, i in ((a, ia), (b, ib)))
+        if np.isnan(x).all() and np.isnan(y).all():
+            continue
+        series[key] = _first(common, judge(x, y, log))
+    tensors = _tensor_divergence(a, b, judge)
+    probes = _probe_divergence(a, b, judge)
+    if probes is not None:
+        series["probes"] = probes
+    firsts = [s for s in [*series.values(), *(t["step"] for t in tensors)] if s is not None]
+    first = min(firsts) if firsts else None
+    moved = sorted((t for t in tensors if t["step"] is not None), key=lambda t: (t["step"], -t["gap"]))
+    return {
+        "a": a["run"],
+        "b": b["run"],
+        "mode": "exact" if exact else ("tolerance" if tolerance is not None else "noise"),
+        "tolerance": tolerance,
+        "steps_compared": int(common.size),
+        "first_divergent_step": first,
+        "series": series,
+        "tensors": [t["tensor"] for t in moved if t["step"] == first][:TENSORS_LISTED]
+        or [t["tensor"] for t in moved][:TENSORS_LISTED],
+        "differences": _differences(a, b, steps_a, steps_b),
+        "findings_only_in": _findings_only_in(a, b),
+    }
+
+
+def _judge(tolerance: float | None, exact: bool):
+    """A function (x, y, log) -> per-step bool array: does y diverge from x there."""
+
+    def differs(x, y, log):
+        nan_mismatch = np.isnan(x) != np.isnan(y)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if exact:
+                return nan_mismatch | ((x != y) & ~(np.isnan(x) & np.isnan(y)))
+            if log:
+                x, y = np.log(np.where(x > 0, x, np.nan)), np.log(np.where(y > 0, y, np.nan))
+            gap = np.abs(x - y)
+            if tolerance is not None:
+                scale = np.fmax(np.abs(x), np.abs(y))
+                return nan_mismatch | (gap > tolerance * np.where(scale > 0, scale, 1.0))
+            noise = _noise(x, y)
+            limit = NOISE_K * noise if noise > 0 else CONSTANT_RTOL * np.fmax(np.abs(x), np.abs(y))
+            return nan_mismatch | (np.nan_to_num(gap, nan=0.0) > limit)
+
+    return differs
+
+
+def _noise(x: np.ndarray, y: np.ndarray) -> float:
+    """Pooled step-to-step noise of two series: 1.4826 x MAD of their finite first differences."""
+    d = np.concatenate([np.diff(x[np.isfinite(x)]), np.diff(y[np.isfinite(y)])])
+    if not d.size:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(d - np.median(d))))
+
+
+def _first(steps: np.ndarray, diverged: np.ndarray) -> int | None:
+    hits = np.flatnonzero(diverged)
+    return int(steps[hits[0]]) if hits.size else None
+
+
+def _tensor_divergence(a, b, judge) -> list[dict[str, Any]]:
+    out = []
+    for name in a["tensors"].keys() & b["tensors"].keys():
+        ta, tb = a["tensors"][name], b["tensors"][name]
+        common, ia, ib = np.intersect1d(
+            np.array(ta["steps"], dtype=np.int64), np.array(tb["steps"], dtype=np.int64), return_indices=True
+        )
+        if not common.size:
+            continue
+        x, y = np.array(ta["norms"], dtype=float)[ia], np.array(tb["norms"], dtype=float)[ib]
+        step = _first(common, judge(x, y, True))
+        gap = 0.0
+        if step is not None:
+            k = int(np.searchsorted(common, step))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                gap = float(np.nan_to_num(abs(np.log(y[k]) - np.log(x[k])), nan=np.inf))
+        out.append({"tensor": name, "step": step, "gap": gap})
+    return out
+
+
+def _probe_divergence(a, b, judge) -> int | None:
+    pa = {(s, p): (i, v) for s, p, i, v in a.get("probes") or []}
+    pb = {(s, p): (i, v) for s, p, i, v in b.get("probes") or []}
+    keys = sorted(pa.keys() & pb.keys())
+    if not keys:
+        return None
+    x = np.array([pa[k][1] for k in keys], dtype=float)
+    y = np.array([pb[k][1] for k in keys], dtype=float)
+    top_changed = np.array([pa[k][0] != pb[k][0] for k in keys])
+    hits = np.flatnonzero(judge(x, y, True) | top_changed)
+    return int(keys[hits[0]][0]) if hits.size else None
+
+
+def _differences(a, b, steps_a, steps_b) -> list[dict[str, Any]]:
+    out = []
+    if steps_a.size != steps_b.size or (steps_a.size and (steps_a[-1] != steps_b[-1])):
+        out.append({"what": "steps recorded", "a": _span(steps_a), "b": _span(steps_b)})
+    for key in ("tokenizer", "chat_template", "templates_trained"):
+        if a["fingerprints"].get(key) != b["fingerprints"].get(key):
+            out.append(
+                {
+                    "what": f"{key.replace('_', ' ')} fingerprint",
+                    "a": a["fingerprints"].get(key),
+                    "b": b["fingerprints"].get(key),
+                }
+            )
+    out += _dict_diff("config", a["config"], b["config"]) + _dict_diff("version", a["versions"], b["versions"])
+    order_a, order_b = a["data_order"], b["data_order"]
+    differing = sorted(int(s) for s in order_a.keys() & order_b.keys() if order_a[s] != order_b[s])
+    if differing:
+        out.append(
+            {
+                "what": "data order",
+                "a": f"first differs at step {differing[0]}",
+                "b": f"{len(differing)} step(s) differ",
+            }
+        )
+    for path in sorted(a["checkpoints"].keys() & b["checkpoints"].keys()):
+        if a["checkpoints"][path] != b["checkpoints"][path]:
+            out.append(
+                {
+                    "what": f"checkpoint digest {path}",
+                    "a": _digest(a["checkpoints"][path]),
+                    "b": _digest(b["checkpoints"][path]),
+                }
+            )
+    return out
+
+
+def _dict_diff(what: str, x: dict, y: dict, prefix: str = "") -> list[dict[str, Any]]:
+    out = []
+    for key in sorted(x.keys() | y.keys(), key=str):
+        u, v = x.get(key), y.get(key)
+        if isinstance(u, dict) and isinstance(v, dict):
+            out += _dict_diff(what, u, v, f"{prefix}{key}.")
+        elif u != v:
+            out.append({"what": f"{what} {prefix}{key}", "a": u, "b": v})
+    return out
+
+
+def _findings_only_in(a, b) -> dict[str, list[dict[str, Any]]] | None:
+    if a.get("findings") is None or b.get("findings") is None:
+        return None
+    fa = {(c, s) for c, _, s in a["findings"]}
+    fb = {(c, s) for c, _, s in b["findings"]}
+    shape = lambda fs, keep: [{"code": c, "severity": sev, "step": s} for c, sev, s in fs if (c, s) in keep]  # noqa: E731
+    return {"a": shape(a["findings"], fa - fb), "b": shape(b["findings"], fb - fa)}
+
+
+def _without_location(value: Any, run_dir: Path) -> Any:
+    """The config with the run's own folder written as RUN_DIR: two runs in two folders are not
+    different for that (output_dir, logging_dir, a resume command naming the path)."""
+    if isinstance(value, dict):
+        return {k: _without_location(v, run_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_location(v, run_dir) for v in value]
+    if isinstance(value, str):
+        for form in sorted({str(run_dir.resolve()), str(run_dir)}, key=len, reverse=True):
+            value = value.replace(form, "RUN_DIR")
+    return value
+
+
+def _span(steps: np.ndarray) -> str:
+    return f"{steps.size} steps ({int(steps[0])}-{int(steps[-1])})" if steps.size else "no steps"
+
+
+def _digest(sha: Any) -> str:
+    return hashlib.sha256(json.dumps(sha, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe float (NaN stays NaN: json writes it, `load` reads it back)."""
+    return None if value is None else float(value)

@@ -1,0 +1,116 @@
+"""`sftaudit.open(RUN_DIR)`: a run's audit database as polars frames, for a notebook.
+
+    run = sftaudit.open("runs/demo-nan")
+    run.verdict["first_anomalous_step"]          # the verdict, as verdict.json has it
+    run.steps.filter(pl.col("loss").is_nan())     # polars; .to_pandas() where pandas is wanted
+    run.grad_norms                                # long: step, rank, tensor, norm
+    run.sql("SELECT tensor, max(norm) FROM grad_norms GROUP BY tensor")
+    run.plot("timeline")                          # the report's figures, as plotly objects
+
+Every read first ingests what the run appended since (a run still training shows its new steps);
+the run's own files are only read. The verdict is re-audited when something new was ingested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from ..errors import InputError
+from ..imports import ensure_artifacts
+from ..store.ingest import connect, ingest
+from ..verdict.audit import audit, stored_verdict
+from ..verdict.config import AuditConfig
+
+
+class AuditedRun:
+    """One run folder (recorded by the shim, or a Trainer output_dir, imported on open)."""
+
+    def __init__(self, run_dir: str | Path, config: AuditConfig | None = None):
+        self.run_dir = Path(run_dir)
+        if not self.run_dir.is_dir():
+            raise InputError(f"{run_dir}: no such run directory")
+        self.config = config or AuditConfig()
+        self._imported = ensure_artifacts(self.run_dir)
+        self._stale = True
+
+    def __repr__(self) -> str:
+        return f"sftaudit.open({str(self.run_dir)!r})"
+
+    def refresh(self) -> dict[str, int]:
+        """Ingest what was appended since the last read; returns the new records per kind."""
+        if self._imported:  # an imported run is re-read from the trainer's files, which may have grown
+            ensure_artifacts(self.run_dir)
+        added = ingest(self.run_dir)
+        self._stale = self._stale or any(added.values()) or self._imported
+        return added
+
+    def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
+        """Any query over the run's tables (steps, grad_norms, batches, samples, probes, generations,
+        evals, metrics, checkpoints, events, findings, series, ...), as a polars frame."""
+        self.refresh()
+        con = connect(self.run_dir, read_only=True)
+        try:
+            return con.sql(query, params=params or None).pl()
+        finally:
+            con.close()
+
+    @property
+    def verdict(self) -> dict[str, Any]:
+        """The verdict (as verdict.json has it), audited again when new records arrived."""
+        self.refresh()
+        if self._stale:
+            audit(self.run_dir, self.config)
+            self._stale = False
+        return stored_verdict(self.run_dir)
+
+    @property
+    def steps(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM steps ORDER BY rank, step")
+
+    @property
+    def grad_norms(self) -> pl.DataFrame:
+        return self.sql("SELECT step, rank, tensor, norm FROM grad_norms ORDER BY rank, step, idx")
+
+    @property
+    def batches(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM batches ORDER BY rank, step, micro")
+
+    @property
+    def samples(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM samples ORDER BY rank, step, micro, row")
+
+    @property
+    def probes(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM probes ORDER BY rank, step, prompt")
+
+    @property
+    def checkpoints(self) -> pl.DataFrame:
+        return self.sql("SELECT * FROM checkpoints ORDER BY rank, step")
+
+    @property
+    def findings(self) -> pl.DataFrame:
+        """The verdict's findings, one row each (evidence as a JSON string)."""
+        self.verdict  # noqa: B018 - audits first when the stored findings are stale
+        return self.sql("SELECT * FROM findings ORDER BY step NULLS LAST, code")
+
+    def plot(self, name: str | None = None):
+        """The report's figures as plotly Figures: all of them by name, or the one named
+        (`timeline`, `grad-heatmap`, `ranks`, `series-loop-05`, ...)."""
+        import plotly.graph_objects as go
+
+        from ..outputs.report import report_figures
+
+        verdict = self.verdict
+        con = connect(self.run_dir, read_only=True)
+        try:
+            figures = {k: go.Figure(v) for k, v in report_figures(con, verdict).items()}
+        finally:
+            con.close()
+        if name is None:
+            return figures
+        if name not in figures:
+            raise InputError(f"{self.run_dir}: no figure {name!r}; this run has {', '.join(sorted(figures))}")
+        return figures[name]

@@ -1,0 +1,1 @@
+"""What both halves share and neither needs torch or the analyzer's libraries for: the artifact layout, hashing, bounded file reads, text made safe to print, the tokenizer's fingerprint and loader."""

@@ -1,0 +1,1 @@
+"""What the verdict is rendered into: the HTML report, SARIF."""

@@ -1,0 +1,1 @@
+"""The run database: artifacts ingested into DuckDB."""

@@ -1,0 +1,149 @@
+"""Attribution and verdict: findings -> checkpoint windows -> per-checkpoint and run verdicts.
+
+A finding at step s falls in the window of the first checkpoint saved at a step >= s
+(after checkpoint A, up to and including checkpoint B). A checkpoint's verdict is the
+worst severity of everything that happened up to it: findings in its window or an
+earlier one, run-level findings (no step), and findings about the checkpoint itself.
+The rollback checkpoint is the last intact one (still on disk, no warn/fail finding about
+the checkpoint itself, i.e. it passes LOOP-09) saved at least `rollback_margin` (default 1)
+steps before the first anomalous step; `rollback_deleted` names a later sound one that was
+rotated out or deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..checks.base import SEVERITY_RANK, Finding
+from ..core.artifacts import SCHEMA_VERSION
+from .config import DEFAULT_ROLLBACK_MARGIN
+
+# Findings within this many steps of the first anomalous step form its chain (what fired around it).
+CHAIN_WINDOW = 50
+
+
+def attribute(findings: list[Finding], checkpoints: list[dict[str, Any]]) -> list[Finding]:
+    """Set each stepped finding's checkpoint to the window it falls in (None: after the last save)."""
+    ordered = sorted(checkpoints, key=lambda c: c["step"])
+    out = []
+    for f in findings:
+        if f.checkpoint is None and f.step is not None:
+            window = next((c["name"] for c in ordered if c["step"] >= f.step), None)
+            f = replace(f, checkpoint=window)
+        out.append(f)
+    return out
+
+
+def build_verdict(
+    run: str,
+    findings: list[Finding],
+    checkpoints: list[dict[str, Any]],
+    check_errors: list[dict[str, str]] | None = None,
+    rollback_margin: int = DEFAULT_ROLLBACK_MARGIN,
+    evidence: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run's verdict; "unjudged" (never pass) when the evidence says it cannot be judged."""
+    # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone
+    # (scope "checkpoint"); the rest are about the run, up to the step they happened (scope "run").
+    about_checkpoint = [f for f in findings if f.checkpoint is not None]
+    about_run = attribute([f for f in findings if f.checkpoint is None], checkpoints)
+    scoped = [(f, "checkpoint") for f in about_checkpoint] + [(f, "run") for f in about_run]
+    scoped.sort(
+        key=lambda fs: (
+            fs[0].step is None,
+            fs[0].step or 0,
+            fs[0].code,
+            -SEVERITY_RANK[fs[0].severity],
+            fs[0].message,
+            fs[1],
+        )
+    )
+    finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
+    # Only anomalies date the run: a configuration or a risk is not "where it went wrong".
+    anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.category == "anomaly"]
+    first = min(anomalous) if anomalous else None
+    chain = [
+        {"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
+        for f, _ in scoped
+        if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW
+    ]
+
+    per_checkpoint = []
+    for c in sorted(checkpoints, key=lambda c: c["step"]):
+        upto = findings_up_to(finding_dicts, c["name"], c["step"])
+        own = [f for f in finding_dicts if f["checkpoint"] == c["name"]]
+        sound = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
+        on_disk = c.get("on_disk", True)
+        per_checkpoint.append(
+            {
+                "name": c["name"],
+                "step": c["step"],
+                "path": c["path"],
+                "saves": c.get("saves", [c["step"]]),
+                "on_disk": on_disk,
+                "verdict": worst_of(upto),
+                "intact": sound and on_disk,
+                "sound": sound,
+                "findings": own,
+            }
+        )
+
+    # A check that raised judged nothing: a verdict without it would pass what it exists to catch.
+    reasons = [r for r in [(evidence or {}).get("cannot_judge")] if r]
+    reasons += [f"check {e['code']} failed to run ({e['error']})" for e in check_errors or []]
+    if not reasons and (evidence or {}).get("too_little") and worst_of(finding_dicts) == "pass":
+        reasons.append(evidence["too_little"])
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "verdict": "unjudged" if reasons else worst_of(finding_dicts),
+        "cannot_judge": "; ".join(reasons) or None,
+        "evidence": evidence or {},
+        "first_anomalous_step": first,
+        "first_anomaly_chain": chain,
+        "rollback_checkpoint": rollback_checkpoint(per_checkpoint, first, rollback_margin),
+        "rollback_deleted": rollback_deleted(per_checkpoint, first, rollback_margin),
+        "rollback_margin": rollback_margin,
+        "checkpoints": per_checkpoint,
+        "findings": finding_dicts,
+        "check_errors": check_errors or [],
+    }
+
+
+def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list[dict[str, Any]]:
+    """What a checkpoint's verdict rests on: run findings up to its step (or without a step) and
+    the findings about that checkpoint itself. A run finding whose evidence names the checkpoints
+    it `applies_to` (one warn for several checkpoints) counts for those alone."""
+    return [
+        f
+        for f in findings
+        if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
+        or (
+            f["scope"] == "run"
+            and (f["step"] is None or f["step"] <= step)
+            and name in (f["evidence"] or {}).get("applies_to", [name])
+        )
+    ]
+
+
+def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+    """The last intact checkpoint (on disk, passes LOOP-09) saved at least `margin` (>= 1) steps
+    before the first anomaly."""
+    if first is None:
+        return None
+    intact = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["intact"]]
+    return intact[-1]["name"] if intact else None
+
+
+def rollback_deleted(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+    """The checkpoint that would have been the rollback target had it not been rotated out or deleted."""
+    if first is None:
+        return None
+    sound = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["sound"]]
+    return sound[-1]["name"] if sound and not sound[-1]["on_disk"] else None
+
+
+def worst_of(findings: list[dict[str, Any]]) -> str:
+    rank = max((SEVERITY_RANK[f["severity"]] for f in findings), default=0)
+    return "pass" if rank == 0 else ("warn", "fail")[rank - 1]

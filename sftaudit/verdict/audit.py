@@ -1,0 +1,433 @@
+"""The analyzer pipeline: ingest -> checks -> attribution/verdict -> stored in DuckDB."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..checks import AuditContext, Finding, registered_checks
+from ..checks.base import EVIDENCE, CannotJudge, alternatives, needed
+from ..errors import InputError
+from ..readers.checkpoints import CheckpointError, inside_run
+from ..store.ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
+from .attribution import build_verdict
+from .config import DEFAULT_MAX_MISSING_SHARE, AuditConfig
+from .resolution import at_logging_resolution, first_window
+
+
+def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
+    """Every registered, enabled check that can judge what was recorded (`cannot_run`); a check that
+    crashes is reported, not fatal (the verdict is then unjudged). A check that finds too little to
+    judge (`CannotJudge`) goes in `ctx.not_judged` with its reason."""
+    try:
+        return _run_checks(ctx, config)
+    finally:
+        ctx.close()
+
+
+def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
+    findings, errors = [], []
+    recorded = recorded_evidence(ctx.con, ctx.manifest)
+    for check_cls in registered_checks():
+        if check_cls.code in config.disabled or cannot_run(check_cls, recorded, ctx.manifest):
+            continue
+        try:
+            check = check_cls(**config.check_options.get(check_cls.code, {}))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        try:
+            findings += check.run(ctx)
+        except CannotJudge as exc:
+            ctx.not_judged[check_cls.code] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            errors.append({"code": check_cls.code, "error": f"{type(exc).__name__}: {exc}"})
+    return findings, errors
+
+
+def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:
+    """The run's checkpoints (one per path, the last save), and whether each is still on disk."""
+    out = []
+    for c in recorded_checkpoints(ctx.con):
+        try:
+            on_disk = inside_run(ctx.run_dir, c["path"]).exists()
+        except CheckpointError:
+            on_disk = False
+        out.append({k: c[k] for k in ("name", "step", "path", "saves")} | {"on_disk": on_disk})
+    return out
+
+
+# Logged losses below which nothing about the training can be told (one point has no trend or noise).
+MIN_JUDGED_STEPS = 3
+
+# Shim components without which a run cannot be judged at all: the steps (loss, gradient norms)
+# and the batches (what was trained on).
+ESSENTIAL_COMPONENTS = ("steps", "gradients", "batches")
+
+
+def evidence_coverage(
+    con,
+    check_errors: list[dict[str, str]],
+    not_judged: dict[str, str],
+    manifest: dict[str, Any] | None = None,
+    max_missing_share: float = DEFAULT_MAX_MISSING_SHARE,
+) -> dict[str, Any]:
+    """What the evidence covers: steps recorded per rank, shim components switched off (from which
+    step, with which error), unreadable artifact lines, recorded steps without their batch or
+    gradient records, checks that could not run; and why the run cannot be judged, if so."""
+    ranks = [
+        {"rank": r, "steps": n, "first_step": lo, "last_step": hi}
+        for r, n, lo, hi in con.execute(
+            """SELECT m.rank, count(s.step), min(s.step), max(s.step) FROM (SELECT DISTINCT rank FROM manifest) m
+           LEFT JOIN steps s USING (rank) GROUP BY m.rank ORDER BY m.rank"""
+        ).fetchall()
+    ]
+    off = [
+        {"rank": r, "component": c, "from_step": step, "error": error}
+        for r, c, step, error in con.execute(
+            """SELECT rank, probe, min(step), arg_min(error, coalesce(step, -1)) FROM events
+           WHERE kind = 'shim_error' GROUP BY rank, probe ORDER BY rank, probe"""
+        ).fetchall()
+    ]
+    first = {r["rank"]: r["first_step"] for r in ranks}
+    reasons = []
+    logged = first_row(con, "SELECT count(DISTINCT step) FROM steps WHERE rank = 0 AND loss IS NOT NULL")[0]
+    if not any(r["steps"] for r in ranks):
+        reasons.append("no training step was recorded")
+    # No trend, spike or plateau can be told from one or two points: a run with nothing found on so
+    # little is unjudged, not a pass (what was found on it still stands).
+    too_little = (
+        (
+            f"only {logged} step(s) logged a loss: too little to judge the training (at least "
+            f"{MIN_JUDGED_STEPS} are needed)"
+        )
+        if 0 < logged < MIN_JUDGED_STEPS
+        else None
+    )
+    for o in off:
+        start = first.get(o["rank"])
+        if o["component"] in ESSENTIAL_COMPONENTS and (
+            o["from_step"] is None or start is None or o["from_step"] <= start
+        ):
+            reasons.append(
+                f"rank {o['rank']}'s {o['component']} recording was switched off from the start "
+                f"(step {o['from_step']}: {o['error']})"
+            )
+    partial = [
+        f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']} ({o['error']}); "
+        f"later steps are judged without it"
+        for o in off
+        if o["component"] not in ESSENTIAL_COMPONENTS
+        or first.get(o["rank"]) is not None
+        and o["from_step"] is not None
+        and o["from_step"] > first[o["rank"]]
+    ]
+    bad = bad_lines(con)
+    for b in bad:
+        if b["lines"] > max_missing_share * b["of"]:
+            reasons.append(
+                f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable (more than "
+                f"{max_missing_share:.0%}): repair or re-record the artifacts"
+            )
+        else:
+            partial.append(f"{b['lines']} of the {b['of']} lines of {b['file']} are unreadable and were skipped")
+    missing = []
+    if any(r["steps"] for r in ranks) and not (manifest or {}).get("imported"):
+        missing = missing_step_evidence(con, off)
+        for m in missing:
+            note = f"rank {m['rank']}: {m['steps']} of {m['of']} recorded steps lack their {m['evidence']}" + (
+                f" (first step {m['first_step']})" if m["first_step"] is not None else ""
+            )
+            if m["steps"] > max_missing_share * m["of"]:
+                reasons.append(
+                    f"{note}: the shim records them at every step, so the artifacts are incomplete; "
+                    f"re-record the run, or audit the complete artifacts"
+                )
+            else:
+                partial.append(f"{note}; those steps are judged without it")
+    return {
+        "ranks": ranks,
+        "components_off": off,
+        "bad_lines": bad,
+        "missing": missing,
+        "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
+        "partial": partial,
+        "too_little": too_little,
+        "cannot_judge": "; ".join(reasons) or None,
+    }
+
+
+def bad_lines(con) -> list[dict[str, Any]]:
+    """Artifact files with unreadable lines beyond the one torn line each restart may leave (a
+    crash mid-write, ended by the resumed shim): file, bad lines, lines read."""
+    restarts = dict(con.execute("SELECT rank, count(*) - 1 FROM manifest GROUP BY rank").fetchall())
+    rows = con.execute("SELECT file, bad_lines, lines FROM ingest_state WHERE bad_lines > 0 ORDER BY file").fetchall()
+    out = []
+    for file, bad, lines in rows:
+        rank = int(file.split("/")[0].removeprefix("rank-")) if file.startswith("rank-") else None
+        excess = bad - restarts.get(rank, 0)
+        if excess > 0:
+            out.append({"file": file, "lines": int(excess), "of": int(lines or bad)})
+    return out
+
+
+# Per-step evidence the shim writes at every step in every profile, and its component's name.
+PER_STEP_EVIDENCE = (
+    ("batches", "batches", "batch records (or a step its batches name lacks its step record)"),
+    ("grad_piece_steps", "gradients", "gradient norms"),  # the steps of grad_pieces, listed at ingest
+)
+
+
+def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank and kind of per-step evidence: recorded steps without it (and steps whose batches
+    were recorded but whose step record is gone), leaving out the steps after the shim switched that
+    component off. Batches after the last step record are the step a crash interrupted, not a gap."""
+    out = []
+    for table, component, words in PER_STEP_EVIDENCE:
+        con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
+        stopped = [
+            (o["rank"], o["from_step"] if o["from_step"] is not None else -1)
+            for o in off
+            if o["component"] == component
+        ]
+        if stopped:
+            con.executemany("INSERT INTO stopped_from VALUES (?, ?)", stopped)
+        orphans = (
+            ""
+            if table != "batches"
+            else """
+            UNION SELECT e.rank, e.step FROM e JOIN last USING (rank) WHERE e.step < last.last
+                  AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
+        )
+        rows = con.execute(f"""
+            WITH s AS (SELECT DISTINCT rank, step FROM steps),
+                 e AS (SELECT DISTINCT rank, step FROM "{table}"),
+                 last AS (SELECT rank, max(step) AS last FROM s GROUP BY rank),
+                 gaps AS (SELECT rank, step FROM s ANTI JOIN e USING (rank, step) {orphans}),
+                 counted AS (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
+                             FROM stopped_from GROUP BY rank) f USING (rank)
+                             WHERE f.from_step IS NULL OR g.step < f.from_step)
+            SELECT s.rank, count(*), (SELECT count(*) FROM counted c WHERE c.rank = s.rank),
+                   (SELECT min(step) FROM counted c WHERE c.rank = s.rank)
+            FROM s GROUP BY s.rank ORDER BY s.rank""").fetchall()
+        con.execute("DROP TABLE stopped_from")
+        out += [
+            {"rank": rank, "evidence": words, "steps": int(gaps), "of": int(total), "first_step": first_gap}
+            for rank, total, gaps, first_gap in rows
+            if gaps
+        ]
+    return out
+
+
+def preflight_coverage(
+    con, check_errors: list[dict[str, str]], not_judged: dict[str, str], explained: bool = False
+) -> dict[str, Any]:
+    """A preflight's evidence: the dataset's rows that rendered into batches. None rendered is unjudged,
+    unless a failing finding already says why (LOOP-01's render failures: the verdict is then FAIL)."""
+    rows, rendered = first_row(
+        con, "SELECT (SELECT manifest->>'$.dataset.rows' FROM manifest LIMIT 1)::BIGINT, (SELECT count(*) FROM samples)"
+    )
+    failed = first_row(
+        con, "SELECT count(DISTINCT sample_id), any_value(error) FROM events WHERE kind = 'render_failed'"
+    )
+    reason = None
+    if not rendered and not explained:
+        reason = (
+            f"no sample of the {rows or 0} dataset rows rendered"
+            + (f" (first error: {failed[1]})" if failed[0] else "")
+            + ": fix the rows or the chat template (--template) and run again"
+        )
+    return {
+        "ranks": [],
+        "components_off": [],
+        "bad_lines": [],
+        "missing": [],
+        "dataset": {"rows": rows, "rendered": rendered, "render_failed": failed[0]},
+        "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
+        "partial": [],
+        "cannot_judge": reason,
+    }
+
+
+# Shim components (as `shim_error` events name them) -> the evidence table each one writes.
+COMPONENT_TABLES = {
+    "steps": "steps",
+    "gradients": "grad_norms",
+    "batches": "batches",
+    "probes": "probes",
+    "generations": "generations",
+    "evals": "evals",
+    "checkpoints": "checkpoints",
+    "metrics": "metrics",
+}
+
+
+def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
+    """Per kind of evidence (`EVIDENCE`): whether the run has any."""
+    tokenizer = manifest.get("tokenizer") or {}
+    recorded = {"tokenizer": bool(tokenizer), "chat_template": bool(tokenizer.get("chat_template"))}
+    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    for table in set(EVIDENCE) - set(recorded):
+        recorded[table] = table in tables and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
+    return recorded
+
+
+def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
+    """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
+    manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
+    # The manifest's reason comes first: "the tokenizer asks for remote code" says more than "not recorded".
+    said = (manifest.get("unjudged") or {}).get(check.code)
+    if said:
+        return said
+    missing = [
+        " or ".join(EVIDENCE[t] for t in need) for need in alternatives(check) if not any(recorded[t] for t in need)
+    ]
+    return "not recorded: " + ", ".join(missing) if missing else None
+
+
+def check_coverage(
+    con,
+    manifest: dict[str, Any],
+    config: AuditConfig,
+    check_errors: list[dict[str, str]],
+    evidence: dict[str, Any] | None,
+    not_judged: dict[str, str],
+) -> list[dict[str, Any]]:
+    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
+    judges more finely with was not recorded), "not_run"
+    (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
+    "error"; with the reason and
+    the evidence it ran on."""
+    recorded = recorded_evidence(con, manifest)
+    stopped = {COMPONENT_TABLES.get(o["component"]): o for o in (evidence or {}).get("components_off", [])}
+    errors = {e["code"]: e["error"] for e in check_errors}
+    source = "dataset (preflight)" if manifest.get("profile") == "preflight" else manifest.get("source", "shim")
+    sources = manifest.get("sources") or {}  # an imported run: where each kind of evidence came from
+    out = []
+    for check in registered_checks():
+        unjudged = cannot_run(check, recorded, manifest)
+        cut = [stopped[t] for t in needed(check) + list(check.uses) if t in stopped]
+        lacking = [t for t in check.uses if not recorded[t]]
+        if check.code in config.disabled:
+            status, reason = "disabled", "switched off in the audit config"
+        elif check.code in errors:
+            status, reason = "error", errors[check.code]
+        elif unjudged or check.code in not_judged:
+            status, reason = "not_run", unjudged or not_judged[check.code]
+        elif cut:
+            status = "partial"
+            reason = "; ".join(
+                f"rank {o['rank']}'s {o['component']} recording stopped at step {o['from_step']}" for o in cut
+            )
+        elif lacking:
+            status, reason = "partial", "not recorded: " + ", ".join(EVIDENCE[t] for t in lacking)
+        else:
+            status, reason = "ran", None
+        out.append(
+            {
+                "code": check.code,
+                "name": check.name,
+                "status": status,
+                "reason": reason,
+                "evidence": [EVIDENCE[t] for t in dict.fromkeys(needed(check) + list(check.uses)) if recorded[t]],
+                "sources": list(dict.fromkeys(sources.get(t, source) for t in needed(check) if recorded[t]))
+                if status in ("ran", "partial")
+                else [],
+            }
+        )
+    return out
+
+
+def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
+    """Ingest what is new, run the checks, store findings + verdict in DuckDB; return the verdict."""
+    run_dir = Path(run_dir)
+    config = config or AuditConfig()
+    with run_lock(run_dir):  # a second audit of the run waits for this one
+        ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
+        con = connect(run_dir)
+        try:
+            return judge(con, run_dir, config)
+        finally:
+            con.close()
+
+
+def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
+    """Run the checks on an ingested database, store findings + verdict + series in it."""
+    manifest = load_manifest(con)
+    ctx = AuditContext(con, run_dir, manifest)
+    findings, errors = run_checks(ctx, config)
+    findings, resolution = at_logging_resolution(con, manifest, findings)
+    # A preflight judges a dataset before any training: it has no steps to cover by design.
+    evidence = (
+        preflight_coverage(con, errors, ctx.not_judged, any(f.severity == "fail" for f in findings))
+        if manifest.get("profile") == "preflight"
+        else evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
+    )
+    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
+    if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
+        evidence["cannot_judge"] = (
+            "no check could run on what was recorded ("
+            + "; ".join(f"{c['code']}: {c['reason']}" for c in checks if c["status"] != "disabled")[:500]
+            + ")"
+        )
+    verdict = build_verdict(
+        manifest.get("run_id") or run_dir.name,
+        findings,
+        saved_checkpoints(ctx),
+        errors,
+        config.rollback_margin,
+        evidence,
+    )
+    verdict["checks"] = checks
+    if resolution:  # an imported run: how finely its evidence places a step
+        verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
+    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
+    con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+    con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
+                   checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
+    rows = [
+        (f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
+        for f in verdict["findings"]
+    ]
+    if rows:
+        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
+    _store_series(con, ctx.series)
+    return verdict
+
+
+def _store_series(con, series: list[dict[str, Any]]) -> None:
+    con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
+                   threshold DOUBLE, sole_condition BOOLEAN)""")
+    for s in series:
+        con.execute(
+            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?, ?",
+            [s["code"], s["name"], s["steps"], s["values"], s["threshold"], s["sole_condition"]],
+        )
+
+
+def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
+    with run_lock(run_dir):
+        con = connect(run_dir, read_only=True)
+        try:
+            row = first_row(con, "SELECT verdict FROM audit_verdict") if _has_table(con, "audit_verdict") else None
+        finally:
+            con.close()
+    if row is None:
+        raise InputError(f"{run_dir}: not audited yet (run `sftaudit audit {run_dir}`)")
+    return json.loads(row[0])
+
+
+def _has_table(con, name: str) -> bool:
+    return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
+
+
+def unjudged_reason(verdict: dict) -> str:
+    """The one line saying why a run could not be judged, and what to do about it."""
+    advice = []
+    if verdict.get("check_errors"):
+        codes = ", ".join(f'"{c}"' for c in sorted({e["code"] for e in verdict["check_errors"]}))
+        advice.append(
+            f"a check that fails on this input is a bug in sftaudit: report it; to judge without it, "
+            f"disable it in the config ([audit] disable = [{codes}])"
+        )
+    return f"{verdict['run']}: could not judge: {verdict['cannot_judge']}" + "".join(f"; {a}" for a in advice)
