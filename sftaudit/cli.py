@@ -1,4 +1,5 @@
-"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|demo`.
+"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|diff|golden|demo`: the
+arguments of every subcommand; each one runs in its own module of `sftaudit.commands`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
 (missing/corrupt input, bad arguments), with a one-line reason on stderr.
@@ -7,16 +8,15 @@ Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could no
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import sys
 from pathlib import Path
 
-from .core.terminal import json_safe, safe_name, shown
+from .commands.common import EXIT_CANNOT_JUDGE, error
+from .core.terminal import shown
 from .errors import InputError, one_line
 
-EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_JUDGE = 0, 1, 2
-DEFAULT_REPORTS = Path("reports")
 DATA_HELP = (
     "a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
     "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it"
@@ -145,28 +145,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Each subcommand is one module of sftaudit.commands, imported only when it runs (the CLI starts light).
+COMMAND_MODULES = {
+    "import": "import_run",
+    "probe": "probe",
+    "ingest": "ingest",
+    "audit": "audit",
+    "report": "report",
+    "preflight": "preflight",
+    "replay": "replay",
+    "gate": "gate",
+    "diff": "diff",
+    "golden": "golden",
+    "demo": "demo",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        command = importlib.import_module(f"{__package__}.commands.{COMMAND_MODULES[args.command]}")
         if getattr(args, "run_dir", None) is None:
-            return _COMMANDS[args.command](args)
+            return command.run(args)
         from .store.ingest import run_lock
 
         with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
-            return _COMMANDS[args.command](args)
+            return command.run(args)
     except InputError as exc:
-        _error(str(exc))
+        error(str(exc))
         return EXIT_CANNOT_JUDGE
     except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
         if os.environ.get("SFTAUDIT_DEBUG"):
             raise
-        _error(f"could not {args.command} {_subject(args)}: {_describe(exc)}")
+        error(f"could not {args.command} {_subject(args)}: {_describe(exc)}")
         return EXIT_CANNOT_JUDGE
-
-
-def _error(message: str) -> None:
-    """The one line a user sees when the input cannot be judged (escaped: it may quote the input)."""
-    print(f"sftaudit: error: {shown(message)}", file=sys.stderr)
 
 
 def _subject(args: argparse.Namespace) -> str:
@@ -191,308 +203,6 @@ def _describe(exc: BaseException) -> str:
         return f"cannot read or write{where} ({exc.strerror or one_line(exc)}); check that path"
     return f"{one_line(exc) or 'an unexpected error'}; {report}"
 
-
-def _say(text: str = "", end: str = "\n") -> None:
-    """Print text built from the run's own strings: controls and bidi characters escaped."""
-    print(shown(text, keep_newlines=True), end=end)
-
-
-def _write(path: Path, text: str, what: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise InputError(
-            f"{what} {path}: cannot write ({exc.strerror or one_line(exc)}); give a writable file path"
-        ) from None
-
-
-def _import(args: argparse.Namespace) -> int:
-    from .imports import import_run
-
-    done = import_run(args.run_dir, args.data, progress=True)
-    resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
-    _say(
-        f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
-        f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
-        + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
-        + ("" if done["tokenizer"] else "; no saved tokenizer")
-    )
-    return EXIT_PASS
-
-
-def _probe(args: argparse.Namespace) -> int:
-    from .imports import ensure_artifacts
-
-    prompts = [line.strip() for line in _read(args.prompts).splitlines() if line.strip()]
-    try:
-        eval_set = [json.loads(line) for line in _read(args.eval).splitlines() if line.strip()] if args.eval else []
-    except ValueError as exc:
-        raise InputError(f"{args.eval}: not JSONL ({exc})") from None
-    if any(not isinstance(it, dict) or "messages" not in it or "reference" not in it for it in eval_set):
-        raise InputError(f"{args.eval}: each line needs messages and reference")
-    if not prompts and not eval_set:
-        raise InputError(f"{args.prompts}: no probe prompts")
-    ensure_artifacts(args.run_dir)
-    try:
-        from .shim.posthoc import probe_checkpoints
-    except ImportError as exc:
-        raise InputError(
-            f"probing runs the checkpoints and needs the training side: pip install 'sftaudit[shim]' ({exc})"
-        ) from None
-    timings = probe_checkpoints(
-        args.run_dir,
-        prompts,
-        eval_set,
-        base=args.base,
-        progress=not args.quiet,
-        max_new_tokens=args.max_new_tokens,
-        generations_per_prompt=args.samples,
-    )
-    ensure_artifacts(args.run_dir)  # the manifest gains the prompts and the eval set
-    for t in timings:
-        _say(f"{t['checkpoint']} (step {t['step']}): probed in {t['seconds']:.1f} s")
-    _say(f"{len(timings)} checkpoint(s) probed" + ("" if timings else " (all were probed before)"))
-    return EXIT_PASS
-
-
-def _read(path: Path) -> str:
-    from .verdict.config import read_small_text
-
-    return read_small_text(path, "file", limit=256 * 2**20)
-
-
-def _prepare(args: argparse.Namespace) -> None:
-    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
-    from .imports import ensure_artifacts
-
-    ensure_artifacts(args.run_dir, args.data)
-
-
-def _ingest(args: argparse.Namespace) -> int:
-    from .store.ingest import ingest
-    from .verdict.config import AuditConfig
-
-    config = AuditConfig.load(args.config)
-    added = ingest(args.run_dir, config.max_record_bytes, config.max_file_bytes)
-    _say(" ".join(f"{k}={v}" for k, v in added.items() if v) or "nothing new")
-    return EXIT_PASS
-
-
-def _out_dir(args: argparse.Namespace, run: str) -> Path:
-    return args.out or DEFAULT_REPORTS / safe_name(run)
-
-
-def _audit(args: argparse.Namespace) -> int:
-    from .verdict.audit import audit
-    from .verdict.config import AuditConfig
-
-    config = AuditConfig.load(args.config)
-    _prepare(args)
-    verdict = audit(args.run_dir, config)
-    out = _out_dir(args, verdict["run"])
-    _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
-    report = None
-    if not args.no_report:
-        from .outputs.report import write_report
-
-        report = write_report(args.run_dir, out)
-    if args.sarif:
-        from .outputs.sarif import to_sarif
-
-        _write(args.sarif, json.dumps(to_sarif(verdict, args.run_dir), indent=1) + "\n", "--sarif")
-    _print_summary(verdict, out / "verdict.json", report)
-    return _exit_code(verdict["verdict"], args.strict or config.strict)
-
-
-def _report(args: argparse.Namespace) -> int:
-    from .outputs.report import write_report
-    from .verdict.audit import stored_verdict
-
-    verdict = stored_verdict(args.run_dir)
-    _say(str(write_report(args.run_dir, _out_dir(args, verdict["run"]))))
-    return EXIT_PASS
-
-
-def _preflight(args: argparse.Namespace) -> int:
-    from .commands.preflight import preflight
-    from .verdict.config import AuditConfig
-
-    config = AuditConfig.load(args.config)
-    out = _out_dir(args, f"preflight-{args.data.stem}")
-    verdict = preflight(
-        args.data,
-        args.tokenizer,
-        out,
-        template=args.template,
-        collator=args.collator,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        config=config,
-        progress=not args.quiet,
-    )
-    _write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
-    report = None
-    if not args.no_report:
-        from .outputs.report import write_report
-
-        report = write_report(out, out)
-    _print_summary(verdict, out / "verdict.json", report)
-    return _exit_code(verdict["verdict"], args.strict or config.strict)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    from .commands.replay import replay, to_json, to_text
-    from .verdict.config import AuditConfig
-
-    config = AuditConfig.load(args.config)
-    _prepare(args)
-    doc = replay(args.run_dir, config)
-    if args.json:
-        print(json_safe(to_json(doc)), end="")
-    else:
-        _say(to_text(doc))
-    return _exit_code(doc["verdict"], config.strict)
-
-
-def _gate(args: argparse.Namespace) -> int:
-    from .commands.gate import Policy, gate
-    from .verdict.config import AuditConfig
-
-    config = AuditConfig.load(args.config)
-    _prepare(args)
-    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
-    for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
-        if path:
-            _write(path, text(), "--junit" if text == result.to_junit else "--json")
-    if args.sarif:
-        from .outputs.sarif import to_sarif
-        from .verdict.audit import stored_verdict
-
-        considered = {**stored_verdict(args.run_dir), "findings": result.findings}
-        _write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
-    _say(result.summary())
-    return EXIT_PASS if result.passed else EXIT_FAIL
-
-
-def _diff(args: argparse.Namespace) -> int:
-    from .commands.diff import compare, load
-
-    if args.exact and args.tolerance is not None:
-        raise InputError("--exact and --tolerance exclude each other: give one")
-    result = compare(load(args.run_a), load(args.run_b), tolerance=args.tolerance, exact=args.exact)
-    if args.out:
-        from .outputs.report import write_diff_report
-
-        write_diff_report(result, args.out)
-    if args.json:
-        keys = (
-            "a",
-            "b",
-            "mode",
-            "tolerance",
-            "steps_compared",
-            "first_divergent_step",
-            "series",
-            "tensors",
-            "differences",
-            "findings_only_in",
-        )
-        print(json_safe(json.dumps({k: result[k] for k in keys}, indent=2, default=str)))
-    else:
-        first = result["first_divergent_step"]
-        _say(
-            f"{result['b']} against {result['a']}: "
-            + (
-                f"diverged at step {first}"
-                if first is not None
-                else f"no divergence over {result['steps_compared']} steps"
-            )
-            + f" ({result['mode']})"
-        )
-        if result["tensors"]:
-            _say("  tensors that moved first: " + ", ".join(result["tensors"]))
-        for d in result["differences"]:
-            _say(f"  differs: {d['what']}: {d['a']} -> {d['b']}")
-        for side in ("a", "b"):
-            only = (result["findings_only_in"] or {}).get(side) or []
-            if only:
-                _say(
-                    f"  only in {result[side]}: "
-                    + ", ".join(
-                        f"{f['code']} {f['severity']}" + (f" @{f['step']}" if f["step"] is not None else "")
-                        for f in only
-                    )
-                )
-    return EXIT_FAIL if result["first_divergent_step"] is not None else EXIT_PASS
-
-
-def _golden(args: argparse.Namespace) -> int:
-    from .commands.diff import write_golden
-
-    _say(str(write_golden(args.run_dir, args.out, stride=args.stride)))
-    return EXIT_PASS
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from .fixtures.demo import run_demo
-
-    return run_demo(args.workdir, DEFAULT_REPORTS, steps=args.steps)
-
-
-def _exit_code(verdict: str, strict: bool) -> int:
-    if verdict == "unjudged":
-        return EXIT_CANNOT_JUDGE
-    if verdict == "fail" or (strict and verdict == "warn"):
-        return EXIT_FAIL
-    return EXIT_PASS
-
-
-def _print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
-    if verdict.get("cannot_judge"):
-        from .verdict.audit import unjudged_reason
-
-        _error(unjudged_reason(verdict))
-    lines = [f"{shown(verdict['run'])}: {verdict['verdict'].upper()}"]
-    window = (verdict.get("resolution") or {}).get("first_anomalous_window")
-    if window:  # imported evidence: the step is only known to lie in a logging or checkpoint window
-        lines[0] += f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}"
-    elif verdict["first_anomalous_step"] is not None:
-        lines[0] += f"; first anomalous step {verdict['first_anomalous_step']}"
-    if verdict["rollback_checkpoint"]:
-        lines[0] += f"; roll back to {shown(verdict['rollback_checkpoint'])}"
-    for f in verdict["findings"]:
-        where = f"step {f['step']}" if f["step"] is not None else "run"
-        lines.append(f"  {f['code']} {f['severity']:<4} {where}: {shown(f['message'])}")
-    lines += [f"  {e['code']} could not run: {shown(e['error'])}" for e in verdict["check_errors"]]
-    evidence = verdict.get("evidence") or {}
-    lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]
-    lines += [
-        f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
-    ]
-    lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
-    not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
-    if not_run:
-        lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
-    lines.append(f"verdict: {shown(verdict_path)}")
-    if report:
-        lines.append(f"report:  {shown(report)}")
-    _say("\n".join(lines))
-
-
-_COMMANDS = {
-    "import": _import,
-    "probe": _probe,
-    "ingest": _ingest,
-    "audit": _audit,
-    "report": _report,
-    "preflight": _preflight,
-    "replay": _replay,
-    "gate": _gate,
-    "diff": _diff,
-    "golden": _golden,
-    "demo": _demo,
-}
 
 if __name__ == "__main__":
     sys.exit(main())

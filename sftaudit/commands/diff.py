@@ -315,3 +315,57 @@ def _digest(sha: Any) -> str:
 def _plain(value: Any) -> Any:
     """JSON-safe float (NaN stays NaN: json writes it, `load` reads it back)."""
     return None if value is None else float(value)
+
+
+def run(args) -> int:
+    """The CLI: compare, write diff.html where asked, print the comparison (text, or JSON with --json)."""
+    from ..core.terminal import json_safe
+    from .common import EXIT_FAIL, EXIT_PASS, say
+
+    if args.exact and args.tolerance is not None:
+        raise InputError("--exact and --tolerance exclude each other: give one")
+    result = compare(load(args.run_a), load(args.run_b), tolerance=args.tolerance, exact=args.exact)
+    if args.out:
+        from ..outputs.report import write_diff_report
+
+        write_diff_report(result, args.out)
+    if args.json:
+        keys = (
+            "a",
+            "b",
+            "mode",
+            "tolerance",
+            "steps_compared",
+            "first_divergent_step",
+            "series",
+            "tensors",
+            "differences",
+            "findings_only_in",
+        )
+        print(json_safe(json.dumps({k: result[k] for k in keys}, indent=2, default=str)))
+    else:
+        first = result["first_divergent_step"]
+        say(
+            f"{result['b']} against {result['a']}: "
+            + (
+                f"diverged at step {first}"
+                if first is not None
+                else f"no divergence over {result['steps_compared']} steps"
+            )
+            + f" ({result['mode']})"
+        )
+        if result["tensors"]:
+            say("  tensors that moved first: " + ", ".join(result["tensors"]))
+        for d in result["differences"]:
+            say(f"  differs: {d['what']}: {d['a']} -> {d['b']}")
+        for side in ("a", "b"):
+            only = (result["findings_only_in"] or {}).get(side) or []
+            if only:
+                say(
+                    f"  only in {result[side]}: "
+                    + ", ".join(
+                        f"{f['code']} {f['severity']}" + (f" @{f['step']}" if f["step"] is not None else "")
+                        for f in only
+                    )
+                )
+    return EXIT_FAIL if result["first_divergent_step"] is not None else EXIT_PASS

@@ -255,3 +255,23 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
         saved = ", ".join(c["name"] for c in checkpoints) or "none"
         raise InputError(f"checkpoint {wanted!r} is not among the run's saved checkpoints ({saved})")
     return found[-1]
+
+
+def run(args) -> int:
+    """The CLI: gate the checkpoint, write JUnit, JSON and SARIF where asked, print the summary."""
+    from .common import EXIT_FAIL, EXIT_PASS, prepare, say, write
+
+    config = AuditConfig.load(args.config)
+    prepare(args)
+    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
+        if path:
+            write(path, text(), "--junit" if text == result.to_junit else "--json")
+    if args.sarif:
+        from ..outputs.sarif import to_sarif
+        from ..verdict.audit import stored_verdict
+
+        considered = {**stored_verdict(args.run_dir), "findings": result.findings}
+        write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
+    say(result.summary())
+    return EXIT_PASS if result.passed else EXIT_FAIL

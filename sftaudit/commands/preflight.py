@@ -203,3 +203,30 @@ def _insert(con, kind: str, table: pa.Table | pl.DataFrame) -> None:
     con.register("new_records", table)
     con.execute(f'INSERT INTO "{kind}" (rank, {names}) SELECT 0, {names} FROM new_records')
     con.unregister("new_records")
+
+
+def run(args) -> int:
+    """The CLI: preflight the dataset, write verdict.json and the dataset report, print the summary."""
+    from .common import exit_code, out_dir, print_summary, write
+
+    config = AuditConfig.load(args.config)
+    out = out_dir(args, f"preflight-{args.data.stem}")
+    verdict = preflight(
+        args.data,
+        args.tokenizer,
+        out,
+        template=args.template,
+        collator=args.collator,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        config=config,
+        progress=not args.quiet,
+    )
+    write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
+    report = None
+    if not args.no_report:
+        from ..outputs.report import write_report
+
+        report = write_report(out, out)
+    print_summary(verdict, out / "verdict.json", report)
+    return exit_code(verdict["verdict"], args.strict or config.strict)

@@ -167,3 +167,18 @@ def to_text(doc: dict[str, Any]) -> str:
         if not (r["command"] or r["trainer"]):
             lines.append(f"  restore everything from {shlex.quote(r['resume_from_checkpoint'])} in your loop")
     return "\n".join(lines)
+
+
+def run(args) -> int:
+    """The CLI: audit, then print the replay (text, or JSON with --json)."""
+    from ..core.terminal import json_safe
+    from .common import exit_code, prepare, say
+
+    config = AuditConfig.load(args.config)
+    prepare(args)
+    doc = replay(args.run_dir, config)
+    if args.json:
+        print(json_safe(to_json(doc)), end="")
+    else:
+        say(to_text(doc))
+    return exit_code(doc["verdict"], config.strict)

@@ -1,0 +1,19 @@
+"""`sftaudit import RUN_DIR`: write artifacts for a Trainer/TRL output_dir trained without the shim."""
+
+from __future__ import annotations
+
+from .common import EXIT_PASS, say
+
+
+def run(args) -> int:
+    from ..imports import import_run
+
+    done = import_run(args.run_dir, args.data, progress=True)
+    resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
+    say(
+        f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "
+        f"{done['metrics']} metrics, {done['checkpoints']} checkpoints{resumed}"
+        + (f", {done['dataset_rows']} dataset rows" if done["dataset_rows"] else "")
+        + ("" if done["tokenizer"] else "; no saved tokenizer")
+    )
+    return EXIT_PASS
