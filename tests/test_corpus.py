@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sftaudit.commands.preflight import preflight
-from sftaudit.dataset.chat_template import Renderer, TemplateLayout, tokenizer_specials
+from sftaudit.dataset.layout import TemplateLayout
+from sftaudit.dataset.render import Renderer, tokenizer_specials
 
 from .corpus import CLEAN_CHATS, CORPUS, TOOL_CHATS, real_tokenizer, template, tokenizer_cache
 
@@ -60,10 +61,10 @@ def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_pr
     the fast path uses (a version-guarded import: the public render_jinja_template takes over)."""
     from sftaudit.fixtures import CHAT_TEMPLATE_PATH
 
-    from sftaudit.dataset import chat_template
-    from sftaudit.dataset.chat_template import template_fields
+    from sftaudit.dataset import sandbox
+    from sftaudit.dataset.fields import template_fields
 
-    assert chat_template._internals() != (None, None), "the installed transformers lost the fast path's helpers"
+    assert sandbox._internals() != (None, None), "the installed transformers lost the fast path's helpers"
     thinking = [
         {"role": "user", "content": "2+2?", "tool_calls": None},
         {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
@@ -89,7 +90,7 @@ def test_rows_needing_transformers_normalisation_and_the_fallback_without_its_pr
     fast = renders()
     assert all(spans for (_, spans), _ in fast[: len(NO_SYSTEM) + 1])  # the fixture template's generation spans
     assert "Two and two." in fast[2 * (len(NO_SYSTEM) + 1) - 1][0][0]  # Qwen3 renders the aliased reasoning
-    monkeypatch.setattr(chat_template, "_internals", lambda: (None, None))
+    monkeypatch.setattr(sandbox, "_internals", lambda: (None, None))
     assert renders() == fast
 
 
@@ -193,7 +194,7 @@ def test_clean_chats_pass_preflight_on_real_families(tmp_path, tokenizers, famil
 def test_no_released_template_requires_a_field_beyond_role_and_content():
     """Reads of optional fields are guarded (`message.tool_calls is defined and message.tool_calls | length`),
     so plain chats without `tool_calls` or `reasoning_content` are no LOOP-01 finding on any template."""
-    from sftaudit.dataset.chat_template import template_fields
+    from sftaudit.dataset.fields import template_fields
 
     required = {name: template_fields(template(name)).message_required - {"role", "content"} for name, _ in CORPUS}
     assert {name: fields for name, fields in required.items() if fields} == {}
@@ -405,7 +406,8 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
     by turn; families without a vocabulary here get the Llama 3 one with their markers added as specials."""
     import re
 
-    from sftaudit.dataset.chat_template import EITHER, actual_labels, expected_labels, template_fields
+    from sftaudit.dataset.fields import template_fields
+    from sftaudit.dataset.layout import EITHER, actual_labels, expected_labels
 
     marker = re.compile(
         r"<\|[^<>|\s]+\|>|</?[a-z_]+>|\[/?[A-Z_]{2,}\]|<\uff5c[^>]+\uff5c>|\[\|[a-z]+\|\]|<\|[a-z]+>|<[a-z]+\|>"
@@ -444,7 +446,7 @@ def test_layout_agrees_with_a_correct_collator_on_every_template(tokenizers):
 def test_macro_and_presence_guarded_fields_are_optional_on_released_templates():
     """Kimi K2 reads `tool_calls` in a macro it calls only under `if message.get('tool_calls')`; OLMo 3 reads
     `function_calls` after `message.get('function_calls', none) is not none`: plain chats need neither."""
-    from sftaudit.dataset.chat_template import template_fields
+    from sftaudit.dataset.fields import template_fields
 
     for name, field_name in [
         ("moonshotai-Kimi-K2-Thinking", "tool_calls"),

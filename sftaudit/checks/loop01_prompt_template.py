@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from ..core.artifacts import template_fingerprint
-from ..dataset.chat_template import (
-    TemplateOverBudget,
-    empty_turns,
-    run_layout,
-    sample_blocks,
-    template_fields,
-    template_source,
-)
+from ..dataset.fields import template_fields
+from ..dataset.layout import empty_turns, run_layout, sample_blocks
+from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
 from .base import AuditContext, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer

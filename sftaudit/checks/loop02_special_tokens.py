@@ -7,14 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from ..dataset.chat_template import (
-    TemplateOverBudget,
-    matches,
-    run_layout,
-    sample_blocks,
-    template_fields,
-    template_source,
-)
+from ..dataset.fields import template_fields
+from ..dataset.layout import matches, run_layout, sample_blocks
+from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dataset.chat_template import (
+from ..dataset.layout import (
     CATEGORY_NAMES,
     EITHER,
     IGNORE_INDEX,
@@ -18,12 +18,11 @@ from ..dataset.chat_template import (
     TRAINED,
     actual_labels,
     expected_labels,
-    has_generation_block,
     matches,
     run_layout,
     sample_blocks,
-    template_source,
 )
+from ..dataset.sandbox import has_generation_block, template_source
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
 from .recorded import first_manifest, recorded_samples, run_tokenizer

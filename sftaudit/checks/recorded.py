@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ..core.artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
-from ..dataset.chat_template import TokenizerUnusable, load_tokenizer
+from ..core.tokenizer import TokenizerUnusable, load_tokenizer
 from .base import CannotJudge
 
 

@@ -25,7 +25,7 @@ from ..core.artifacts import (
     artifact_root,
     template_fingerprint,
 )
-from ..core.tokenizer import TokenizerRefused, describe_tokenizer, load_saved_tokenizer
+from ..core.tokenizer import TokenizerRefused, describe_tokenizer, load_saved_tokenizer, remember_tokenizer
 from ..dataset.batches import (
     batch_record,
     dataset_batches,
@@ -34,7 +34,6 @@ from ..dataset.batches import (
     layout_or_none,
     load_rows,
 )
-from ..dataset.chat_template import remember_tokenizer
 from ..dataset.preview import dataset_preview
 from ..errors import InputError, one_line
 from ..schema.records import DATASET, RECORDS

@@ -1,7 +1,7 @@
-"""What identifies a tokenizer: its manifest description and fingerprint.
+"""What identifies a tokenizer (its manifest description and fingerprint), and the one loader of a saved one.
 
-Shared by the shim (recorded at start and at each checkpoint) and `preflight` (which has no
-torch), so it imports neither torch nor the analyzer.
+Shared by the shim (recorded at start and at each checkpoint) and the analyzer (the checks, the importers,
+`preflight`, which have no torch), so it imports neither torch nor the analyzer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, one_line
 from .safe_io import read_text
 
 
@@ -190,3 +190,40 @@ def _leading_member(text: str, name: str) -> Any:
                 return None
     except ValueError:  # not JSON there
         return None
+
+
+_LOADED: dict[tuple[str, float], Any] = {}  # (folder, newest file time) -> tokenizer, the last few
+
+
+def _key(path: Path) -> tuple[str, float]:
+    files = [p for p in path.glob("*") if p.is_file()] if path.is_dir() else []
+    if not files:
+        raise InputError(f"{path}: no saved tokenizer")
+    return str(path.resolve()), max(p.stat().st_mtime for p in files)
+
+
+class TokenizerUnusable(InputError):
+    """A saved tokenizer sftaudit will not load (it asks for remote code, or cannot be built whole)."""
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A saved tokenizer (transformers, without torch), cached while its files are unchanged. Never code
+    from the folder (`trust_remote_code=False`, no prompt), never one rebuilt from part of its files:
+    those raise TokenizerUnusable with the reason."""
+    key = _key(Path(path))
+    if key not in _LOADED:
+        try:
+            tokenizer = load_saved_tokenizer(key[0])
+        except TokenizerRefused as exc:
+            raise TokenizerUnusable(f"{path}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any loader failure is bad input
+            raise InputError(f"{path}: cannot load tokenizer: {type(exc).__name__}: {one_line(exc)}") from None
+        remember_tokenizer(path, tokenizer)
+    return _LOADED[key]
+
+
+def remember_tokenizer(path: str | Path, tokenizer: Any) -> None:
+    """`tokenizer` is what is saved in `path` (preflight just saved it): the checks reuse it, not a reload."""
+    while len(_LOADED) >= 4:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[_key(Path(path))] = tokenizer

@@ -16,15 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, one_line
-from .chat_template import (
-    IGNORE_INDEX,
-    TRAINED,
-    Renderer,
-    TemplateBudget,
-    expected_labels,
-    run_layout,
-    tokenizer_specials,
-)
+from .layout import IGNORE_INDEX, TRAINED, expected_labels, run_layout
+from .render import Renderer, tokenizer_specials
+from .sandbox import TemplateBudget
 
 PROGRESS_FROM = 2000  # rows: smaller datasets finish before a bar would help
 ENCODE_CHUNK = 2048  # rendered texts per tokenizer call: large enough to batch, small enough to overlap

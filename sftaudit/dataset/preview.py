@@ -12,16 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .chat_template import (
-    CATEGORY_NAMES,
-    EITHER,
-    IGNORE_INDEX,
-    TemplateLayout,
-    actual_labels,
-    expected_labels,
-    matches,
-    template_fields,
-)
+from .fields import template_fields
+from .layout import CATEGORY_NAMES, EITHER, IGNORE_INDEX, TemplateLayout, actual_labels, expected_labels, matches
 
 PREVIEW_SAMPLES = 3
 PREVIEW_TOKENS = 400  # per sample in the label view

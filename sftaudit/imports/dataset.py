@@ -36,8 +36,8 @@ DATASET_UNJUDGED = {
 def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, progress: bool = False) -> dict[str, list]:
     """``batches`` and ``samples`` records of the dataset, rendered and collated with the run's saved
     tokenizer; writes its description (and the rows that failed to render) to ``sftaudit/dataset.json``."""
+    from ..core.tokenizer import load_tokenizer
     from ..dataset.batches import batch_record, dataset_batches, load_rows
-    from ..dataset.chat_template import load_tokenizer
 
     folder = artifact_root(run_dir) / TOKENIZER_DIR
     if not (folder / "tokenizer_config.json").is_file():

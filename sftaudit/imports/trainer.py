@@ -441,8 +441,7 @@ def _tokenizer(
 ) -> tuple[dict[str, Any] | None, dict[Path, str], str | None]:
     """The newest saved tokenizer (described, and copied to sftaudit/tokenizer/), each checkpoint's fingerprint,
     and, when no saved tokenizer is usable, why the last one was refused (remote code, not whole)."""
-    from ..core.tokenizer import describe_tokenizer, tokenizer_fingerprint
-    from ..dataset.chat_template import TokenizerUnusable, load_tokenizer
+    from ..core.tokenizer import TokenizerUnusable, describe_tokenizer, load_tokenizer, tokenizer_fingerprint
 
     folders = [p for _, p in checkpoints] + [run_dir]
     fingerprints: dict[Path, str] = {}

@@ -2,7 +2,7 @@
 
 from sftaudit.fixtures import CHAT_TEMPLATE_PATH
 
-from sftaudit.dataset.chat_template import template_fields
+from sftaudit.dataset.fields import template_fields
 
 from .data_runs import audited, batch_ids, clean_data_findings, findings
 

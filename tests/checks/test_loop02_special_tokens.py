@@ -24,7 +24,7 @@ def test_pad_equal_to_eos_with_pads_masked_fails(runs):
 
 def test_generation_eos_other_than_the_turn_end_warns(runs):
     from sftaudit.core.artifacts import TOKENIZER_DIR, artifact_root
-    from sftaudit.dataset.chat_template import load_tokenizer
+    from sftaudit.core.tokenizer import load_tokenizer
 
     run_dir, verdict = audited(runs, "data_tokens")
     (f,) = [f for f in findings(verdict, "LOOP-02") if f["evidence"].get("kind") == "eos_differs_from_turn_end"]

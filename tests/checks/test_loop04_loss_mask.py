@@ -114,7 +114,7 @@ def test_analyzer_loads_the_run_tokenizer_without_torch(runs):
 
 
 def test_markers_come_from_the_template_not_from_fixed_strings(tokenizer_cache):
-    from sftaudit.dataset.chat_template import TemplateLayout
+    from sftaudit.dataset.layout import TemplateLayout
 
     chatml = (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"

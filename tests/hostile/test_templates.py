@@ -45,7 +45,7 @@ def test_a_template_bomb_exceeds_its_budget(name):
 
 
 def test_a_plain_template_renders_as_before():
-    from sftaudit.dataset.chat_template import Renderer
+    from sftaudit.dataset.render import Renderer
 
     text, _ = Renderer(BASE).render([{"role": "user", "content": "hi"}])
     assert text == "<|user|>hi<|end|>"

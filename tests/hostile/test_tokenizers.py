@@ -81,7 +81,7 @@ def test_gemma3s_real_template_gives_a_layout_with_a_whole_tokenizer(tmp_path):
     tokenizer_config.json alone was. With a whole vocabulary the template's markers are found."""
     from sftaudit.fixtures import build_tokenizer
 
-    from sftaudit.dataset.chat_template import TemplateLayout
+    from sftaudit.dataset.layout import TemplateLayout
 
     source = (REALRUNS / "gemma3-kaggle-lfs-clone" / "checkpoint-200" / "chat_template.jinja").read_text()
     tokenizer = build_tokenizer(tmp_path / "tok")
