@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p / "shared" for p in REPO.parents if (p / "shared" / "realruns").is_dir()), REPO / ".." / "shared")
 ROOTS = (SHARED / "realruns", SHARED / "realruns2")
 KEY = REPO / "benchmarks" / "real_runs_reading.toml"
+FOLDER_WORDS = {"realruns": "first", "realruns2": "new"}  # the table's words for the two folders
 LOG_ONLY = {"trainer_state.json", "trainer_log.jsonl"}
 MESSAGE_CHARS = 90
 
@@ -194,8 +195,8 @@ def score_table(results: list[dict], key: dict, tools: list[str], roots: list[Pa
     """Runs judged right per folder, problems found in the new folders, median CPU per log-only run."""
     by_root = {root.name: [r for r in results if r["root"] == root.name] for root in roots}
     names = list(by_root)
-    labels = {name: f"{'first' if i == 0 else 'new'} {len(by_root[name])}" for i, name in enumerate(names)}
-    problem_roots = names[1:] or names  # the first folder was practice material: its problems are known
+    labels = {name: f"{FOLDER_WORDS.get(name, name)} {len(by_root[name])}" for name in names}
+    problem_roots = [n for n in names if n != "realruns"] or names  # realruns/ was practice material
     head = (
         ["tool"]
         + [f"{labels[n]} right" for n in names]
