@@ -188,8 +188,17 @@ class Peer:
         # venv makes a side venv from the base interpreter, never one that chains to the project's packages
         made = run_child([sys.executable, "-m", "venv", str(self.venv)], INSTALL_TIMEOUT)
         if made.rc != 0:
-            return f"venv: {last_line(made.stderr) or made.rc}"
-        pip = [str(self.venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+            return f"venv: {last_line(made.stderr) or ('timeout' if made.rc is None else f'exit {made.rc}')}"
+        pip = [
+            str(self.venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "--retries",
+            "1",
+        ]
         got = run_child([*pip, f"{self.name}=={self.version}"], INSTALL_TIMEOUT)
         if got.rc != 0:
             shutil.rmtree(self.venv, ignore_errors=True)

@@ -169,9 +169,7 @@ def is_right(verdict: str, entry: dict) -> bool:
 
 def verdict_lines(results: list[dict], key: dict, tools: list[str]) -> list[str]:
     """One line per run: the expected verdict (and the others accepted), then every tool's; * = wrong."""
-    width = max(len(r["label"]) for r in results)
-    head = f"{'run':<{width}}  {'kind':<8} {'expected':<14} " + " ".join(f"{t:<11}" for t in tools)
-    lines = [head.rstrip()]
+    rows = []
     for r in results:
         entry = key.get(r["label"])
         said_by = outcomes(r)
@@ -179,11 +177,12 @@ def verdict_lines(results: list[dict], key: dict, tools: list[str]) -> list[str]
         for t in tools:
             o = said_by.get(t)
             mark = "*" if entry and o and not is_right(o.verdict, entry) else ""
-            cells.append(f"{(o.verdict if o else '-') + mark:<11}")
+            cells.append((o.verdict if o else "-") + mark)
         expected = "|".join([entry["expected"], *entry.get("accept", [])]) if entry else "-"
-        kind = entry.get("kind", "-") if entry else "-"
-        lines.append(f"{r['label']:<{width}}  {kind:<8} {expected:<14} " + " ".join(cells).rstrip())
-    return lines
+        rows.append([r["label"], entry.get("kind", "-") if entry else "-", expected, *cells])
+    rows.insert(0, ["run", "kind", "expected", *tools])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def median_cpu(results: list[dict], tool: str) -> float | None:
@@ -194,6 +193,7 @@ def median_cpu(results: list[dict], tool: str) -> float | None:
 def score_table(results: list[dict], key: dict, tools: list[str], roots: list[Path]) -> list[str]:
     """Runs judged right per folder, problems found in the new folders, median CPU per log-only run."""
     by_root = {root.name: [r for r in results if r["root"] == root.name] for root in roots}
+    by_root = {name: rs for name, rs in by_root.items() if rs}
     names = list(by_root)
     labels = {name: f"{FOLDER_WORDS.get(name, name)} {len(by_root[name])}" for name in names}
     problem_roots = [n for n in names if n != "realruns"] or names  # realruns/ was practice material
