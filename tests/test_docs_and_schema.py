@@ -69,6 +69,13 @@ def test_a_verdict_with_a_wrong_field_is_refused_by_the_schema(clean_run):
     assert list(validator().iter_errors(broken))
 
 
+def test_the_architecture_page_is_generated_from_the_import_contracts():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_architecture.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_check_pages_are_generated_from_the_checks():
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_check_pages.py"), "--check"], capture_output=True, text=True
