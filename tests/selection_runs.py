@@ -79,7 +79,8 @@ def eval_run(
                 out |= {
                     "best_metric": values[[e["step"] for e in scored].index(at)],
                     "best_global_step": at,
-                    "best_model_checkpoint": f"/cluster/out/checkpoint-{at}",
+                    # Set when a checkpoint is saved at the best step (and only then).
+                    "best_model_checkpoint": f"/cluster/out/checkpoint-{at}" if at in saved else None,
                 }
         return out
 

@@ -4,6 +4,7 @@ its schema), the report's first screen, `replay` and `gate --checkpoint best`. T
 checkpoint folders, written in the test."""
 
 import json
+import shutil
 
 import pytest
 
@@ -125,3 +126,14 @@ def test_the_report_says_why_nothing_is_kept(tmp_path):
     assert "No checkpoint to keep: no checkpoint was evaluated at its own step" in html
     assert "The best evaluation (step 500) has no checkpoint: save on the steps you evaluate." in html
     assert "500 steps (50% of the run) came after the best evaluation and bought nothing on eval_wer" in html
+
+
+def test_a_best_checkpoint_the_run_saved_but_the_folder_lacks_is_not_called_unsaved(tmp_path):
+    # Only the final model and trainer_state.json left the training machine: the state names its best checkpoint.
+    run = eval_run(tmp_path / "bare", {"eval_wer": WER}, best="eval_wer")
+    for step in range(100, 1001, 100):
+        shutil.rmtree(run / f"checkpoint-{step}")
+    verdict = audited(run)
+    keep = verdict["keep"]
+    assert verdict["keep_checkpoint"] is None and keep["best_not_saved"] is None
+    assert keep["why"] == "no checkpoint is in the run folder (the run saved its best at step 1000, but it is not here)"

@@ -160,7 +160,9 @@ def selection_metric(manifest: dict[str, Any], logged: set[str]) -> dict[str, An
 
 def run_selection_series(con, manifest: dict[str, Any]) -> dict[str, Any]:
     """What the verdict needs to name the checkpoint to keep: the selection metric (`selection_metric`) with
-    its evaluations (`steps`, `values`), its noise band (None: too few evaluations), and the run's last step."""
+    its evaluations (`steps`, `values`), its noise band (None: too few evaluations), the run's last step, and the
+    step the run itself saved as its best checkpoint (`best_saved_at`: trainer_state.json's best_model_checkpoint,
+    which may no longer be in the folder)."""
     series = eval_series(con)
     chosen = selection_metric(manifest, set(series))
     steps, values = series.get(chosen["metric"], (np.zeros(0, np.int64), np.zeros(0)))
@@ -176,4 +178,13 @@ def run_selection_series(con, manifest: dict[str, Any]) -> dict[str, Any]:
         "band": noise_band(values),
         "evaluated": bool(series),
         "last_step": int(last) if last is not None else None,
+        "best_saved_at": _best_saved_at(manifest.get("selection")),
     }
+
+
+def _best_saved_at(selection: Any) -> int | None:
+    """The step of the checkpoint the run saved as its best (best_model_checkpoint names it), if any."""
+    if not isinstance(selection, dict) or not selection.get("best_model_checkpoint"):
+        return None
+    step = selection.get("best_global_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

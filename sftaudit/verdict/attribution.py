@@ -191,7 +191,8 @@ def kept_checkpoint(
         return keep | {"why": f"no metric to choose on: {s.get('note') or 'none was logged'}"}
     x = better(values, way)
     b = min(range(len(x)), key=lambda i: (x[i], steps[i]))
-    saved = {step for c in per_checkpoint for step in c.get("saves", [c["step"]])}
+    # Saved: a checkpoint recorded at that step, or the one the run's own state names as its best (maybe since removed).
+    saved = {step for c in per_checkpoint for step in c.get("saves", [c["step"]])} | {s.get("best_saved_at")}
     last = max(s.get("last_step") or 0, steps[-1])
     keep["best"] = {"step": steps[b], "value": values[b]}
     keep["best_not_saved"] = None if steps[b] in saved else steps[b]
@@ -202,7 +203,7 @@ def kept_checkpoint(
     evaluated = [c for c in per_checkpoint if c["step"] in measured]
     eligible = [c for c in evaluated if c["intact"] and (first is None or c["step"] <= first - max(margin, 1))]
     if not eligible:
-        return keep | {"why": _none_kept(per_checkpoint, evaluated, eligible, first, margin, steps)}
+        return keep | {"why": _none_kept(per_checkpoint, evaluated, first, margin, steps, s.get("best_saved_at"))}
     top = min(eligible, key=lambda c: (measured[c["step"]], c["step"]))
     chosen = top
     if band is not None:
@@ -233,10 +234,14 @@ def kept_checkpoint(
     return keep | {"checkpoint": chosen["name"], "step": chosen["step"], "value": value, "why": why}
 
 
-def _none_kept(per_checkpoint, evaluated, eligible, first, margin, steps) -> str:
+def _none_kept(per_checkpoint, evaluated, first, margin, steps, best_saved_at) -> str:
     """Why no checkpoint can be kept, in words."""
     if not per_checkpoint:
-        return "no checkpoint was saved"
+        return "no checkpoint is in the run folder" + (
+            f" (the run saved its best at step {best_saved_at}, but it is not here)"
+            if best_saved_at is not None
+            else ""
+        )
     if not evaluated:
         return (
             f"no checkpoint was evaluated at its own step (saved at {_few(c['step'] for c in per_checkpoint)}, "
