@@ -207,12 +207,11 @@ def kept_checkpoint(
     top = min(eligible, key=lambda c: (measured[c["step"]], c["step"]))
     chosen = top
     if band is not None:
-        # The earliest candidate from which every evaluation up to the best candidate stays within the band of it.
-        within = [(step, xi <= measured[top["step"]] + band) for step, xi in zip(steps, x)]
-        for c in sorted(eligible, key=lambda c: c["step"]):
-            if c["step"] <= top["step"] and all(ok for step, ok in within if c["step"] <= step <= top["step"]):
-                chosen = c
-                break
+        # The earliest candidate from which every evaluation up to the best candidate stays within the band of it:
+        # the first one after the last evaluation (up to the best) outside the band.
+        limit = measured[top["step"]] + band
+        outside = max((step for step, xi in zip(steps, x) if step <= top["step"] and xi > limit), default=-1)
+        chosen = min((c for c in eligible if outside < c["step"] <= top["step"]), key=lambda c: c["step"])
     value = values[steps.index(chosen["step"])]
     why = f"{metric} {value:.4g} at step {chosen['step']}: " + (
         "the best of the checkpoints that can be shipped"
