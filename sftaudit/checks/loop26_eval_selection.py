@@ -102,7 +102,7 @@ class EvalSelection(Check):
         best = int(np.argmin(better(values, way)))
         ctx.add_series(
             self.code,
-            f"{metric} (the run's selection metric; dashed: its best plus the noise band)",
+            f"{metric}, the run's selection metric, against its best worsened by the noise band",
             steps.tolist(),
             values.tolist(),
             float(values[best] + band if way == "lower" else values[best] - band),
