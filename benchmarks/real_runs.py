@@ -3,8 +3,8 @@
 Each run is copied to a temporary folder first (an audit writes its database into the run folder, and
 the shared copies are read-only), then audited by the CLI in its own process with a time bound, so a
 hang or a crash in one run cannot stall or hide the others. Per run: name, verdict, exit code, first
-anomalous step, the warn/fail codes with a short message, the checks not run, check errors and what
-reached stderr beyond the CLI's own one-line error. Then a summary line.
+anomalous step, the warn/fail codes with a short message, the rollback and kept checkpoints, the checks not
+run, check errors and what reached stderr beyond the CLI's own one-line error. Then a summary line.
 
 With ``--peers``, three peer tools (benchmarks/peer_tools.py: ftdoctor, runmedic, trainproof, pinned)
 are installed into side venvs under ~/.cache/sftaudit-bench/peers (reused when there) and each judges
@@ -121,6 +121,16 @@ def line(result: dict) -> str:
         msg = msg if len(msg) <= MESSAGE_CHARS else msg[: MESSAGE_CHARS - 3] + "..."
         more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
         parts.append(f"    {code} {severity} @{f['step']}{more}: {msg}")
+    if v.get("rollback_checkpoint") or v.get("keep_checkpoint"):
+        keep = v.get("keep") or {}
+        parts.append(
+            f"    roll back to {v.get('rollback_checkpoint')}; keep {v.get('keep_checkpoint')}"
+            + (
+                f" ({keep.get('metric')} {keep.get('value'):.4g} at step {keep.get('step')})"
+                if v.get("keep_checkpoint")
+                else ""
+            )
+        )
     not_run = [c["code"] for c in v.get("checks", []) if c.get("status") == "not_run"]
     if not_run:
         parts.append(f"    not run: {' '.join(c.removeprefix('LOOP-') for c in not_run)}")

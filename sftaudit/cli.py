@@ -110,7 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gate", help="exit 0 if a checkpoint passes, 1 if it fails, 2 if it cannot be judged")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--data", type=Path, help=DATA_HELP)
-    s.add_argument("--checkpoint", required=True, help="checkpoint name, step or path")
+    s.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint name, step or path; `best`: the checkpoint the verdict keeps (best on the run's selection metric)",
+    )
     s.add_argument("--policy", type=Path, help="TOML file: which severities and codes block")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings block too")

@@ -3,6 +3,8 @@
 The run is audited (ingest + checks + verdict); the checkpoint's verdict rests on the run
 findings up to its step and the findings about the checkpoint itself (LOOP-09). A policy
 says which of them block. Outputs are deterministic: same input, same bytes.
+``--checkpoint best`` judges the checkpoint the verdict keeps (`keep_checkpoint`: best on the run's selection
+metric); when it keeps none, exit 2 with the reason.
 
 Policy file (TOML)::
 
@@ -188,7 +190,8 @@ def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConf
         lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
         raise InputError(unjudged_reason(verdict))
-    target = resolve_checkpoint(run_dir, verdict["checkpoints"], checkpoint)
+    wanted = kept_checkpoint_name(verdict) if checkpoint == BEST else checkpoint
+    target = resolve_checkpoint(run_dir, verdict["checkpoints"], wanted)
     try:
         on_disk = inside_run(run_dir, target["path"]).exists()
     except CheckpointError as exc:
@@ -229,6 +232,18 @@ def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[s
         return missing_state(ctx, inspected(ctx, saved_checkpoints(ctx), **options))
     finally:
         con.close()
+
+
+# `--checkpoint best`: the checkpoint the verdict keeps (a folder named `best` is given by its path, `./best`).
+BEST = "best"
+
+
+def kept_checkpoint_name(verdict: dict[str, Any]) -> str:
+    """The verdict's kept checkpoint; an InputError (exit 2, one line) saying why when it names none."""
+    if verdict.get("keep_checkpoint"):
+        return verdict["keep_checkpoint"]
+    why = (verdict.get("keep") or {}).get("why") or "the verdict names none"
+    raise InputError(f"{verdict['run']}: no checkpoint to keep for --checkpoint best: {why}")
 
 
 def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted: str) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
         "batches": [],
         "resume": None,
         "configuration": configuration(verdict),
+        **kept(verdict),
     }
     if first is None:
         return out
@@ -68,6 +69,23 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
         skip = [b["step"] for b in out["batches"]]
         out["resume"] = {"resume_from_checkpoint": path, "skip_steps": skip, **resume_command(manifest, path, skip)}
     return out
+
+
+def kept(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint to ship (name, step, path; None when none can be named) and the verdict's `keep` object."""
+    keep = verdict.get("keep")
+    chosen = next((c for c in verdict["checkpoints"] if c["name"] == verdict.get("keep_checkpoint")), None)
+    return {"keep_checkpoint": {k: chosen[k] for k in ("name", "step", "path")} if chosen else None, "keep": keep}
+
+
+def keep_line(doc: dict[str, Any]) -> list[str]:
+    """The kept checkpoint in one line (none when the run logged no evaluation)."""
+    keep, chosen = doc.get("keep"), doc.get("keep_checkpoint")
+    if not keep:
+        return []
+    if chosen:
+        return [f"keep {chosen['name']} to ship (step {chosen['step']}): {keep['why']}"]
+    return [f"no checkpoint to keep: {keep['why']}"]
 
 
 def chain(verdict: dict[str, Any], since: int, until: int) -> list[dict[str, Any]]:
@@ -138,7 +156,9 @@ def to_text(doc: dict[str, Any]) -> str:
     if changes:
         changes.insert(0, "configuration to change (no bad step: rolling back or skipping batches does not fix it):")
     if doc["first_anomalous_step"] is None:
-        return "\n".join([f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay", *changes])
+        return "\n".join(
+            [f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay", *keep_line(doc), *changes]
+        )
     lines = [f"{doc['run']}: {doc['verdict'].upper()}; first anomalous step {doc['first_anomalous_step']}"]
     lines.append("findings:")
     lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
@@ -158,6 +178,7 @@ def to_text(doc: dict[str, Any]) -> str:
         lines.append(
             f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']}){deleted}"
         )
+    lines += keep_line(doc)
     lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:

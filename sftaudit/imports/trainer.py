@@ -46,6 +46,7 @@ from .dataset import (
 )
 from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
 from .logs import LFS_HINT, is_lfs_pointer, log_histories, logging_interval, normalised
+from .selection import run_selection
 from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
 TRAINER_STATE = "trainer_state.json"
@@ -604,6 +605,7 @@ def _manifest(
         "lfs_pointers": pointers or [],
         "import_notes": _notes(pointers or []),
         "grad_norm_source": "pre_clip",
+        "selection": run_selection(newest["folder"] / TRAINER_STATE, newest["history"]),
         "tokenizer": tokenizer or {},
         "config": {
             "max_steps": _planned_steps(newest, total_steps),

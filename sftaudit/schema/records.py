@@ -199,6 +199,15 @@ MANIFEST = RecordKind(
         Field("lfs_pointers", "VARCHAR[]", "log files that are Git LFS pointers", (IMPORT,), True),
         Field("import_notes", "VARCHAR[]", "what the import could not read, said once", (IMPORT,), True),
         Field(
+            "selection",
+            "JSON",
+            "the metric the run chose its best checkpoint on, from trainer_state.json: `metric` (the eval key equal "
+            "to `best_metric` at the best step; null: not told), `greater_is_better` (null: not told), "
+            "`best_metric`, `best_global_step`, `best_model_checkpoint` (null: the run tracked no best metric)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
             "preflight",
             "JSON",
             "the preflight's inputs: `data`, `tokenizer`, `template`, `collator`, `batch_size`, `max_length`",

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..checks import AuditContext, Finding, registered_checks
 from ..checks.base import EVIDENCE, CannotJudge, alternatives, needed
+from ..checks.selection_metric import run_selection_series
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..store.ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
@@ -377,6 +378,7 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         errors,
         config.rollback_margin,
         evidence,
+        run_selection_series(con, manifest),
     )
     verdict["checks"] = checks
     if resolution:  # an imported run: how finely its evidence places a step
