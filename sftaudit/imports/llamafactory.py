@@ -10,7 +10,8 @@ object per Trainer log to ``output_dir/trainer_log.jsonl``: ``current_steps`` (t
 log repeating its step) marks a restart, and the lines before it from that step on are the branch
 the resume abandoned (which the resumed ``trainer_state.json`` no longer holds).
 
-Here each restart's lines become log-history entries in ``trainer_state.json``'s key names.
+Here each restart's lines become log-history entries in ``trainer_state.json``'s key names; a key this
+list does not know (a newer LLaMA-Factory's, a custom callback's) is kept under its own name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from .logs import normalised
 
 TRAINER_LOG = "trainer_log.jsonl"
 LOG_SOURCE = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
@@ -37,6 +40,8 @@ KEYS = {
     "total_tokens": "num_input_tokens_seen",
     "throughput": "throughput",
 }
+# The callback's own bookkeeping: progress, not a logged number.
+PROGRESS = {"current_steps", "total_steps", "percentage", "elapsed_time", "remaining_time"}
 
 
 def read_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -77,7 +82,7 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     seen = set()
     for index, raw in enumerate(lines):
         step = raw.get("current_steps")
-        if not isinstance(step, int) or not any(k in raw for k in KEYS if k not in ("epoch", "lr")):
+        if not isinstance(step, int) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
             continue  # a prediction-progress line, or no training/eval number in it
         text = json.dumps(raw, sort_keys=True)
         if text in seen:
@@ -112,7 +117,9 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     for group in runs:
         kept: dict[tuple, dict[str, Any]] = {}
         for _index, raw in sorted((x for w in group for x in w["lines"]), key=lambda x: x[0]):
-            entry = {"step": raw["current_steps"]} | {KEYS[k]: v for k, v in raw.items() if k in KEYS}
+            entry = {"step": raw["current_steps"]} | normalised(
+                {KEYS.get(k, k): v for k, v in raw.items() if k not in PROGRESS}
+            )
             kept.setdefault((entry["step"], tuple(sorted(entry))), entry)  # the first writer's line of each step
         segments.append(sorted(kept.values(), key=lambda e: e["step"]))
     return segments

@@ -5,6 +5,7 @@ pointer files (a clone without git-lfs leaves them in place of the data)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,44 @@ LFS_POINTER_MAX_BYTES = 1024
 LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
 
 
+# A number written as text ("nan", "Infinity", "1e-4"): longer text is no number a logger wrote.
+NUMBER_TEXT_CHARS = 40
+
+
+def number(value: Any) -> float | None:
+    """A logged value as a float: a JSON number (``NaN``/``Infinity`` included), or text that spells one
+    ("nan", "inf", "-Infinity", "2e-05": loggers that stringify); None for anything else (a bool, a list)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float's range
+            return math.copysign(math.inf, value)
+    if isinstance(value, str) and len(value) <= NUMBER_TEXT_CHARS:
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def normalised(entry: dict[str, Any]) -> dict[str, Any]:
-    """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``)."""
-    out = {}
+    """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``) and every value
+    that is a number as a float (text spelling one included, so a "nan" stays a NaN); a nested group of numbers
+    (``{"rewards": {"chosen": ...}}``) flattened to ``rewards/chosen``. ``step`` stays the integer it is."""
+    flat: dict[str, Any] = {}
     for key, value in entry.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{k}": v for k, v in value.items() if isinstance(k, str) and not isinstance(v, dict)})
+        else:
+            flat[key] = value
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key != "step":
+            value = v if (v := number(value)) is not None else value
         name = ALIASES.get(key) or (f"eval_{key[5:]}" if key.startswith("eval/") else key)
-        if name != key and (name in entry or name in out):
+        if name != key and (name in flat or name in out):
             out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
             continue
         out[name] = value

@@ -1,0 +1,157 @@
+"""Which run each saved log of an output folder belongs to, and which run is the latest, told by what the files
+hold and never by when they were written (a git clone or a copy rewrites every file's time: a clone writes in
+path order, so ``checkpoint-60/`` can look newer than ``checkpoint-1134/``).
+
+One ``output_dir`` often holds several runs: a second training with other arguments saves its ``checkpoint-N/``
+folders beside the first's, and a log history can be carried into a run on other data. What tells them apart:
+
+* **A resume reloads the log history of the checkpoint it resumes from**, so every state of one run, on
+  whichever branch, begins with the same first log entry; a new run's first entry is its own. States that
+  share their first entry are one run (its branches part where a resume abandoned one). A state with an empty
+  history (nothing logged yet) belongs to the run of its plan (``max_steps``, batch size, ``logging_steps``).
+* **A log whose step or epoch goes back holds two runs**: the entries before the last such reset are
+  another run's (the Trainer's own step and epoch never go back within a run).
+* **Which run, or which branch of a resumed run, is later:** a ``checkpoint-N/`` folder holds whichever saved
+  there last. A folder of A at a step that B passed on its own save grid (B saved there too) means A wrote
+  after B. Without such evidence, the one that reached the higher ``global_step``; then the one whose state
+  sits at the top of the folder (``save_state`` writes it when training ends). States read from a log kept
+  per (re)start are ordered by the log itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# Fields of a trainer state that describe a run's plan: equal in every state of one run unless a resume changed it.
+PLAN_FIELDS = ("max_steps", "train_batch_size", "logging_steps")
+
+
+def plan(state: dict[str, Any]) -> dict[str, int]:
+    """The state's plan: the `PLAN_FIELDS` it states as positive integers."""
+    return {
+        k: state[k]
+        for k in PLAN_FIELDS
+        if isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and state[k] > 0
+    }
+
+
+def plans_agree(a: dict[str, int], b: dict[str, int]) -> bool:
+    """Two plans that state a common field, and agree on every field both state."""
+    common = a.keys() & b.keys()
+    return bool(common) and all(a[k] == b[k] for k in common)
+
+
+def plans_differ(a: dict[str, int], b: dict[str, int]) -> bool:
+    """Two plans that disagree on a field both state."""
+    return any(a[k] != b[k] for k in a.keys() & b.keys())
+
+
+def split_glued(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A log history cut at its last reset (a training log whose step or epoch is below the one before it):
+    (the entries before it, another run's; the entries from it on). ([], history) when nothing resets."""
+    cut, last_step, last_epoch = 0, None, None
+    for i, e in enumerate(history):
+        if "loss" not in e:
+            continue  # an evaluation shares a training log's step and epoch
+        epoch = e.get("epoch")
+        epoch = epoch if isinstance(epoch, float) and math.isfinite(epoch) else None
+        if last_step is not None and (
+            e["step"] < last_step or (epoch is not None and last_epoch is not None and epoch < last_epoch)
+        ):
+            cut = i
+        last_step = e["step"]
+        last_epoch = epoch if epoch is not None else last_epoch
+    return history[:cut], history[cut:]
+
+
+def group_runs(states: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The states grouped into runs: by their first log entry, a state with an empty history by its plan."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    empty = []
+    for s in states:
+        if s["history"]:
+            runs.setdefault(json.dumps(s["history"][0], sort_keys=True), []).append(s)
+        else:
+            empty.append(s)
+    out = list(runs.values())
+    for s in empty:
+        same = next((r for r in out if any(plans_agree(plan(s), plan(t)) for t in r)), None)
+        if same is None:
+            out.append([s])
+        else:
+            same.append(s)
+    return out
+
+
+def tip(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state that reached furthest (at equal steps, the one at the top of the folder; then by folder name)."""
+    return max(states, key=lambda s: (s["global_step"], s["top_level"], str(s["folder"])))
+
+
+def later(a: list[dict[str, Any]], b: list[dict[str, Any]], diverged: int = 0) -> bool:
+    """Whether run (or branch) `a` was written after `b`, by content; `diverged`: the first step where the two
+    differ (0 for two runs). See the module's docstring."""
+    seq_a, seq_b = _sequence(a), _sequence(b)
+    if seq_a is not None and seq_b is not None:
+        return seq_a > seq_b
+    a_over, b_over = overwrote(a, b, diverged), overwrote(b, a, diverged)
+    if a_over != b_over:
+        return a_over
+    ta, tb = tip(a), tip(b)
+    return (ta["global_step"], ta["top_level"], str(ta["folder"])) > (
+        tb["global_step"],
+        tb["top_level"],
+        str(tb["folder"]),
+    )
+
+
+def overwrote(a: list[dict[str, Any]], b: list[dict[str, Any]], diverged: int = 0) -> bool:
+    """Whether a checkpoint folder of `a` (at or after `diverged`) sits at a step where `b` saved too: a step `b`
+    reached, on its save grid (every ``save_steps``, and its last step when it reached ``max_steps``). The grid is
+    trusted only when `b`'s own checkpoints lie on it (a run saving per epoch states ``save_steps`` all the same)."""
+    last = tip(b)
+    save, planned, reach = last.get("save_steps"), last.get("max_steps"), last["global_step"]
+    if not isinstance(save, int) or isinstance(save, bool) or save <= 0:
+        return False
+    own = [s["step"] for s in b if s["step"] is not None]
+    if not own or any(x % save and x != planned for x in own):
+        return False
+    return any(
+        s["step"] is not None and diverged <= s["step"] <= reach and (s["step"] % save == 0 or s["step"] == planned)
+        for s in a
+    )
+
+
+def latest(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The run written last (`later`, compared in turn)."""
+    best = runs[0]
+    for run in runs[1:]:
+        if later(run, best):
+            best = run
+    return best
+
+
+def _sequence(states: list[dict[str, Any]]) -> int | None:
+    found = [s["sequence"] for s in states if s.get("sequence") is not None]
+    return max(found) if found else None
+
+
+def describe(run: list[dict[str, Any]], run_dir) -> dict[str, Any]:
+    """Another run, as the import names it: its checkpoints, how far it got, its plan."""
+    last = tip(run)
+    logged = [e["step"] for e in last["history"]]
+    return {
+        "checkpoints": sorted((s["folder"].name for s in run if not s["top_level"]), key=_folder_order),
+        "state_files": sorted(str((s["folder"] / "trainer_state.json").relative_to(run_dir)) for s in run),
+        "global_step": last["global_step"],
+        "first_step": min(logged, default=None),
+        "last_step": max(logged, default=None),
+        **plan(last),
+    }
+
+
+def _folder_order(name: str) -> tuple[int, str]:
+    digits = "".join(c for c in name if c.isdigit())
+    return (int(digits) if digits else -1, name)
