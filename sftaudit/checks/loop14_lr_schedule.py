@@ -42,14 +42,18 @@ class LRScheduleConformance(Check):
         Imported: at a resume (a new segment) the first LR after it against the last before, relative, within
         max(`resume_tolerance`, 2 x the largest relative per-step change of the `resume_window` logs before);
         a departure is "restarted" when the LR fell to <= 1% of the peak and rises over the next `resume_window`
-        logs. The whole-run warm-up: the last segment's LR never falls from its first log to its peak, rises at
+        logs. Within a segment (a resume whose log simply goes on): a cliff (from >= 10% of the peak to <= 5% of
+        it in one log) followed by `resume_window` rising logs whose median slope per step is within
+        `resume_tolerance` of the first warm-up's. The whole-run warm-up: the last segment's LR never falls from
+        its first log to its peak, rises at
         at least half of those logs, peaks at the last log or the one before it, and the run reached its plan
         (within one logging interval).
     Threshold:
         Any step outside the tolerance: fail at the first one. LR exactly 0 while the gradient
         norm is non-zero and the schedule says otherwise: part of the same finding (evidence). Imported: a
         departure at a resume is a warn at the resume step (configuration when the segments' max_steps differ,
-        else an anomaly: the scheduler's state was not restored); a whole-run warm-up is a configuration warn.
+        else an anomaly: the scheduler's state was not restored); the first warm-up climbed again within a
+        segment: an anomaly warn at the cliff; a whole-run warm-up is a configuration warn.
     Evidence:
         The first departing step with recorded and configured LR, the diagnosis (k x ahead/behind,
         warmup restarted at step r, floor reached at step s instead of m), the number of steps
@@ -210,7 +214,11 @@ class LRScheduleConformance(Check):
             return []
         steps, segs = frame["step"].to_numpy(), frame["seg"].to_numpy()
         lr = frame["lr"].to_numpy().astype(float)
-        return self._at_resumes(ctx, steps, segs, lr) + self._whole_run_warmup(ctx, steps, segs, lr)
+        return (
+            self._at_resumes(ctx, steps, segs, lr)
+            + self._replayed_warmups(steps, segs, lr)
+            + self._whole_run_warmup(ctx, steps, segs, lr)
+        )
 
     def _at_resumes(self, ctx: AuditContext, steps, segs, lr) -> list[Finding]:
         plans = {
@@ -221,20 +229,21 @@ class LRScheduleConformance(Check):
         findings = []
         for i in np.flatnonzero(segs[1:] != segs[:-1]) + 1:
             before, at = float(lr[i - 1]), float(lr[i])
-            if before <= 0:
+            peak = float(lr[:i].max())
+            if peak <= 0:
                 continue
             recent = lr[max(i - 1 - window, 0) : i]
             with np.errstate(divide="ignore", invalid="ignore"):
                 pace = np.abs(np.diff(recent)) / np.where(recent[:-1] > 0, recent[:-1], np.inf)
             tolerance = max(self.params["resume_tolerance"], 2 * float(pace.max(initial=0.0)))
-            peak = float(lr[:i].max())
             after = lr[i + 1 : i + 1 + window]
             rises = bool(after.size and after.max() > at * (1 + tolerance) and after.max() > 0.01 * peak)
             # Past its warm-up a schedule does not climb again: an LR above the last one before the resume is not
             # it going on, even where the step right after the resume looks continuous (a decay ending at 0).
             warming = i >= 2 and lr[i - 1] > lr[i - 2]
-            climbs = not warming and bool(after.size and after.max() > before * (1 + tolerance))
-            if abs(at - before) / before <= tolerance and not climbs:
+            level = max(before, 0.01 * peak)  # a schedule that had reached 0 goes on at 0
+            climbs = not warming and bool(after.size and after.max() > level * (1 + tolerance))
+            if abs(at - before) <= tolerance * level and not climbs:
                 continue  # the schedule went on where it was
             planned = (plans.get(int(segs[i - 1])), plans.get(int(segs[i])))
             replanned = None not in planned and planned[0] != planned[1]
@@ -244,23 +253,22 @@ class LRScheduleConformance(Check):
                 j = i + 1 + int(np.argmax(after))
                 shape += f", {lr[j]:.3g} at step {steps[j]} ({lr[j] / peak:.0%} of the peak {peak:.3g})"
             dropped = at <= 0.01 * peak
+            fell = at < before * (1 - tolerance)
             what = (
-                "restarted"
-                if dropped and rises and not climbs
-                else "rose again"
-                if climbs
+                "restarted"  # it fell, then climbed: the warm-up again
+                if fell and rises
                 else "dropped to 0"
                 if dropped
-                else "jumped"
-                if at > before
                 else "dropped"
+                if fell
+                else "jumped"
             )
             evidence = dict(
                 step=s,
                 resume_step=s,
                 lr_before=before,
                 lr_at_resume=at,
-                value=abs(at - before) / before,
+                value=abs(at - before) / level,
                 threshold=tolerance,
                 diagnosis=what,
                 max_steps_before=planned[0],
@@ -285,14 +293,55 @@ class LRScheduleConformance(Check):
                 if what == "restarted"
                 else f"the learning rate {what} where the schedule should have gone on"
             )
-            if climbs and what == "rose again" and dropped:
-                cause = "the learning rate fell to 0 and then rose again where the schedule should have gone on"
             findings.append(
                 self.finding(
                     "warn",
                     f"at the resume at step {s} {cause} ({shape}): the scheduler's state was not restored from the "
                     "checkpoint; resume with its scheduler.pt (resume_from_checkpoint restores it)",
                     **evidence,
+                )
+            )
+        return findings
+
+    def _replayed_warmups(self, steps, segs, lr) -> list[Finding]:
+        """Within a segment (a resume no saved state shows: the resumed run's log goes on from the checkpoint's),
+        the warm-up run again: the LR falls at once from a working level to near 0 and climbs along the run's
+        first warm-up (the same slope per step). A cyclic schedule descends to its floor gradually; one with hard
+        restarts jumps back to its peak at once: neither climbs the first ramp again after a cliff."""
+        stops = np.flatnonzero(np.diff(lr) <= 0)
+        end = int(stops[0]) if stops.size else lr.size - 1  # the first warm-up's last log
+        if end < 2 or lr[end] <= lr[0]:
+            return []
+        slope = np.median(np.diff(lr[: end + 1]) / np.diff(steps[: end + 1]))
+        peak = float(lr.max())
+        tolerance = self.params["resume_tolerance"]
+        cliffs = np.flatnonzero(
+            (lr[1:] <= 0.05 * peak) & (lr[:-1] >= 0.1 * peak) & (segs[1:] == segs[:-1]) & (np.arange(1, lr.size) > end)
+        )
+        findings = []
+        for i in cliffs + 1:
+            climb = lr[i : i + 1 + self.params["resume_window"]]
+            gaps = np.diff(steps[i : i + climb.size])
+            if climb.size < 3 or (np.diff(climb) <= 0).any():
+                continue
+            again = float(np.median(np.diff(climb) / gaps))
+            if abs(again - slope) > tolerance * slope:
+                continue
+            s = int(steps[i])
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"the learning rate fell at once from {lr[i - 1]:.3g} at step {steps[i - 1]} to {lr[i]:.3g} at step "
+                    f"{s} and climbed again along the run's first warm-up ({again:.3g} per step, then {slope:.3g}): the "
+                    "schedule started over at a resume whose scheduler's state was not restored; resume with the "
+                    "checkpoint's scheduler.pt (resume_from_checkpoint restores it)",
+                    step=s,
+                    resume_step=s,
+                    lr_before=float(lr[i - 1]),
+                    lr_at_resume=float(lr[i]),
+                    warmup_slope=float(slope),
+                    slope_again=again,
+                    diagnosis="restarted",
                 )
             )
         return findings
