@@ -40,6 +40,8 @@ KEYS = {
     "total_tokens": "num_input_tokens_seen",
     "throughput": "throughput",
 }
+# Writers a line can continue: the most recently written (processes logging at once are one per GPU or so).
+ACTIVE_WRITERS = 16
 # The callback's own bookkeeping: progress, not a logged number.
 PROGRESS = {"current_steps", "total_steps", "percentage", "elapsed_time", "remaining_time"}
 
@@ -79,6 +81,7 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     each step's line is kept once. Writers that follow one another are the restarts."""
     lines = read_lines(run_dir) if lines is None else lines
     writers: list[dict[str, Any]] = []  # {"lines": [(file index, raw)], "step", "loss_step", "elapsed"}
+    active: list[dict[str, Any]] = []  # the writers a line may continue, least recently written first
     seen = set()
     for index, raw in enumerate(lines):
         step = raw.get("current_steps")
@@ -93,15 +96,19 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
         # clock does not go back. Of those, the one it follows most closely; on a tie the one written last.
         fits = [
             w
-            for w in writers
+            for w in active
             if (step > w["step"] or (step == w["step"] and not ("loss" in raw and w["loss_step"] == step)))
             and (elapsed is None or w["elapsed"] is None or elapsed >= w["elapsed"])
         ]
         if fits:
             writer = max(fits, key=lambda w: (w["step"], w["lines"][-1][0]))
+            active.remove(writer)
         else:
             writer = {"lines": [], "elapsed": None, "loss_step": -1}
             writers.append(writer)
+        # A bounded set of writers stays open (processes writing at once are a few): a log whose step goes back
+        # line after line opens a writer per line, and stays linear.
+        active = active[-(ACTIVE_WRITERS - 1) :] + [writer]
         writer["lines"].append((index, raw))
         writer["step"], writer["elapsed"] = step, elapsed if elapsed is not None else writer["elapsed"]
         writer["loss_step"] = step if "loss" in raw else writer["loss_step"]

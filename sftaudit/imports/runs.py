@@ -14,8 +14,7 @@ folders beside the first's, and a log history can be carried into a run on other
 * **Which run, or which branch of a resumed run, is later:** a ``checkpoint-N/`` folder holds whichever saved
   there last. A folder of A at a step that B passed on its own save grid (B saved there too) means A wrote
   after B. Without such evidence, the one that reached the higher ``global_step``; then the one whose state
-  sits at the top of the folder (``save_state`` writes it when training ends). States read from a log kept
-  per (re)start are ordered by the log itself.
+  sits at the top of the folder (``save_state`` writes it when training ends).
 """
 
 from __future__ import annotations
@@ -93,9 +92,6 @@ def tip(states: list[dict[str, Any]]) -> dict[str, Any]:
 def later(a: list[dict[str, Any]], b: list[dict[str, Any]], diverged: int = 0) -> bool:
     """Whether run (or branch) `a` was written after `b`, by content; `diverged`: the first step where the two
     differ (0 for two runs). See the module's docstring."""
-    seq_a, seq_b = _sequence(a), _sequence(b)
-    if seq_a is not None and seq_b is not None:
-        return seq_a > seq_b
     a_over, b_over = overwrote(a, b, diverged), overwrote(b, a, diverged)
     if a_over != b_over:
         return a_over
@@ -131,11 +127,6 @@ def latest(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if later(run, best):
             best = run
     return best
-
-
-def _sequence(states: list[dict[str, Any]]) -> int | None:
-    found = [s["sequence"] for s in states if s.get("sequence") is not None]
-    return max(found) if found else None
 
 
 def describe(run: list[dict[str, Any]], run_dir) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from .dataset import (
     failure_events,
 )
 from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
-from .logs import LFS_HINT, is_lfs_pointer, log_histories, logging_interval, normalised, number
+from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, normalised, number
 from .notes import earlier_run_in_log, lfs, log_limits, other_runs
 from .runs import describe, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .task import describe_task
@@ -195,8 +195,8 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         log_source, log_file = EVENTS_SOURCE, "the TensorBoard event files"
     segments, earlier = _latest_start(segments, log_file)
     source = LOGS_SOURCE if states else log_source
-    if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
-        states = [_log_state(run_dir, i, history, args) for i, history in enumerate(log_histories(segments))]
+    if not states and segments:  # a per-restart log alone: its last restart's history stands in for the state
+        states = [_log_state(run_dir, latest_history(segments), args, log_file)]
     pointers = lfs_pointers(run_dir, checkpoints)
     if not states:
         hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
@@ -222,7 +222,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     checkpoints = [(s, p) for s, p in checkpoints if p not in others_folders]
     newest = _newest(judged)
     timeline, abandoned, resumes = _timeline(newest, judged)
-    if source == LOGS_SOURCE and segments:
+    if segments:
         timeline, abandoned, resumes = _with_log(timeline, abandoned, resumes, segments)
     # A resume whose abandoned steps lie beyond the run's end: nothing replaced them.
     last_step = max((e["step"] for e in timeline), default=0)
@@ -372,15 +372,14 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str
     return out
 
 
-def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
-    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json (ordered by the
-    log, `sequence`); the run's arguments and model config where the log kept them (TensorBoard's ``args`` and
-    ``model_config`` texts)."""
+def _log_state(run_dir: Path, history: list[dict[str, Any]], args: dict[str, Any], log_file: str) -> dict[str, Any]:
+    """The history of a training log's last restart, shaped as `_states` shapes a trainer_state.json; the run's
+    arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
     return {
-        "folder": run_dir / f"log-{index}",
+        "folder": run_dir / "log",
+        "file": log_file,
         "step": None,
         "top_level": True,
-        "sequence": index,
         "history": history,
         "mtime": None,
         "global_step": max(e["step"] for e in history),
@@ -431,9 +430,7 @@ def _cut_glued(run_dir: Path, states: list[dict[str, Any]]) -> list[dict[str, An
         first = next(e for e in after if "loss" in e)
         out.append(
             {
-                "file": str((s["folder"] / TRAINER_STATE).relative_to(run_dir))
-                if s.get("sequence") is None
-                else "the training log",
+                "file": s.get("file") or str((s["folder"] / TRAINER_STATE).relative_to(run_dir)),
                 "first_step": min(e["step"] for e in before),
                 "last_step": max(e["step"] for e in before),
                 "starts_at": first["step"],
@@ -461,6 +458,9 @@ def _newest(run: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _diverged(a: dict[str, Any], b: dict[str, Any]) -> int | None:
     """The first step at which two states' logs differ, up to where both logged (None: they agree)."""
+    short, long = sorted((a["history"], b["history"]), key=len)
+    if short == long[: len(short)]:
+        return None  # one is the other's earlier checkpoint (compared in C; a NaN entry takes the long way)
     end = min(max((e["step"] for e in a["history"]), default=-1), max((e["step"] for e in b["history"]), default=-1))
     index = {_key(e): e for e in b["history"] if e["step"] <= end}
     differing = [e["step"] for e in a["history"] if e["step"] <= end and not _same(index.pop(_key(e), None), e)]
@@ -469,16 +469,18 @@ def _diverged(a: dict[str, Any], b: dict[str, Any]) -> int | None:
 
 
 def _with_log(timeline, abandoned, resumes, segments):
-    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned
-    that no saved state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
-    the last saved state (a crash before the next save)."""
+    """What a training log kept per (re)start adds to the trainer states (or to its own last restart's history):
+    the lines a restart abandoned that no saved state kept (logged between the checkpoint resumed from and the
+    crash), and the lines logged after the last saved state (a crash before the next save)."""
     known = {e["step"] for e, _ in abandoned}
+    lost = []
     for seg, after in zip(segments, segments[1:]):
         restart = after[0]["step"]
-        lost = [e for e in seg if e["step"] >= restart and e["step"] not in known]
-        if lost:
+        dropped = [(e, restart) for e in seg if e["step"] >= restart and e["step"] not in known]
+        if dropped:
             resumes.setdefault(restart, None)
-            abandoned = sorted(abandoned + [(e, restart) for e in lost], key=lambda x: x[0]["step"])
+            lost += dropped
+    abandoned = sorted(abandoned + lost, key=lambda x: x[0]["step"])
     last = max((e["step"] for e in timeline), default=0)
     return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumes
 
@@ -510,7 +512,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     for s in run:
         if s is newest:
             continue
-        differing = [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
+        same = s["history"] == newest["history"][: len(s["history"])]  # an earlier checkpoint, compared in C
+        differing = [] if same else [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
         if not differing:
             agreeing.append(s)
             continue
