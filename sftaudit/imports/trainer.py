@@ -229,11 +229,12 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     resumes = {r: src for r, src in resumes.items() if r <= last_step}
     abandoned = [(e, r) for e, r in abandoned if r in resumes]
     starts = sorted(resumes)  # segment k + 1 starts at starts[k]
+    before_resume = {r: k for k, r in enumerate(starts)}  # the segment a resume abandoned a branch of
 
     records: dict[str, list[dict[str, Any]]] = {
         k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")
     }
-    for seg, e in [(starts.index(r), e) for e, r in abandoned] + [
+    for seg, e in [(before_resume[r], e) for e, r in abandoned] + [
         (bisect_right(starts, e["step"]), e) for e in timeline
     ]:
         records["metrics"] += [
@@ -271,7 +272,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                 }
             )
             continue
-        seg = starts.index(branch_of[folder]) if folder in branch_of else bisect_right(starts, step)
+        seg = before_resume[branch_of[folder]] if folder in branch_of else bisect_right(starts, step)
         records["checkpoints"].append(
             {
                 "seg": seg,
