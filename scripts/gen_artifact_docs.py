@@ -89,7 +89,9 @@ it writes, and what it cannot:
 Which run is judged is told by content, never by file times (a clone or copy rewrites them): states
 that begin with the same first log entry are one run (a resume reloads the log of the checkpoint it
 resumed from), a state with an empty log joins the run of its plan (`max_steps`, `train_batch_size`,
-`logging_steps`), and a log whose step or epoch goes back holds another run before its last reset. The
+`logging_steps`), and a log whose step goes back, or whose epoch goes back and then counts from step 0 with
+another epoch length (the data changed), holds another run before its last reset (an epoch that counts again
+from the step it fell at is a resume on a streamed dataset: a new segment). The
 latest run is the one whose checkpoint folder sits at a step another run saved at too (it wrote there
 last), else the one that reached the highest `global_step`; the other runs' checkpoints are left out
 and named once (`notes` key `other_runs`). A restart of a log kept per (re)start whose first training

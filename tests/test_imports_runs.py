@@ -166,7 +166,22 @@ def test_a_log_whose_epoch_goes_back_holds_another_run_before_the_judged_one(tmp
     clean = [{"epoch": s / 2400, "learning_rate": 5e-5, "loss": 2.1, "step": s} for s in range(500, 6001, 500)]
     _save(twin, ".", {**state, "log_history": clean})
     done = import_run(twin)
-    assert (done["steps"], done["other_runs"]) == (12, 0) and _notes(twin, "earlier_run_in_log") == []
+    assert (done["steps"], done["other_runs"], done["resumes"]) == (12, 0, [])
+    assert _notes(twin, "earlier_run_in_log") == []
+
+
+def test_an_epoch_that_counts_again_from_a_resume_is_one_run_resumed(tmp_path):
+    """A run on a streamed dataset resumed at step 66,050: the Trainer cannot restore the position in the epoch, so
+    the epoch counts again from 0 there (epoch = (step - 66,000) / steps per epoch, not step / steps per epoch).
+    One run, read whole, with a resume at that step; not another run."""
+    run = tmp_path / "streamed"
+    first = [{"epoch": s / 62000, "learning_rate": 3e-6, "loss": 0.9, "step": s} for s in range(50, 66001, 50)]
+    then = [
+        {"epoch": (s - 66000) / 8500, "learning_rate": 3e-6, "loss": 0.89, "step": s} for s in range(66050, 100001, 50)
+    ]
+    _save(run, ".", {"global_step": 100000, "max_steps": 100000, "logging_steps": 50, "log_history": first + then})
+    done = import_run(run)
+    assert (done["steps"], done["other_runs"], done["resumes"]) == (2000, 0, [66050])
 
 
 def _lf_line(step: int, loss: float, total: int, elapsed: int) -> dict:

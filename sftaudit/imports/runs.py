@@ -48,21 +48,53 @@ def plans_differ(a: dict[str, int], b: dict[str, int]) -> bool:
 
 
 def split_glued(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A log history cut at its last reset (a training log whose step or epoch is below the one before it):
-    (the entries before it, another run's; the entries from it on). ([], history) when nothing resets."""
-    cut, last_step, last_epoch = 0, None, None
-    for i, e in enumerate(history):
-        if "loss" not in e:
-            continue  # an evaluation shares a training log's step and epoch
-        epoch = e.get("epoch")
-        epoch = epoch if isinstance(epoch, float) and math.isfinite(epoch) else None
-        if last_step is not None and (
-            e["step"] < last_step or (epoch is not None and last_epoch is not None and epoch < last_epoch)
-        ):
-            cut = i
-        last_step = e["step"]
-        last_epoch = epoch if epoch is not None else last_epoch
+    """A log history cut at its last reset: (the entries before it, another run's; the entries from it on);
+    ([], history) when nothing resets. A reset is a training log whose step is below the one before it, or whose
+    epoch is and the epoch after it counts from step 0 with another epoch length (the data changed). An epoch that
+    counts again from the step where it fell is one run resumed on a streamed dataset, whose position in its
+    epoch the Trainer cannot restore: not a reset."""
+    cut, _ = _resets(history)
     return history[:cut], history[cut:]
+
+
+def epoch_restarts(history: list[dict[str, Any]]) -> list[int]:
+    """The steps where the epoch count started again at a resume (on a streamed dataset): resumes the log shows."""
+    cut, restarts = _resets(history)
+    return [history[i]["step"] for i in restarts if i >= cut]
+
+
+def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    """(the index of the last reset, 0 if none; the indices where the epoch count restarted instead)."""
+    training = [(i, e) for i, e in enumerate(history) if "loss" in e]  # an evaluation shares a training log's step
+    cut, restarts = 0, []
+    for k in range(1, len(training)):
+        (_, before), (i, e) = training[k - 1], training[k]
+        if e["step"] < before["step"]:
+            cut = i
+        elif _epoch(e) is not None and _epoch(before) is not None and _epoch(e) < _epoch(before):
+            if _counts_from_zero([x for _, x in training[k:]]):
+                cut = i
+            else:
+                restarts.append(i)
+    return cut, restarts
+
+
+def _epoch(entry: dict[str, Any]) -> float | None:
+    epoch = entry.get("epoch")
+    return epoch if isinstance(epoch, float) and math.isfinite(epoch) else None
+
+
+def _counts_from_zero(after: list[dict[str, Any]]) -> bool:
+    """Whether the epochs logged from a reset on lie on a line through step 0 (epoch = step / steps per epoch:
+    a run on data of another length) rather than through the reset's step (the count restarted there). The line
+    through the first and the last of them; rounding (two decimals in older logs) moves it by far less than the
+    reset's step."""
+    points = [(e["step"], _epoch(e)) for e in after if _epoch(e) is not None]
+    (s_a, e_a), (s_b, e_b) = points[0], points[-1]
+    if e_b <= e_a:
+        return e_a > 0  # one epoch value only: a count restarted at the reset starts near 0
+    origin = s_a - e_a * (s_b - s_a) / (e_b - e_a)  # the step where the line's epoch is 0
+    return abs(origin) < 0.5 * s_a
 
 
 def group_runs(states: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

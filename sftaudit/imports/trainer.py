@@ -48,7 +48,7 @@ from .dataset import (
 from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
 from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, normalised, number
 from .notes import earlier_run_in_log, lfs, log_limits, other_runs
-from .runs import describe, group_runs, later, latest, plan, plans_differ, split_glued, tip
+from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .task import describe_task
 from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
@@ -505,7 +505,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     A state whose entries disagree with the newest's from some step on saw another branch of the run: its
     entries from that step are the abandoned branch, and the run resumed there. A state that agrees but
     planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
-    changed the plan: the run resumed at the first step logged after it, from it."""
+    changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
+    count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
     current = {_key(e): e for e in newest["history"]}
     abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
     resumes: dict[int, str | None] = {}
@@ -521,6 +522,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         diverged = s["diverged"] = min(differing)
         resumes.setdefault(diverged, None)
         abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
+    for step in epoch_restarts(newest["history"]):
+        resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
     logged = sorted(e["step"] for e in newest["history"] if "loss" in e)
     chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
     for before, after in zip(chain, chain[1:]):
