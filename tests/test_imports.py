@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import math
+import os
+import random
 import shutil
 
 import pytest
@@ -100,28 +102,50 @@ def test_import_reports_what_it_read_and_refuses_what_is_not_a_trainer_output(wi
     assert "not a Trainer output" in capsys.readouterr().err
 
 
-def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path):
-    """The run resumed from checkpoint-5: the state of the branch that went on to step 10 disagrees
-    with the final state from step 10 on; its entries are the abandoned branch, not the timeline."""
+def _shuffle_times(run, seed: int) -> None:
+    """Every file and folder of the run at a random time (a clone or copy says nothing of which was written last)."""
+    rng = random.Random(seed)
+    for p in [run, *run.rglob("*")]:
+        t = rng.uniform(1e9, 2e9)
+        os.utime(p, (t, t))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path, seed):
+    """The run went on to checkpoint-15, then resumed from checkpoint-5: the resumed branch logged 9.5 at step 10
+    and saved checkpoint-10 over the first branch's, then stopped. Whatever the files' times, the content says
+    which branch is later: checkpoint-10 holds a save at a step the first branch saved too. Its log is the
+    timeline; the first branch's steps 10 and 15 are the abandoned branch, kept aside."""
     run = tmp_path / "run"
     shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
-    old = run / "checkpoint-10" / "trainer_state.json"
-    state = json.loads(old.read_text(encoding="utf-8"))
-    state["log_history"][1]["loss"] = 9.5  # what the abandoned branch logged at step 10
-    old.write_text(json.dumps(state), encoding="utf-8")
-    newest = run / "checkpoint-15" / "trainer_state.json"
-    newest.write_text(newest.read_text(encoding="utf-8"), encoding="utf-8")  # written last
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15", "checkpoint-5"]
+    resumed = run / "checkpoint-10" / "trainer_state.json"
+    state = json.loads(resumed.read_text(encoding="utf-8"))
+    state["log_history"][1]["loss"] = 9.5  # what the resumed branch logged at step 10
+    resumed.write_text(json.dumps(state), encoding="utf-8")
+    _shuffle_times(run, seed)
     done = import_run(run)
-    assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
+    assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10, 15] and done["other_runs"] == 0
     from sftaudit.store.ingest import connect, ingest
 
     ingest(run)
     con = connect(run, read_only=True)
     try:
-        assert con.execute("SELECT loss FROM superseded_steps").fetchall() == [(9.5,)]
-        assert con.execute("SELECT count(*) FROM steps WHERE step = 10").fetchone() == (1,)
+        assert con.execute("SELECT step FROM superseded_steps ORDER BY step").fetchall() == [(10,), (15,)]
+        assert con.execute("SELECT loss FROM steps WHERE step = 10").fetchall() == [(9.5,)]
+        assert con.execute("SELECT max(step) FROM steps").fetchone() == (10,)
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_branch_whatever_the_file_times_is_no_resume(window_run, tmp_path, seed):
+    """The clean twin: the same checkpoints, one branch, at shuffled times: no resume, nothing set aside."""
+    run = tmp_path / "run"
+    shutil.copytree(window_run, run, ignore=shutil.ignore_patterns("sftaudit"))
+    _shuffle_times(run, seed)
+    done = import_run(run)
+    assert (done["resumed_at"], done["abandoned_steps"], done["other_runs"], done["steps"]) == (None, [], 0, 3)
 
 
 def _leaked(row: dict) -> dict:

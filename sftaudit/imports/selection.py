@@ -9,7 +9,6 @@ key whose logged value at the best step equals ``best_metric``, and whether grea
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -18,15 +17,10 @@ from typing import Any
 _CHECKPOINT_STEP = re.compile(r"(?:checkpoint|ckpt)[-_]?(\d+)")
 
 
-def run_selection(state_path: Path, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """``{metric, greater_is_better, best_metric, best_global_step, best_model_checkpoint}`` from the
-    ``trainer_state.json`` at `state_path` and its (normalised) log `history`; None when the run
-    tracked no best metric (or the state is unreadable). `metric` or `greater_is_better` is None when
-    the logs do not tell it."""
-    try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
+def run_selection(state: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``{metric, greater_is_better, best_metric, best_global_step, best_model_checkpoint}`` from a
+    ``trainer_state.json``'s fields (`state`, its log aside) and its normalised log `history`; None when the
+    run tracked no best metric. `metric` or `greater_is_better` is None when the logs do not tell it."""
     best = state.get("best_metric") if isinstance(state, dict) else None
     if not _number(best) or not math.isfinite(best):
         return None

@@ -197,7 +197,36 @@ MANIFEST = RecordKind(
             True,
         ),
         Field("lfs_pointers", "VARCHAR[]", "log files that are Git LFS pointers", (IMPORT,), True),
-        Field("import_notes", "VARCHAR[]", "what the import could not read, said once", (IMPORT,), True),
+        Field(
+            "notes",
+            "JSON[]",
+            "what the logs cannot show and what else the folder holds, once per run: `{key, text, ...}` under a "
+            "stable `key`: `other_runs` (`runs`: other runs' checkpoints in the folder), `earlier_run_in_log` "
+            "(another run's log before this one's), `lfs_pointers` (`files`), `nothing_logged`, "
+            "`log_ends_at_checkpoint` (`checkpoint`), `logging_window` (`logging_steps`), `nan_inf_filter`, "
+            "`no_grad_norm`, `no_evaluation`, `fp16_skipped_steps` (`checkpoints`)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
+            "import_notes",
+            "VARCHAR[]",
+            "the `notes`' texts, in order (the verdict's `resolution.notes`)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
+            "task",
+            "JSON",
+            "what the run trained: `kind` (`causal_lm`, `seq2seq`, `sequence_classification`, "
+            "`token_classification`, `question_answering`, `multiple_choice`, `masked_lm`, `ctc`; null: unknown), "
+            "`architecture`, `model_type`, `is_encoder_decoder`, `num_labels` / `labels` / `problem_type` (a "
+            "classifier), `vocab_size`, `adapter` (PEFT `task_type`, `base_model`), `objective` (`dpo`, `orpo`, "
+            "`kto`, `cpo`, `grpo`, `ppo`; null: supervised), `family` (`sft`, `preference`, `rl`) and "
+            "`objective_keys` (the logged keys that named it)",
+            (IMPORT,),
+            True,
+        ),
         Field(
             "selection",
             "JSON",
