@@ -77,6 +77,8 @@ class Recorder:
             are shortened to fit it (see `profiles`), and every probe runs at its last step.
         save_every: the loop's checkpoint interval in steps, when it saves on one: every probe runs at each
             save, on every rank alike. A single-process run also probes at each `on_checkpoint`.
+        probe_milestones: False keeps the probes to their intervals: none at the last planned step or at
+            saves (for a run that saves often and whose probes are dear).
         grad_scaler: the loop's `torch.amp.GradScaler`, when it has one (fp16): a step it skipped for
             non-finite gradients is then told apart from one whose non-finite update reached the weights.
             Without it, and with none inside the optimizer (accelerate's or DeepSpeed's), the manifest says the
@@ -104,6 +106,7 @@ class Recorder:
         scheduler: Any = None,
         max_steps: int | None = None,
         save_every: int | None = None,
+        probe_milestones: bool = True,
         grad_scaler: Any = None,
         **schedule: int,
     ):
@@ -113,7 +116,8 @@ class Recorder:
         self.tokenizer = tokenizer
         self.schedule = resolve_schedule(profile, schedule, max_steps)
         self.max_steps = int(max_steps) if max_steps else None
-        self.save_every = int(save_every) if save_every and save_every > 0 else None
+        self.save_every = int(save_every) if probe_milestones and save_every and save_every > 0 else None
+        self.probe_milestones = probe_milestones
         self.profile = profile
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.accumulation_steps = max(1, int(accumulation_steps))
@@ -230,9 +234,8 @@ class Recorder:
                 self._begin_step(step)
                 self._finish_step(step, lr)
         self._reset_step()
-        self.probes.run(
-            step, every_probe=step == self.max_steps or bool(self.save_every and step % self.save_every == 0)
-        )
+        at_end = self.probe_milestones and step == self.max_steps
+        self.probes.run(step, every_probe=at_end or bool(self.save_every and step % self.save_every == 0))
 
     def on_checkpoint(self, step: int, path: str | Path, training_state: Mapping[str, Any] | None = None) -> None:
         """After the loop saved a checkpoint: where, which files, the training state's outline."""
@@ -257,7 +260,7 @@ class Recorder:
             self._sink.hash_later(step, record["path"], files, [f["name"] for f in record["files"]])
         # What the saved model does, beside its files. With more ranks, only on the schedule (`save_every`):
         # a loop may call this on one rank only, and a probe of sharded weights needs all of them.
-        if self.world_size == 1 and not self.probes.active:
+        if self.probe_milestones and self.world_size == 1 and not self.probes.active:
             self.probes.run(step, every_probe=True)
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
