@@ -44,6 +44,15 @@ CASES = {
         "expect": [("LOOP-13", "fail", 1, "")],
         "absent": [],
     },
+    # 4.46.x passes num_items_in_batch to the model, which then returns the window's token mean, yet still
+    # multiplies the loss by the accumulation steps before backward: the objective is GA (4) x the loss.
+    "ga-4.46.3-gpt2": {
+        "packages": ["transformers==4.46.3", "tokenizers==0.20.3"],
+        "trainer": "trainer",
+        "model": "gpt2",
+        "expect": [("LOOP-13", "fail", 1, "4 x the trained loss")],
+        "absent": [],
+    },
     # TRL 0.16.1 renders `messages` with the template (which writes BOS), then tokenizes the text with
     # the tokenizer's special tokens (which prepends BOS again): two BOS (huggingface/trl#3328).
     "double-bos-trl-0.16.1": {
