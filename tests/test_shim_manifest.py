@@ -193,3 +193,17 @@ def test_the_audit_names_a_transformers_too_old_to_render_templates_and_judges_t
     for code in ("LOOP-01", "LOOP-02", "LOOP-04"):
         assert status[code][0] == "not_run" and "transformers 4.44.2 is older than 4.45" in status[code][1], code
     assert status["LOOP-05"][0] == "ran"
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "ddp"])
+def test_deepspeed_optimizers_are_read_through_and_skip_overflowing_steps(distributed_runs, name):
+    """Given the engine, the recorder reads the optimizer that steps (ZeRO's, around AdamW): DeepSpeed skips every
+    step it finds an overflow in, whatever the dtype. DDP steps the optimizer it was given: no loss scaler."""
+    for rank in (0, 1):
+        recorded = json.loads((rank_dir(distributed_runs / name, rank) / "manifest.jsonl").read_text().splitlines()[0])
+        assert recorded["optimizer"]["class"] == "AdamW"
+        if name == "ddp":
+            assert recorded["optimizer"]["wrappers"] == [] and recorded["loss_scaler"]["present"] is False
+        else:
+            assert recorded["optimizer"]["wrappers"][0].startswith("DeepSpeedZeroOptimizer")
+            assert recorded["loss_scaler"]["source"] == "deepspeed" and recorded["loss_scaler"]["skips_nonfinite_steps"]

@@ -80,8 +80,9 @@ def segment_manifest(recorder: Any, run_id: str | None, config: dict, dataset: A
         if scheduler is not None:
             manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
     with recorder._guard("manifest_optimizer"):
-        if recorder.optimizer is not None:  # LOOP-22 judges the learning rate against the optimizer's family
-            manifest["optimizer"] = describe_optimizer(recorder.optimizer)
+        stepping = recorder.engine_optimizer or recorder.optimizer
+        if stepping is not None:  # LOOP-22 judges the learning rate against the optimizer's family
+            manifest["optimizer"] = describe_optimizer(stepping)
         # Whether a step with non-finite gradients can have been skipped rather than applied.
-        manifest["loss_scaler"] = describe_loss_scaler(recorder.optimizer, recorder.grad_scaler)
+        manifest["loss_scaler"] = describe_loss_scaler(stepping, recorder.grad_scaler)
     return manifest

@@ -111,6 +111,8 @@ class Recorder:
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
+        # A DeepSpeed engine's own optimizer (ZeRO's, around the one given): what steps, and skips on overflow.
+        self.engine_optimizer = getattr(model, "optimizer", None) if type(model).__name__ == "DeepSpeedEngine" else None
         model = unwrap_model(model)  # DDP's `module.`, torch.compile's `_orig_mod.`: names as checkpoints have them
         self.model = model
         self.tokenizer = tokenizer
