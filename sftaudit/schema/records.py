@@ -93,6 +93,14 @@ MANIFEST = RecordKind(
             (SHIM, IMPORT),
             True,
         ),
+        Field(
+            "unsupported_versions",
+            "JSON",
+            "the recording's libraries older than sftaudit supports: name -> `installed`, `oldest_supported` "
+            "(empty: none)",
+            (SHIM,),
+            True,
+        ),
         Field("instance_id", "VARCHAR", "a random id of this recorder (one per process and segment)", (SHIM,), True),
         Field("argv", "VARCHAR[]", "the command that ran, for `sftaudit replay`'s resume command", (SHIM,), True),
         Field(
@@ -176,7 +184,24 @@ MANIFEST = RecordKind(
             (SHIM,),
             True,
         ),
-        Field("optimizer", "JSON", "when given: `class`", (SHIM,)),
+        Field(
+            "optimizer",
+            "JSON",
+            "when given: the optimizer that updates the weights, read through its wrappers: `class`, `module`, "
+            "`wrappers` (the wrappers' classes, outermost first: accelerate's `AcceleratedOptimizer`, DeepSpeed's "
+            "ZeRO optimizers), `groups` (per parameter group: `lr`, `initial_lr`, `betas`, `eps`, `weight_decay`, "
+            "... as the group has them, `params`, `numel`)",
+            (SHIM,),
+        ),
+        Field(
+            "loss_scaler",
+            "JSON",
+            "whether a step with non-finite gradients can have been skipped: `present`, `skips_nonfinite_steps`, "
+            "and for a scaler found `class`, `source` (`recorder`: given as `grad_scaler`; `accelerate`: its "
+            "optimizer wrapper's, the Trainer's fp16; `deepspeed`: its optimizer's overflow check), `enabled` "
+            "(absent: not known, as in older recordings)",
+            (SHIM,),
+        ),
         Field("imported", "BOOLEAN", "true: written by `sftaudit import`", (IMPORT,), True),
         Field(
             "source",

@@ -9,7 +9,7 @@ from typing import Any
 from ..checks import AuditContext, Finding, registered_checks
 from ..checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from ..checks.selection_metric import run_selection_series
-from ..errors import InputError
+from ..errors import InputError, UnsupportedVersion
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..store.ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
 from .attribution import build_verdict
@@ -39,7 +39,7 @@ def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], 
             raise InputError(str(exc)) from None
         try:
             findings += check.run(ctx)
-        except CannotJudge as exc:
+        except (CannotJudge, UnsupportedVersion) as exc:  # the others judge on
             ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
             errors.append({"code": check_cls.code, "error": f"{type(exc).__name__}: {exc}"})
