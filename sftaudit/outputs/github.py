@@ -37,7 +37,9 @@ def prop(value: Any) -> str:
 
 
 def command(level: str, message: Any, **properties: Any) -> str:
-    props = ",".join(f"{key}={prop(value)}" for key, value in properties.items() if value is not None)
+    """One workflow command. The runner trims the properties and drops an empty one: so do we."""
+    values = {key: prop(value).strip() for key, value in properties.items() if value is not None}
+    props = ",".join(f"{key}={value}" for key, value in values.items() if value)
     return f"::{level}{' ' + props if props else ''}::{data(message)}"
 
 
