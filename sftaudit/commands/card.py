@@ -4,7 +4,7 @@ The section (`outputs.markdown`) holds the verdict, the checkpoints to keep and 
 that matter, what could not be judged and the library versions the run's manifest records. It is printed, or
 `--into` writes it into a Hugging Face model card between `START` and `END`: the section between the markers
 is replaced, or appended when the card has none (a missing card is created); every other byte of the file,
-front matter included, stays as it was. The run's stored verdict is used (as `report` does); a run not audited
+front matter included, stays as it was (markers inside the front matter are not ours). The run's stored verdict is used (as `report` does); a run not audited
 yet is audited first.
 """
 
@@ -57,19 +57,17 @@ def insert(card: Path, section: str) -> None:
         raise InputError(f"--into {card}: not UTF-8 text; give the model card (README.md)") from None
     newline = "\r\n" if "\r\n" in text else "\n"
     block = START + newline + section.replace("\n", newline) + END
-    body_from = _front_matter_end(text)
-    start, end = text.find(START, body_from), text.find(END, body_from)
-    if START in text[:body_from] or END in text[:body_from]:
-        raise InputError(f"--into {card}: an sftaudit marker is inside the front matter; move it below")
+    head, body = _split_front_matter(text)  # the front matter is never read for markers nor touched
+    start, end = body.find(START), body.find(END)
     if start < 0 and end < 0:
         separator = "" if not text or text.endswith("\n") else newline
         updated = text + separator + (newline if text else "") + block + newline
-    elif start < 0 or end < start or text.count(START) > 1 or text.count(END) > 1:
+    elif start < 0 or end < start or body.count(START) > 1 or body.count(END) > 1:
         raise InputError(
             f"--into {card}: the markers must appear once each, {START} before {END}; fix them or remove both"
         )
     else:
-        updated = text[:start] + block + text[end + len(END) :]
+        updated = head + body[:start] + block + body[end + len(END) :]
     _replace(card, updated.encode("utf-8"))
 
 
@@ -86,17 +84,17 @@ def _read(card: Path) -> bytes:
         raise InputError(f"--into {card}: cannot read ({exc.strerror or one_line(exc)})") from None
 
 
-def _front_matter_end(text: str) -> int:
-    """Where the YAML front matter (a Hugging Face card's metadata between two `---` lines) ends; 0 if none."""
+def _split_front_matter(text: str) -> tuple[str, str]:
+    """The YAML front matter (a Hugging Face card's metadata, between two `---` lines at the top) and the rest."""
     lines = text.splitlines(keepends=True)
     if not lines or lines[0].rstrip("\r\n") != "---":
-        return 0
+        return "", text
     offset = len(lines[0])
     for line in lines[1:]:
         offset += len(line)
         if line.rstrip("\r\n") == "---":
-            return offset
-    return 0
+            return text[:offset], text[offset:]
+    return "", text
 
 
 def _replace(card: Path, data: bytes) -> None:
