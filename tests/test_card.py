@@ -88,7 +88,9 @@ def test_a_run_not_audited_yet_is_audited_first(tmp_path):
     run = failed_run(tmp_path)
     result = cli("card", run, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "**Verdict: ❌ FAIL**" in result.stdout and "LOOP-10 loss pathologies and drift disabled" not in result.stdout
+    assert (
+        "**Verdict: ❌ FAIL**" in result.stdout and "LOOP-10 loss pathologies and drift disabled" not in result.stdout
+    )
     assert (run / "sftaudit" / "audit.duckdb").is_file()
 
 

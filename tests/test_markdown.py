@@ -173,7 +173,10 @@ def test_any_string_renders_as_its_text_in_a_paragraph_and_in_a_cell(s):
 
 def test_neutralised_text_stays_readable():
     assert text("@org/team") == "＠org/team"
-    assert text("see https://evil.example or www.evil.example") == "see https\\[:\\]//evil.example or www\\[.\\]evil.example"
+    assert (
+        text("see https://evil.example or www.evil.example")
+        == "see https\\[:\\]//evil.example or www\\[.\\]evil.example"
+    )
     assert text("[click](javascript:alert(1))") == "\\[click\\]\\(javascript:alert\\(1\\)\\)"
     assert text("<script>") == "&lt;script&gt;" and text("&amp;") == "&amp;amp;"
     assert text("a\x1b[2Jb\u202ec\nd") == "a\\\\x1b\\[2Jb\\\\u202ec\\\\x0ad"
