@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.selection_runs import eval_run
+from tests.shared import cached_audit, shared_dir
 
 # Every way a run's own text could act on a reader: terminal escapes and BEL, a bidi override, line breaks,
 # HTML, a javascript: link and an image, mentions and addresses, autolinks, Markdown syntax, table pipes,
@@ -55,6 +56,24 @@ def failed_run(root: Path, name: str = "run") -> Path:
         path.write_text(json.dumps(state), encoding="utf-8")
         time.sleep(0.01)  # the Trainer writes them in this order: the importer reads their times
     return run
+
+
+def shared_failed_run(tmp_path_factory) -> Path:
+    """This worker's copy of `failed_run`, built once per test invocation (imported, not audited)."""
+    return shared_dir(tmp_path_factory, "github-failed-run", lambda folder: failed_run(folder)) / "run"
+
+
+_AUDITED: dict[str, Path] = {}  # per worker: the copy of `failed_run` that `failed_verdict` audits
+
+
+def failed_verdict(tmp_path_factory) -> dict[str, Any]:
+    """The verdict of `failed_run`, audited once per worker (for tests that only read it)."""
+    from sftaudit.imports import import_run
+
+    if "run" not in _AUDITED:
+        _AUDITED["run"] = shared_failed_run(tmp_path_factory)
+        import_run(_AUDITED["run"])
+    return cached_audit(_AUDITED["run"])
 
 
 def cli(*args: Any, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

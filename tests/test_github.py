@@ -12,24 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sftaudit.core.terminal import shown
-from sftaudit.imports import import_run
 from sftaudit.outputs import github
-from sftaudit.verdict.audit import audit
-from tests.github_runs import HOSTILE, cli, failed_run, parse_command
+from tests.github_runs import HOSTILE, cli, failed_verdict, parse_command, shared_failed_run
 
 LEVELS = ("error", "warning")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return failed_run(tmp_path_factory.mktemp("github"))
+    return shared_failed_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def verdict(run, tmp_path_factory):
-    copy = shutil.copytree(run, tmp_path_factory.mktemp("github-audit") / "run")
-    import_run(copy)
-    return audit(copy)
+def verdict(tmp_path_factory):
+    return failed_verdict(tmp_path_factory)
 
 
 def commands(stdout: str) -> list[tuple[str, dict[str, str], str]]:
@@ -154,6 +150,7 @@ def test_a_hostile_run_name_cannot_command_the_runner(run, tmp_path):
     assert len(annotations) == len(after)
 
 
+@pytest.mark.slow
 def test_gate_github_summarises_the_gate_and_exit_2_is_an_error_annotation(run, tmp_path):
     summary = tmp_path / "step_summary.md"
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(summary)}

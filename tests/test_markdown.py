@@ -15,10 +15,8 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from sftaudit.core.terminal import shown
-from sftaudit.imports import import_run
 from sftaudit.outputs.markdown import MAX_FINDINGS, TEXT_LIMIT, render, render_gate, text
-from sftaudit.verdict.audit import audit
-from tests.github_runs import HOSTILE, VERSIONS, failed_run, hostile_verdict
+from tests.github_runs import HOSTILE, VERSIONS, failed_verdict, hostile_verdict
 
 GFM = MarkdownIt("commonmark").enable("table").enable("strikethrough")
 # What our own Markdown makes: anything else in the HTML came from the run.
@@ -59,9 +57,7 @@ def rendered(markdown: str) -> Elements:
 
 @pytest.fixture(scope="module")
 def verdict(tmp_path_factory):
-    run = failed_run(tmp_path_factory.mktemp("markdown"))
-    import_run(run)
-    return audit(run)
+    return failed_verdict(tmp_path_factory)
 
 
 def test_the_verdict_says_what_to_do(verdict):

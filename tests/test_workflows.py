@@ -85,7 +85,7 @@ def test_the_action_is_a_composite_that_installs_from_its_checkout_without_torch
     assert not any(re.match(r"torch\b", d) for d in project["dependencies"])
 
 
-def test_the_action_audits_or_gates_with_annotations_and_its_exit_code(tmp_path):
+def test_the_action_audits_with_annotations_and_its_exit_code(tmp_path):
     """The audit step as the runner runs it, `sftaudit` being this checkout's (the install step is the slow
     test below)."""
     run = failed_run(tmp_path, "runs with spaces")
@@ -101,7 +101,22 @@ def test_the_action_audits_or_gates_with_annotations_and_its_exit_code(tmp_path)
     assert (tmp_path / "reports" / "runs_with_spaces" / "verdict.json").is_file()
     assert not (tmp_path / "reports" / "runs_with_spaces" / "report.html").exists()  # `args` reached the command
     assert summary.read_text(encoding="utf-8").startswith("## sftaudit audit\n\n**Verdict: ❌ FAIL**")
-    # A checkpoint: the gate; strict, so warn findings block too; `args` split on spaces.
+    # An input that looks like shell is a plain argument: could not judge (exit 2), nothing executed.
+    _, (step, env) = action_steps({"run-dir": "$(touch pwned)"}, ROOT)
+    refused = run_step(step, env, tmp_path, **path)
+    assert refused.returncode == 2 and not (tmp_path / "pwned").exists()
+    assert [(n, d) for n, _, d in annotations(refused.stdout)] == [("error", "$(touch pwned): no such run directory")]
+
+
+@pytest.mark.slow
+def test_the_action_gates_a_checkpoint_when_given_one(tmp_path):
+    """A checkpoint: the gate; strict, so warn findings block too; `args` split on spaces."""
+    run = failed_run(tmp_path)
+    summary = tmp_path / "summary.md"
+    path = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "GITHUB_STEP_SUMMARY": str(summary),
+    }
     inputs = {"run-dir": run.name, "checkpoint": "checkpoint-80", "strict": "true", "args": "--json gate.json"}
     _, (gate_step, env) = action_steps(inputs, ROOT)
     gated = run_step(gate_step, env, tmp_path, **path)
@@ -109,11 +124,10 @@ def test_the_action_audits_or_gates_with_annotations_and_its_exit_code(tmp_path)
     assert (tmp_path / "gate.json").is_file() and "## sftaudit gate\n\n**✅ PASS**" in summary.read_text(
         encoding="utf-8"
     )
-    # An input that looks like shell is a plain argument: could not judge (exit 2), nothing executed.
-    _, (step, env) = action_steps({"run-dir": "$(touch pwned)"}, ROOT)
-    refused = run_step(step, env, tmp_path, **path)
-    assert refused.returncode == 2 and not (tmp_path / "pwned").exists()
-    assert [(n, d) for n, _, d in annotations(refused.stdout)] == [("error", "$(touch pwned): no such run directory")]
+    inputs["checkpoint"] = "checkpoint-100"
+    _, (gate_step, env) = action_steps(inputs, ROOT)
+    blocked = run_step(gate_step, env, tmp_path, **path)
+    assert blocked.returncode == 1 and any(n == "error" for n, _, _ in annotations(blocked.stdout))
 
 
 @pytest.mark.slow
