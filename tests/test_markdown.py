@@ -95,6 +95,14 @@ def test_fail_and_warn_come_first_and_the_rest_is_counted(verdict):
     assert "…and 7 more (2 warn, 5 info)" in table
 
 
+def test_long_lists_are_cut_and_counted(verdict):
+    many = {**verdict, "evidence": {**verdict["evidence"], "partial": [f"rank {r}: stopped" for r in range(64)]}}
+    many["checkpoints"] = [{**verdict["checkpoints"][0], "name": f"checkpoint-{i}"} for i in range(100)]
+    md = render(many)
+    assert md.count("- **Partial evidence:** rank ") == 20 and "- …and 44 more (partial evidence)." in md
+    assert len(re.findall(r"^\| checkpoint-\d+ \|", md, re.M)) == 30 and "…and 70 more checkpoints (70 pass)." in md
+
+
 def test_versions_the_manifest_lacks_are_said_to_be_missing(verdict):
     assert "### Library versions" not in render(verdict)  # not read: not claimed either way
     assert "The run's manifest records no library versions." in render(verdict, versions={})

@@ -25,6 +25,7 @@ from ..core.terminal import shown
 TEXT_LIMIT = 500  # characters of one run string (a message, a name, a reason) shown
 MAX_FINDINGS = 10
 MAX_CHECKPOINTS = 30
+MAX_NOTES = 20
 SEVERITY_ORDER = {"fail": 0, "warn": 1, "info": 2}
 LABELS = {
     "pass": "✅ PASS",
@@ -226,11 +227,19 @@ def _unjudged(v: dict[str, Any]) -> list[str]:
         elif c["status"] == "disabled":
             out.append(f"- **{name} disabled** by the audit configuration")
     evidence = v.get("evidence") or {}
-    out += [f"- **Partial evidence:** {text(note)}" for note in evidence.get("partial") or []]
+    out += _listed("Partial evidence", evidence.get("partial") or [])
     if evidence.get("too_little"):
         out.append(f"- **Too little evidence:** {text(evidence['too_little'])}")
-    out += [f"- **Import:** {text(note)}" for note in (v.get("resolution") or {}).get("notes") or []]
+    out += _listed("Import", (v.get("resolution") or {}).get("notes") or [])
     return out or ["Every check ran, on complete evidence."]
+
+
+def _listed(what: str, notes: list[Any]) -> list[str]:
+    """One item per note, at most MAX_NOTES (a run of many ranks may have a note per rank)."""
+    out = [f"- **{what}:** {text(note)}" for note in notes[:MAX_NOTES]]
+    if len(notes) > MAX_NOTES:
+        out.append(f"- …and {len(notes) - MAX_NOTES} more ({what.lower()}).")
+    return out
 
 
 def _versions(versions: dict[str, Any]) -> list[str]:
