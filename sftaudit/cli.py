@@ -1,4 +1,4 @@
-"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|diff|golden|demo`: the
+"""Command line: `sftaudit import|probe|ingest|audit|report|card|preflight|replay|gate|diff|golden|demo`: the
 arguments of every subcommand; each one runs in its own module of `sftaudit.commands`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
@@ -20,6 +20,10 @@ from .errors import InputError, one_line
 DATA_HELP = (
     "a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
     "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it"
+)
+GITHUB_HELP = (
+    "in GitHub Actions: print the findings as workflow annotations and append a Markdown summary to "
+    "$GITHUB_STEP_SUMMARY (when set)"
 )
 
 
@@ -81,10 +85,24 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
+    s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
     s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+
+    s = sub.add_parser(
+        "card",
+        help="the run's audit as a 'Training audit' section for a Hugging Face model card "
+        "(audits the run first if it has no stored verdict)",
+    )
+    s.add_argument("run_dir", type=Path)
+    s.add_argument(
+        "--into",
+        type=Path,
+        help="write it into this model card (README.md) between <!-- sftaudit:start --> and <!-- sftaudit:end -->, "
+        "appended when absent; the rest of the file is left byte for byte (default: print it)",
+    )
 
     s = sub.add_parser("preflight", help="checks LOOP-01..04 on a dataset + tokenizer + chat template, before training")
     s.add_argument("--data", type=Path, required=True, help="JSONL of chat rows ({id, messages}) or a datasets folder")
@@ -121,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--junit", type=Path, help="write JUnit XML here (one testcase per check)")
     s.add_argument("--json", type=Path, help="write the gate result as JSON here")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 of the findings up to the checkpoint here")
+    s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
     s = sub.add_parser(
         "diff",
@@ -156,6 +175,7 @@ COMMAND_MODULES = {
     "ingest": "ingest",
     "audit": "audit",
     "report": "report",
+    "card": "card",
     "preflight": "preflight",
     "replay": "replay",
     "gate": "gate",
@@ -176,13 +196,22 @@ def main(argv: list[str] | None = None) -> int:
         with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
             return command.run(args)
     except InputError as exc:
-        error(str(exc))
+        _cannot_judge(args, str(exc))
         return EXIT_CANNOT_JUDGE
     except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
         if os.environ.get("SFTAUDIT_DEBUG"):
             raise
-        error(f"could not {args.command} {_subject(args)}: {_describe(exc)}")
+        _cannot_judge(args, f"could not {args.command} {_subject(args)}: {_describe(exc)}")
         return EXIT_CANNOT_JUDGE
+
+
+def _cannot_judge(args: argparse.Namespace, reason: str) -> None:
+    """The one line on stderr; in GitHub Actions (--github), an error annotation too."""
+    error(reason)
+    if getattr(args, "github", False):
+        from .outputs.github import command
+
+        print(command("error", reason, title=f"sftaudit {args.command}: could not judge"), flush=True)
 
 
 def _subject(args: argparse.Namespace) -> str:

@@ -342,13 +342,22 @@ def test_each_check_shows_its_purpose_and_links_its_page_with_the_description_co
         section = html[html.index(f'<section class="check" id="check-{check.code}">') :]
         section = section[: section.index("</section>")]
         doc = check_doc(check)
-        purpose = re.search(r'<p class="purpose">(.*?) <a class="page" href="([^"]+)">', section)
+        # The documentation link leads to the description in this file first (offline, the site is out of
+        # reach: a link to nowhere is never the only one), the online page second.
+        purpose = re.search(
+            r'<p class="purpose">(.*?) <a class="doc-link" href="#([^"]+)">([^<]+)</a> '
+            r'\(<a class="page" href="([^"]+)">online</a>\)</p>',
+            section,
+        )
         assert purpose and purpose.group(1) == escape(doc["summary"]), check.code
-        assert purpose.group(2) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
+        assert purpose.group(2) == f"doc-{check.code}" and purpose.group(3) == f"{check.code} documentation"
+        assert purpose.group(4) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
         assert (root / "docs" / "checks" / f"{check.code}.md").is_file()  # the page the link names
         # The full description stays in the file for offline readers, closed until asked for.
         details = re.search(
-            r"<details class=\"check-doc\"( open)?><summary>.*?</summary>(.*?)</details>", section, re.S
+            r'<details class="check-doc" id="doc-%s"( open)?><summary>.*?</summary>(.*?)</details>' % check.code,
+            section,
+            re.S,
         )
         assert details and details.group(1) is None, check.code
         for name, text in doc["sections"]:

@@ -25,5 +25,11 @@ def run(args) -> int:
         from ..outputs.sarif import to_sarif
 
         write(args.sarif, json.dumps(to_sarif(verdict, args.run_dir), indent=1) + "\n", "--sarif")
-    print_summary(verdict, out / "verdict.json", report)
+    if args.github:
+        from .common import with_github
+
+        summary = lambda: print_summary(verdict, out / "verdict.json", report)  # noqa: E731 - printed by with_github
+        with_github(summary, verdict, args.run_dir, strict=args.strict or config.strict)
+    else:
+        print_summary(verdict, out / "verdict.json", report)
     return exit_code(verdict["verdict"], args.strict or config.strict)

@@ -1,10 +1,14 @@
 """What the commands share: exit codes, printing text built from the run's own strings, writing an output file,
-the default output folder, importing a folder trained without the shim, the verdict's terminal summary."""
+the default output folder, importing a folder trained without the shim, the verdict's terminal summary, the
+manifest's library versions, the GitHub Actions outputs of `--github`."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..core.terminal import safe_name, shown
 from ..errors import InputError, one_line
@@ -88,3 +92,33 @@ def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> Non
     if report:
         lines.append(f"report:  {shown(report)}")
     say("\n".join(lines))
+
+
+def manifest_versions(run_dir: Path) -> dict[str, Any]:
+    """The library versions the run's manifest records (the verdict does not carry them)."""
+    from ..store.ingest import connect, load_manifest
+
+    con = connect(run_dir, read_only=True)
+    try:
+        versions = load_manifest(con).get("versions")
+    finally:
+        con.close()
+    return versions if isinstance(versions, dict) else {}
+
+
+def with_github(show: Callable[[], None], verdict: dict, run_dir: Path, *, strict: bool = False, gate=None) -> None:
+    """`--github`: `show` (the terminal summary, which quotes the run's own text) printed with workflow commands
+    off, then the annotations and the Markdown step summary of the audit, or of the gate (`gate`: its JSON)."""
+    from ..outputs import github
+    from ..outputs.markdown import render, render_gate
+
+    with github.commands_off():
+        show()
+    versions = manifest_versions(run_dir)
+    markdown = (
+        render_gate(gate, verdict, versions=versions)
+        if gate is not None
+        else render(verdict, heading="sftaudit audit", versions=versions)
+    )
+    lines = github.annotations(verdict, run_dir, strict=strict, gate=gate)
+    github.publish(lines, markdown, os.environ.get("GITHUB_STEP_SUMMARY"))

@@ -288,5 +288,12 @@ def run(args) -> int:
 
         considered = {**stored_verdict(args.run_dir), "findings": result.findings}
         write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
-    say(result.summary())
+    if args.github:
+        from ..verdict.audit import stored_verdict
+        from .common import with_github
+
+        gated = json.loads(result.to_json())
+        with_github(lambda: say(result.summary()), stored_verdict(args.run_dir), args.run_dir, gate=gated)
+    else:
+        say(result.summary())
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -21,7 +21,7 @@ ROWS_SHOWN = 20
 _VISIBLE = str.maketrans({"\n": "↵", "\t": "⇥", "\r": "␍"})
 # Where the documentation site (mkdocs.yml: docs/checks/LOOP-NN.md is one page per check) is
 # published; pyproject.toml's [project.urls] Documentation names the same place.
-DOCS_URL = "https://sftaudit.readthedocs.io/en/latest"
+DOCS_URL = "https://sftaudit.github.io/sftaudit"
 
 
 def check_page(code: str) -> str:
