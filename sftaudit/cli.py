@@ -165,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         command = importlib.import_module(f"{__package__}.commands.{COMMAND_MODULES[args.command]}")
-        if getattr(args, "run_dir", None) is None:
-            return command.run(args)
-        from .store.ingest import run_lock
-
-        with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
-            return command.run(args)
+        return command.run(args)  # each takes the run's lock where it uses the run (`sftaudit.verdict.audit`)
     except InputError as exc:
         error(str(exc))
         return EXIT_CANNOT_JUDGE

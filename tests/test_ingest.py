@@ -3,7 +3,8 @@
 import shutil
 
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 
 
 def copy_run(src, dst):

@@ -20,10 +20,11 @@ from markupsafe import escape
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
 from sftaudit.cli import main
+from sftaudit.core.artifacts import artifact_root
 from sftaudit.outputs.report import plotly_js, write_report
 from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.outputs.report.tables import envelope
-from sftaudit.store.ingest import database_path
+from sftaudit.store.rundb import database_path
 from sftaudit.verdict.audit import audit
 from tests.conftest import NAN_STEP
 
@@ -117,9 +118,11 @@ PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {
 
 def plant(audited_run: Path, dest: Path) -> Path:
     """A copy of an audited run's DuckDB file with the PLANTED findings added to its stored verdict."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
+    shutil.copytree(  # the gradient-norm parts its database reads
+        artifact_root(audited_run), artifact_root(dest), ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
     )
+    database_path(dest).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(database_path(audited_run), database_path(dest))
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -226,11 +229,12 @@ def test_report_command_rebuilds_from_duckdb_without_rerunning_checks(planted_re
     assert "the the the" in html  # a planted finding: only in the stored verdict, no check produces it
 
 
-def test_report_command_on_an_unaudited_run_is_a_one_line_error(tmp_path, capsys):
+def test_report_command_on_a_folder_with_nothing_to_judge_is_a_one_line_error(tmp_path, capsys):
+    """`report` judges what this sftaudit has not judged yet: a folder without artifacts cannot be."""
     (tmp_path / "sftaudit").mkdir()
-    duckdb.connect(str(database_path(tmp_path))).close()
     assert main(["report", str(tmp_path)]) == 2
-    assert "not audited yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no sftaudit artifacts" in err and err.count("\n") == 1
 
 
 def test_envelope_keeps_every_spike_and_flagged_step():
@@ -369,7 +373,7 @@ def test_checks_not_run_never_show_as_passing(clean_report):
 
 def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
     from sftaudit.outputs.report import _ENV, _context, plotly_js, strip_context
-    from sftaudit.store.ingest import connect
+    from sftaudit.store.rundb import connect
     from sftaudit.verdict.audit import stored_verdict
 
     run = planted_report.parent.parent / "planted-run"
@@ -496,9 +500,11 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
     """A copy of the clean run's audited file as a run that could not be judged would store it: a check
     raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
     happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
+    shutil.copytree(  # the gradient-norm parts its database reads
+        artifact_root(audited_run), artifact_root(dest), ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
     )
+    database_path(dest).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(database_path(audited_run), database_path(dest))
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])

@@ -1,5 +1,5 @@
 """What the commands share: exit codes, printing text built from the run's own strings, writing an output file,
-the default output folder, importing a folder trained without the shim, the verdict's terminal summary."""
+the default output folder, the verdict's terminal summary."""
 
 from __future__ import annotations
 
@@ -37,13 +37,6 @@ def read(path: Path) -> str:
     from ..verdict.config import read_small_text
 
     return read_small_text(path, "file", limit=256 * 2**20)
-
-
-def prepare(args) -> None:
-    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
-    from ..imports import ensure_artifacts
-
-    ensure_artifacts(args.run_dir, args.data)
 
 
 def out_dir(args, run: str) -> Path:

@@ -12,7 +12,8 @@ import pytest
 
 from sftaudit.core.artifacts import rank_dir
 from sftaudit.errors import InputError
-from sftaudit.store.ingest import database_path, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import database_path
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
