@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=_at_least(1), default=4, help="sampled generations per prompt")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
+    s = sub.add_parser("ingest", help="load a run's artifacts into its database in sftaudit's cache (incremental)")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--config", type=Path, help="TOML file whose [ingest] section sets the read limits")
 
@@ -82,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
 
-    s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
+    s = sub.add_parser(
+        "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
+    )
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
 
