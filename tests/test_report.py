@@ -20,7 +20,6 @@ from markupsafe import escape
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
 from sftaudit.cli import main
-from sftaudit.core.artifacts import artifact_root
 from sftaudit.outputs.report import plotly_js, write_report
 from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.outputs.report.tables import envelope
@@ -116,13 +115,10 @@ PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08, Fa
 PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {XSS_SCRIPT}"}
 
 
-def plant(audited_run: Path, dest: Path) -> Path:
-    """A copy of an audited run's DuckDB file with the PLANTED findings added to its stored verdict."""
-    shutil.copytree(  # the gradient-norm parts its database reads
-        artifact_root(audited_run), artifact_root(dest), ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
-    database_path(dest).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(database_path(audited_run), database_path(dest))
+def plant(run: Path, dest: Path) -> Path:
+    """A copy of a run, audited, with the PLANTED findings added to the verdict its database stores."""
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -147,8 +143,7 @@ def plant(audited_run: Path, dest: Path) -> Path:
             {"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
             {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT},
         ]
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
         con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?, ?)", PLANTED_SERIES)
     finally:
         con.close()
@@ -157,7 +152,6 @@ def plant(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def planted_report(nan_run, tmp_path_factory) -> Path:
-    audit(nan_run)
     run = plant(nan_run, tmp_path_factory.mktemp("planted") / "planted-run")
     return write_report(run, run.parent / "report")
 
@@ -496,15 +490,12 @@ NO_RNG = {
 }
 
 
-def plant_unjudged(audited_run: Path, dest: Path) -> Path:
-    """A copy of the clean run's audited file as a run that could not be judged would store it: a check
+def plant_unjudged(run: Path, dest: Path) -> Path:
+    """A copy of the clean run, audited, its stored verdict as a run that could not be judged would store it: a check
     raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
     happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
-    shutil.copytree(  # the gradient-norm parts its database reads
-        artifact_root(audited_run), artifact_root(dest), ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
-    database_path(dest).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(database_path(audited_run), database_path(dest))
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -519,8 +510,7 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
                     if c["code"] == "LOOP-07"
                     else ("error", "ValueError: a planted failure")
                 )
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
     finally:
         con.close()
     return dest
@@ -528,7 +518,6 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def unjudged_report(clean_run, tmp_path_factory) -> Path:
-    audit(clean_run)
     run = plant_unjudged(clean_run, tmp_path_factory.mktemp("unjudged") / "unjudged-run")
     return write_report(run, run.parent / "report")
 

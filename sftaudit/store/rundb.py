@@ -184,25 +184,32 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
     """The run's database, opened as every connection is (external access off, configuration locked) with
     the gradient-norm views made. It may read the parts ingest validated and nothing else; a writable one
     (ingest's) also its staging folder and the run's series folder (the parts it is about to validate).
-    Writable: a database that is not this sftaudit's (foreign objects) is replaced by an empty one.
-    Read-only: InputError when there is none yet."""
+    Writable: a database that is not this sftaudit's (no DuckDB file, or holding foreign objects) is replaced
+    by an empty one. Read-only: InputError when there is none yet, or it is not this sftaudit's."""
     path = database_path(run_dir)
     if read_only and not path.is_file():
         raise InputError(f"{run_dir}: not ingested yet (run `sftaudit ingest {run_dir}`)")
     if not read_only:
         _made(run_dir)
     con = _open(path, run_dir, read_only)
-    try:
-        foreign = foreign_objects(con)
-        if foreign:
+    foreign = foreign_objects(con) if con is not None else []
+    why = (
+        "is no DuckDB database"
+        if con is None
+        else f"holds {foreign[0]}, which sftaudit never makes"
+        if foreign
+        else None
+    )
+    if why:
+        if con is not None:
             con.close()
-            if read_only:
-                raise InputError(
-                    f"{path}: holds {foreign[0]}, which sftaudit never makes; run `sftaudit ingest {run_dir}` "
-                    "to rebuild the database from the artifacts"
-                )
-            remove_database(run_dir)
-            con = _open(path, run_dir, read_only)
+        if read_only:
+            raise InputError(f"{path}: {why}; run `sftaudit ingest {run_dir}` to rebuild it from the artifacts")
+        remove_database(run_dir)
+        con = _open(path, run_dir, read_only)
+        if con is None:
+            raise InputError(f"{path}: cannot make the run's database there; set {CACHE_ENV} to a writable folder")
+    try:
         ours = database_format(con) == DATABASE_FORMAT
         parts = validated_parts(con, run_dir) if ours else []
         folders = [] if read_only else [str(path.parent / STAGING_DIR), *_series_folder(run_dir)]
@@ -215,30 +222,35 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
     return con
 
 
-def _open(path: Path, run_dir: str | Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+def _open(path: Path, run_dir: str | Path, read_only: bool) -> duckdb.DuckDBPyConnection | None:
+    """The database file opened (nothing in it run yet); None when it is no DuckDB database at all."""
     try:
         return duckdb.connect(str(path), read_only=read_only)
+    except duckdb.ConnectionException:  # open in this process, read-only where this wants to write or back
+        raise InputError(f"{path}: the run's database is open in this process already; close it first") from None
     except duckdb.Error as exc:
         if "lock" in str(exc).lower():
             raise InputError(
                 f"{path}: the database is open in another program; close it (or wait for it) and run again"
             ) from None
-        raise InputError(
-            f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
-            f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts"
-        ) from None
+        if not path.is_file():
+            raise InputError(f"{path}: cannot open the run's database ({one_line(exc)})") from None
+        return None  # a file there, but no database DuckDB can open: sftaudit's own is made again
 
 
 def _lock_down(con: duckdb.DuckDBPyConnection, files: list[str], folders: list[str]) -> None:
-    """External access off, but for `files` and `folders`; then no setting can change again."""
-    try:
-        con.execute("SET allowed_paths = ?", [files])
-    except duckdb.InvalidInputException:  # DuckDB shares one database per file within a process
-        raise InputError(
-            "the run's database is already open in this process (a connection from `connect` not closed): "
-            "close it and run again"
-        ) from None
-    con.execute("SET allowed_directories = ?", [[f"{f}{os.sep}" for f in folders]])
+    """External access off, but for `files` and `folders`; then no setting can change again. DuckDB shares one
+    database per file within a process: a second connection while the first is open finds it locked already
+    (by this function: what the first may read is what the second may)."""
+    locked, external = first_row(
+        con, "SELECT current_setting('lock_configuration'), current_setting('enable_external_access')"
+    )
+    if locked and not external:
+        return
+    if locked:
+        raise InputError("the run's database is open in this process with its configuration unlocked: close it first")
+    con.execute("SET allowed_paths = ?", [files])
+    con.execute("SET allowed_directories = ?", [[f"{f}{os.sep}" for f in folders]])  # the folder, not a prefix
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 

@@ -376,24 +376,24 @@ def audited(
     """The pipeline under the run's lock, held until the ``with`` ends (so what the caller then reads with
     `connect(run_dir, read_only=True)` is what was judged): a Trainer output trained without the shim is
     imported (again: it may have grown; `data` is its training data), what is new is ingested, and the run
-    is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless records
-    arrived since, it was judged by another version or with another config (`config` None: the stored
+    is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless the database
+    changed since it was judged, another version judged it, or another config (`config` None: the stored
     verdict's own); "never", import and ingest only (the stored verdict, if any)."""
     run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
         ensure_artifacts(run_dir, data)
-        stored = _stored(run_dir) if judge != "always" else None
-        if config is None:
-            config = _judged_with(stored) if judge == "if_stale" else AuditConfig()
+        if config is None:  # its limits are ingest's too
+            config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
         added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
-        if judge == "always" or (judge == "if_stale" and _stale_verdict(stored, added, config)):
+        stored = _stored(run_dir) if judge != "always" else None
+        if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
             con = connect(run_dir)
             try:
                 verdict = judge_database(con, run_dir, config)
             finally:
                 con.close()
         else:
-            verdict = (_stored(run_dir) or (None,))[0]  # read again: a database found stale was rebuilt
+            verdict = stored["verdict"] if stored else None
         yield Audited(verdict, added)
 
 
@@ -410,9 +410,15 @@ def audit(
         return done.verdict
 
 
-def _stored(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, str | None] | None:
-    """The stored verdict, the config it was judged with and the sftaudit version that judged it; None when
-    there is no database or no verdict in it."""
+# What the database holds of the artifacts (every file's identity and how far it was read): a verdict judged
+# on other contents is stale, whoever ingested them since.
+_INGESTED = """SELECT md5(coalesce(string_agg(concat_ws(':', file, "offset", records, device, inode, head), ','
+               ORDER BY file), '')) FROM ingest_state"""
+
+
+def _stored(run_dir: Path) -> dict[str, Any] | None:
+    """The stored verdict, the config it was judged with, the sftaudit version that judged it, what the
+    database held then and holds now; None when there is no database or no verdict in it."""
     try:
         con = connect(run_dir, read_only=True)
     except InputError:
@@ -420,24 +426,34 @@ def _stored(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, str |
     try:
         if not has_table(con, "audit_verdict"):
             return None
-        row = first_row(con, "SELECT verdict, config, sftaudit FROM audit_verdict")
+        row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
+        now = first_row(con, _INGESTED)[0]
     finally:
         con.close()
-    return (json.loads(row[0]), json.loads(row[1]) if row[1] else None, row[2]) if row else None
+    if row is None:
+        return None
+    verdict, config, version, ingested = row
+    return {
+        "verdict": json.loads(verdict),
+        "config": json.loads(config) if config else None,
+        "version": version,
+        "ingested": ingested,
+        "now": now,
+    }
 
 
-def _judged_with(stored) -> AuditConfig:
+def _judged_with(stored: dict[str, Any] | None) -> AuditConfig:
     """The config a stored verdict was judged with (the defaults for what it does not name)."""
     names = {f.name for f in dataclasses.fields(AuditConfig)}
-    return AuditConfig(**{k: v for k, v in ((stored or (None, None))[1] or {}).items() if k in names})
+    return AuditConfig(**{k: v for k, v in ((stored or {}).get("config") or {}).items() if k in names})
 
 
-def _stale_verdict(stored, added: dict[str, int], config: AuditConfig) -> bool:
+def _stale(stored: dict[str, Any] | None, config: AuditConfig) -> bool:
     return (
         stored is None
-        or any(added.values())
-        or stored[2] != __version__
-        or stored[1] != json.loads(json.dumps(dataclasses.asdict(config)))
+        or stored["ingested"] != stored["now"]
+        or stored["version"] != __version__
+        or stored["config"] != json.loads(json.dumps(dataclasses.asdict(config)))
     )
 
 
@@ -471,10 +487,11 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     verdict["checks"] = checks
     if resolution:  # an imported run: how finely its evidence places a step
         verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
-    # With the config it was judged with and the version that judged it: `audited` reuses it only for both.
-    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON, config JSON, sftaudit VARCHAR)")
+    # With the config it was judged with, the version that judged it and what the database held: `audited`
+    # reuses it only while all three are the same.
+    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON, config JSON, sftaudit VARCHAR, ingested VARCHAR)")
     con.execute(
-        "INSERT INTO audit_verdict VALUES (?, ?, ?)",
+        f"INSERT INTO audit_verdict SELECT ?, ?, ?, ({_INGESTED})",
         [json.dumps(verdict), json.dumps(dataclasses.asdict(config)), __version__],
     )
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
@@ -505,7 +522,7 @@ def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
         stored = _stored(Path(run_dir))
     if stored is None:
         raise InputError(f"{run_dir}: not audited yet (run `sftaudit audit {run_dir}`)")
-    return stored[0]
+    return stored["verdict"]
 
 
 def unjudged_reason(verdict: dict) -> str:
