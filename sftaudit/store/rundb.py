@@ -46,7 +46,7 @@ LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 # The database's own layout: a database of another format is rebuilt from the artifacts.
 # 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
 # 3: each part's steps listed at ingest (grad_part_steps).
-# 4: kept in the cache, outside the run folder; the run's identity and the verdict's config in sftaudit_meta.
+# 4: kept in sftaudit's cache, outside the run folder; the stored verdict with what it was judged on.
 DATABASE_FORMAT = 4
 STAGING_DIR = "staging"  # ingest's copies of new artifact lines, read by DuckDB's JSON reader
 # Characters DuckDB's file readers take for a glob pattern (a path holding them is escaped, `_literal`).
@@ -149,7 +149,7 @@ def inside_run_folder(run_dir: str | Path) -> Path:
     real, _, _ = run_identity(run_dir)
     root = artifact_root(run_dir)
     links = [root] if root.is_symlink() else []
-    if root.is_dir() and not links:
+    if root.is_dir():
         for folder, dirs, files in os.walk(root):  # links are not followed: each is checked instead
             links += [Path(folder, n) for n in dirs + files if os.path.islink(os.path.join(folder, n))]
     for link in links:
