@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=_at_least(1), default=4, help="sampled generations per prompt")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
+    s = sub.add_parser("ingest", help="load a run's artifacts into its database in sftaudit's cache (incremental)")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--config", type=Path, help="TOML file whose [ingest] section sets the read limits")
 
@@ -87,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
     s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
-    s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
+    s = sub.add_parser(
+        "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
+    )
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
 
@@ -189,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         command = importlib.import_module(f"{__package__}.commands.{COMMAND_MODULES[args.command]}")
-        if getattr(args, "run_dir", None) is None:
-            return command.run(args)
-        from .store.ingest import run_lock
-
-        with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
-            return command.run(args)
+        return command.run(args)  # each takes the run's lock where it uses the run (`sftaudit.verdict.audit`)
     except InputError as exc:
         _cannot_judge(args, str(exc))
         return EXIT_CANNOT_JUDGE

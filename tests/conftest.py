@@ -10,7 +10,7 @@ import pytest
 import torch
 from sftaudit.fixtures.train import train_plain
 
-from .shared import shared_dir
+from .shared import invocation_dir, shared_dir
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs on two workers (pyproject): one thread each
     torch.set_num_threads(1)
@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def database_cache(tmp_path_factory) -> Path:
+    """The run databases of this invocation (sftaudit keeps them in its cache, outside the runs): under its own
+    base temp, not the user's cache; the CLI subprocesses the tests start inherit it."""
+    from sftaudit.store.rundb import CACHE_ENV
+
+    folder = invocation_dir(tmp_path_factory) / "sftaudit-cache"
+    os.environ[CACHE_ENV] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import pytest
 
 from sftaudit.cli import main
 from sftaudit.commands.card import END, START
+from sftaudit.store.rundb import database_path
 from tests.github_runs import cli, failed_run, shared_failed_run
 
 CARD = b"""---
@@ -94,7 +95,7 @@ def test_a_run_not_audited_yet_is_audited_first(tmp_path, capsys):
     code, out, err = card(capsys, run)
     assert code == 0, err
     assert "**Verdict: ❌ FAIL**" in out and "LOOP-10 loss pathologies and drift disabled" not in out
-    assert (run / "sftaudit" / "audit.duckdb").is_file()
+    assert database_path(run).is_file()
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

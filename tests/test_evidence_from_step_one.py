@@ -5,7 +5,8 @@ import pytest
 from sftaudit.fixtures.train import train_plain
 
 from sftaudit.cli import main
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir

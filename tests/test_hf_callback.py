@@ -6,7 +6,8 @@ import pytest
 from sftaudit.fixtures.train import train_hf
 
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir

@@ -126,7 +126,8 @@ def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path, seed):
     _shuffle_times(run, seed)
     done = import_run(run)
     assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10, 15] and done["other_runs"] == 0
-    from sftaudit.store.ingest import connect, ingest
+    from sftaudit.store.ingest import ingest
+    from sftaudit.store.rundb import connect
 
     ingest(run)
     con = connect(run, read_only=True)
@@ -240,7 +241,8 @@ def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run,
 def _imported_with_steps_41_to_47_abandoned(run):
     """Import and ingest a run logged at every step that crashed at step 47 and resumed from step 40: 67
     logged steps, the abandoned 41-47 kept aside. Returns a read-only connection to its DuckDB."""
-    from sftaudit.store.ingest import connect, ingest
+    from sftaudit.store.ingest import ingest
+    from sftaudit.store.rundb import connect
 
     done = import_run(run)
     assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41

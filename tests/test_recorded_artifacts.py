@@ -5,7 +5,8 @@ import json
 import duckdb
 
 from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir, series_dir
-from sftaudit.store.ingest import connect, database_path, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, database_path
 
 
 def test_manifest_describes_model_tokenizer_and_dataset(clean_run):

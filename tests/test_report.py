@@ -23,7 +23,7 @@ from sftaudit.cli import main
 from sftaudit.outputs.report import plotly_js, write_report
 from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.outputs.report.tables import envelope
-from sftaudit.store.ingest import database_path
+from sftaudit.store.rundb import database_path
 from sftaudit.verdict.audit import audit
 from tests.conftest import NAN_STEP
 
@@ -115,11 +115,10 @@ PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08, Fa
 PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {XSS_SCRIPT}"}
 
 
-def plant(audited_run: Path, dest: Path) -> Path:
-    """A copy of an audited run's DuckDB file with the PLANTED findings added to its stored verdict."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
+def plant(run: Path, dest: Path) -> Path:
+    """A copy of a run, audited, with the PLANTED findings added to the verdict its database stores."""
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -144,8 +143,7 @@ def plant(audited_run: Path, dest: Path) -> Path:
             {"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
             {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT},
         ]
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
         con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?, ?)", PLANTED_SERIES)
     finally:
         con.close()
@@ -154,7 +152,6 @@ def plant(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def planted_report(nan_run, tmp_path_factory) -> Path:
-    audit(nan_run)
     run = plant(nan_run, tmp_path_factory.mktemp("planted") / "planted-run")
     return write_report(run, run.parent / "report")
 
@@ -226,11 +223,12 @@ def test_report_command_rebuilds_from_duckdb_without_rerunning_checks(planted_re
     assert "the the the" in html  # a planted finding: only in the stored verdict, no check produces it
 
 
-def test_report_command_on_an_unaudited_run_is_a_one_line_error(tmp_path, capsys):
+def test_report_command_on_a_folder_with_nothing_to_judge_is_a_one_line_error(tmp_path, capsys):
+    """`report` judges what this sftaudit has not judged yet: a folder without artifacts cannot be."""
     (tmp_path / "sftaudit").mkdir()
-    duckdb.connect(str(database_path(tmp_path))).close()
     assert main(["report", str(tmp_path)]) == 2
-    assert "not audited yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no sftaudit artifacts" in err and err.count("\n") == 1
 
 
 def test_envelope_keeps_every_spike_and_flagged_step():
@@ -378,7 +376,7 @@ def test_checks_not_run_never_show_as_passing(clean_report):
 
 def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
     from sftaudit.outputs.report import _ENV, _context, plotly_js, strip_context
-    from sftaudit.store.ingest import connect
+    from sftaudit.store.rundb import connect
     from sftaudit.verdict.audit import stored_verdict
 
     run = planted_report.parent.parent / "planted-run"
@@ -501,13 +499,12 @@ NO_RNG = {
 }
 
 
-def plant_unjudged(audited_run: Path, dest: Path) -> Path:
-    """A copy of the clean run's audited file as a run that could not be judged would store it: a check
+def plant_unjudged(run: Path, dest: Path) -> Path:
+    """A copy of the clean run, audited, its stored verdict as a run that could not be judged would store it: a check
     raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
     happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -522,8 +519,7 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
                     if c["code"] == "LOOP-07"
                     else ("error", "ValueError: a planted failure")
                 )
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
     finally:
         con.close()
     return dest
@@ -531,7 +527,6 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def unjudged_report(clean_run, tmp_path_factory) -> Path:
-    audit(clean_run)
     run = plant_unjudged(clean_run, tmp_path_factory.mktemp("unjudged") / "unjudged-run")
     return write_report(run, run.parent / "report")
 

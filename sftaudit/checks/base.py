@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import duckdb
 import polars as pl
 
-from ..store.ingest import first_row
+from ..store.rundb import first_row, has_rows
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -123,7 +123,7 @@ class AuditContext:
         return first_row(self.con, sql, params)
 
     def has_rows(self, table: str) -> bool:
-        return self.row(f'SELECT 1 FROM "{table}" LIMIT 1') is not None  # not count(*): a view over every norm
+        return has_rows(self.con, table)
 
 
 def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:

@@ -1,26 +1,26 @@
-"""`sftaudit audit RUN_DIR`: ingest, run the checks, write verdict.json, report.html and SARIF."""
+"""`sftaudit audit RUN_DIR`: import, ingest, run the checks, write verdict.json, report.html and SARIF."""
 
 from __future__ import annotations
 
 import json
 
-from .common import exit_code, out_dir, prepare, print_summary, write
+from .common import exit_code, out_dir, print_summary, write
 
 
 def run(args) -> int:
-    from ..verdict.audit import audit
+    from ..verdict.audit import audited
     from ..verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    verdict = audit(args.run_dir, config)
-    out = out_dir(args, verdict["run"])
-    write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
-    report = None
-    if not args.no_report:
-        from ..outputs.report import write_report
+    with audited(args.run_dir, config, data=args.data) as done:  # the report reads what was judged
+        verdict = done.verdict
+        out = out_dir(args, verdict["run"])
+        write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
+        report = None
+        if not args.no_report:
+            from ..outputs.report import write_report
 
-        report = write_report(args.run_dir, out)
+            report = write_report(args.run_dir, out)
     if args.sarif:
         from ..outputs.sarif import to_sarif
 

@@ -1,6 +1,6 @@
 """What the commands share: exit codes, printing text built from the run's own strings, writing an output file,
-the default output folder, importing a folder trained without the shim, the verdict's terminal summary, the
-manifest's library versions, the GitHub Actions outputs of `--github`."""
+the default output folder, the verdict's terminal summary, the manifest's library versions, the GitHub Actions
+outputs of `--github`."""
 
 from __future__ import annotations
 
@@ -41,13 +41,6 @@ def read(path: Path) -> str:
     from ..verdict.config import read_small_text
 
     return read_small_text(path, "file", limit=256 * 2**20)
-
-
-def prepare(args) -> None:
-    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
-    from ..imports import ensure_artifacts
-
-    ensure_artifacts(args.run_dir, args.data)
 
 
 def out_dir(args, run: str) -> Path:
@@ -96,7 +89,7 @@ def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> Non
 
 def manifest_versions(run_dir: Path) -> dict[str, Any]:
     """The library versions the run's manifest records (the verdict does not carry them)."""
-    from ..store.ingest import connect, load_manifest
+    from ..store.rundb import connect, load_manifest
 
     con = connect(run_dir, read_only=True)
     try:

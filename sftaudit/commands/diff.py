@@ -36,39 +36,37 @@ CONSTANT_RTOL = 1e-6
 
 def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) -> dict[str, Any]:
     """What `compare` reads from a run (recorded or imported)."""
-    from ..imports import ensure_artifacts
-    from ..store.ingest import connect, ingest, load_manifest
-    from ..verdict.audit import audit
+    from ..store.rundb import connect, load_manifest
+    from ..verdict.audit import audited
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
     if stride < 1:
         raise InputError(f"--stride must be 1 or more, not {stride}")
-    ensure_artifacts(run_dir)
-    ingest(run_dir)
-    verdict = audit(run_dir) if with_findings else None
-    con = connect(run_dir, read_only=True)
-    try:
-        manifest = load_manifest(con)
-        steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()
-        grads = con.sql(f"""SELECT tensor, list(step ORDER BY step) AS steps, list(norm ORDER BY step) AS norms
-                            FROM grad_norms WHERE rank = 0 AND step % {int(stride)} = 0
-                            GROUP BY tensor, idx ORDER BY idx""").fetchall()
-        probes = con.sql("""SELECT step, prompt, top_ids[1] AS top_id, top_probs[1] AS top_prob FROM probes
-                            ORDER BY step, prompt""").fetchall()
-        order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
-                           GROUP BY step ORDER BY step""").fetchall()
-        templates = [
-            t
-            for (t,) in con.sql(
-                "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
-            ).fetchall()
-        ]
-        digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
-                             GROUP BY path ORDER BY path""").fetchall()
-    finally:
-        con.close()
+    with audited(run_dir, judge="always" if with_findings else "never") as done:  # the reads see what was judged
+        verdict = done.verdict if with_findings else None
+        con = connect(run_dir, read_only=True)
+        try:
+            manifest = load_manifest(con)
+            steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()
+            grads = con.sql(f"""SELECT tensor, list(step ORDER BY step) AS steps, list(norm ORDER BY step) AS norms
+                                FROM grad_norms WHERE rank = 0 AND step % {int(stride)} = 0
+                                GROUP BY tensor, idx ORDER BY idx""").fetchall()
+            probes = con.sql("""SELECT step, prompt, top_ids[1] AS top_id, top_probs[1] AS top_prob FROM probes
+                                ORDER BY step, prompt""").fetchall()
+            order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
+                               GROUP BY step ORDER BY step""").fetchall()
+            templates = [
+                t
+                for (t,) in con.sql(
+                    "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
+                ).fetchall()
+            ]
+            digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
+                                 GROUP BY path ORDER BY path""").fetchall()
+        finally:
+            con.close()
     tokenizer = manifest.get("tokenizer") or {}
     from ..core.artifacts import template_fingerprint
 

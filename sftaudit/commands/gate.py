@@ -37,9 +37,9 @@ from ..checks.resume_state import (
 from ..core.terminal import json_safe, shown, xml_text
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
-from ..store.ingest import connect, load_manifest, run_lock
+from ..store.rundb import connect, load_manifest
 from ..verdict.attribution import findings_up_to
-from ..verdict.audit import audit, unjudged_reason
+from ..verdict.audit import audited, unjudged_reason
 from ..verdict.config import AuditConfig, read_small_text
 
 
@@ -181,12 +181,18 @@ def _line(f: dict[str, Any]) -> str:
     return f"{f['code']} {f['severity']} {where}: {f['message']}"
 
 
-def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
+def gate(
+    run_dir: str | Path,
+    checkpoint: str,
+    policy: Policy,
+    config: AuditConfig | None = None,
+    data: str | Path | None = None,
+) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
     run_dir = Path(run_dir)
-    with run_lock(run_dir):  # the audit and the inspection of its checkpoints see one state of the run
-        verdict = audit(run_dir, config)
+    with audited(run_dir, config, data=data) as done:  # the audit and the inspection of its checkpoints: one state
+        verdict = done.verdict
         lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
         raise InputError(unjudged_reason(verdict))
@@ -274,11 +280,11 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
 
 def run(args) -> int:
     """The CLI: gate the checkpoint, write JUnit, JSON and SARIF where asked, print the summary."""
-    from .common import EXIT_FAIL, EXIT_PASS, prepare, say, write
+    from .common import EXIT_FAIL, EXIT_PASS, say, write
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    policy = Policy.load(args.policy, args.strict or config.strict)
+    result = gate(args.run_dir, args.checkpoint, policy, config, data=args.data)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
             write(path, text(), "--junit" if text == result.to_junit else "--json")

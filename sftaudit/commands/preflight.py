@@ -19,7 +19,6 @@ import polars as pl
 import pyarrow as pa
 
 from ..core.artifacts import (
-    DATABASE_FILE,
     SCHEMA_VERSION,
     TOKENIZER_DIR,
     artifact_root,
@@ -56,8 +55,8 @@ def preflight(
 ) -> dict[str, Any]:
     """Render, tokenize, collate and check every sample; returns the verdict (stored under `out`)."""
     from ..checks import registered_checks
-    from ..store.ingest import connect, create_tables
-    from ..verdict.audit import judge
+    from ..store.rundb import connect, create_tables, remove_database
+    from ..verdict.audit import judge_database
 
     try:
         tokenizer = load_saved_tokenizer(tokenizer_dir)
@@ -83,7 +82,7 @@ def preflight(
     out = Path(out)
     root = artifact_root(out)
     root.mkdir(parents=True, exist_ok=True)
-    (root / DATABASE_FILE).unlink(missing_ok=True)
+    remove_database(out)  # the output folder's database (in sftaudit's cache) holds this preflight alone
     tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
     remember_tokenizer(root / TOKENIZER_DIR, tokenizer)
     manifest = {
@@ -116,7 +115,7 @@ def preflight(
     try:
         create_tables(con)
         _store(con, manifest, batches, failures, len(tokenizer), template_fingerprint(source))
-        return judge(con, out, config)
+        return judge_database(con, out, config)
     finally:
         con.close()
 

@@ -1,7 +1,7 @@
 """The artifact records, declared once: every record kind, each field's type, whether every record
 carries it, who writes it, and what it means.
 
-Ingest derives its columns from this (`sftaudit.store.ingest.RECORD_COLUMNS`), the shim's writer its file
+Ingest derives its columns from this (`sftaudit.store.rundb.RECORD_COLUMNS`), the shim's writer its file
 names (`sftaudit.core.artifacts.RECORD_KINDS`), the dataset path its batch and sample columns, and
 ``docs/artifacts.md`` its tables (``scripts/gen_artifact_docs.py``); tests/test_record_schema.py
 records real runs and fails on a key a writer emits that is not declared here, or a required one

@@ -2,7 +2,7 @@
 
 Faults that do not interfere share a run, each starting at its own step."""
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)

@@ -7,7 +7,7 @@ import pytest
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 
 from ..torchless import PRELUDE
 from .data_runs import audited, batch_ids, clean_data_findings, findings

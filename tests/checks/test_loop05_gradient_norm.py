@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 

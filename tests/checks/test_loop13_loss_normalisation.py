@@ -4,7 +4,8 @@ logging filter hides (Z18) are found at their step; correctly normalised runs st
 import numpy as np
 import pytest
 
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from ..conftest import NAN_STEP

@@ -19,7 +19,7 @@ import jinja2
 from ...checks import registered_checks
 from ...checks.base import SEVERITY_RANK
 from ...core.terminal import safe_name
-from ...store.ingest import connect, load_manifest
+from ...store.rundb import connect, load_manifest
 from ...verdict.audit import stored_verdict
 from . import figures, tables
 from .dataset import dataset_context
