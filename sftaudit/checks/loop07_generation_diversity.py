@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.rolling import runs_of
 from .stats.text import join_ngram, tokenize
 
@@ -31,7 +31,8 @@ class GenerationDiversity(Check):
         (n = 2, 3) that repeat an earlier n-gram of the same generation, averaged over generations.
     Threshold:
         distinct-1 < `min_distinct_1` (0.35) at `consecutive` (3) generation steps in
-        a row: warn at the first of them, recommending learning-rate decay.
+        a row: warn at the first of them, recommending learning-rate decay. Fewer generation steps
+        than `consecutive`: not judged.
     Evidence:
         distinct-1/2 and repetition-2/3 at the steps of the streak, the most repeated n-grams.
     """
@@ -49,6 +50,12 @@ class GenerationDiversity(Check):
         for step, prompt, text in rows:
             by_step.setdefault(step, {}).setdefault(prompt, []).append(tokenize(text))
         steps = np.array(sorted(by_step))
+        k = self.params["consecutive"]
+        if steps.size < k:
+            raise CannotJudge(
+                f"{steps.size} generation step(s) recorded: a streak of low diversity needs {k} (generate more often, "
+                f"or at each checkpoint with `sftaudit probe`)"
+            )
         stats = np.array([self._stats(by_step[s]) for s in steps])  # distinct-1, distinct-2, rep-2, rep-3
         for j, name in enumerate(("distinct-1", "distinct-2", "repetition-2", "repetition-3")):
             ctx.add_series(
@@ -60,7 +67,6 @@ class GenerationDiversity(Check):
             )
         with np.errstate(invalid="ignore"):
             low = stats[:, 0] < self.params["min_distinct_1"]
-        k = self.params["consecutive"]
         hits = runs_of(low, k)
         if not hits.size:
             return []
