@@ -375,9 +375,9 @@ class GradientNormAnomaly(Check):
             z_own[tensor, row],
         )
         # A collapse: the first run of `collapse_steps` steps in a row far below the tensor's own history.
-        start = _first_run_start(down, self.params["collapse_steps"])
-        tensor = np.flatnonzero(start >= 0)
-        row = start[tensor]
+        some = np.flatnonzero(down.any(axis=1))  # the rare tensors with a collapsed step: the runs only of them
+        start = _first_run_start(down[some], self.params["collapse_steps"])
+        tensor, row = some[start >= 0], start[start >= 0]
         collapse = (
             (
                 tensor + first,
