@@ -643,7 +643,7 @@ def test_full_sequence_loss_is_a_configuration_and_pad_eos_is_judged_on_its_own(
     )
     assert set(kinds["full_sequence_pad_masked"]) == {"full_sequence_loss", "end_of_turn_untrained"}
     untrained = kinds["full_sequence_pad_masked"]["end_of_turn_untrained"]
-    assert (untrained["severity"], untrained["category"]) == ("fail", "anomaly")
+    assert (untrained["severity"], untrained["category"]) == ("fail", "configuration")
     assert "the pad token is '<|eot_id|>'" in untrained["message"]
 
 

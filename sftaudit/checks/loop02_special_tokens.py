@@ -56,7 +56,10 @@ class SpecialTokenAlignment(Check):
         end-of-turn marker is a warn; a split marker only in unreached branches, or untrained
         marker rows that are trainable, is info. An imported run whose tokenizer saved last differs from
         every checkpoint's in its special tokens only (a pad token added at save, after training) is a
-        warn (risk), at run scope.
+        warn (risk), at run scope. The tokenizer's and template's setup (split markers, eos, pad ==
+        stop, BOS, embedding and marker rows, generation eos) is a configuration finding: it holds
+        from the first batch, and rolling back or skipping batches does not fix it; a tokenizer that
+        changes within the run is an anomaly at that step.
     Evidence:
         Each split marker with its pieces and ids; special-token ids; the doubled-BOS sample
         ids; each untrained marker's row norms and the medians; embedding rows and
@@ -134,6 +137,7 @@ class SpecialTokenAlignment(Check):
                         f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
                         f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
                         f"tokens (and resize the embeddings) or use the tokenizer's own markers",
+                        category="configuration",
                         split_markers=markers,
                         reached=severity == "fail",
                     )
@@ -150,6 +154,7 @@ class SpecialTokenAlignment(Check):
                     "fail",
                     "the tokenizer has no eos token, so generation cannot learn to stop; "
                     "set eos_token to the template's end-of-turn marker",
+                    category="configuration",
                 )
             ]
         layout = _turn_layout(tokenizer)
@@ -176,6 +181,7 @@ class SpecialTokenAlignment(Check):
                 f"attention_mask",
                 step=step,
                 sample_ids=[sample],
+                category="configuration",
                 pad_id=pad,
                 eos_id=stop,
                 stop_marker=marker,
@@ -223,6 +229,7 @@ class SpecialTokenAlignment(Check):
                     if frozen
                     else "; they are trainable"
                 ),
+                category="configuration",
                 kind="untrained_markers",
                 markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o} for i, t, e, o in low],
                 embed_median=rows["embed_median"],
@@ -252,6 +259,7 @@ class SpecialTokenAlignment(Check):
                 f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
                 f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
                 f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
+                category="configuration",
                 kind="eos_differs_from_turn_end",
                 turn_end_id=stop,
                 turn_end=marker,
@@ -283,6 +291,7 @@ class SpecialTokenAlignment(Check):
                 f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
                 f"add_special_tokens=False",
                 step=hits[0][0],
+                category="configuration",
                 kind="double_bos",
                 bos_id=bos,
                 sample_ids=ids[:50],
@@ -320,6 +329,7 @@ class SpecialTokenAlignment(Check):
                 f"trained on sequences it never sees; tokenize the template's render as it is (its BOS kept) with "
                 f"add_special_tokens=False",
                 step=hits[0][0],
+                category="configuration",
                 kind="bos_missing",
                 bos_id=bos,
                 first_token=found,
@@ -345,6 +355,7 @@ class SpecialTokenAlignment(Check):
                 "fail",
                 f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
                 f"resize the token embeddings to at least {need}",
+                category="configuration",
                 embedding_rows=rows,
                 tokenizer_length=length,
                 max_input_id=top,

@@ -178,6 +178,8 @@ class LossMaskValidity(Check):
                 findings.append(self._mask_finding(kind, rows, counts[kind], first_evidence[kind]))
         if expected_total and abs(actual_total - expected_total) / expected_total > self.params["aggregate_tolerance"]:
             share = abs(actual_total - expected_total) / expected_total
+            # The count of what the other findings show: a configuration when each of them is one.
+            causes = {f.category for f in findings}
             findings.append(
                 self.finding(
                     "warn",
@@ -185,6 +187,7 @@ class LossMaskValidity(Check):
                     f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
                     f"see this check's other findings for the samples",
                     step=min((f.step for f in findings if f.step is not None), default=int(frame["step"].min())),
+                    category="configuration" if causes == {"configuration"} else "anomaly",
                     value=share,
                     threshold=self.params["aggregate_tolerance"],
                     expected_trained=expected_total,
@@ -266,6 +269,7 @@ class LossMaskValidity(Check):
             f"(from step {step}, first {sample}): the model never learns to emit its stop token and runs on past "
             f"its answers at inference; {cause}",
             step=step,
+            category="configuration",  # the collator's or template's setup: no batch to skip fixes it
             kind="end_of_turn_untrained",
             marker=marker,
             markers_total=ends["total"],
