@@ -46,8 +46,28 @@ def prepare(args) -> None:
     ensure_artifacts(args.run_dir, args.data)
 
 
-def out_dir(args, run: str) -> Path:
-    return args.out or DEFAULT_REPORTS / safe_name(run)
+# In a default output folder: the resolved path of the run (or dataset) its outputs were written for.
+OWNER_FILE = ".sftaudit-source"
+
+
+def out_dir(args, run: str, source: str | Path) -> Path:
+    """`--out` as given; else reports/<run>/, which belongs to the first run (or dataset) written there: a
+    second one whose folder has the same name (a/run and b/run) gets reports/<run>-<8 hex digits of its
+    resolved path>/, so no audit overwrites another run's report."""
+    if args.out:
+        return args.out
+    import hashlib
+
+    resolved = str(Path(source).resolve())
+    target = DEFAULT_REPORTS / safe_name(run)
+    try:
+        owner = (target / OWNER_FILE).read_text(encoding="utf-8").strip() if (target / OWNER_FILE).is_file() else None
+    except (OSError, UnicodeDecodeError):
+        owner = None
+    if owner is not None and owner != resolved:
+        target = DEFAULT_REPORTS / f"{safe_name(run)}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+    write(target / OWNER_FILE, resolved + "\n", "output folder")  # a folder from before, unmarked, is claimed
+    return target
 
 
 def exit_code(verdict: str, strict: bool) -> int:

@@ -209,7 +209,7 @@ def run(args) -> int:
     from .common import exit_code, out_dir, print_summary, write
 
     config = AuditConfig.load(args.config)
-    out = out_dir(args, f"preflight-{args.data.stem}")
+    out = out_dir(args, f"preflight-{args.data.stem}", args.data)
     verdict = preflight(
         args.data,
         args.tokenizer,

@@ -10,5 +10,5 @@ def run(args) -> int:
     from ..verdict.audit import stored_verdict
 
     verdict = stored_verdict(args.run_dir)
-    say(str(write_report(args.run_dir, out_dir(args, verdict["run"]))))
+    say(str(write_report(args.run_dir, out_dir(args, verdict["run"], args.run_dir))))
     return EXIT_PASS
