@@ -78,7 +78,8 @@ def exit_code(verdict: str, strict: bool) -> int:
     return EXIT_PASS
 
 
-def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
+def print_summary(verdict: dict, verdict_path: Path, report: Path | None, codes: tuple[str, ...] = ()) -> None:
+    """The verdict in a few lines; the checks not run are listed among `codes` (default: every check)."""
     if verdict.get("cannot_judge"):
         from ..verdict.audit import unjudged_reason
 
@@ -101,7 +102,11 @@ def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> Non
         f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
     ]
     lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
-    not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
+    not_run = [
+        c
+        for c in verdict.get("checks", [])
+        if c["status"] in ("not_run", "disabled") and (not codes or c["code"] in codes)
+    ]
     if not_run:
         lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
     lines.append(f"verdict: {shown(verdict_path)}")
