@@ -16,7 +16,7 @@ from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
 from .base import AuditContext, CannotJudge, Check, Finding
-from .recorded import first_manifest, recorded_samples, run_tokenizer
+from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
 _MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w-]*>|\[/?[A-Z_]{2,}\]")
@@ -41,7 +41,8 @@ class SpecialTokenAlignment(Check):
         Markers: the tokenizer's own special/added tokens found in the template's literal
         strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
         specials, then searched (as its pieces) in the recorded rows. pad == stop: trained share
-        of the attended end-of-turn markers (derived from the template) in the recorded rows.
+        of the end-of-turn markers of the assistant turns (derived from the template) in the
+        recorded rows, counted as LOOP-04 counts them (once per marker, where the template trains it).
         Identity: per-batch tokenizer length, checkpoint and segment fingerprints against
         the run's first manifest. A fingerprint is of what the tokenizer is (vocabulary, merges,
         added and special tokens, normaliser, pre-tokenizer, post-processor, decoder, chat
@@ -161,27 +162,35 @@ class SpecialTokenAlignment(Check):
         stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
         if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
-        attended, trained, step, sample = ctx.row(
-            """
-            SELECT count(*), count(*) FILTER (WHERE label <> -100), min(step), arg_min(sample_id, step)
-            FROM (SELECT step, sample_id, unnest(input_ids) AS id, unnest(labels) AS label,
-                         unnest(attention_mask) AS attended FROM samples)
-            WHERE id = ? AND attended = 1
-            """,
-            [stop],
-        )
+        if layout is not None and layout.turn_end and "assistant" in layout.headers:
+            # The assistant turns' markers, counted as LOOP-04 counts them: one count, one definition.
+            ends = end_of_turn_markers(recorded_samples(ctx, template_source(tokenizer.chat_template)), layout, pad)
+            attended, trained = ends["total"], ends["trained"]
+            step, sample = (ends["rows"][0][0], ends["rows"][0][1]) if ends["rows"] else (None, None)
+            what = "that end an assistant turn"
+        else:  # a template without turns: every attended stop token is one
+            attended, trained, step, sample = ctx.row(
+                """
+                SELECT count(*), count(*) FILTER (WHERE label <> -100), min(step), arg_min(sample_id, step)
+                FROM (SELECT step, sample_id, unnest(input_ids) AS id, unnest(labels) AS label,
+                             unnest(attention_mask) AS attended FROM samples)
+                WHERE id = ? AND attended = 1
+                """,
+                [stop],
+            )
+            what = "in the samples"
         if not attended or trained:
             return []
         marker = tokenizer.convert_ids_to_tokens(stop)
         return [
             self.finding(
                 "fail",
-                f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
-                f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
+                f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} {what} are masked "
+                f"with the padding, so the model never learns to stop; use a distinct pad token or mask padding by "
                 f"attention_mask",
                 step=step,
-                sample_ids=[sample],
                 category="configuration",
+                sample_ids=[sample],
                 pad_id=pad,
                 eos_id=stop,
                 stop_marker=marker,
