@@ -50,12 +50,6 @@ class GenerationDiversity(Check):
         for step, prompt, text in rows:
             by_step.setdefault(step, {}).setdefault(prompt, []).append(tokenize(text))
         steps = np.array(sorted(by_step))
-        k = self.params["consecutive"]
-        if steps.size < k:
-            raise CannotJudge(
-                f"{steps.size} generation step(s) recorded: a streak of low diversity needs {k} (generate more often, "
-                f"or at each checkpoint with `sftaudit probe`)"
-            )
         stats = np.array([self._stats(by_step[s]) for s in steps])  # distinct-1, distinct-2, rep-2, rep-3
         for j, name in enumerate(("distinct-1", "distinct-2", "repetition-2", "repetition-3")):
             ctx.add_series(
@@ -64,6 +58,12 @@ class GenerationDiversity(Check):
                 steps.tolist(),
                 np.nan_to_num(stats[:, j]).tolist(),
                 self.params["min_distinct_1"] if j == 0 else None,
+            )
+        k = self.params["consecutive"]
+        if steps.size < k:  # its values are shown; a streak cannot be told from them
+            raise CannotJudge(
+                f"{steps.size} generation step(s) recorded: a streak of low diversity needs {k} (generate more often, "
+                f"or at each checkpoint with `sftaudit probe`)"
             )
         with np.errstate(invalid="ignore"):
             low = stats[:, 0] < self.params["min_distinct_1"]

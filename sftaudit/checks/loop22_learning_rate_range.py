@@ -64,9 +64,11 @@ def optimizer_name(manifest: dict) -> tuple[str | None, bool]:
     ):
         if isinstance(value, str) and value and not is_wrapper(value):
             return value, False
-    if manifest.get("imported"):
+    # Not on disk (an import), or hidden in a wrapper the run did not see into: the Trainer's default, as the
+    # same run's logs are judged (a recorded run never judges less than its logs).
+    if manifest.get("imported") or (recorded and all(is_wrapper(n) for n in recorded)):
         return TRAINER_DEFAULT, True
-    return (recorded[0] if recorded else None), False
+    return None, False
 
 
 def _recorded_classes(optimizer) -> list[str]:
@@ -108,7 +110,8 @@ class LearningRateRange(Check):
         the manifest's, read through its wrappers (accelerate's AcceleratedOptimizer, which every Trainer and TRL
         run records, DeepSpeed's and torch's ZeRO, Lightning's): the wrapped class where recorded, else the
         Trainer's `optim`; an imported run's is not on disk and is taken to be the Trainer's default, AdamW (the
-        message says so). A recorded run is judged on no less than its own logs would be.
+        message says so), as is a recorded run's that names only a wrapper (a hand-written accelerate loop
+        without a config): a recorded run is judged on no less than its own logs would be.
     Threshold:
         Peak above the limit: warn; above 10x the limit: fail. Every logged learning rate <= 0: fail. No
         learning rate logged, or an optimizer of no known family: not judged. The finding is a configuration
@@ -147,18 +150,20 @@ class LearningRateRange(Check):
             raise CannotJudge("the optimizer is not recorded (pass config={'optimizer': ...} to the Recorder)")
         family = optimizer_family(name)
         if family is None:
-            if is_wrapper(name):
-                raise CannotJudge(
-                    f"optimizer {name!r} wraps the one that steps and the run does not name it; pass "
-                    f"config={{'optimizer': ...}} to the Recorder"
-                )
             raise CannotJudge(f"optimizer {name!r}: no known sane learning-rate range")
         limit = self.params[f"{family}_limit"]
         i = int(np.argmax(lr))
         peak = float(lr[i])
         if peak <= limit:
             return []
-        which = f"{name} (the Trainer's default: the optimizer is not on disk)" if assumed else name
+        wrapped = _recorded_classes(ctx.manifest.get("optimizer"))
+        which = (
+            name
+            if not assumed
+            else f"{name} (the Trainer's default: the optimizer is not on disk)"
+            if ctx.manifest.get("imported")
+            else f"{name} (the Trainer's default: the run recorded only its wrapper, {wrapped[0]})"
+        )
         return [
             self.finding(
                 "fail" if peak > 10 * limit else "warn",
