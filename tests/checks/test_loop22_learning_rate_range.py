@@ -44,6 +44,9 @@ def test_the_optimizer_is_read_through_its_wrappers():
         False,
     )
     assert optimizer_name({"optimizer": {"class": "AdamW"}}) == ("AdamW", False)  # a plain loop's, unwrapped
+    # The shim reading through the wrappers: the stepping class, the wrappers beside it.
+    through = {"class": "AdamW", "module": "torch.optim.adamw", "wrappers": ["AcceleratedOptimizer"], "groups": []}
+    assert optimizer_name({"optimizer": through, **trainer}) == ("AdamW", False)
     # Only the wrapper, no config (a hand-written accelerate loop): the Trainer's default, said to be assumed,
     # as the same run's logs alone are judged.
     assert optimizer_name({"optimizer": {"class": "AcceleratedOptimizer"}}) == ("adamw_torch", True)
