@@ -33,7 +33,8 @@ class GradientNormAnomaly(Check):
 
     What it detects:
         Non-finite loss or gradients, per tensor, that reached the weights (a step the fp16 loss scaler
-        skipped is LOOP-25's info; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
+        skipped is LOOP-25's info, in a run whose manifest records a scaler that skips, or an older one that
+        does not say; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
         own history and against the other tensors at that step); the same tensor spiking at a
         fixed interval (one finding with the period); a global-norm spike no single tensor
         explains; a group of tensors whose gradients collapse to ~0 against their own history
@@ -98,6 +99,11 @@ class GradientNormAnomaly(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
         skipped = skipped_updates(bad_norm, has_norm)
+        scaler = ctx.manifest.get("loss_scaler")
+        if isinstance(scaler, dict) and scaler.get("skips_nonfinite_steps") is False:
+            # The shim saw no loss scaler (nor DeepSpeed's overflow check): nothing skipped a step, so finite
+            # gradients after a non-finite one do not make it a benign skip.
+            skipped = np.zeros_like(skipped)
         return (
             self._nonfinite_loss(ctx)
             + self._nonfinite_grads(ctx, skipped)

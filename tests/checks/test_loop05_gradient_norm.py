@@ -222,6 +222,13 @@ def test_a_step_the_fp16_scaler_skipped_is_no_spike_and_no_non_finite_fail(tmp_p
     applied[40:] = np.nan
     [finding] = loop05(audit(recorded_series_run(tmp_path / "applied", lr, [1.0] * steps, applied, names)))
     assert (finding["severity"], finding["step"]) == ("fail", 41) and finding["evidence"]["tensor_count"] == 4
+    # The same series in a run whose manifest says nothing could skip a step (no GradScaler): not a skip.
+    no_scaler = {"loss_scaler": {"present": False, "skips_nonfinite_steps": False}}
+    unscaled = recorded_series_run(tmp_path / "unscaled", lr_held, [1.0] * steps, skipped, names, no_scaler)
+    [finding] = loop05(audit(unscaled))
+    assert (finding["severity"], finding["step"]) == ("fail", 33) and "non-finite" in finding["message"]
+    scaled = {"loss_scaler": {"present": True, "skips_nonfinite_steps": True, "class": "GradScaler"}}
+    assert loop05(audit(recorded_series_run(tmp_path / "scaled", lr_held, [1.0] * steps, skipped, names, scaled))) == []
 
 
 def test_gradients_collapsing_in_one_layer_fail_at_the_step_and_the_clean_run_stays_silent(runs, clean_run):
