@@ -80,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("audit", help="ingest, run the checks, write verdict.json and report.html")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--data", type=Path, help=DATA_HELP)
-    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+    s.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: reports/<run>/, or reports/<run>-<hash>/ when that one holds another run's)",
+    )
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
@@ -91,7 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
     )
     s.add_argument("run_dir", type=Path)
-    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+    s.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: reports/<run>/, or reports/<run>-<hash>/ when that one holds another run's)",
+    )
 
     s = sub.add_parser(
         "card",
@@ -115,7 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-length", type=_at_least(1), help="truncate to this many tokens (default: the tokenizer's limit)"
     )
-    s.add_argument("--out", type=Path, help="output folder (default: reports/preflight-<data>/)")
+    s.add_argument(
+        "--out", type=Path, help="output folder (default: reports/preflight-<data>/, or -<hash> appended as for audit)"
+    )
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")

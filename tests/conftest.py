@@ -22,6 +22,7 @@ NAN_STEP = 13
 TRAINING_FIXTURES = {
     # this file's
     "runs",
+    "nan_probed_run",
     "checkpoint_fault_run",
     "hf_checkpoint_fault_run",
     "trl_packing_run",
@@ -93,6 +94,21 @@ def clean_run(runs) -> Path:
 @pytest.fixture(scope="session")
 def nan_run(runs) -> Path:
     return runs("nan", steps=20, faults={"nan_at": NAN_STEP})
+
+
+@pytest.fixture(scope="session")
+def nan_probed_run(runs) -> Path:
+    """Probes every 2 steps, generations and evaluations every 4, a NaN at step 7 (the probe at 8 is not
+    finite): checks left with too little, or partly unusable, evidence (LOOP-06/07/08)."""
+    return runs(
+        "nan_probed",
+        steps=8,
+        checkpoint_every=4,
+        probe_every=2,
+        generate_every=4,
+        eval_every=4,
+        faults={"nan_at": 7},
+    )
 
 
 # Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps);

@@ -200,11 +200,16 @@ def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(prob
     # Without the training data the leak cannot be seen: the eval set alone does not show it.
     assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
     checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
+    # Two probed checkpoints are too few for a drift between probes or a streak of generations: said, not passed.
     for code in ("LOOP-06", "LOOP-07"):
-        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]
-    # LOOP-08 judges the eval metrics, but not contamination: no training samples without --data.
-    assert checks["LOOP-08"]["status"] == "partial" and checks["LOOP-08"]["sources"] == ["post-hoc probes"]
-    assert checks["LOOP-08"]["reason"] == "not recorded: rendered samples"
+        assert checks[code]["status"] == "not_run" and checks[code]["reason"].startswith("2 "), checks[code]
+    # LOOP-08: two evaluations are too few for the metrics' drift, and without --data there are no training
+    # samples to find the eval set in: nothing judged, and it says both.
+    assert checks["LOOP-08"]["status"] == "not_run"
+    assert (
+        checks["LOOP-08"]["reason"].startswith("2 evaluation(s) recorded")
+        and "training samples" in checks["LOOP-08"]["reason"]
+    )
     assert checks["LOOP-04"]["status"] == "not_run"
 
 

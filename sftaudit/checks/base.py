@@ -79,6 +79,8 @@ class AuditContext:
     manifest: dict[str, Any]
     series: list[dict[str, Any]] = field(default_factory=list)
     not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
+    # check code -> what of its evidence it could not judge (it judged the rest: the check ran on partial evidence)
+    partly_judged: dict[str, str] = field(default_factory=dict)
     resources: list[Any] = field(default_factory=list)  # what checks share and `close` releases (temporary files)
 
     def add_series(

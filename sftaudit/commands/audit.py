@@ -14,7 +14,7 @@ def run(args) -> int:
     config = AuditConfig.load(args.config)
     with audited(args.run_dir, config, data=args.data) as done:  # the report reads what was judged
         verdict = done.verdict
-        out = out_dir(args, verdict["run"])
+        out = out_dir(args, verdict["run"], args.run_dir)
         write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
         report = None
         if not args.no_report:

@@ -43,8 +43,28 @@ def read(path: Path) -> str:
     return read_small_text(path, "file", limit=256 * 2**20)
 
 
-def out_dir(args, run: str) -> Path:
-    return args.out or DEFAULT_REPORTS / safe_name(run)
+# In a default output folder: the resolved path of the run (or dataset) its outputs were written for.
+OWNER_FILE = ".sftaudit-source"
+
+
+def out_dir(args, run: str, source: str | Path) -> Path:
+    """`--out` as given; else reports/<run>/, which belongs to the first run (or dataset) written there: a
+    second one whose folder has the same name (a/run and b/run) gets reports/<run>-<8 hex digits of its
+    resolved path>/, so no audit overwrites another run's report."""
+    if args.out:
+        return args.out
+    import hashlib
+
+    resolved = str(Path(source).resolve())
+    target = DEFAULT_REPORTS / safe_name(run)
+    try:
+        owner = (target / OWNER_FILE).read_text(encoding="utf-8").strip() if (target / OWNER_FILE).is_file() else None
+    except (OSError, UnicodeDecodeError):
+        owner = None
+    if owner is not None and owner != resolved:
+        target = DEFAULT_REPORTS / f"{safe_name(run)}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+    write(target / OWNER_FILE, resolved + "\n", "output folder")  # a folder from before, unmarked, is claimed
+    return target
 
 
 def exit_code(verdict: str, strict: bool) -> int:
@@ -55,7 +75,8 @@ def exit_code(verdict: str, strict: bool) -> int:
     return EXIT_PASS
 
 
-def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
+def print_summary(verdict: dict, verdict_path: Path, report: Path | None, codes: tuple[str, ...] = ()) -> None:
+    """The verdict in a few lines; the checks not run are listed among `codes` (default: every check)."""
     if verdict.get("cannot_judge"):
         from ..verdict.audit import unjudged_reason
 
@@ -78,7 +99,11 @@ def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> Non
         f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
     ]
     lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
-    not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
+    not_run = [
+        c
+        for c in verdict.get("checks", [])
+        if c["status"] in ("not_run", "disabled") and (not codes or c["code"] in codes)
+    ]
     if not_run:
         lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
     lines.append(f"verdict: {shown(verdict_path)}")

@@ -136,9 +136,11 @@ class GateResult:
         return json_safe(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False)) + "\n"
 
     def to_junit(self) -> str:
-        """One testcase per check: a blocking finding is a failure; a check turned off, or one that had
-        too little evidence to judge (`not_run`), is skipped with the reason. All text goes through
-        `xml_text`: XML cannot hold control characters, and CI pages should not show bidi controls raw."""
+        """One testcase per check: a blocking finding is a failure; a check turned off, one that had
+        too little evidence to judge (`not_run`), or one that judged only part of the run's evidence
+        (`partial`) and found nothing blocking, is skipped with the reason: never a plain pass for what
+        was not seen. All text goes through `xml_text`: XML cannot hold control characters, and CI
+        pages should not show bidi controls raw."""
         name = self.checkpoint["name"]
         suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
         counts = {"tests": 0, "failures": 0, "skipped": 0}
@@ -154,15 +156,19 @@ class GateResult:
                 counts["skipped"] += 1
                 continue
             blocking = [f for f in mine if self.policy.blocks(f)]
+            partial = f"partial evidence: {reason}" if status == "partial" else None
             if blocking:
                 counts["failures"] += 1
                 failure = ET.SubElement(
                     case, "failure", {"type": blocking[0]["severity"], "message": xml_text(blocking[0]["message"])}
                 )
                 failure.text = xml_text("\n".join(_line(f) for f in blocking))
-            others = [f for f in mine if not self.policy.blocks(f)]
+            elif partial:
+                ET.SubElement(case, "skipped", {"message": xml_text(f"{partial}; nothing blocking in what was judged")})
+                counts["skipped"] += 1
+            others = [_line(f) for f in mine if not self.policy.blocks(f)] + ([partial] if partial and blocking else [])
             if others:
-                ET.SubElement(case, "system-out").text = xml_text("\n".join(_line(f) for f in others))
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(others))
         for key in ("tests", "failures", "skipped"):
             suite.set(key, str(counts[key]))
         suite.set("errors", "0")

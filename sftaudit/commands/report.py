@@ -11,5 +11,5 @@ def run(args) -> int:
     from ..verdict.audit import audited
 
     with audited(args.run_dir, judge="if_stale") as done:
-        say(str(write_report(args.run_dir, out_dir(args, done.verdict["run"]))))
+        say(str(write_report(args.run_dir, out_dir(args, done.verdict["run"], args.run_dir))))
     return EXIT_PASS

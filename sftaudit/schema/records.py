@@ -145,7 +145,10 @@ MANIFEST = RecordKind(
         Field(
             "tokenizer",
             "JSON",
-            "`fingerprint`, `class`, `length`, `special_tokens` {bos,eos,pad,unk: {token,id}}, "
+            "`fingerprint` (`v2:` and a hash of `identity`), `identity` (a hash per part of what the tokenizer is: "
+            "vocabulary, merges, model, added_tokens, normalizer, pre_tokenizer, post_processor, decoder, "
+            "special_tokens, chat_template; never its truncation or padding state), `class`, `length`, "
+            "`special_tokens` {bos,eos,pad,unk: {token,id}}, "
             "`added_tokens`, `padding_side`, `truncation_side`, `chat_template` (null or empty: none given)",
             ALL,
             True,
@@ -555,7 +558,13 @@ CHECKPOINTS = RecordKind(
             "`saved`: an outline of the training state saved with it (scalars kept, tensors as {type, shape, dtype})",
             (SHIM, IMPORT),
         ),
-        Field("tokenizer_fingerprint", "VARCHAR", "`saved`: the tokenizer's fingerprint", (SHIM, IMPORT)),
+        Field(
+            "tokenizer_fingerprint",
+            "VARCHAR",
+            "`saved`: the tokenizer's fingerprint (as the manifest's `tokenizer.fingerprint`; one without the `v2:` "
+            "prefix was recorded with the tokenizer's truncation and padding state)",
+            (SHIM, IMPORT),
+        ),
         Field("param_norms", "DOUBLE[]", "`saved`: float64 per-tensor weight norms of this rank's pieces"),
         Field(
             "param_fingerprints",

@@ -311,9 +311,10 @@ def check_coverage(
     check_errors: list[dict[str, str]],
     evidence: dict[str, Any] | None,
     not_judged: dict[str, str],
+    partly_judged: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
-    judges more finely with was not recorded), "not_run"
+    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, what it
+    judges more finely with was not recorded, or the check judged only part of what was: `partly_judged`), "not_run"
     (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
     "error"; with the reason and
     the evidence it ran on."""
@@ -340,6 +341,8 @@ def check_coverage(
             )
         elif lacking:
             status, reason = "partial", "not recorded: " + ", ".join(EVIDENCE[t] for t in lacking)
+        elif check.code in (partly_judged or {}):
+            status, reason = "partial", partly_judged[check.code]
         else:
             status, reason = "ran", None
         out.append(
@@ -470,7 +473,7 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         if manifest.get("profile") == "preflight"
         else evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
     )
-    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
+    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged, ctx.partly_judged)
     if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
         evidence["cannot_judge"] = (
             "no check could run on what was recorded ("

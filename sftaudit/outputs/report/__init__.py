@@ -240,6 +240,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
                 "div": series_divs.get(code),
                 "points": series_values.get(code, []),
                 "check_anchor": anchor(code),
+                "why": next((c["why"] for c in checks if c["code"] == code), None),
             }
             for pid, title, code, about in BEHAVIOUR_PANELS
         ],
