@@ -542,7 +542,9 @@ CHECKPOINTS = RecordKind(
         Field(
             "event",
             "VARCHAR",
-            "`saved` (at the save), then `hashed` (when its files are hashed; the shim only)",
+            "`saved` (at the save), then `hashed` (when its files are hashed; the shim only); `kept` (the shim's "
+            "guard, when it stopped the run: the last checkpoint before the first bad step, copied out of the "
+            "trainer's rotation)",
             (SHIM, IMPORT),
             True,
         ),
@@ -567,6 +569,11 @@ CHECKPOINTS = RecordKind(
             "time", "DOUBLE", "`saved`: when (seconds since 1970; an imported run: the folder's mtime)", (SHIM, IMPORT)
         ),
         Field("sha256", "JSON", "`hashed`: {file: hex digest}"),
+        Field(
+            "kept_path",
+            "VARCHAR",
+            "`kept`: where the guard kept it, relative to RUN_DIR (`sftaudit/kept/<name>`: hard links to its files)",
+        ),
     ),
 )
 
@@ -580,7 +587,9 @@ EVENTS = RecordKind(
             "VARCHAR",
             "`start`, `segment_start` (at a segment's first batch), `close` (the loop ended; none "
             "when the process was killed), `shim_error`, `probe_disabled`, `grad_hists_not_recorded` (a suspicious "
-            "step whose gradients the optimizer step freed or changed before its histograms); the dataset path: "
+            "step whose gradients the optimizer step freed or changed before its histograms), `halted` (the guard "
+            "stopped the run), `stop_request_ignored` (a stop request older than the segment, or not one); the "
+            "dataset path: "
             "`render_failed`, `content_dropped`",
             ALL,
             True,
@@ -591,10 +600,19 @@ EVENTS = RecordKind(
         Field(
             "error",
             "VARCHAR",
-            "what went wrong (`close`: the exception that ended the loop, if one did)",
+            "what went wrong (`close`: the exception that ended the loop, if one did; `stop_request_ignored`: why)",
             (SHIM, DATASET),
         ),
         Field("traceback", "VARCHAR", "`shim_error`: the traceback", (SHIM,)),
+        Field(
+            "halted",
+            "JSON",
+            "`halted`, and `close` of a run the guard stopped (never a complete run): {source (`nonfinite_loss`, "
+            "`nonfinite_grad`, `skipped_steps`, `stop_request`), reason, step (where it stopped), anomaly_step (the "
+            "first bad step, or null), code (a stop request's finding code), kept and kept_from (the kept copy of "
+            "the last checkpoint before anomaly_step, and that checkpoint, relative to RUN_DIR)}",
+            (SHIM,),
+        ),
         Field("sample_id", "VARCHAR", "the dataset path: the sample that failed", (DATASET,)),
         Field("param_norms", "DOUBLE[]", "`segment_start`: float64 per-tensor weight norms", (SHIM,)),
         Field(
