@@ -104,6 +104,12 @@ MANIFEST = RecordKind(
         Field("instance_id", "VARCHAR", "a random id of this recorder (one per process and segment)", (SHIM,), True),
         Field("argv", "VARCHAR[]", "the command that ran, for `sftaudit replay`'s resume command", (SHIM,), True),
         Field(
+            "orig_argv",
+            "VARCHAR[]",
+            "the command line as typed: the interpreter and its options (`python -m pkg.train`) before argv's "
+            "arguments (Python's `sys.orig_argv`); `sftaudit replay` resumes with it",
+        ),
+        Field(
             "model",
             "JSON",
             "`class`, `config`, `tie_word_embeddings`, `generation_eos`, `attn_implementation`, `dropout`",
