@@ -43,7 +43,7 @@ def prepare(args) -> None:
     """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
     from ..imports import ensure_artifacts
 
-    ensure_artifacts(args.run_dir, args.data)
+    ensure_artifacts(args.run_dir, args.data, source=args.source, file=args.log_file)
 
 
 def out_dir(args, run: str) -> Path:

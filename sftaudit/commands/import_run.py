@@ -8,7 +8,7 @@ from .common import EXIT_PASS, say
 def run(args) -> int:
     from ..imports import import_run
 
-    done = import_run(args.run_dir, args.data, progress=True)
+    done = import_run(args.run_dir, args.data, progress=True, source=args.source, file=args.log_file)
     resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
     say(
         f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "

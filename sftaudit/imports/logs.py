@@ -5,9 +5,12 @@ pointer files (a clone without git-lfs leaves them in place of the data)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
+
+from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, open_regular, read_bytes
 
 # Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
 # `train/...` and `eval/...` tags written back into a log history). The Trainer's own name wins when both are there.
@@ -25,6 +28,8 @@ LFS_POINTER_HEAD = b"version https://git-lfs.github.com/spec/v1"
 # A pointer is three short lines (spec: version, oid, size; rarely an extension line or two).
 LFS_POINTER_MAX_BYTES = 1024
 LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
+# A training log larger than this is refused unread: a per-step log of 10^7 steps is a few GB.
+MAX_LOG_BYTES = 16 * 2**30
 
 
 # A number written as text ("nan", "Infinity", "1e-4"): longer text is no number a logger wrote.
@@ -71,14 +76,22 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def is_lfs_pointer(path: Path) -> bool:
-    """Whether the file is a Git LFS pointer (a clone without git-lfs, or before `git lfs pull`)."""
+def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:
+    """A small JSON file of the run (config.json, adapter_config.json, sftaudit's own notes), read whole when it is
+    a regular file inside `root` of at most `max_bytes`; None when it is not, or not JSON."""
     try:
-        if path.stat().st_size > LFS_POINTER_MAX_BYTES:
-            return False
-        with path.open("rb") as f:
+        return json.loads(read_bytes(path.absolute(), root, max_bytes))
+    except (OSError, UnsafeFile, ValueError, RecursionError):
+        return None
+
+
+def is_lfs_pointer(path: Path, root: Path | None = None) -> bool:
+    """Whether the file is a Git LFS pointer (a clone without git-lfs, or before `git lfs pull`); a file that is not
+    a regular one inside `root` is none, unread."""
+    try:
+        with open_regular(path.absolute(), root, LFS_POINTER_MAX_BYTES) as f:
             return f.read(len(LFS_POINTER_HEAD)) == LFS_POINTER_HEAD
-    except OSError:
+    except (OSError, UnsafeFile):
         return False
 
 

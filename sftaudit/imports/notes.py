@@ -14,6 +14,8 @@ KEYS = (
     "other_runs",
     "earlier_run_in_log",
     "lfs_pointers",
+    "skipped_records",
+    "ignored_values",
     "nothing_logged",
     "log_ends_at_checkpoint",
     "logging_window",
@@ -70,6 +72,28 @@ def lfs(pointers: list[str]) -> list[dict[str, Any]]:
         return []
     more = ", ..." if len(pointers) > 1 else ""
     return [note("lfs_pointers", f"{len(pointers)} log file(s) ({pointers[0]}{more}) are a {LFS_HINT}", files=pointers)]
+
+
+def skipped_records(skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of the log that could not be read and were skipped, per file (``{"file", "lines", "of"}``): the
+    evidence coverage counts them (a run is unjudged when they are more than its share of missing evidence)."""
+    return [
+        note(
+            "skipped_records",
+            "ignored_values",
+            f"{s['lines']:,} of the {s['of']:,} records of {s['file']} could not be read and were skipped",
+            **s,
+        )
+        for s in skipped
+    ]
+
+
+def ignored_values(ignored: dict[str, str], file: str) -> list[dict[str, Any]]:
+    """Fields of the plan (or the state's ``global_step``) that hold no number (NaN, Infinity, text): left out."""
+    if not ignored:
+        return []
+    said = ", ".join(f"{k} = {v}" for k, v in sorted(ignored.items()))
+    return [note("ignored_values", f"{file} holds no number where one belongs ({said}): ignored", fields=ignored)]
 
 
 def log_limits(

@@ -123,7 +123,7 @@ def evidence_coverage(
         and o["from_step"] is not None
         and o["from_step"] > first[o["rank"]]
     ]
-    bad = bad_lines(con)
+    bad = bad_lines(con) + skipped_at_import(manifest)
     for b in bad:
         if b["lines"] > max_missing_share * b["of"]:
             reasons.append(
@@ -170,6 +170,22 @@ def bad_lines(con) -> list[dict[str, Any]]:
         if excess > 0:
             out.append({"file": file, "lines": int(excess), "of": int(lines or bad)})
     return out
+
+
+def skipped_at_import(manifest: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The records of an imported run's logs that the import could not read and skipped (a TensorBoard record
+    whose CRC fails, a trainer_log.jsonl line that is not JSON), in `bad_lines`' shape."""
+    notes = (manifest or {}).get("notes")
+    counts = [
+        (n.get("file"), n.get("lines"), n.get("of"))
+        for n in (notes if isinstance(notes, list) else [])
+        if isinstance(n, dict) and n.get("key") == "skipped_records"
+    ]
+    return [
+        {"file": str(file), "lines": lines, "of": of}
+        for file, lines, of in counts
+        if type(lines) is int and type(of) is int and 0 < lines <= of
+    ]
 
 
 # Per-step evidence the shim writes at every step in every profile, and its component's name.
