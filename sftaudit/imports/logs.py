@@ -54,21 +54,39 @@ def number(value: Any) -> float | None:
     return None
 
 
+def is_step(value: Any) -> bool:
+    """A step as loggers write it: an integer (not a bool, a float or text), within a 64-bit integer's range."""
+    return type(value) is int and -(2**63) <= value < 2**63
+
+
+# Key names seen, each mapped once to the Trainer's name for it: every entry of a log then shares one string per
+# key (a million entries with eight keys each hold eight strings, not eight million). Bounded: a log with more
+# distinct keys than this names the rest one entry at a time.
+_NAMES: dict[str, str] = {}
+MAX_NAMES = 4096
+
+
 def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``) and every value
     that is a number as a float (text spelling one included, so a "nan" stays a NaN); a nested group of numbers
     (``{"rewards": {"chosen": ...}}``) flattened to ``rewards/chosen``. ``step`` stays the integer it is.
-    One pass over the keys: a per-step log of a million entries goes through here once per saved state."""
+    One pass over the keys: a per-step log of a million entries goes through here once."""
     out: dict[str, Any] = {}
+    names = _NAMES
     for key, value in entry.items():
-        if type(value) is dict:
+        kind = type(value)
+        if kind is dict:
             for k, v in value.items():
                 if isinstance(k, str) and type(v) is not dict:
                     out[f"{key}/{k}"] = v if type(v) is float or (n := number(v)) is None else n
             continue
-        if type(value) is not float and key != "step":
+        if kind is not float and key != "step":
             value = v if (v := number(value)) is not None else value
-        name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+        name = names.get(key)
+        if name is None:
+            name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+            if len(names) < MAX_NAMES:
+                names[key] = name
         if name != key and (name in entry or name in out):
             out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
             continue

@@ -107,7 +107,8 @@ def log_limits(
     """What the judged run's log cannot show (see `KEYS`); `ended`: the newest state says training ended there
     (its plan reached, or the Trainer told to stop), so a log that ends with it misses nothing."""
     out = []
-    training = [e for e in timeline if "loss" in e and not any(k in e for k in ("train_runtime", "train_loss"))]
+    training = [e for e in timeline if "loss" in e and "train_runtime" not in e and "train_loss" not in e]
+    keys = set().union(*timeline) if timeline else set()
     last = newest["global_step"]
     if not training:
         configured = newest.get("logging_steps")
@@ -149,7 +150,7 @@ def log_limits(
                 "window's finite ones: a NaN or inf loss does not show in this log's loss (a NaN grad_norm still does)",
             )
         )
-    if training and not any("grad_norm" in e for e in training):
+    if training and ("grad_norm" not in keys or not any("grad_norm" in e for e in training)):
         out.append(
             note(
                 "no_grad_norm",
@@ -157,7 +158,7 @@ def log_limits(
                 "exploding gradients show only through the loss",
             )
         )
-    if not any(k.startswith("eval_") for e in timeline for k in e):
+    if not any(k.startswith("eval_") for k in keys):
         out.append(
             note(
                 "no_evaluation",

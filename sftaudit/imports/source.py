@@ -58,16 +58,14 @@ class SourceLog:
 
 
 def numbers_only(raw: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The `keys` of `raw` whose value is a finite number (an integer, or a float that is finite), and the others
+    """The `keys` of `raw` whose value is a finite number (a 64-bit integer, or a float that is finite), and the others
     that hold something else ({key: the value as written, shortened}); a key absent or null is neither."""
     kept, ignored = {}, {}
     for key in keys:
         value = raw.get(key)
         if value is None:
             continue
-        if (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and math.isfinite(value)
-        ):
+        if (type(value) is int and -(2**63) <= value < 2**63) or (type(value) is float and math.isfinite(value)):
             kept[key] = value
         else:
             ignored[key] = repr(value)[:40]

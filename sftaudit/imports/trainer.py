@@ -36,7 +36,7 @@ from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
-from ..core.artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..core.safe_io import UnsafeFile, open_regular, regular_file
 from ..errors import InputError
 from .dataset import (
@@ -47,7 +47,7 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, number, read_json
+from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, read_json
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
@@ -55,6 +55,7 @@ from .source import SourceLog
 from .sources import find_log, missing_extras, registered_sources
 from .sources.trainer_state import PLAN_FIELDS, TRAINER_STATE, TrainerState
 from .task import describe_task
+from .writer import series, write
 
 CHECKPOINT_DIR = re.compile(r"(?:checkpoint|ckpt)[-_]?(\d+)")
 # Folders of an output that are never a checkpoint, whatever they hold.
@@ -72,8 +73,6 @@ EMBEDDING_NAMES = (
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
 # A planned length no run has (the Trainer's "until max_steps" sentinel for epochs is sys.maxsize).
 MAX_PLAUSIBLE_EPOCHS = 1_000_000
-# Keys of the end-of-training log entry: a summary of the run, not a training step.
-SUMMARY_KEYS = ("train_runtime", "train_loss")
 LOGS_SOURCE = TrainerState.provenance
 CHECKPOINTS_SOURCE = "checkpoints (weights, optimizer state)"
 PROBES_SOURCE = "post-hoc probes"
@@ -257,27 +256,10 @@ def import_run(
     starts = sorted(resumes)  # segment k + 1 starts at starts[k]
     before_resume = {r: k for k, r in enumerate(starts)}  # the segment a resume abandoned a branch of
 
-    records: dict[str, list[dict[str, Any]]] = {
-        k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")
-    }
-    for seg, e in [(before_resume[r], e) for e, r in abandoned] + [
-        (bisect_right(starts, e["step"]), e) for e in timeline
-    ]:
-        records["metrics"] += [
-            {"seg": seg, "step": e["step"], "name": k, "value": v}
-            for k, v in e.items()
-            if k != "step" and isinstance(v, float)
-        ]
-        if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
-            records["steps"].append(
-                {
-                    "seg": seg,
-                    "step": e["step"],
-                    "loss": number(e["loss"]),
-                    "lr": number(e.get("learning_rate")),
-                    "grad_norm": number(e.get("grad_norm")),
-                }
-            )
+    records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "checkpoints", "events")}
+    # Each logged entry with its segment: an abandoned branch's with the segment the resume ended.
+    at = (lambda step: 0) if not starts else (lambda step: bisect_right(starts, step))
+    steps, metrics = series([(before_resume[r], e) for e, r in abandoned] + [(at(e["step"]), e) for e in timeline])
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -348,10 +330,10 @@ def import_run(
             manifest["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
         records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": state["mtime"]})
-    _write(run_dir, records)
+    write(run_dir, records, {"steps": steps, "metrics": metrics})
     return {
-        "steps": len(records["steps"]),
-        "metrics": len(records["metrics"]),
+        "steps": steps.num_rows,
+        "metrics": metrics.num_rows,
         "checkpoints": len(checkpoints),
         "logging_steps": _logging_steps(newest),
         "resumed_at": starts[0] if starts else None,
@@ -372,13 +354,14 @@ def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[list[di
     once: its log history, its plan and other fields, and what the checkpoint's resume outline needs; and why each
     unreadable one was refused (a FIFO, a link out of the run, a file too deeply nested)."""
     out, refused = [], []
-    reader = TrainerState()
-    for step, folder, top_level in [(s, p, False) for s, p in checkpoints] + [(None, run_dir, True)]:
+    places = [(s, p, False) for s, p in checkpoints] + [(None, run_dir, True)]
+    places = [(step, folder, top) for step, folder, top in places if os.path.lexists(folder / TRAINER_STATE)]
+    reads = TrainerState().read_all([folder / TRAINER_STATE for _, folder, _ in places], run_dir)
+    for (step, folder, top_level), read in zip(places, reads):
         path = folder / TRAINER_STATE
-        if not os.path.lexists(path):
-            continue
         try:
-            read = reader.read([path], run_dir)
+            if isinstance(read, InputError):
+                raise read
             mtime = path.stat().st_mtime
         except (OSError, InputError) as exc:
             refused.append(str(exc))
@@ -542,7 +525,7 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
     changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
     count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
-    current = {_key(e): e for e in newest["history"]}
+    current: dict[tuple, dict[str, Any]] = {}  # the newest's entries by step and keys (made when first needed)
     abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
     resumes: dict[int, str | None] = {}
     agreeing = []
@@ -550,6 +533,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         if s is newest:
             continue
         same = s["history"] == newest["history"][: len(s["history"])]  # an earlier checkpoint, compared in C
+        if not same and not current:
+            current = {_key(e): e for e in newest["history"]}
         differing = [] if same else [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
         if not differing:
             agreeing.append(s)
@@ -829,15 +814,3 @@ def _stopping(fields: dict[str, Any]) -> dict[str, Any]:
         "should_training_stop": stop if isinstance(stop, bool) else None,
         "early_stopping": {"patience": patience, "counter": counter} if isinstance(early, dict) else None,
     }
-
-
-def _write(run_dir: Path, records: dict[str, list[dict[str, Any]]]) -> None:
-    """Replace an earlier import's files (and its database: ingest is incremental by file offset);
-    the records `sftaudit probe` added are kept."""
-    folder = rank_dir(run_dir, 0)
-    for kind in records:
-        (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
-    (artifact_root(run_dir) / DATABASE_FILE).unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    for kind, rows in records.items():
-        (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

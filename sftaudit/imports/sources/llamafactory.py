@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.safe_io import open_regular
-from ..logs import MAX_LOG_BYTES, normalised
+from ..logs import MAX_LOG_BYTES, is_step, normalised
 from ..source import LogSource, SourceLog
 
 TRAINER_LOG = "trainer_log.jsonl"
@@ -109,7 +109,7 @@ def read_lines(path: Path, run_dir: Path) -> tuple[list[dict[str, Any]], list[di
 
 def planned_steps(lines: list[dict[str, Any]]) -> int | None:
     """The run's planned length, as the log states it (``total_steps``, the newest start's)."""
-    totals = [raw["total_steps"] for raw in lines if isinstance(raw.get("total_steps"), int) and raw["total_steps"] > 0]
+    totals = [raw["total_steps"] for raw in lines if is_step(raw.get("total_steps")) and raw["total_steps"] > 0]
     return totals[-1] if totals else None
 
 
@@ -127,7 +127,7 @@ def log_segments(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     seen = set()
     for index, raw in enumerate(lines):
         step = raw.get("current_steps")
-        if not isinstance(step, int) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
+        if not is_step(step) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
             continue  # a prediction-progress line, or no training/eval number in it
         text = json.dumps(raw, sort_keys=True)
         if text in seen:
