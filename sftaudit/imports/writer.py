@@ -31,16 +31,19 @@ def series(logged: list[tuple[int, dict[str, Any]]]):
     entries = [e for _, e in logged]
     step_ids = pa.array([e["step"] for e in entries], pa.int64())
     names = sorted(set().union(*entries) - {"step"}) if entries else []
+    names_array = pa.array(names, pa.string())
     parts = []
-    for name in names:
+    for index, name in enumerate(names):
         values = pa.array([v if type(v) is float else None for v in (e.get(name) for e in entries)], pa.float64())
         valid = values.is_valid()
+        count = len(values) - values.null_count
         parts.append(
             pa.table(
                 {
                     "seg": segs.filter(valid),
                     "step": step_ids.filter(valid),
-                    "name": pa.repeat(pa.scalar(name, pa.string()), len(values) - values.null_count),
+                    # the name once, each record its index (a million records of eight names hold eight strings)
+                    "name": pa.DictionaryArray.from_arrays(pa.repeat(pa.scalar(index, pa.int32()), count), names_array),
                     "value": values.filter(valid),
                 }
             )
@@ -72,7 +75,7 @@ def _empty_metrics():
         {
             "seg": pa.array([], pa.int32()),
             "step": pa.array([], pa.int64()),
-            "name": pa.array([], pa.string()),
+            "name": pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string())),
             "value": pa.array([], pa.float64()),
         }
     )
@@ -93,6 +96,8 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
 
         con = duckdb.connect()
         try:
+            # One thread writes the records in order as it reads them (no buffering to restore the order).
+            con.execute("SET enable_progress_bar = false; SET threads = 1")
             for kind, table in tables.items():
                 path = (folder / f"{kind}.jsonl").absolute()
                 con.register("records", table)
