@@ -10,13 +10,24 @@ spread from 10^4 to 10^6 entries), for the shapes that could make it quadratic:
 
 Prints, per shape and size, the median seconds of `import_run` over the repeats with their range, microseconds per
 entry, and the ratio of that per-entry time to the smallest size's.
+
+With ``--cli``, the ``trl`` shapes instead, as users meet them: a TRL SFT run's trainer_state.json of N per-step
+entries (eight keys each, written as the Trainer writes it: indented, keys sorted), alone (``trl``) or with three
+checkpoints' states beside it (``trl-3ckpt``: at N/3, 2N/3 and N); each timed as `sftaudit import` and as
+`sftaudit audit --no-report` (which imports, ingests and judges), each in its own process: its CPU seconds
+(user + system), wall seconds and peak resident memory (the child's own, from wait4), median over the repeats.
+
+    .venv/bin/python benchmarks/import_scale.py --cli [--sizes 1000000] [--repeats 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +35,8 @@ from pathlib import Path
 from sftaudit.imports import import_run
 
 SHAPES = ("state", "two-runs", "backward", "every-line")
+CLI_SHAPES = ("trl", "trl-3ckpt")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _entry(step: int, run: int = 0) -> dict:
@@ -75,12 +88,100 @@ def write(shape: str, n: int, run_dir: Path) -> None:
     (run_dir / "trainer_log.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def write_trl(shape: str, n: int, run_dir: Path) -> int:
+    """A TRL SFT run's output_dir as the Trainer saves it; returns the bytes of its trainer_state.json."""
+    run_dir.mkdir(parents=True)
+    history = [
+        {
+            "entropy": 1.2 + (s % 13) * 1e-3,
+            "epoch": 3 * s / n,
+            "grad_norm": 0.8 + (s % 7) * 0.01,
+            "learning_rate": 2e-5 * (1 - s / n),
+            "loss": 2.0 / (1 + s / n) + (s % 5) * 1e-3,
+            "mean_token_accuracy": 0.6 + (s % 11) * 1e-3,
+            "num_tokens": 4096.0 * s,
+            "step": s,
+        }
+        for s in range(1, n + 1)
+    ]
+
+    def save(folder: Path, upto: int) -> int:
+        state = {
+            "best_global_step": None,
+            "best_metric": None,
+            "best_model_checkpoint": None,
+            "epoch": 3 * upto / n,
+            "eval_steps": 500,
+            "global_step": upto,
+            "is_hyper_param_search": False,
+            "is_local_process_zero": True,
+            "is_world_process_zero": True,
+            "log_history": history[:upto],
+            "logging_steps": 1,
+            "max_steps": n,
+            "num_input_tokens_seen": 0,
+            "num_train_epochs": 3,
+            "save_steps": max(n // 3, 1),
+            "total_flos": 1.0,
+            "train_batch_size": 8,
+            "trial_name": None,
+            "trial_params": None,
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(state, indent=2, sort_keys=True) + "\n"
+        (folder / "trainer_state.json").write_text(text)
+        return len(text)
+
+    size = save(run_dir, n)
+    if shape == "trl-3ckpt":
+        for k in (1, 2, 3):
+            save(run_dir / f"checkpoint-{n * k // 3}", n * k // 3)
+    return size
+
+
+def measured(args: list[str]) -> tuple[float, float, float, int]:
+    """A `sftaudit` command in its own process: (CPU seconds, wall seconds, peak resident MB, exit code)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "sftaudit.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    return usage.ru_utime + usage.ru_stime, wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+
+
+def cli(sizes: list[int], repeats: int) -> None:
+    print(
+        f"{'shape':<10} {'entries':>9} {'state MB':>9} {'command':<7} {'CPU s':>7} {'wall s':>7} {'peak MB':>8} {'exit':>4}"
+    )
+    for shape in CLI_SHAPES:
+        for n in sizes:
+            with tempfile.TemporaryDirectory(prefix="sftaudit-import-scale-") as tmp:
+                run_dir = Path(tmp) / "run"
+                size = write_trl(shape, n, run_dir)
+                for command in ("import", "audit"):
+                    runs = []
+                    for _ in range(repeats):
+                        extra = ["--no-report", "--out", str(Path(tmp) / "out")] if command == "audit" else []
+                        runs.append(measured([command, str(run_dir), *extra]))
+                    cpu, wall, peak = (statistics.median(r[i] for r in runs) for i in range(3))
+                    print(
+                        f"{shape:<10} {n:>9,} {size / 2**20:>9.0f} {command:<7} {cpu:>7.2f} {wall:>7.2f} {peak:>8.0f} "
+                        f"{runs[-1][3]:>4}",
+                        flush=True,
+                    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    parser.add_argument("--cli", action="store_true", help="time `sftaudit import` and `audit` on TRL-shaped states")
     args = parser.parse_args()
+    if args.cli:
+        cli(args.sizes, args.repeats)
+        return 0
     print(f"{'shape':<11} {'entries':>9} {'median s':>9} {'range s':>15} {'us/entry':>9} {'ratio':>6}")
     for shape in args.shapes:
         base = None

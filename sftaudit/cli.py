@@ -27,6 +27,27 @@ GITHUB_HELP = (
 )
 
 
+SOURCE_HELP = (
+    "a run trained without the shim: the kind of training log to read (llamafactory, tensorboard, ...; "
+    "trainer_state: the Trainer states alone), where the files' content does not tell"
+)
+RUN_HELP = "the run folder (or, for a run trained without the shim, its training log file)"
+
+
+def _run_path(text: str) -> Path:
+    """An argparse type: a run on the local disk; a remote address (a URL, s3://, wandb://, runs:/) is refused in
+    one line that says how to copy it locally (nothing is ever fetched)."""
+    from .imports.remote import remote_hint
+
+    hint = remote_hint(text)
+    if hint:
+        raise argparse.ArgumentTypeError(hint)
+    return Path(text)
+
+
+_run_path.__name__ = "run path"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors exit 2 too, in one line
         self.exit(EXIT_CANNOT_JUDGE, f"sftaudit: error: {shown(message)} (see {self.prog} --help)\n")
@@ -57,15 +78,16 @@ def _parser() -> argparse.ArgumentParser:
         help="write artifacts for a Trainer/TRL output_dir trained without the shim "
         "(audit, replay and gate import such a folder themselves)",
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--data", type=Path, help=DATA_HELP)
+    s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
 
     s = sub.add_parser(
         "probe",
         help="run each surviving checkpoint of a run on probe prompts and an eval set "
         "(needs torch), so LOOP-06/07/08 run at checkpoint granularity",
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--prompts", type=Path, required=True, help="text file: one probe prompt (user message) per line")
     s.add_argument("--eval", type=Path, help="JSONL eval set: {id, messages, reference} per line")
     s.add_argument("--base", type=Path, help="the base model folder: probed as step 0; PEFT adapters are applied to it")
@@ -74,12 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("ingest", help="load a run's artifacts into its database in sftaudit's cache (incremental)")
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--config", type=Path, help="TOML file whose [ingest] section sets the read limits")
 
     s = sub.add_parser("audit", help="ingest, run the checks, write verdict.json and report.html")
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--data", type=Path, help=DATA_HELP)
+    s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
     s.add_argument(
         "--out",
         type=Path,
@@ -94,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument(
         "--out",
         type=Path,
@@ -106,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the run's audit as a 'Training audit' section for a Hugging Face model card "
         "(audits the run first if it has no stored verdict)",
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument(
         "--into",
         type=Path,
@@ -132,14 +155,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("replay", help="a failed run's first anomalous step, findings, batches and how to resume")
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--data", type=Path, help=DATA_HELP)
+    s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
     s.add_argument("--json", action="store_true", help="print the replay as JSON")
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and the rollback margin")
 
     s = sub.add_parser("gate", help="exit 0 if a checkpoint passes, 1 if it fails, 2 if it cannot be judged")
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--data", type=Path, help=DATA_HELP)
+    s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
     s.add_argument(
         "--checkpoint",
         required=True,
@@ -158,8 +183,8 @@ def _parser() -> argparse.ArgumentParser:
         help="where run B starts to differ from run A (or from a golden file): exit 0 same, "
         "1 diverged, 2 cannot compare",
     )
-    s.add_argument("run_a", type=Path, help="a run folder or a golden file")
-    s.add_argument("run_b", type=Path, help="a run folder or a golden file")
+    s.add_argument("run_a", type=_run_path, help="a run folder or a golden file")
+    s.add_argument("run_b", type=_run_path, help="a run folder or a golden file")
     s.add_argument(
         "--tolerance",
         type=float,
@@ -170,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, help="write diff.html here")
 
     s = sub.add_parser("golden", help="write a run's golden file: what `diff` compares, small enough to keep in CI")
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--out", type=Path, required=True, help="the golden file to write (JSON)")
     s.add_argument("--stride", type=_at_least(1), default=10, help="per-tensor gradient norms every N steps")
 
@@ -200,6 +225,9 @@ COMMAND_MODULES = {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if hasattr(args, "source"):  # a command that imports: the run may be given by its log file's path
+            args.log_file = args.run_dir if args.run_dir.is_file() else None
+            args.run_dir = args.run_dir.parent if args.log_file is not None else args.run_dir
         command = importlib.import_module(f"{__package__}.commands.{COMMAND_MODULES[args.command]}")
         return command.run(args)  # each takes the run's lock where it uses the run (`sftaudit.verdict.audit`)
     except InputError as exc:

@@ -344,7 +344,7 @@ def test_a_prediction_log_is_said_to_be_no_training(tmp_path):
     )
     code, _, errors, _ = _audit(run, tmp_path / "out")
     assert code == 2 and len(errors.strip().splitlines()) == 1
-    assert "10 progress line(s) without a loss or an eval number: a prediction or evaluation run" in errors, errors
+    assert "10 record(s) without a loss or an eval number: a prediction or evaluation run" in errors, errors
 
 
 def test_tensorboard_alone_gives_the_plan_and_the_vocabulary_from_its_texts(tmp_path):

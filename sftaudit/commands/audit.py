@@ -12,7 +12,9 @@ def run(args) -> int:
     from ..verdict.config import AuditConfig
 
     config = AuditConfig.load(args.config)
-    with audited(args.run_dir, config, data=args.data) as done:  # the report reads what was judged
+    with audited(
+        args.run_dir, config, data=args.data, source=args.source, log_file=args.log_file
+    ) as done:  # the report reads what was judged
         verdict = done.verdict
         out = out_dir(args, verdict["run"], args.run_dir)
         write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")

@@ -193,11 +193,15 @@ def gate(
     policy: Policy,
     config: AuditConfig | None = None,
     data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
 ) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
     run_dir = Path(run_dir)
-    with audited(run_dir, config, data=data) as done:  # the audit and the inspection of its checkpoints: one state
+    with audited(
+        run_dir, config, data=data, source=source, log_file=log_file
+    ) as done:  # the audit and the inspection of its checkpoints: one state
         verdict = done.verdict
         lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
@@ -290,7 +294,9 @@ def run(args) -> int:
 
     config = AuditConfig.load(args.config)
     policy = Policy.load(args.policy, args.strict or config.strict)
-    result = gate(args.run_dir, args.checkpoint, policy, config, data=args.data)
+    result = gate(
+        args.run_dir, args.checkpoint, policy, config, data=args.data, source=args.source, log_file=args.log_file
+    )
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
             write(path, text(), "--junit" if text == result.to_junit else "--json")

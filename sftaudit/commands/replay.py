@@ -29,9 +29,16 @@ DEFAULT_WINDOW = 10
 
 
 def replay(
-    run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW, data: str | Path | None = None
+    run_dir: str | Path,
+    config: AuditConfig | None = None,
+    window: int = DEFAULT_WINDOW,
+    data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
 ) -> dict[str, Any]:
-    with audited(run_dir, config, data=data) as done:  # the audit and the read of its batches see one state
+    with audited(
+        run_dir, config, data=data, source=source, log_file=log_file
+    ) as done:  # the audit and the read of its batches see one state
         return _replay(Path(run_dir), done.verdict, window)
 
 
@@ -232,7 +239,7 @@ def run(args) -> int:
     from .common import exit_code, say
 
     config = AuditConfig.load(args.config)
-    doc = replay(args.run_dir, config, data=args.data)
+    doc = replay(args.run_dir, config, data=args.data, source=args.source, log_file=args.log_file)
     if args.json:
         print(json_safe(to_json(doc)), end="")
     else:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.artifacts import TOKENIZER_DIR, artifact_root, template_fingerprint
 from ..errors import InputError
+from .logs import read_json
 
 DATASET_FILE = "dataset.json"
 DATASET_SOURCE = "dataset (preflight path)"
@@ -87,7 +88,5 @@ def failure_events(description: dict[str, Any]) -> list[dict[str, Any]]:
 
 def dataset_description(run_dir: Path) -> dict[str, Any] | None:
     """What an earlier ``--data`` import rendered (None: no dataset was given)."""
-    try:
-        return json.loads((artifact_root(run_dir) / DATASET_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    value = read_json(artifact_root(run_dir) / DATASET_FILE, run_dir)
+    return value if isinstance(value, dict) else None

@@ -5,9 +5,12 @@ pointer files (a clone without git-lfs leaves them in place of the data)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
+
+from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, read_bytes
 
 # Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
 # `train/...` and `eval/...` tags written back into a log history). The Trainer's own name wins when both are there.
@@ -21,10 +24,8 @@ ALIASES = {
     "train/epoch": "epoch",
     "eval/loss": "eval_loss",
 }
-LFS_POINTER_HEAD = b"version https://git-lfs.github.com/spec/v1"
-# A pointer is three short lines (spec: version, oid, size; rarely an extension line or two).
-LFS_POINTER_MAX_BYTES = 1024
-LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
+# A training log larger than this is refused unread: a per-step log of 10^7 steps is a few GB.
+MAX_LOG_BYTES = 16 * 2**30
 
 
 # A number written as text ("nan", "Infinity", "1e-4"): longer text is no number a logger wrote.
@@ -49,21 +50,39 @@ def number(value: Any) -> float | None:
     return None
 
 
+def is_step(value: Any) -> bool:
+    """A step as loggers write it: an integer (not a bool, a float or text), within a 64-bit integer's range."""
+    return type(value) is int and -(2**63) <= value < 2**63
+
+
+# Key names seen, each mapped once to the Trainer's name for it: every entry of a log then shares one string per
+# key (a million entries with eight keys each hold eight strings, not eight million). Bounded: a log with more
+# distinct keys than this names the rest one entry at a time.
+_NAMES: dict[str, str] = {}
+MAX_NAMES = 4096
+
+
 def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``) and every value
     that is a number as a float (text spelling one included, so a "nan" stays a NaN); a nested group of numbers
     (``{"rewards": {"chosen": ...}}``) flattened to ``rewards/chosen``. ``step`` stays the integer it is.
-    One pass over the keys: a per-step log of a million entries goes through here once per saved state."""
+    One pass over the keys: a per-step log of a million entries goes through here once."""
     out: dict[str, Any] = {}
+    names = _NAMES
     for key, value in entry.items():
-        if type(value) is dict:
+        kind = type(value)
+        if kind is dict:
             for k, v in value.items():
                 if isinstance(k, str) and type(v) is not dict:
                     out[f"{key}/{k}"] = v if type(v) is float or (n := number(v)) is None else n
             continue
-        if type(value) is not float and key != "step":
+        if kind is not float and key != "step":
             value = v if (v := number(value)) is not None else value
-        name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+        name = names.get(key)
+        if name is None:
+            name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+            if len(names) < MAX_NAMES:
+                names[key] = name
         if name != key and (name in entry or name in out):
             out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
             continue
@@ -71,15 +90,13 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def is_lfs_pointer(path: Path) -> bool:
-    """Whether the file is a Git LFS pointer (a clone without git-lfs, or before `git lfs pull`)."""
+def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:
+    """A small JSON file of the run (config.json, adapter_config.json, sftaudit's own notes), read whole when it is
+    a regular file inside `root` of at most `max_bytes`; None when it is not, or not JSON."""
     try:
-        if path.stat().st_size > LFS_POINTER_MAX_BYTES:
-            return False
-        with path.open("rb") as f:
-            return f.read(len(LFS_POINTER_HEAD)) == LFS_POINTER_HEAD
-    except OSError:
-        return False
+        return json.loads(read_bytes(path.absolute(), root, max_bytes))
+    except (OSError, UnsafeFile, ValueError, RecursionError):
+        return None
 
 
 def latest_history(segments: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .logs import LFS_HINT
+from ..core.safe_io import LFS_HINT
 
 # The stable keys, in the order the notes are listed.
 KEYS = (
     "other_runs",
     "earlier_run_in_log",
     "lfs_pointers",
+    "skipped_records",
+    "ignored_values",
     "nothing_logged",
     "log_ends_at_checkpoint",
     "logging_window",
@@ -72,6 +74,28 @@ def lfs(pointers: list[str]) -> list[dict[str, Any]]:
     return [note("lfs_pointers", f"{len(pointers)} log file(s) ({pointers[0]}{more}) are a {LFS_HINT}", files=pointers)]
 
 
+def skipped_records(skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of the log that could not be read and were skipped, per file (``{"file", "lines", "of"}``): the
+    evidence coverage counts them (a run is unjudged when they are more than its share of missing evidence)."""
+    return [
+        note(
+            "skipped_records",
+            "ignored_values",
+            f"{s['lines']:,} of the {s['of']:,} records of {s['file']} could not be read and were skipped",
+            **s,
+        )
+        for s in skipped
+    ]
+
+
+def ignored_values(ignored: dict[str, str], file: str) -> list[dict[str, Any]]:
+    """Fields of the plan (or the state's ``global_step``) that hold no number (NaN, Infinity, text): left out."""
+    if not ignored:
+        return []
+    said = ", ".join(f"{k} = {v}" for k, v in sorted(ignored.items()))
+    return [note("ignored_values", f"{file} holds no number where one belongs ({said}): ignored", fields=ignored)]
+
+
 def log_limits(
     timeline: list[dict[str, Any]],
     newest: dict[str, Any],
@@ -83,7 +107,8 @@ def log_limits(
     """What the judged run's log cannot show (see `KEYS`); `ended`: the newest state says training ended there
     (its plan reached, or the Trainer told to stop), so a log that ends with it misses nothing."""
     out = []
-    training = [e for e in timeline if "loss" in e and not any(k in e for k in ("train_runtime", "train_loss"))]
+    training = [e for e in timeline if "loss" in e and "train_runtime" not in e and "train_loss" not in e]
+    keys = set().union(*timeline) if timeline else set()
     last = newest["global_step"]
     if not training:
         configured = newest.get("logging_steps")
@@ -125,7 +150,7 @@ def log_limits(
                 "window's finite ones: a NaN or inf loss does not show in this log's loss (a NaN grad_norm still does)",
             )
         )
-    if training and not any("grad_norm" in e for e in training):
+    if training and ("grad_norm" not in keys or not any("grad_norm" in e for e in training)):
         out.append(
             note(
                 "no_grad_norm",
@@ -133,7 +158,7 @@ def log_limits(
                 "exploding gradients show only through the loss",
             )
         )
-    if not any(k.startswith("eval_") for e in timeline for k in e):
+    if not any(k.startswith("eval_") for k in keys):
         out.append(
             note(
                 "no_evaluation",

@@ -23,6 +23,8 @@ import json
 import math
 from typing import Any
 
+import numpy as np
+
 # Fields of a trainer state that describe a run's plan: equal in every state of one run unless a resume changed it.
 PLAN_FIELDS = ("max_steps", "train_batch_size", "logging_steps")
 
@@ -64,33 +66,42 @@ def epoch_restarts(history: list[dict[str, Any]]) -> list[int]:
 
 
 def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:
-    """(the index of the last reset, 0 if none; the indices where the epoch count restarted instead)."""
-    training = [(i, e) for i, e in enumerate(history) if "loss" in e]  # an evaluation shares a training log's step
+    """(the index of the last reset, 0 if none; the indices where the epoch count restarted instead). The training
+    logs' steps and epochs as arrays (an evaluation shares a training log's step); only the places where one goes
+    back are looked at one by one."""
+    index = [i for i, e in enumerate(history) if "loss" in e]
+    if len(index) < 2:
+        return 0, []
+    steps = np.array([history[i]["step"] for i in index], dtype=np.int64)
+    epochs = np.array([_epoch(history[i].get("epoch")) for i in index], dtype=np.float64)  # NaN: none
+    back = steps[1:] < steps[:-1]
+    candidates = np.flatnonzero(back | (epochs[1:] < epochs[:-1])) + 1
+    finite = np.flatnonzero(~np.isnan(epochs))
     cut, restarts = 0, []
-    for k in range(1, len(training)):
-        (_, before), (i, e) = training[k - 1], training[k]
-        if e["step"] < before["step"]:
-            cut = i
-        elif _epoch(e) is not None and _epoch(before) is not None and _epoch(e) < _epoch(before):
-            if _counts_from_zero([x for _, x in training[k:]]):
-                cut = i
+    for k in candidates.tolist():
+        if back[k - 1]:
+            cut = index[k]
+        else:
+            after = finite[np.searchsorted(finite, k) :]  # the finite epochs from the reset on (its own first)
+            first, last = after[0], after[-1]
+            line = (int(steps[first]), float(epochs[first])), (int(steps[last]), float(epochs[last]))
+            if _counts_from_zero(*line):
+                cut = index[k]
             else:
-                restarts.append(i)
+                restarts.append(index[k])
     return cut, restarts
 
 
-def _epoch(entry: dict[str, Any]) -> float | None:
-    epoch = entry.get("epoch")
-    return epoch if isinstance(epoch, float) and math.isfinite(epoch) else None
+def _epoch(value: Any) -> float:
+    return value if type(value) is float and math.isfinite(value) else math.nan
 
 
-def _counts_from_zero(after: list[dict[str, Any]]) -> bool:
+def _counts_from_zero(first: tuple[int, float], last: tuple[int, float]) -> bool:
     """Whether the epochs logged from a reset on lie on a line through step 0 (epoch = step / steps per epoch:
     a run on data of another length) rather than through the reset's step (the count restarted there). The line
-    through the first and the last of them; rounding (two decimals in older logs) moves it by far less than the
-    reset's step."""
-    points = [(e["step"], _epoch(e)) for e in after if _epoch(e) is not None]
-    (s_a, e_a), (s_b, e_b) = points[0], points[-1]
+    through the first and the last of them (step, epoch); rounding (two decimals in older logs) moves it by far
+    less than the reset's step."""
+    (s_a, e_a), (s_b, e_b) = first, last
     if e_b <= e_a:
         return e_a > 0  # one epoch value only: a count restarted at the reset starts near 0
     origin = s_a - e_a * (s_b - s_a) / (e_b - e_a)  # the step where the line's epoch is 0

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
-from ..core.artifacts import DATABASE_FILE, SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
+from ..core.safe_io import LFS_HINT, UnsafeFile, is_lfs_pointer, open_regular, regular_file
 from ..errors import InputError
 from .dataset import (
     DATASET_KINDS,
@@ -45,15 +47,16 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
-from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, normalised, number
-from .notes import earlier_run_in_log, lfs, log_limits, other_runs
+from .logs import latest_history, logging_interval, read_json
+from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
+from .source import SourceLog
+from .sources import find_log, missing_extras, registered_sources
+from .sources.trainer_state import PLAN_FIELDS, TRAINER_STATE, TrainerState
 from .task import describe_task
-from .tensorboard import EVENTS_SOURCE, event_files, event_segments
+from .writer import series, write
 
-TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_DIR = re.compile(r"(?:checkpoint|ckpt)[-_]?(\d+)")
 # Folders of an output that are never a checkpoint, whatever they hold.
 NOT_CHECKPOINTS = {"sftaudit", "runs", "wandb", ".git"}
@@ -70,9 +73,7 @@ EMBEDDING_NAMES = (
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
 # A planned length no run has (the Trainer's "until max_steps" sentinel for epochs is sys.maxsize).
 MAX_PLAUSIBLE_EPOCHS = 1_000_000
-# Keys of the end-of-training log entry: a summary of the run, not a training step.
-SUMMARY_KEYS = ("train_runtime", "train_loss")
-LOGS_SOURCE = "imported logs: trainer_state.json"
+LOGS_SOURCE = TrainerState.provenance
 CHECKPOINTS_SOURCE = "checkpoints (weights, optimizer state)"
 PROBES_SOURCE = "post-hoc probes"
 # Where each kind of evidence of an imported run came from (the verdict's per-check provenance).
@@ -103,63 +104,80 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
             continue
         if m := CHECKPOINT_DIR.fullmatch(p.name):
             numbered[p] = int(m.group(1))  # symlinked too: recorded, never read (LOOP-09 names where it points)
-        elif not p.is_symlink() and (step := _global_step(p / TRAINER_STATE)) is not None:
+        elif not p.is_symlink() and (step := _global_step(p / TRAINER_STATE, run_dir)) is not None:
             named[p] = step
     taken = set(numbered.values())
     return sorted([(s, p) for p, s in numbered.items()] + [(s, p) for p, s in named.items() if s not in taken])
 
 
-def _global_step(path: Path) -> int | None:
-    try:
-        step = json.loads(path.read_text(encoding="utf-8")).get("global_step") if path.is_file() else None
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
-        return None
+def _global_step(path: Path, run_dir: Path) -> int | None:
+    state = read_json(path, run_dir)
+    step = state.get("global_step") if isinstance(state, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def lfs_pointers(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[str]:
-    """The log files (trainer states, trainer_log.jsonl, event files) that are Git LFS pointers, relative to
-    the run folder. Checkpoint weights and training state are LOOP-09's to name."""
-    candidates = [
-        run_dir / TRAINER_STATE,
-        run_dir / TRAINER_LOG,
-        *(p / TRAINER_STATE for _, p in checkpoints),
-        *event_files(run_dir),
+    """The log files (trainer states, every source's logs) that are Git LFS pointers, relative to the run folder.
+    Checkpoint weights and training state are LOOP-09's to name."""
+    candidates = {run_dir / TRAINER_STATE, *(p / TRAINER_STATE for _, p in checkpoints), *_log_candidates(run_dir)}
+    return sorted(str(p.relative_to(run_dir)) for p in candidates if is_lfs_pointer(p, run_dir))
+
+
+def _log_candidates(run_dir: Path) -> list[Path]:
+    """The paths a log kept per (re)start may be, by name (every registered source's patterns; a FIFO or a link
+    out of the run too: the import says why it does not read it)."""
+    return [
+        p
+        for source in registered_sources()
+        if source.rank is not None
+        for pattern in source.patterns
+        for p in run_dir.glob(pattern)
+        if not p.is_dir() and "sftaudit" not in p.relative_to(run_dir).parts
     ]
-    return sorted(str(p.relative_to(run_dir)) for p in candidates if is_lfs_pointer(p))
+
+
+def _unreadable_logs(run_dir: Path) -> list[str]:
+    """Why each path named as a log is not read (not a regular file, or a link out of the run)."""
+    out = []
+    for p in _log_candidates(run_dir):
+        try:
+            regular_file(p.absolute(), run_dir)
+        except UnsafeFile as exc:
+            out.append(str(exc))
+    return out
 
 
 def is_trainer_output(run_dir: str | Path) -> bool:
+    """A folder holding a Trainer state (a file of that name, whatever it is: the import says why it cannot read a
+    FIFO or a link out of the run), a checkpoint folder or a training log of a registered source."""
     run_dir = Path(run_dir)
-    return (
-        (run_dir / TRAINER_STATE).is_file()
-        or (run_dir / TRAINER_LOG).is_file()
-        or bool(checkpoint_dirs(run_dir))
-        or bool(event_files(run_dir))
-    )
+    return os.path.lexists(run_dir / TRAINER_STATE) or bool(checkpoint_dirs(run_dir)) or bool(_log_candidates(run_dir))
 
 
 def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
     """The manifest an earlier import wrote (None: no artifacts, or the shim's)."""
     path = rank_dir(run_dir, 0) / "manifest.jsonl"
-    if not path.is_file():  # a FIFO or device must not block here: ingest refuses it with its reason
-        return None
-    try:
-        with open(path, "rb") as f:
+    try:  # a FIFO or device must not block here: ingest refuses it with its reason
+        with open_regular(path.absolute(), run_dir) as f:
             first = json.loads(f.readline(2**24))  # bounded: a manifest record is a few hundred KB
-    except (OSError, ValueError, RecursionError):
+    except (OSError, UnsafeFile, ValueError, RecursionError):
         return None
     return first if isinstance(first, dict) and first.get("imported") else None
 
 
-def ensure_artifacts(run_dir: str | Path, data: str | Path | None = None) -> bool:
+def ensure_artifacts(
+    run_dir: str | Path, data: str | Path | None = None, source: str | None = None, file: str | Path | None = None
+) -> bool:
     """Before an audit: import a Trainer output that has no artifacts, or refresh an earlier import
-    (the run may have gone on since), with its training data when given. Returns whether it imported.
-    Shim artifacts are left alone (and `data` refused: the shim recorded the batches)."""
+    (the run may have gone on since), with its training data when given (`source`, `file`: as `import_run`).
+    Returns whether it imported. Shim artifacts are left alone (and `data` refused: the shim recorded the
+    batches)."""
     run_dir = Path(run_dir)
     has_artifacts = any(artifact_root(run_dir).glob("rank-*"))
-    if (not has_artifacts and is_trainer_output(run_dir)) or (has_artifacts and imported_manifest(run_dir)):
-        import_run(run_dir, data)
+    if (not has_artifacts and (is_trainer_output(run_dir) or file is not None or source is not None)) or (
+        has_artifacts and imported_manifest(run_dir)
+    ):
+        import_run(run_dir, data, source=source, file=file)
         return True
     if data is not None:
         raise InputError(
@@ -168,48 +186,54 @@ def ensure_artifacts(run_dir: str | Path, data: str | Path | None = None) -> boo
     return False
 
 
-def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bool = False) -> dict[str, Any]:
+def import_run(
+    run_dir: str | Path,
+    data: str | Path | None = None,
+    progress: bool = False,
+    source: str | None = None,
+    file: str | Path | None = None,
+) -> dict[str, Any]:
     """Write ``RUN_DIR/sftaudit/rank-0/*.jsonl`` from a Trainer output (and from its training data, when
-    given: `dataset.dataset_records`); returns what was imported."""
+    given: `dataset.dataset_records`); returns what was imported. The run's training log kept per (re)start is
+    found by content among the registered sources (`sources.find_log`); `source` names the one to read (``--source``),
+    `file` a log file given as the run's own path (`run_dir` is its folder)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
     if data is not None and not Path(data).exists():  # before anything is read or written
         raise InputError(f"{data}: no such dataset file or folder")
-    if not is_trainer_output(run_dir):
+    file = Path(file) if file is not None else None
+    if file is None and source is None and not is_trainer_output(run_dir):
         raise InputError(
-            f"{run_dir}: not a Trainer output (no {TRAINER_STATE}, {TRAINER_LOG}, "
-            "TensorBoard event file or checkpoint-*/ folder)"
+            f"{run_dir}: not a Trainer output or training log (no {TRAINER_STATE}, checkpoint-*/ folder or log of "
+            f"{', '.join(s.name for s in registered_sources() if s.rank is not None)})"
         )
     if any(artifact_root(run_dir).glob("rank-*")) and not imported_manifest(run_dir):
         raise InputError(f"{run_dir}: already has sftaudit artifacts recorded by the shim; audit them directly")
     every_checkpoint = checkpoint_dirs(run_dir)
     # A checkpoint folder symlinked out of the run (to `/`) is never read: LOOP-09 reports it.
     checkpoints = [(s, p) for s, p in every_checkpoint if p.resolve().is_relative_to(run_dir.resolve())]
-    states = _states(run_dir, checkpoints)
-    # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
-    lines, args = read_lines(run_dir), {}
-    segments, log_source, log_file = log_segments(run_dir, lines), LOG_SOURCE, TRAINER_LOG
-    if not segments:
-        segments, texts = event_segments(run_dir)
-        args = texts.get("args", {}) | {"model_config": texts.get("model_config")}
-        log_source, log_file = EVENTS_SOURCE, "the TensorBoard event files"
-    segments, earlier = _latest_start(segments, log_file)
-    source = LOGS_SOURCE if states else log_source
+    states, refused = _states(run_dir, checkpoints)
+    # The training log kept per (re)start (LLaMA-Factory's, TensorBoard's, ...), by content (`sources`).
+    log = find_log(run_dir, source, file)
+    segments, earlier = _latest_start(log.segments, log.what) if log else ([], [])
+    source = LOGS_SOURCE if states else log.provenance if log else LOGS_SOURCE
     if not states and segments:  # a per-restart log alone: its last restart's history stands in for the state
-        states = [_log_state(run_dir, latest_history(segments), args, log_file)]
+        states = [_log_state(run_dir, latest_history(segments), log)]
     pointers = lfs_pointers(run_dir, checkpoints)
     if not states:
-        hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
+        hint = f" ({'; '.join(missing_extras(run_dir))})" if missing_extras(run_dir) else ""
         if pointers:
             hint = f" ({len(pointers)} log file(s), {pointers[0]} first, are a {LFS_HINT})"
-        elif lines:
+        elif log and log.records:
             hint = (
-                f" ({TRAINER_LOG} holds {len(lines)} progress line(s) without a loss or an eval number: "
+                f" ({log.what} holds {log.records} record(s) without a loss or an eval number: "
                 "a prediction or evaluation run, nothing was trained)"
             )
+        elif refused or _unreadable_logs(run_dir):
+            hint = f" ({(refused or _unreadable_logs(run_dir))[0]})"
         raise InputError(
-            f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)" + hint
+            f"{run_dir}: no readable {TRAINER_STATE} or training log (in the run folder or any checkpoint)" + hint
         )
     # Which run the folder's states belong to, and which is the latest, by what they hold (`runs`).
     glued = _cut_glued(run_dir, states)
@@ -232,27 +256,10 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     starts = sorted(resumes)  # segment k + 1 starts at starts[k]
     before_resume = {r: k for k, r in enumerate(starts)}  # the segment a resume abandoned a branch of
 
-    records: dict[str, list[dict[str, Any]]] = {
-        k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")
-    }
-    for seg, e in [(before_resume[r], e) for e, r in abandoned] + [
-        (bisect_right(starts, e["step"]), e) for e in timeline
-    ]:
-        records["metrics"] += [
-            {"seg": seg, "step": e["step"], "name": k, "value": v}
-            for k, v in e.items()
-            if k != "step" and isinstance(v, float)
-        ]
-        if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
-            records["steps"].append(
-                {
-                    "seg": seg,
-                    "step": e["step"],
-                    "loss": number(e["loss"]),
-                    "lr": number(e.get("learning_rate")),
-                    "grad_norm": number(e.get("grad_norm")),
-                }
-            )
+    records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "checkpoints", "events")}
+    # Each logged entry with its segment: an abandoned branch's with the segment the resume ended.
+    at = (lambda step: 0) if not starts else (lambda step: bisect_right(starts, step))
+    steps, metrics = series([(before_resume[r], e) for e, r in abandoned] + [(at(e["step"]), e) for e in timeline])
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -299,6 +306,10 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         other_runs(others)
         + earlier_run_in_log(earlier)
         + lfs(pointers)
+        + skipped_records(log.skipped if log else [])
+        + ignored_values(
+            {**(log.ignored if log else {}), **_ignored(judged)}, log.what if log and not states else TRAINER_STATE
+        )
         + log_limits(
             timeline,
             newest,
@@ -310,7 +321,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     )
     for seg in range(len(starts) + 1):
         state = _segment_state(judged, newest, starts, seg)
-        manifest = _manifest(run_dir, state, described, seg, dataset, source, planned_steps(lines), pointers, notes)
+        manifest = _manifest(run_dir, state, described, seg, dataset, source, log, pointers, notes)
         if seg:
             manifest["config"]["resume_from"] = resumes[starts[seg - 1]] or _resumed_from(
                 checkpoints, timeline, starts[seg - 1]
@@ -319,10 +330,10 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
             manifest["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
         records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": state["mtime"]})
-    _write(run_dir, records)
+    write(run_dir, records, {"steps": steps, "metrics": metrics})
     return {
-        "steps": len(records["steps"]),
-        "metrics": len(records["metrics"]),
+        "steps": steps.num_rows,
+        "metrics": metrics.num_rows,
         "checkpoints": len(checkpoints),
         "logging_steps": _logging_steps(newest),
         "resumed_at": starts[0] if starts else None,
@@ -338,61 +349,67 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
 # ---------------------------------------------------------------------------- trainer states
 
 
-def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
+def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> tuple[list[dict[str, Any]], list[str]]:
     """Every readable trainer_state.json (a truncated one is an interrupted save: LOOP-09's business), each read
-    once: its log history, its plan and other fields, and what the checkpoint's resume outline needs."""
-    out = []
-    for step, folder, top_level in [(s, p, False) for s, p in checkpoints] + [(None, run_dir, True)]:
+    once: its log history, its plan and other fields, and what the checkpoint's resume outline needs; and why each
+    unreadable one was refused (a FIFO, a link out of the run, a file too deeply nested)."""
+    out, refused = [], []
+    places = [(s, p, False) for s, p in checkpoints] + [(None, run_dir, True)]
+    places = [(step, folder, top) for step, folder, top in places if os.path.lexists(folder / TRAINER_STATE)]
+    reads = TrainerState().read_all([folder / TRAINER_STATE for _, folder, _ in places], run_dir)
+    for (step, folder, top_level), read in zip(places, reads):
         path = folder / TRAINER_STATE
         try:
-            state = json.loads(path.read_text(encoding="utf-8"))
-            history = [
-                normalised(e) for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)
-            ]
-        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            if isinstance(read, InputError):
+                raise read
+            mtime = path.stat().st_mtime
+        except (OSError, InputError) as exc:
+            refused.append(str(exc))
             continue
-        global_step = state.get("global_step")
+        fields, plan = read.fields, read.plan
+        global_step = fields.get("global_step")
         out.append(
             {
                 "folder": folder,
                 "step": step,  # the folder's step (None: the state at the top of the folder)
                 "top_level": top_level,
-                "history": history,
-                "mtime": path.stat().st_mtime,
+                "history": read.segments[0],
+                "mtime": mtime,
                 "global_step": global_step if isinstance(global_step, int) and not isinstance(global_step, bool) else 0,
-                "max_steps": state.get("max_steps"),
-                "logging_steps": state.get("logging_steps"),
-                "save_steps": state.get("save_steps"),
-                "eval_steps": state.get("eval_steps"),
-                "train_batch_size": state.get("train_batch_size"),
-                "num_train_epochs": state.get("num_train_epochs"),
+                **{k: plan.get(k) for k in PLAN_FIELDS},
                 # the state's other fields (best_metric, best_global_step, stateful_callbacks, ...), as written
-                "fields": {k: v for k, v in state.items() if k != "log_history"},
-                "outline": {"step": state.get("global_step"), "epoch": state.get("epoch")},
+                "fields": fields,
+                "outline": {"step": global_step, "epoch": fields.get("epoch")},
+                "ignored": read.ignored,
             }
         )
+    return out, refused
+
+
+def _ignored(run: list[dict[str, Any]]) -> dict[str, str]:
+    """The values the judged run's states hold where a number belongs and that are none (each field once)."""
+    out: dict[str, str] = {}
+    for s in run:
+        for k, v in s.get("ignored", {}).items():
+            out.setdefault(k, v)
     return out
 
 
-def _log_state(run_dir: Path, history: list[dict[str, Any]], args: dict[str, Any], log_file: str) -> dict[str, Any]:
-    """The history of a training log's last restart, shaped as `_states` shapes a trainer_state.json; the run's
-    arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
+def _log_state(run_dir: Path, history: list[dict[str, Any]], log: SourceLog) -> dict[str, Any]:
+    """The history of a training log's last restart, shaped as `_states` shapes a trainer_state.json, planned as the
+    log recorded (TensorBoard's ``args`` text, LLaMA-Factory's ``total_steps``); the model config where it kept one."""
     return {
         "folder": run_dir / "log",
-        "file": log_file,
+        "file": log.what,
         "step": None,
         "top_level": True,
         "history": history,
         "mtime": None,
         "global_step": max(e["step"] for e in history),
-        "max_steps": args.get("max_steps"),
-        "logging_steps": logging_interval(history) or args.get("logging_steps"),
-        "save_steps": args.get("save_steps"),
-        "eval_steps": args.get("eval_steps"),
-        "train_batch_size": args.get("per_device_train_batch_size"),
-        "num_train_epochs": args.get("num_train_epochs"),
+        **{k: log.plan.get(k) for k in PLAN_FIELDS},
+        "logging_steps": logging_interval(history) or log.plan.get("logging_steps"),
         "fields": {},
-        "model_config": args.get("model_config"),
+        "model_config": log.identity.get("model_config"),
     }
 
 
@@ -508,7 +525,7 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
     changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
     count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
-    current = {_key(e): e for e in newest["history"]}
+    current: dict[tuple, dict[str, Any]] = {}  # the newest's entries by step and keys (made when first needed)
     abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
     resumes: dict[int, str | None] = {}
     agreeing = []
@@ -516,6 +533,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         if s is newest:
             continue
         same = s["history"] == newest["history"][: len(s["history"])]  # an earlier checkpoint, compared in C
+        if not same and not current:
+            current = {_key(e): e for e in newest["history"]}
         differing = [] if same else [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
         if not differing:
             agreeing.append(s)
@@ -558,12 +577,7 @@ def _resume_outline(folder: Path, outline: dict[str, Any] | None = None) -> dict
     """What the folder holds for an exact resume (the same outline the shim's Trainer callback records); `outline`:
     its trainer state's step and epoch, as `_states` read them (read here only when `_states` could not)."""
     names = {p.name for p in folder.iterdir()}
-    state = outline
-    if state is None and TRAINER_STATE in names:
-        try:
-            state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            state = None
+    state = outline  # None: no state, or one `_states` could not read (never read twice)
     return {
         "step": state.get("global_step") if isinstance(state, dict) else None,
         "epoch": state.get("epoch") if isinstance(state, dict) else None,
@@ -622,10 +636,7 @@ def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str,
 def _json_files(run_dir: Path, checkpoints: list[tuple[int, Path]], name: str):
     """The JSON objects saved under `name`, newest checkpoint first, the run folder's last (lazily: read as taken)."""
     for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
-        try:
-            value = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-            continue
+        value = read_json(folder / name, run_dir)
         if isinstance(value, dict) and value:
             yield value
 
@@ -668,13 +679,13 @@ def _params(folders: list[Path]) -> list[dict[str, Any]]:
     return []
 
 
-def _planned_steps(newest: dict[str, Any], total_steps: int | None) -> int | None:
-    """The run's planned length: the state's ``max_steps``, else LLaMA-Factory's ``total_steps``, else
-    ``num_train_epochs`` x the steps per epoch of its last training log (its step over its epoch)."""
-    if isinstance(newest["max_steps"], int) and newest["max_steps"] > 0:
-        return newest["max_steps"]
-    if total_steps:
-        return total_steps
+def _planned_steps(newest: dict[str, Any], logged_plan: Any) -> int | None:
+    """The run's planned length: the state's ``max_steps``, else the one the log recorded (LLaMA-Factory's
+    ``total_steps``, TensorBoard's ``args``), else ``num_train_epochs`` x the steps per epoch of its last training
+    log (its step over its epoch)."""
+    for planned in (newest["max_steps"], logged_plan):
+        if isinstance(planned, int) and not isinstance(planned, bool) and planned > 0:
+            return planned
     epochs = newest["num_train_epochs"]
     logs = [
         e
@@ -706,7 +717,12 @@ def _vocab_size(
 def _logging_steps(newest: dict[str, Any]) -> int | None:
     """``logging_steps`` as the state says it (older states have none), else as the log shows it."""
     steps = newest["logging_steps"]
-    if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps >= 1 and steps == int(steps):
+    if (
+        isinstance(steps, (int, float))
+        and not isinstance(steps, bool)
+        and 1 <= steps < math.inf
+        and steps == int(steps)
+    ):
         return int(steps)
     return logging_interval(newest["history"])
 
@@ -718,7 +734,7 @@ def _manifest(
     seg: int,
     dataset: dict[str, Any] | None,
     source: str,
-    total_steps: int | None = None,
+    log: SourceLog | None = None,
     pointers: list[str] | None = None,
     notes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
@@ -730,10 +746,8 @@ def _manifest(
         "save_steps": newest["save_steps"],
         "eval_steps": newest["eval_steps"],
     }
-    try:
-        posthoc = json.loads((artifact_root(run_dir) / POSTHOC_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        posthoc = {}
+    posthoc = read_json(artifact_root(run_dir) / POSTHOC_FILE, run_dir)
+    posthoc = posthoc if isinstance(posthoc, dict) else {}
     return {
         "probe_prompts": posthoc.get("probe_prompts", []),
         "eval_set": posthoc.get("eval_set", []),
@@ -750,7 +764,8 @@ def _manifest(
         | {"steps": source, "metrics": source}
         | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
-        "unjudged": (DATASET_UNJUDGED if dataset else {}) | (NO_GRAD_NORM if source == LOG_SOURCE else {}),
+        # What the log cannot hold, when it is the only log (a Trainer state beside it holds it).
+        "unjudged": (DATASET_UNJUDGED if dataset else {}) | (log.lacks if log and source == log.provenance else {}),
         "schedule": {},
         "started": None,
         "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
@@ -766,7 +781,7 @@ def _manifest(
         "selection": run_selection(newest["fields"], newest["history"]),
         "tokenizer": described["tokenizer"],
         "config": {
-            "max_steps": _planned_steps(newest, total_steps),
+            "max_steps": _planned_steps(newest, log.plan.get("max_steps") if log else None),
             "trainer_state": granularity
             | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")}
             | _stopping(newest["fields"]),
@@ -799,15 +814,3 @@ def _stopping(fields: dict[str, Any]) -> dict[str, Any]:
         "should_training_stop": stop if isinstance(stop, bool) else None,
         "early_stopping": {"patience": patience, "counter": counter} if isinstance(early, dict) else None,
     }
-
-
-def _write(run_dir: Path, records: dict[str, list[dict[str, Any]]]) -> None:
-    """Replace an earlier import's files (and its database: ingest is incremental by file offset);
-    the records `sftaudit probe` added are kept."""
-    folder = rank_dir(run_dir, 0)
-    for kind in records:
-        (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
-    (artifact_root(run_dir) / DATABASE_FILE).unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    for kind, rows in records.items():
-        (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

@@ -141,7 +141,7 @@ def evidence_coverage(
         and o["from_step"] is not None
         and o["from_step"] > first[o["rank"]]
     ]
-    bad = bad_lines(con)
+    bad = bad_lines(con) + skipped_at_import(manifest)
     for b in bad:
         if b["lines"] > max_missing_share * b["of"]:
             reasons.append(
@@ -188,6 +188,22 @@ def bad_lines(con) -> list[dict[str, Any]]:
         if excess > 0:
             out.append({"file": file, "lines": int(excess), "of": int(lines or bad)})
     return out
+
+
+def skipped_at_import(manifest: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The records of an imported run's logs that the import could not read and skipped (a TensorBoard record
+    whose CRC fails, a trainer_log.jsonl line that is not JSON), in `bad_lines`' shape."""
+    notes = (manifest or {}).get("notes")
+    counts = [
+        (n.get("file"), n.get("lines"), n.get("of"))
+        for n in (notes if isinstance(notes, list) else [])
+        if isinstance(n, dict) and n.get("key") == "skipped_records"
+    ]
+    return [
+        {"file": str(file), "lines": lines, "of": of}
+        for file, lines, of in counts
+        if type(lines) is int and type(of) is int and 0 < lines <= of
+    ]
 
 
 # Per-step evidence the shim writes at every step in every profile, and its component's name.
@@ -375,6 +391,8 @@ def audited(
     config: AuditConfig | None = None,
     *,
     data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
     judge: Literal["always", "if_stale", "never"] = "always",
 ) -> Iterator[Audited]:
     """The pipeline under the run's lock, held until the ``with`` ends (so what the caller then reads with
@@ -382,10 +400,11 @@ def audited(
     imported (again: it may have grown; `data` is its training data), what is new is ingested, and the run
     is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless the database
     changed since it was judged, another version judged it, or another config (`config` None: the stored
-    verdict's own); "never", import and ingest only (the stored verdict, if any)."""
+    verdict's own); "never", import and ingest only (the stored verdict, if any). `source`, `log_file`: the kind of training log and the
+    log file named on the command line (a run trained without the shim: `sftaudit.imports.import_run`)."""
     run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
-        ensure_artifacts(run_dir, data)
+        ensure_artifacts(run_dir, data, source=source, file=log_file)
         if config is None:  # its limits are ingest's too
             config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
         added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
@@ -406,11 +425,13 @@ def audit(
     config: AuditConfig | None = None,
     *,
     data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
     judge: Literal["always", "if_stale", "never"] = "always",
 ) -> dict[str, Any]:
     """Import (a run trained without the shim), ingest what is new, run the checks, store findings + verdict in
     the run database; return the verdict (`audited`)."""
-    with audited(run_dir, config, data=data, judge=judge) as done:
+    with audited(run_dir, config, data=data, source=source, log_file=log_file, judge=judge) as done:
         return done.verdict
 
 

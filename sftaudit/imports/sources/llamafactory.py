@@ -20,14 +20,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .logs import normalised
+from ...core.safe_io import open_regular
+from ..logs import MAX_LOG_BYTES, is_step, normalised
+from ..source import LogSource, SourceLog
 
 TRAINER_LOG = "trainer_log.jsonl"
-LOG_SOURCE = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
 NO_GRAD_NORM = {
     "LOOP-05": "trainer_log.jsonl has no grad_norm (LLaMA-Factory keeps it in trainer_state.json only, "
     "and this run has none)"
 }
+# A line longer than this is no line LogCallback wrote (a few hundred bytes each): skipped, unread.
+MAX_LINE_BYTES = 1 << 20
 # trainer_log.jsonl key -> the Trainer's log_history key
 KEYS = {
     "loss": "loss",
@@ -46,32 +49,72 @@ ACTIVE_WRITERS = 16
 PROGRESS = {"current_steps", "total_steps", "percentage", "elapsed_time", "remaining_time"}
 
 
-def read_lines(run_dir: Path) -> list[dict[str, Any]]:
-    """The file's JSON object lines ([] when there is no file; a line that is not JSON, a write cut short, is
-    skipped)."""
-    try:
-        lines = (run_dir / TRAINER_LOG).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    out = []
-    for line in lines:
+class LlamaFactoryLog(LogSource):
+    name = "llamafactory"
+    provenance = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
+    patterns = (TRAINER_LOG,)
+    what = TRAINER_LOG
+    rank = 10
+
+    def detect(self, path: Path) -> bool:
+        """A JSON object on its first line, with LogCallback's ``current_steps``."""
+        with open_regular(path) as f:
+            first = f.readline(MAX_LINE_BYTES)
         try:
-            raw = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(raw, dict):
-            out.append(raw)
-    return out
+            raw = json.loads(first)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(raw, dict) and "current_steps" in raw
+
+    def read(self, files: list[Path], run_dir: Path) -> SourceLog:
+        lines, skipped = read_lines(files[0], run_dir)
+        total = planned_steps(lines)
+        return self.log(
+            files[:1],
+            run_dir,
+            segments=log_segments(lines),
+            plan={"max_steps": total} if total else {},
+            lacks=NO_GRAD_NORM,
+            skipped=skipped,
+            records=len(lines),
+        )
+
+
+def read_lines(path: Path, run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The file's JSON object lines, and the lines that are not one (``[{"file", "lines", "of"}]``, [] when none
+    but the last: a write cut short by a crash is the one a log may end with). Read a line at a time after a size
+    check, each line bounded (a longer one is skipped unread)."""
+    out, bad, count, last_bad = [], 0, 0, False
+    with open_regular(path.absolute(), run_dir, MAX_LOG_BYTES) as f:
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            too_long = len(line) > MAX_LINE_BYTES
+            while line and not line.endswith(b"\n") and too_long:  # the rest of an overlong line, unread
+                line = f.readline(MAX_LINE_BYTES)
+            if not too_long and not line.strip():
+                continue
+            count += 1
+            try:
+                raw = None if too_long else json.loads(line)
+            except (ValueError, RecursionError):
+                raw = None
+            last_bad = not isinstance(raw, dict)
+            if last_bad:
+                bad += 1
+            else:
+                out.append(raw)
+    bad -= last_bad  # the torn last line of a crash
+    skipped = [{"file": str(path.relative_to(run_dir)), "lines": bad, "of": count}] if bad else []
+    return out, skipped
 
 
 def planned_steps(lines: list[dict[str, Any]]) -> int | None:
     """The run's planned length, as the log states it (``total_steps``, the newest start's)."""
-    totals = [raw["total_steps"] for raw in lines if isinstance(raw.get("total_steps"), int) and raw["total_steps"] > 0]
+    totals = [raw["total_steps"] for raw in lines if is_step(raw.get("total_steps")) and raw["total_steps"] > 0]
     return totals[-1] if totals else None
 
 
-def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> list[list[dict[str, Any]]]:
-    """The file's lines as log-history entries, one list per (re)start of the run; [] when there is no file.
+def log_segments(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The file's lines as log-history entries, one list per (re)start of the run.
 
     Several processes may append to the same file at once (a launcher starting the script once per GPU, each
     rank's LogCallback writing): their lines interleave, each step logged once per writer, a step going back
@@ -79,13 +122,12 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     last line of the run it replaced. So the lines are first sorted into writers (each writer's steps go
     forward, and so does its ``elapsed_time``), and writers whose lines interleave in the file are one run:
     each step's line is kept once. Writers that follow one another are the restarts."""
-    lines = read_lines(run_dir) if lines is None else lines
     writers: list[dict[str, Any]] = []  # {"lines": [(file index, raw)], "step", "loss_step", "elapsed"}
     active: list[dict[str, Any]] = []  # the writers a line may continue, least recently written first
     seen = set()
     for index, raw in enumerate(lines):
         step = raw.get("current_steps")
-        if not isinstance(step, int) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
+        if not is_step(step) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
             continue  # a prediction-progress line, or no training/eval number in it
         text = json.dumps(raw, sort_keys=True)
         if text in seen:

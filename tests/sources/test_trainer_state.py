@@ -1,0 +1,126 @@
+"""The Trainer state source: a ``trainer_state.json`` read into its history, plan and other fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sftaudit.errors import InputError
+from sftaudit.imports.sources.trainer_state import TrainerState
+
+from . import EXAMPLE_STEPS, example_loss
+
+
+def write_example(folder: Path) -> list[Path]:
+    """The registry's contract run: steps 1..10 logged with their loss and learning rate, as the Trainer saves it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    history = [{"epoch": s / 10, "learning_rate": 1e-4, "loss": example_loss(s), "step": s} for s in EXAMPLE_STEPS]
+    state = {"global_step": 10, "max_steps": 10, "logging_steps": 1, "save_steps": 5, "log_history": history}
+    path = folder / "trainer_state.json"
+    path.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return [path]
+
+
+def test_a_state_gives_its_history_plan_and_other_fields(tmp_path):
+    (path,) = write_example(tmp_path)
+    log = TrainerState().read([path], tmp_path)
+    assert [e["step"] for e in log.segments[0]] == list(EXAMPLE_STEPS)
+    assert log.plan == {"max_steps": 10, "logging_steps": 1, "save_steps": 5}
+    assert log.fields["global_step"] == 10 and "log_history" not in log.fields
+    assert log.files == ["trainer_state.json"] and log.records == 10
+
+
+def test_entries_whose_step_is_no_integer_are_left_out(tmp_path):
+    path = tmp_path / "trainer_state.json"
+    history = [{"loss": 1.0, "step": s} for s in (1, 2.5, "3", None, True)] + [{"loss": 1.0}, 7]
+    path.write_text(json.dumps({"global_step": 1, "log_history": history}), encoding="utf-8")
+    assert [e["step"] for e in TrainerState().read([path], tmp_path).segments[0]] == [1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"global_step": 3, "log_history": {"step": 1}}', '{"global_step": 3, "log_his', "[1, 2]", "\x00\x01"],
+)
+def test_what_is_no_state_is_refused_in_one_line(tmp_path, text):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InputError, match="trainer_state.json: not a"):
+        TrainerState().read([path], tmp_path)
+
+
+def test_detected_by_its_own_keys(tmp_path):
+    (path,) = write_example(tmp_path / "run")
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 100}), encoding="utf-8")
+    assert TrainerState().detect(path) and not TrainerState().detect(other)
+
+
+def _state_file(path: Path, history: list[dict], **fields) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"global_step": len(history), "max_steps": 100, "log_history": history, **fields}
+    path.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_stream_read_equals_the_whole_file_read(tmp_path, monkeypatch):
+    """Read a chunk at a time (a tiny chunk here: every entry, number and field cut across chunks), NaN and
+    Infinity as the Trainer writes them: the same as json.load gives."""
+    import sftaudit.imports.sources.trainer_state as module
+
+    monkeypatch.setattr(module, "CHUNK_BYTES", 7)
+    history = [{"loss": float("nan") if s == 3 else 1.0 / s, "step": s, "grad_norm": float("inf")} for s in range(1, 9)]
+    path = _state_file(tmp_path / "trainer_state.json", history, best_metric=12345.678, stateful_callbacks={"a": [1]})
+    log = TrainerState().read([path], tmp_path)
+    assert (
+        json.dumps(log.segments[0], sort_keys=True) == json.dumps(history, sort_keys=True)
+        and log.fields["best_metric"] == 12345.678
+    )
+    assert log.fields["stateful_callbacks"] == {"a": [1]} and log.plan["max_steps"] == 100
+
+
+def test_older_states_are_taken_from_the_largest_where_they_repeat_it(tmp_path, monkeypatch):
+    import sftaudit.imports.sources.trainer_state as module
+
+    history = [{"loss": 2.0 - s / 100, "step": s} for s in range(1, 41)]
+    newest = _state_file(tmp_path / "trainer_state.json", history)
+    older = _state_file(tmp_path / "checkpoint-20" / "trainer_state.json", history[:20], global_step=20)
+    empty = _state_file(tmp_path / "checkpoint-0" / "trainer_state.json", [], global_step=0)
+    branch = history[:10] + [{"loss": 9.0, "step": s} for s in range(11, 16)]  # a branch a resume abandoned
+    other = _state_file(tmp_path / "checkpoint-15" / "trainer_state.json", branch, global_step=15)
+    decoded = []
+    monkeypatch.setattr(module, "normalised", lambda e: decoded.append(e["step"]) or dict(e))
+    logs = TrainerState().read_all([older, empty, other, newest], tmp_path)
+    assert [len(log.segments[0]) for log in logs] == [20, 0, 15, 40]
+    assert logs[0].segments[0][19] is logs[3].segments[0][19]  # the same entry, never decoded twice
+    assert logs[0].fields["global_step"] == 20 and logs[1].fields["global_step"] == 0
+    assert [e["loss"] for e in logs[2].segments[0][10:]] == [9.0] * 5
+    assert sorted(decoded) == sorted(list(range(1, 41)) + list(range(1, 16)))  # the branch alone read again
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('{"log_history": [{"step": 1}] "x": 1}', "no comma between fields"),
+        ('{"log_history": [{"step": 1} {"step": 2}]}', "no comma between log entries"),
+        ('{"log_history": [{"step": 1}]} trailing', "more after the state's end"),
+        ('{"log_history": [' + "[" * 100_000 + "]" * 100_000 + "]}", "nested too deeply"),
+    ],
+)
+def test_a_damaged_state_is_refused_with_what_is_wrong(tmp_path, text, said):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InputError, match=said):
+        TrainerState().read([path], tmp_path)
+
+
+def test_a_value_too_large_to_be_a_state_field_is_refused(tmp_path, monkeypatch):
+    import sftaudit.imports.sources.trainer_state as module
+
+    monkeypatch.setattr(module, "MAX_VALUE_BYTES", 1000)
+    monkeypatch.setattr(module, "CHUNK_BYTES", 100)
+    path = tmp_path / "trainer_state.json"
+    path.write_text('{"log_history": [], "x": "' + "y" * 5000 + '"}', encoding="utf-8")
+    with pytest.raises(InputError, match="a value of more than"):
+        TrainerState().read([path], tmp_path)
