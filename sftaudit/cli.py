@@ -1,4 +1,4 @@
-"""Command line: `sftaudit import|probe|ingest|audit|report|card|preflight|replay|gate|diff|golden|demo`: the
+"""Command line: `sftaudit import|probe|ingest|audit|watch|report|card|preflight|replay|gate|diff|golden|demo`: the
 arguments of every subcommand; each one runs in its own module of `sftaudit.commands`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
@@ -69,6 +69,39 @@ def _at_least(low: int):
     return parse
 
 
+def _seconds(low: float):
+    """An argparse type: a number of seconds >= low."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not value >= low or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= {low:g}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _webhook(text: str) -> str:
+    """An argparse type: an http(s) URL with a host (never repeated in the error: a webhook's address is its secret)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError("give the webhook's http:// or https:// address")
+    return text
+
+
+_webhook.__name__ = "webhook URL"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sftaudit", description="Audit a supervised fine-tuning run from its sftaudit artifacts.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -112,6 +145,41 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
+    s.add_argument("--github", action="store_true", help=GITHUB_HELP)
+
+    s = sub.add_parser(
+        "watch",
+        help="follow a run as it trains: print each new finding once, post warn/fail to a webhook, and exit at "
+        "the first fail (--exit-on) or when the run closes",
+    )
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
+    s.add_argument("--data", type=Path, help=DATA_HELP)
+    s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
+    s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
+    s.add_argument("--interval", type=_seconds(0.1), default=2.0, help="seconds between two looks (default 2)")
+    s.add_argument(
+        "--idle-timeout",
+        type=_seconds(0),
+        default=3600.0,
+        help="stop watching after this many seconds without a new record (default 3600; 0: never)",
+    )
+    s.add_argument(
+        "--exit-on",
+        choices=("fail", "warn"),
+        help="exit 1 at the first finding this severe (warn: warn or fail) instead of watching on",
+    )
+    s.add_argument(
+        "--stop-on",
+        choices=("fail", "warn"),
+        help="at the first finding this severe, ask the run to stop (RUN_DIR/sftaudit/stop-request.json, read by "
+        "the shim's guard)",
+    )
+    s.add_argument(
+        "--notify",
+        type=_webhook,
+        metavar="URL",
+        help="post each new warn or fail as JSON to this webhook (Slack and Discord incoming webhooks take it)",
+    )
     s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
     s = sub.add_parser(
@@ -211,6 +279,7 @@ COMMAND_MODULES = {
     "probe": "probe",
     "ingest": "ingest",
     "audit": "audit",
+    "watch": "watch",
     "report": "report",
     "card": "card",
     "preflight": "preflight",

@@ -1,0 +1,228 @@
+"""`sftaudit watch`: each new finding printed once, the webhook alert (a real HTTP server on 127.0.0.1), the stop
+request the guard reads, the exits (first fail, clean close, idle, the guard's halt); and a run written step by step
+by a subprocess while the watch follows it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from sftaudit.fixtures.live_run import next_segment, write_live_run
+
+from sftaudit.cli import main
+from sftaudit.commands.watch import Notifier
+from sftaudit.core.artifacts import rank_dir, read_stop_request
+from sftaudit.outputs.webhook import DISCORD_CONTENT_LIMIT, payload
+
+NAN_AT = 40
+
+
+class Hook:
+    """A webhook on 127.0.0.1: records each POST's JSON body; answers 500 to the first `fail_first` of them."""
+
+    def __init__(self, fail_first: int = 0):
+        hook = self
+        self.bodies: list[dict] = []
+        self.attempts = 0
+        self.fail_first = fail_first
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.attempts += 1
+                if hook.attempts <= hook.fail_first:
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                hook.bodies.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Hook:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+
+
+def watch(run_dir, *options, capsys):
+    code = main(["watch", str(run_dir), "--interval", "0.1", *map(str, options)])
+    return code, capsys.readouterr()
+
+
+def test_a_fail_is_printed_once_posted_once_and_asks_the_run_to_stop(tmp_path, capsys):
+    run = tmp_path / "nan"
+    write_live_run(run, 60, nan_at=NAN_AT, close=False)
+    with Hook() as hook:
+        code, out = watch(run, "--exit-on", "fail", "--stop-on", "fail", "--notify", hook.url, capsys=capsys)
+    assert code == 1, out
+    assert out.out.count(f"LOOP-05 fail step {NAN_AT}:") == 1
+    assert "stopped watching at the first fail (LOOP-05)" in out.out
+    # One alert, the fail's (info findings are printed, not posted).
+    assert len(hook.bodies) == 1
+    body = hook.bodies[0]
+    assert body["text"].startswith(f"sftaudit FAIL LOOP-05 at step {NAN_AT} of run nan: loss became non-finite")
+    assert body["content"] == body["text"] and body["allowed_mentions"] == {"parse": []}
+    request = read_stop_request(run)
+    assert (request.code, request.step) == ("LOOP-05", NAN_AT) and request.reason.startswith("LOOP-05 fail at step")
+
+
+def test_the_clean_twin_exits_0_at_its_close_and_posts_nothing(tmp_path, capsys):
+    run = tmp_path / "clean"
+    write_live_run(run, 60)
+    with Hook() as hook:
+        code, out = watch(run, "--exit-on", "fail", "--stop-on", "fail", "--notify", hook.url, capsys=capsys)
+    assert code == 0, out
+    assert "clean: the run closed at step 60 (its close record)" in out.out and "clean: PASS" in out.out
+    assert hook.attempts == 0 and read_stop_request(run) is None
+
+
+def test_without_exit_on_a_fail_is_printed_once_across_polls_until_the_run_goes_idle(tmp_path, capsys):
+    run = tmp_path / "nan"
+    write_live_run(run, 60, nan_at=NAN_AT, close=False)
+    code, out = watch(run, "--idle-timeout", "1", capsys=capsys)
+    assert code == 1  # the final verdict's: fail
+    assert out.out.count(f"LOOP-05 fail step {NAN_AT}:") == 1 and out.out.count("LOOP-03 info") == 1
+    assert "no new record for 1 s (--idle-timeout): stopped watching at step 60; the run has not closed" in out.out
+
+
+def test_a_close_by_the_guard_is_not_a_clean_end(tmp_path, capsys):
+    run = tmp_path / "halted"
+    write_live_run(run, 30, close=False)
+    halted = {"source": "stop_request", "reason": "asked to stop", "step": 30, "anomaly_step": None}
+    with open(rank_dir(run, 0) / "events.jsonl", "a") as f:
+        f.write(json.dumps({"seg": 0, "kind": "close", "step": 30, "time": time.time(), "halted": halted}) + "\n")
+    code, out = watch(run, capsys=capsys)
+    assert code == 1
+    assert "sftaudit's guard stopped the run at step 30: asked to stop" in out.out and "close record" not in out.out
+
+
+def test_a_restart_and_a_torn_last_line_are_followed(tmp_path, capsys):
+    run = tmp_path / "resumed"
+    write_live_run(run, 30, close=False)  # killed: no close record
+    with open(rank_dir(run, 0) / "steps.jsonl", "a") as f:
+        f.write('{"seg": 0, "step": 31, "lo')  # the line the kill tore
+    write_live_run(run, 30, first_step=21, seg=next_segment(run))  # resumed from step 20's checkpoint, closed
+    code, out = watch(run, capsys=capsys)
+    assert "resumed: the run closed at step 50 (its close record)" in out.out
+    # The restart resumed from a step no checkpoint was saved at: LOOP-11's fail, said once.
+    assert code == 1 and out.out.count("LOOP-11 fail step 21:") == 1
+
+
+def test_github_annotates_each_new_finding_within_the_caps(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "nan"
+    write_live_run(run, 60, nan_at=NAN_AT)
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    code, out = watch(run, "--github", capsys=capsys)
+    assert code == 1
+    assert out.out.count(f"::error title=LOOP-05 fail at step {NAN_AT}::loss became non-finite") == 1
+    # The run's own text is printed with workflow commands off.
+    assert out.out.index("::stop-commands::") < out.out.index(f"LOOP-05 fail step {NAN_AT}:")
+    assert "## sftaudit watch" in summary.read_text()
+
+
+def test_the_payload_escapes_slack_and_mentions_nobody():
+    finding = {
+        "code": "LOOP-05",
+        "severity": "warn",
+        "step": 3,
+        "message": "<!channel> @here & <http://x|y> @everyone\x1b[2J",
+    }
+    body = payload(finding, "run <@U123>")
+    assert "<" not in body["text"] and ">" not in body["text"] and "&amp;" in body["text"]
+    for text in (body["text"], body["content"]):
+        assert "@here" not in text and "@everyone" not in text and "@U123" not in text and "\x1b" not in text
+    assert body["allowed_mentions"] == {"parse": []}
+    long = payload({**finding, "message": "x" * 10_000}, "r")
+    assert len(long["content"]) <= DISCORD_CONTENT_LIMIT
+
+
+def test_the_notifier_retries_a_failed_post_and_never_blocks(tmp_path):
+    with Hook(fail_first=1) as hook:
+        notifier = Notifier(hook.url)
+        notifier.BACKOFF_S = 0.05
+        started = time.monotonic()
+        notifier.send({"text": "a", "content": "a"})
+        assert time.monotonic() - started < 0.05  # handed to the worker, not sent on the caller's thread
+        notifier.close()
+    assert hook.attempts == 2 and hook.bodies == [{"text": "a", "content": "a"}]
+    assert notifier.sent == 1 and notifier.failed == 0 and notifier.summary() is None
+
+
+def test_a_full_queue_drops_the_oldest_and_says_so():
+    notifier = Notifier("http://127.0.0.1:9/unreachable")  # nothing listens on the discard port
+    notifier.ATTEMPTS, notifier.QUEUE, notifier.DRAIN_S = 1, 3, 5.0
+    for i in range(10):
+        notifier.send({"text": str(i)})
+    notifier.close()
+    assert notifier.dropped >= 6 and notifier.sent == 0
+    assert "dropped" in notifier.summary() and "127.0.0.1" not in notifier.summary()
+
+
+def test_a_bad_webhook_address_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["watch", str(tmp_path), "--notify", "ftp://secret-token@example"])
+    assert exc.value.code == 2
+    assert "secret-token" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nan_at", [NAN_AT, None], ids=["nan", "clean"])
+def test_watch_follows_a_run_written_step_by_step(tmp_path, nan_at):
+    """A writer subprocess at 10 steps a second; the watch in another: the planted fail is printed while the run
+    trains, posted once, and ends the watch (exit 1); the clean twin ends at its close (exit 0), nothing posted."""
+    run = tmp_path / ("nan" if nan_at else "clean")
+    env = {**os.environ, "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    writer_args = ["--steps", "200" if nan_at else "60", "--rate", "10"] + (["--nan-at", str(nan_at)] if nan_at else [])
+    with Hook() as hook:
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "sftaudit.fixtures.live_run", str(run), *writer_args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "sftaudit.cli", "watch", str(run), "--interval", "0.5"]
+                + ["--exit-on", "fail", "--stop-on", "fail", "--notify", hook.url, "--idle-timeout", "60"],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env=env,
+            )
+        finally:
+            writer.kill()
+            written = writer.communicate()[0]
+    steps = [int(line.split()[0]) for line in written.splitlines()]
+    if nan_at:
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stdout.count(f"LOOP-05 fail step {nan_at}:") == 1
+        assert steps[-1] < 200  # seen while the run trained
+        assert len(hook.bodies) == 1 and "LOOP-05" in hook.bodies[0]["content"]
+        assert read_stop_request(run).step == nan_at
+    else:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "the run closed at step 60 (its close record)" in result.stdout
+        assert hook.attempts == 0 and read_stop_request(run) is None
