@@ -3,24 +3,37 @@
 A billion norms (10^6 steps x 1,000 tensors) are 4 GB even in float32. The checks that judge every
 norm (LOOP-05, LOOP-10, LOOP-15) judge each tensor against its own history, plus a few per-step sums
 across tensors, so they read the matrix a block of tensors at a time, each block over every step.
-The grad_cells view is read once per audit, a range of steps at a time, and each range is written,
-transposed, to a private temporary file (unlinked at creation: nothing is left behind, even by a
-crash); a block of tensors is then one read per range. The file is read with plain reads, not mapped,
-so the pages the system caches for it are not counted against the audit's memory.
+The norms are read a range of steps at a time, and each range is written, transposed, to a file; a block
+of tensors is then one read per range. The file is read with plain reads, not mapped, so the pages the system
+caches for it are not counted against the audit's memory.
+
+**Carried from one audit to the next.** For the shim's columnar series (Parquet parts, journal tails) the file
+is the run's columnar copy, kept in sftaudit's cache beside the run database (`CarriedCopy`), never in the run
+folder. A range of steps is closed once every step in it is recorded and none of its norms comes from a
+journal: the parts it was filled from are immutable, so the next audit keeps the closed ranges as they are,
+reads only the parts that reach past them (and the tails), and writes only the open ranges at the end. What a
+closed range was built from is written down with it: the steps it covers, the tensors, each part's identity
+(inode, size, first block, as ingest recorded it), the segment cutoffs before its end. When any of that differs
+(a resume that abandoned a closed step, a part rewritten or gone, other tensors), or a part read anew has a norm
+in a closed range, the copy is built again from the start. Any other gradient source (a sharded run's reduced
+norms, a schema-1 run's rows) is copied into a private temporary file, unlinked at creation, at each audit.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
 from ..core.artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
-from ..store.rundb import first_row, has_table
+from ..store.rundb import database_dir, first_row, has_table
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
@@ -45,42 +58,72 @@ class GradientColumns:
         self.graded = np.zeros(n, dtype=bool)
         self.nonfinite = np.zeros(n, dtype=bool)  # per step: a recorded norm is NaN or inf
         self._rows = max(1, STEP_VALUES // max(k, 1))  # steps per range
-        self._file = tempfile.TemporaryFile(prefix="sftaudit-grad-")
-        if n and k:
-            try:
-                self._write(con, artifact_root(run_dir).resolve(), n, k)
-            except BaseException as exc:
-                self._file.close()
-                if not isinstance(exc, OSError) or exc.errno is None:
-                    raise
-                raise OSError(
-                    f"the audit's temporary copy of the gradient norms ({n * k * 4 / 2**30:.1f} GiB in "
-                    f"{tempfile.gettempdir()}) could not be written ({exc.strerror}); point TMPDIR at a folder with room"
-                ) from None
-
-    def _write(self, con, root, n: int, k: int) -> None:
-        """Every range of steps, in order, tensor-major: [tensors x steps of the range] one after another."""
-        reduced = has_table(con, "grad_norms_reduced")
-        ranges = _Ranges(self, n, k)
         # A sharded run (the whole tensors' norms are the reduction ingest stored) or a schema-1 run (the norms
-        # are rows of a table): through the view, a range of steps at a time.
-        if reduced or first_row(con, "SELECT 1 FROM grad_rows WHERE rank = 0 LIMIT 1"):
-            for lo in range(0, n, self._rows):
-                hi = min(n, lo + self._rows)
-                ranges.add(
-                    *_fetch(
-                        con, "grad_cells", "AND step BETWEEN ? AND ?", [k, int(self.steps[lo]), int(self.steps[hi - 1])]
-                    )
+        # are rows of a table) is read through the view; the shim's series from its parts, into the carried copy.
+        viewed = has_table(con, "grad_norms_reduced") or first_row(
+            con, "SELECT 1 FROM grad_rows WHERE rank = 0 LIMIT 1"
+        )
+        carried = CarriedCopy(run_dir) if n and k and not viewed else None
+        where = carried.folder if carried else Path(tempfile.gettempdir())
+        try:
+            self._file = carried.open() if carried else tempfile.TemporaryFile(prefix="sftaudit-grad-")
+            if carried:
+                self._write_parts(con, artifact_root(run_dir).resolve(), n, k, carried)
+            elif n and k:
+                self._write_viewed(con, n, k)
+        except BaseException as exc:
+            if getattr(self, "_file", None) is not None:
+                self._file.close()
+            if not isinstance(exc, OSError) or exc.errno is None:
+                raise
+            raise OSError(
+                f"the audit's copy of the gradient norms ({n * k * 4 / 2**30:.1f} GiB in {where}) could not be "
+                f"written ({exc.strerror}); "
+                + ("point SFTAUDIT_CACHE_DIR" if carried else "point TMPDIR")
+                + " at a folder with room"
+            ) from None
+
+    def _write_viewed(self, con, n: int, k: int) -> None:
+        """Every range of steps, in order, tensor-major: [tensors x steps of the range] one after another."""
+        ranges = _Ranges(self, n, k)
+        for lo in range(0, n, self._rows):
+            hi = min(n, lo + self._rows)
+            ranges.add(
+                *_fetch(
+                    con, "grad_cells", "AND step BETWEEN ? AND ?", [k, int(self.steps[lo]), int(self.steps[hi - 1])]
                 )
-                ranges.flush(hi)
-        else:
-            # The Parquet parts are read directly (pyarrow, two at a time), not through the view: DuckDB's
-            # hand-over of a billion rows to Python costs several times their decoding. The same rows as
-            # grad_cells: rank 0, the tensors its segment lists, the steps before the segment's cutoff.
-            ranges.add(*_fetch(con, "grad_tail_cells", "", [k]))
-            for next_row, part in _parts(con, root, self.steps, k):
-                ranges.add(*part)
-                ranges.flush(next_row)
+            )
+            ranges.flush(hi)
+        ranges.flush(n)
+
+    def _write_parts(self, con, root, n: int, k: int, carried: CarriedCopy) -> None:
+        """The open ranges of the carried copy (every range when nothing can be carried). The Parquet parts are
+        read directly (pyarrow, two at a time), not through the view: DuckDB's hand-over of a billion rows to
+        Python costs several times their decoding. The same rows as grad_cells: rank 0, the tensors its segment
+        lists, the steps before the segment's cutoff."""
+        evidence = _Evidence(con, self)
+        kept = carried.load(evidence)
+        try:
+            self._fill(con, root, n, k, evidence, kept)
+        except _Stale:  # a part read anew reaches into a closed range: built again from the start
+            kept = carried.load(evidence, reset=True)
+            self._fill(con, root, n, k, evidence, kept)
+        carried.save(evidence, self, kept.boundary(self, evidence))
+
+    def _fill(self, con, root, n: int, k: int, evidence: _Evidence, kept: _Kept) -> None:
+        self.graded[:] = False
+        self.nonfinite[:] = False
+        self.graded[: kept.rows] = kept.graded
+        self.nonfinite[: kept.rows] = kept.nonfinite
+        ranges = _Ranges(self, n, k, closed=kept.rows)
+        tail = _fetch(con, "grad_tail_cells", "", [k])
+        evidence.tail_first = int(tail[0].min()) if tail[0].size else None
+        ranges.add(*tail)
+        for next_row, file, part in _parts(con, root, self.steps, k, skip=kept.closed_parts):
+            ranges.add(*part, known=file in kept.straddling)
+            if part[0].size:
+                evidence.read[file] = (int(part[0].min()), int(part[0].max()))
+            ranges.flush(next_row)
         ranges.flush(n)
 
     def close(self) -> None:
@@ -131,13 +174,14 @@ def _fetch(con, view: str, where: str, params: list) -> tuple[np.ndarray, np.nda
     return cells["step"], cells["idx"], cells["norm"]
 
 
-def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple]]:
-    """Rank 0's parts in step order, each as (the step row no later part starts before, (its step, idx and
-    norm columns, the tensors its segment lists, the segment's cutoff or None))."""
+def _parts(con, root, steps: np.ndarray, k: int, skip=frozenset()) -> Iterator[tuple[int, str, tuple]]:
+    """Rank 0's parts in step order but those in `skip` (files), each as (the step row no later part starts
+    before, its file, (its step, idx and norm columns, the tensors its segment lists, the segment's cutoff or
+    None))."""
     import pyarrow.parquet as pq  # only an audit with a columnar series reads parts
 
     listed = [
-        (int(seg), int(first), root / file)
+        (int(seg), int(first), file)
         for file, seg, first in con.execute(
             "SELECT file, regexp_extract(file, '/seg=(\\d+)/', 1), regexp_extract(file, 'part-(\\d+)\\.parquet$', 1) "
             "FROM ingest_state WHERE file LIKE ? AND records > 0 ORDER BY file",  # an empty part adds nothing
@@ -151,34 +195,54 @@ def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple]]:
     # A part starting at or after its segment's cutoff was abandoned whole (the run went back to a checkpoint).
     listed = sorted(p for p in listed if p[1] < cutoff.get(p[0], np.inf))
     starts = np.searchsorted(steps, [first for _, first, _ in listed] + [np.iinfo(np.int64).max])
+    todo = [(i, p) for i, p in enumerate(listed) if p[2] not in skip]
 
     def read(part):
-        seg, _, path = part
-        table = pq.read_table(path, columns=["step", "idx", "norm"], use_threads=False)
+        seg, _, file = part
+        table = pq.read_table(root / file, columns=["step", "idx", "norm"], use_threads=False)
         return (*(table.column(c).to_numpy() for c in ("step", "idx", "norm")), tensors.get(seg, 0), cutoff.get(seg))
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # pyarrow decodes without the GIL: one part per core
-        ahead = [pool.submit(read, p) for p in listed[:2]]
-        for i in range(len(listed)):
-            if i + 2 < len(listed):
-                ahead.append(pool.submit(read, listed[i + 2]))
-            yield int(starts[i + 1]), ahead.pop(0).result()
+        ahead = [pool.submit(read, p) for _, p in todo[:2]]
+        for j, (i, part) in enumerate(todo):
+            if j + 2 < len(todo):
+                ahead.append(pool.submit(read, todo[j + 2][1]))
+            yield int(starts[i + 1]), part[2], ahead.pop(0).result()
 
 
 class _Ranges:
     """The ranges of steps being filled, written out in order once no later cell can fall in them."""
 
-    def __init__(self, columns: GradientColumns, n: int, k: int):
+    def __init__(self, columns: GradientColumns, n: int, k: int, closed: int = 0):
         self.columns, self.n, self.k = columns, n, k
         self.contiguous = columns.steps[-1] - columns.steps[0] == n - 1  # the usual case: a step's row is its offset
         self.open: dict[int, np.ndarray] = {}
-        self.written = 0  # ranges written so far
+        self.closed = closed  # step rows carried from the audit before, whole ranges: never written again
+        self.written = closed // columns._rows  # ranges written so far
 
     def add(
-        self, step: np.ndarray, idx: np.ndarray, norm: np.ndarray, listed: int | None = None, cutoff: int | None = None
+        self,
+        step: np.ndarray,
+        idx: np.ndarray,
+        norm: np.ndarray,
+        listed: int | None = None,
+        cutoff: int | None = None,
+        known: bool = False,
     ) -> None:
-        """Cells of the tensors below `listed` (default: all) at steps before `cutoff` (default: any)."""
+        """Cells of the tensors below `listed` (default: all) at steps before `cutoff` (default: any). A cell in a
+        closed range is left out when it comes from a part that filled that range before (`known`), and means
+        the closed ranges must be built again (`_Stale`) otherwise."""
         k = self.k
+        if self.closed:
+            rows, ok = self._rows_of(step)
+            inside = ok & (rows < self.closed) & (idx >= 0) & (idx < (k if listed is None else min(k, listed)))
+            if cutoff is not None:
+                inside &= step < cutoff
+            if inside.any():
+                if not known:
+                    raise _Stale
+                keep = ~inside
+                step, idx, norm = step[keep], idx[keep], norm[keep]
         listed = k if listed is None else min(k, listed)
         if listed == k and step.size and step.size % k == 0:
             # The shim's parts are dense: each step's tensors 0..k-1 in order. Then the part is a steps x
@@ -270,3 +334,152 @@ def gradient_columns(ctx) -> GradientColumns:
         cached = ctx.__dict__["_gradient_columns"] = GradientColumns(ctx.con, ctx.run_dir)
         ctx.resources.append(cached)
     return cached
+
+
+class _Stale(Exception):
+    """A norm read anew falls in a closed range of the carried copy: the copy is built again."""
+
+
+class _Evidence:
+    """What the copy's closed ranges are built from, as the database says now: rank 0's tensors, steps, segment
+    cutoffs and tensors listed per segment, and each part's identity; filled in as the audit reads: each part
+    read (its first and last step) and the first step of the journal tails."""
+
+    def __init__(self, con, columns: GradientColumns):
+        self.steps = columns.steps
+        self.shape = [len(columns.names), columns._rows]
+        self.names = hashlib.sha256("\n".join(columns.names).encode("utf-8", "surrogateescape")).hexdigest()
+        self.parts = {
+            file: [int(offset), int(device), int(inode), head]
+            for file, offset, device, inode, head in con.execute(
+                'SELECT file, "offset", device, inode, head FROM ingest_state WHERE file LIKE ?',
+                [f"{SERIES_DIR}/{GRAD_SERIES}/rank=0/seg=%/part-%.parquet"],
+            ).fetchall()
+        }
+        self.cutoffs = {
+            str(seg): int(c)
+            for seg, c in con.execute("SELECT seg, cutoff FROM segment_cutoffs WHERE rank = 0").fetchall()
+        }
+        self.listed = {
+            str(seg): int(n)
+            for seg, n in con.execute(
+                "SELECT seg, count(*) FROM params WHERE rank = 0 AND idx IS NOT NULL GROUP BY seg"
+            ).fetchall()
+        }
+        self.read: dict[str, tuple[int, int]] = {}
+        self.tail_first: int | None = None
+
+    def steps_digest(self, rows: int) -> str:
+        return hashlib.sha256(np.ascontiguousarray(self.steps[:rows], dtype=np.int64).tobytes()).hexdigest()
+
+    def cutoffs_before(self, last_step: int | None) -> dict[str, int]:
+        """The cutoffs that abandon a step up to `last_step` (None: no step)."""
+        return {} if last_step is None else {seg: c for seg, c in self.cutoffs.items() if c <= last_step}
+
+
+class _Kept:
+    """The closed ranges carried from the audit before: `rows` step rows, their per-step flags, the parts they
+    were filled from (`closed_parts`: wholly inside them; `straddling`: reaching past their end)."""
+
+    def __init__(self, rows: int = 0, graded=None, nonfinite=None, closed=None, straddling=None):
+        self.rows = rows
+        self.graded = np.zeros(0, dtype=bool) if graded is None else graded
+        self.nonfinite = np.zeros(0, dtype=bool) if nonfinite is None else nonfinite
+        self.closed_parts: dict[str, list] = closed or {}
+        self.straddling: dict[str, list] = straddling or {}
+
+    def boundary(self, columns: GradientColumns, evidence: _Evidence) -> dict:
+        """What the copy carries to the next audit: the whole ranges before the first step a journal holds (its
+        norms will move into a part) and before the last range (still filling), and the parts in them."""
+        size, n = columns._rows, columns.steps.size
+        rows = n // size * size
+        if evidence.tail_first is not None:
+            rows = min(rows, int(np.searchsorted(columns.steps, evidence.tail_first)) // size * size)
+        rows = max(rows, self.rows)  # never less than was carried: a closed range never reopens
+        last = int(columns.steps[rows - 1]) if rows else None
+        closed = dict(self.closed_parts)
+        straddling = {}
+        for file, (first, final) in evidence.read.items():
+            if last is not None and final <= last:
+                closed[file] = evidence.parts[file]
+            elif last is not None and first <= last:
+                straddling[file] = evidence.parts[file]
+        return {"rows": rows, "last_step": last, "closed": closed, "straddling": straddling}
+
+
+class CarriedCopy:
+    """The run's columnar copy of rank 0's norms in sftaudit's cache (``grad-columns.f32``), with what its
+    closed ranges were built from (``grad-columns.json``, written last and whole) and their per-step flags
+    (``grad-columns.npz``). The run's lock is held while it is read or written (the audit's)."""
+
+    FORMAT = 1
+    DATA, STATE, FLAGS = "grad-columns.f32", "grad-columns.json", "grad-columns.npz"
+
+    def __init__(self, run_dir):
+        self.folder = database_dir(run_dir)
+
+    def open(self):
+        fd = os.open(self.folder / self.DATA, os.O_RDWR | os.O_CREAT, 0o600)
+        self.file = os.fdopen(fd, "r+b")
+        return self.file
+
+    def load(self, evidence: _Evidence, reset: bool = False) -> _Kept:
+        """The closed ranges if everything they were built from is as it was; else none (the state is removed
+        first, so a copy half rebuilt is never taken for a closed one)."""
+        kept = None if reset else self._kept(evidence)
+        if kept is None:
+            (self.folder / self.STATE).unlink(missing_ok=True)
+            return _Kept()
+        return kept
+
+    def _kept(self, evidence: _Evidence) -> _Kept | None:
+        try:
+            state = json.loads((self.folder / self.STATE).read_text(encoding="utf-8"))
+            rows = state["rows"]
+            same = (
+                state["format"] == self.FORMAT
+                and state["shape"] == evidence.shape
+                and state["names"] == evidence.names
+                and isinstance(rows, int)
+                and 0 < rows <= evidence.steps.size
+                and state["steps"] == evidence.steps_digest(rows)
+                and state["cutoffs"] == evidence.cutoffs_before(int(evidence.steps[rows - 1]))
+                and all(evidence.listed.get(seg) == n for seg, n in state["listed"].items())
+                and all(
+                    evidence.parts.get(file) == identity
+                    for file, identity in {**state["closed"], **state["straddling"]}.items()
+                )
+                and os.fstat(self.file.fileno()).st_size >= rows * evidence.shape[0] * 4
+            )
+            if not same:
+                return None
+            with np.load(self.folder / self.FLAGS, allow_pickle=False) as flags:
+                graded, nonfinite = flags["graded"], flags["nonfinite"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if graded.shape != (rows,) or nonfinite.shape != (rows,) or graded.dtype != bool or nonfinite.dtype != bool:
+            return None
+        return _Kept(rows, graded, nonfinite, state["closed"], state["straddling"])
+
+    def save(self, evidence: _Evidence, columns: GradientColumns, carried: dict) -> None:
+        rows = carried["rows"]
+        if not rows:
+            return
+        self.file.flush()
+        flags = self.folder / self.FLAGS
+        with open(flags, "wb") as f:
+            np.savez(f, graded=columns.graded[:rows], nonfinite=columns.nonfinite[:rows])
+        state = {
+            "format": self.FORMAT,
+            "shape": evidence.shape,
+            "names": evidence.names,
+            "rows": rows,
+            "steps": evidence.steps_digest(rows),
+            "cutoffs": evidence.cutoffs_before(carried["last_step"]),
+            "listed": evidence.listed,
+            "closed": carried["closed"],
+            "straddling": carried["straddling"],
+        }
+        tmp = self.folder / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(state), encoding="utf-8")
+        os.replace(tmp, self.folder / self.STATE)
