@@ -55,7 +55,7 @@ def comparable(verdict: dict) -> list:
     return sorted(json.dumps(f, sort_keys=True) for f in verdict["findings"])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cut=st.integers(1, TOTAL - 1),
     resume_back=st.one_of(st.none(), st.integers(0, 30)),
