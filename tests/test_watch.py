@@ -226,3 +226,31 @@ def test_watch_follows_a_run_written_step_by_step(tmp_path, nan_at):
         assert result.returncode == 0, result.stdout + result.stderr
         assert "the run closed at step 60 (its close record)" in result.stdout
         assert hook.attempts == 0 and read_stop_request(run) is None
+
+
+def test_a_trainer_output_dir_whose_state_grows_is_followed(tmp_path, capsys):
+    """No shim: the Trainer's trainer_state.json, rewritten as it trains (10 more logged steps a second), goes
+    through the audit's import at each poll; the non-finite loss logged at step 25 ends the watch."""
+    run = tmp_path / "trainer-run"
+    run.mkdir()
+
+    def state(last: int) -> str:
+        history = [
+            {"epoch": s / 30, "learning_rate": 1e-4, "loss": float("nan") if s >= 25 else 2.0 - s / 60, "step": s}
+            for s in range(1, last + 1)
+        ]
+        return json.dumps({"global_step": last, "max_steps": 30, "logging_steps": 1, "log_history": history})
+
+    def train() -> None:
+        for last in (10, 20, 30):
+            (run / "trainer_state.json").write_text(state(last), encoding="utf-8")  # in place, as the Trainer does
+            time.sleep(1.0)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        code, out = watch(run, "--exit-on", "fail", "--idle-timeout", "30", capsys=capsys)
+    finally:
+        trainer.join()
+    assert code == 1, out
+    assert out.out.count("LOOP-25 fail step 25:") == 1  # the logged loss, judged as the Trainer logged it
