@@ -47,7 +47,12 @@ def grow(run, cut: int, resume_at: int | None, nan_at: int | None) -> None:
         write_live_run(run, TOTAL - cut, first_step=cut + 1, nan_at=nan_at, header=False, roll_steps=PART_STEPS)
     else:
         write_live_run(
-            run, TOTAL - resume_at, first_step=resume_at + 1, seg=next_segment(run), nan_at=nan_at, roll_steps=PART_STEPS
+            run,
+            TOTAL - resume_at,
+            first_step=resume_at + 1,
+            seg=next_segment(run),
+            nan_at=nan_at,
+            roll_steps=PART_STEPS,
         )
 
 
@@ -105,7 +110,11 @@ def test_only_the_open_ranges_are_read_again(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gradient_columns, "_parts", parts)
     read_columns(run)
-    assert [f.rsplit("/", 1)[1] for f in read] == ["part-000000036.parquet", "part-000000041.parquet", "part-000000046.parquet"]
+    assert [f.rsplit("/", 1)[1] for f in read] == [
+        "part-000000036.parquet",
+        "part-000000041.parquet",
+        "part-000000046.parquet",
+    ]
 
 
 def test_a_part_rewritten_in_a_closed_range_builds_the_copy_again(tmp_path):
