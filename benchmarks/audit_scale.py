@@ -14,6 +14,7 @@ the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparis
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -27,6 +28,7 @@ from synthetic_run import append_steps, write_synthetic_run  # noqa: E402
 
 from sftaudit.checks import registered_checks  # noqa: E402
 from sftaudit.store.ingest import ingest  # noqa: E402
+from sftaudit.store.rundb import CACHE_ENV  # noqa: E402
 from sftaudit.verdict.audit import audit  # noqa: E402
 
 
@@ -59,6 +61,8 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="write the run here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        # The run's database and columnar copy (4 bytes a norm) go with the temporary folder unless a cache is set.
+        os.environ.setdefault(CACHE_ENV, str(Path(tmp) / "cache"))
         run = args.keep or Path(tmp) / "synthetic"
         t0 = time.perf_counter()
         planted = write_synthetic_run(run, steps=args.steps, tensors=args.tensors, schema_version=args.schema)
