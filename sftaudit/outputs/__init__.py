@@ -1,1 +1,1 @@
-"""What the verdict is rendered into: the HTML report, SARIF, Markdown, GitHub Actions annotations."""
+"""What the verdict is rendered into: the HTML report, SARIF, Markdown, GitHub Actions annotations, a chat webhook's alert."""
