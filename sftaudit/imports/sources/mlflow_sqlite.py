@@ -11,13 +11,15 @@ double): both are turned back into what was logged. Steps, runs and the plan as 
 from __future__ import annotations
 
 import math
+import shutil
 import sqlite3
 import sys
+import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from ...core.safe_io import open_regular, regular_file
+from ...core.safe_io import UnsafeFile, open_regular, regular_file
 from ...errors import InputError
 from ..logs import MAX_LOG_BYTES, is_step, number
 from ..source import LogSource, SourceLog
@@ -83,17 +85,36 @@ def _metric(key: Any, value: Any, step: Any, is_nan: Any) -> tuple[str, float, i
 
 
 class connected:
-    """A read-only, immutable connection to an SQLite file of the run (checked as a regular file inside it, of at
-    most MAX_LOG_BYTES), with the database's own schema untrusted (no function it names runs)."""
+    """A read-only connection to an SQLite file of the run (checked as a regular file inside it, of at most
+    MAX_LOG_BYTES), with the database's own schema untrusted (no function it names runs). Opened immutable: nothing
+    is written beside it. A write-ahead log beside it (``<db>-wal``: a tracker still running, or one that never
+    checkpointed) holds the newest rows: then both are copied into a temporary folder and read there."""
 
     def __init__(self, path: Path, run_dir: Path | None = None):
         target = regular_file(path.absolute(), run_dir, MAX_LOG_BYTES)
-        uri = f"file:{urllib.parse.quote(str(target))}?mode=ro&immutable=1"
+        self.copy = None
+        wal = path.with_name(path.name + "-wal")
+        try:
+            has_wal = regular_file(wal.absolute(), run_dir, MAX_LOG_BYTES).stat().st_size > 0
+        except UnsafeFile:
+            has_wal = False
+        if has_wal:
+            self.copy = tempfile.TemporaryDirectory(prefix="sftaudit-sqlite-")
+            for source, name in ((target, "db"), (wal, "db-wal")):
+                with (
+                    open_regular(source.absolute(), run_dir, MAX_LOG_BYTES) as f,
+                    open(Path(self.copy.name) / name, "wb") as out,
+                ):
+                    shutil.copyfileobj(f, out)
+            uri = f"file:{urllib.parse.quote(self.copy.name)}/db?mode=ro"
+        else:
+            uri = f"file:{urllib.parse.quote(str(target))}?mode=ro&immutable=1"
         try:
             self.db = sqlite3.connect(uri, uri=True)
             self.db.execute("PRAGMA trusted_schema = OFF")
             self.db.execute("PRAGMA query_only = ON")
         except sqlite3.Error as exc:
+            self._cleanup()
             raise InputError(f"{path}: not a readable SQLite database ({exc})") from None
 
     def __enter__(self) -> sqlite3.Connection:
@@ -101,8 +122,13 @@ class connected:
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         self.db.close()
+        self._cleanup()
         if isinstance(exc, sqlite3.Error):
             raise InputError(f"damaged SQLite database: {exc}") from None
+
+    def _cleanup(self) -> None:
+        if self.copy is not None:
+            self.copy.cleanup()
 
 
 def tables(path: Path) -> set[str]:
