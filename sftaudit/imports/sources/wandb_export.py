@@ -36,7 +36,7 @@ class WandbHistoryExport(LogSource):
 
     def detect(self, path: Path) -> bool:
         """A Parquet file whose schema has W&B's own ``_step`` and ``_runtime`` or ``_timestamp`` columns."""
-        names = _columns(path)
+        names = parquet_columns(path)
         return names is not None and "_step" in names and bool(names & {"_runtime", "_timestamp"})
 
     def read(self, files: list[Path], run_dir: Path) -> SourceLog:
@@ -70,7 +70,7 @@ class WandbHistoryExport(LogSource):
         )
 
 
-def _columns(path: Path) -> set[str] | None:
+def parquet_columns(path: Path) -> set[str] | None:
     """The top-level column names of a Parquet file, read from its footer alone (None: not a Parquet file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
