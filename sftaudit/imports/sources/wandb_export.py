@@ -23,8 +23,6 @@ from .wandb_offline import NO_GRAD_NORM, entries
 PARQUET_MAGIC = b"PAR1"
 # A Parquet footer (the schema) larger than this is no history export's.
 MAX_FOOTER_BYTES = 1 << 24
-# W&B's own columns: every history row has them.
-OWN_COLUMNS = {"_step", "_runtime", "_timestamp"}
 
 
 class WandbHistoryExport(LogSource):
