@@ -42,14 +42,16 @@ def frame(records: list[bytes]) -> bytes:
     return bytes(out)
 
 
-def run_file(folder: Path, rows: list[dict], config: dict | None = None, run_id: str = "abc123") -> Path:
+def run_file(
+    folder: Path, rows: list[dict], config: dict | None = None, run_id: str = "abc123", start: int = 1_700_000_000
+) -> Path:
     """A ``.wandb`` file of wandb's own Record protos: the run (with its config), then one history record per row."""
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
 
     run = pb.Record(run=pb.RunRecord(run_id=run_id, project="p", display_name="demo"))
-    run.run.start_time.FromSeconds(1_700_000_000)
+    run.run.start_time.FromSeconds(start)
     for key, value in (config or {}).items():
         run.run.config.update.add(nested_key=[key], value_json=json.dumps(value))
     records = [run.SerializeToString()]
@@ -132,3 +134,15 @@ def test_without_wandb_the_run_is_refused_in_one_line_saying_what_to_install(tmp
         assert main(["import", str(given)]) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "pip install 'sftaudit[wandb]'" in err, err
+
+
+@needs_wandb
+def test_each_start_is_a_segment_in_start_order_and_the_latest_run_link_is_read_once(tmp_path):
+    run_file(tmp_path, [{"train/loss": 2.0, "train/global_step": s} for s in (1, 2, 3)], run_id="zzz")
+    later = run_file(
+        tmp_path, [{"train/loss": 1.0, "train/global_step": s} for s in (3, 4)], run_id="aaa", start=2_000_000_000
+    )
+    (tmp_path / "wandb" / "latest-run").symlink_to(later.parent.name)
+    files = source_files(WandbOfflineLog(), tmp_path) + [tmp_path / "wandb" / "latest-run" / later.name]
+    log = WandbOfflineLog().read(files, tmp_path)
+    assert [[e["step"] for e in seg] for seg in log.segments] == [[1, 2, 3], [3, 4]] and len(log.files) == 2

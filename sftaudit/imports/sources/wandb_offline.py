@@ -62,11 +62,9 @@ class WandbOfflineLog(LogSource):
         except ImportError:
             raise InputError(f"{files[0]}: a W&B run file; reading it needs wandb: {INSTALL}") from None
         runs, skipped, count = [], [], 0
-        seen = set()
+        unique = {p.resolve(): p for p in reversed(files)}  # wandb/latest-run is a link to one of the run folders
+        files = [p for p in files if unique.get(p.resolve()) is p]
         for path in files:
-            if path.resolve() in seen:  # wandb/latest-run is a link to one of the run folders
-                continue
-            seen.add(path.resolve())
             run, bad, read = read_run(path, run_dir, wandb_internal_pb2.Record)
             count += read + bad
             if bad:
