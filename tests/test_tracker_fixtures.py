@@ -10,6 +10,8 @@ import pytest
 from sftaudit.fixtures.trackers import mismatches
 from sftaudit.fixtures.trackers.generate_all import TARGETS, clean_run, nan_loss_run
 
+from sftaudit.imports.sources import find_log
+
 # Sources whose write starts a process (wandb-core, trackio's child) or trains (Lightning's Trainer.fit).
 SLOW = {"wandb_offline", "trackio_db", "lightning_csv"}
 
@@ -31,3 +33,28 @@ def test_fixture_reads_back_as_written(target, tmp_path):
     assert mismatches({**run, "plan": plan}, got) == []
     # The comparison sees a different run: the clean twin differs from this one in loss, grad norm and evals.
     assert {"loss differs", "grad_norm differs"} <= set(mismatches({**clean_run(12), "plan": plan}, got))
+
+
+@pytest.mark.parametrize(
+    "target", [pytest.param(t, marks=pytest.mark.slow) if t in SLOW else t for t in TARGETS], ids=str
+)
+def test_the_log_sources_read_what_the_library_wrote(target, tmp_path):
+    """A run the tracker's library writes now is found in its folder by content and read as written."""
+    module_name, options = TARGETS[target]
+    module = importlib.import_module(f"sftaudit.fixtures.trackers.{module_name}")
+    if importlib.util.find_spec(module.LIBRARY) is None:
+        pytest.skip(f"{module.LIBRARY} is not installed")
+    run = nan_loss_run(12)
+    folder = tmp_path / target
+    module.write(folder, run["steps"], run["loss"], run["lr"], run["grad_norm"], run["evals"], run["plan"], **options)
+    log = find_log(folder)
+    entries = [e for seg in log.segments for e in seg]
+    train = [e for e in entries if "loss" in e]
+    got = {
+        "steps": [e["step"] for e in train],
+        "loss": [e["loss"] for e in train],
+        "lr": [e["learning_rate"] for e in train],
+        "grad_norm": [e["grad_norm"] for e in train],
+        "evals": {e["step"]: e["eval_loss"] for e in entries if "eval_loss" in e},
+    }
+    assert mismatches({**run, "plan": {}}, got) == [], log.source
