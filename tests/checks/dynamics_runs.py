@@ -60,10 +60,10 @@ def of(verdict, code, severities=("warn", "fail")):
     return [f for f in verdict["findings"] if f["code"] == code and f["severity"] in severities]
 
 
-def recorded_series_run(run_dir, lr, loss, norms, names):
+def recorded_series_run(run_dir, lr, loss, norms, names, manifest=None):
     """A run's step records (lr, loss, per-tensor gradient norms) written as the shim writes them: for
     statistics regressions on series recorded by longer real runs (the false-alarm sweep) than the suite
-    can afford to train."""
+    can afford to train. `manifest`: fields to set in the manifest (a `vocab_size`)."""
     import json
 
     import numpy as np
@@ -76,7 +76,7 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
     params = [
         {"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names
     ]
-    manifest = bare_manifest("series", params, "Recorded")
+    manifest = bare_manifest("series", params, "Recorded") | (manifest or {})
     (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
     norms = np.asarray(norms, dtype=float)
     with open(folder / "steps.jsonl", "w") as f:
