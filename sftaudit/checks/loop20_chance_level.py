@@ -105,7 +105,7 @@ class ChanceLevelLoss(Check):
         self._ctx = dict(steps=steps, loss=loss, norm=norm, chance=chance, pretrained=pretrained_evidence(ctx.manifest))
         destroyed = self._destroyed(above)
         found = [destroyed] if destroyed else []
-        found += self._stuck(at) or self._transient(at, skip=destroyed)
+        found += self._stuck(at) or self._transient(at, above, skip=destroyed)
         if not destroyed:
             found += self._above(above)
         found += self._unigram_start(at, above)
@@ -189,7 +189,7 @@ class ChanceLevelLoss(Check):
             ]
         return []
 
-    def _transient(self, at: np.ndarray, skip: Finding | None) -> list[Finding]:
+    def _transient(self, at: np.ndarray, above: np.ndarray, skip: Finding | None) -> list[Finding]:
         """The first stretch at chance the run later leaves: after it had left chance, or at the start of a
         pretrained language model's fine-tune."""
         steps, loss = self._ctx["steps"], self._ctx["loss"]
@@ -213,7 +213,7 @@ class ChanceLevelLoss(Check):
                         **self._evidence(s, e, collapse=False),
                     )
                 ]
-            if self._ctx["pretrained"] and not self._ctx["chance"]["head"]:
+            if self._ctx["pretrained"] and not self._ctx["chance"]["head"] and not above[s : e + 1].any():
                 return [
                     self.finding(
                         "warn",

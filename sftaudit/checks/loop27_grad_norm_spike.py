@@ -8,6 +8,10 @@ from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.curve import excursions
 from .stats.rolling import column, step_frame
 
+# The first logged norm is compared with the norms logged right after it (not the whole run: a run that
+# memorises its data ends with norms a thousand times smaller, for good reason).
+FIRST_COMPARED = 5
+
 
 class LoggedGradientNormSpike(Check):
     """Logged gradient-norm spike (trigger point: every logged step).
@@ -28,12 +32,13 @@ class LoggedGradientNormSpike(Check):
         median of the 5 norms before it, over the run's own noise where it lies (the robust sigma of second
         differences of log norm pooled over at least 32 logged values, available from the second logged step),
         with the run's upper-tail factor; one-sided. The first logged norm has no norms before it: it is
-        compared with the median of all later logged norms.
+        compared with the median of the 5 norms logged after it (not the whole run: a run that memorises its
+        data ends with norms a thousand times smaller, for good reason).
     Threshold:
         z >= `sigma` (6) x tail factor and at least `min_effect` (10) x the running level (the same effect
         LOOP-05 asks of a global norm), back below that bar within `diverge_steps` (5) logged steps: warn at its
         step (a norm that stays up is a drift, not a spike; not judged here). First logged norm >=
-        `first_factor` (100) x the median of the rest: warn. A non-finite norm is LOOP-25's. Fewer than 3
+        `first_factor` (100) x the median of the next 5: warn. A non-finite norm is LOOP-25's. Fewer than 3
         positive finite logged norms (an older Trainer logs none): not judged.
     Evidence:
         The norm, its running level, the effect size, z, the logged steps it stayed up, the loss logged beside
@@ -99,20 +104,21 @@ class LoggedGradientNormSpike(Check):
         return findings
 
     def _first(self, steps, norm) -> list[Finding]:
-        rest = float(np.median(norm[1:]))
+        rest = float(np.median(norm[1 : 1 + FIRST_COMPARED]))
         ratio = norm[0] / rest if rest > 0 else np.inf
         if ratio < self.params["first_factor"]:
             return []
         return [
             self.finding(
                 "warn",
-                f"the gradient norm logged at step {steps[0]} ({norm[0]:.4g}) is {_times(ratio)} the median of the rest of "
-                f"the run ({rest:.3g}): the first updates' gradients were outsized (an fp16 overflow, labels or a "
+                f"the gradient norm logged at step {steps[0]} ({norm[0]:.4g}) is {_times(ratio)} the median of the "
+                f"{min(FIRST_COMPARED, norm.size - 1)} logged after it ({rest:.3g}): the first updates' gradients were outsized (an fp16 overflow, labels or a "
                 f"reference model that do not match the model trained, a loss summed where it should be averaged); "
                 f"clipping bounds such a step, not its direction: check the first batches and how the loss is built",
                 step=steps[0],
                 value=norm[0],
                 median_after=rest,
+                compared=min(FIRST_COMPARED, norm.size - 1),
                 effect_size=ratio,
                 threshold=self.params["first_factor"],
             )
