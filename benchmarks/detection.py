@@ -212,9 +212,11 @@ class Shape:
 
 
 def chance_of(log: Log) -> float:
-    from sftaudit.checks.stats.curve import chance_level
-
-    return chance_level({"model": {"config": log.config}, "vocab_size": log.config.get("vocab_size")})["chance"]
+    """The loss of a uniform guess for the log's model (as LOOP-20 reads config.json): ln K labels, else ln V."""
+    config = log.config
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return float(np.log(len(config.get("id2label") or {}) or config.get("num_labels") or 2))
+    return float(np.log(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")))
 
 
 def _spike(log, row, factor, rng):
