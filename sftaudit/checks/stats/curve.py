@@ -136,18 +136,26 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
     """The largest climb of the loss above its own best level, when it is one.
 
     The level is the centred running median of log values over run length / 10 logged values (odd, 3 at
-    least); its running minimum is the best level so far. A rise is that level above the minimum by at least
+    least; on a long log, of the medians of blocks of run length / 200 values, so the cost stays linear); its
+    running minimum is the best level so far. A rise is that level above the minimum by at least
     log(`min_factor`) and by `min_sigmas` x the run's typical noise (the median of `point_noise`). None: no such
     rise, or fewer than `min_points` finite values.
 
     Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
     over the bar at the end, the level's values there and the run's noise."""
     x = log_values(values)
-    finite = np.isfinite(x)
-    if finite.sum() < min_points:
+    if np.isfinite(x).sum() < min_points:
         return None
-    width = max(3, (x.size // 10) | 1)
-    level = centred_median(x, width)
+    n = x.size
+    block = max(1, n // 200)
+    blocks = -(-n // block)
+    padded = np.full(blocks * block, np.nan)
+    padded[:n] = x
+    with warnings.catch_warnings():  # a block without finite values has no median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        coarse = np.nanmedian(padded.reshape(blocks, block), axis=1)
+    width = max(3, (blocks // 10) | 1)
+    level = np.repeat(centred_median(coarse, width), block)[:n]
     best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
     rise = level - best
     noise = point_noise(x)
@@ -159,7 +167,7 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         return None
     crossing = int(np.flatnonzero(over)[0])
     minimum = int(np.argmin(np.where(np.isfinite(level[: crossing + 1]), level[: crossing + 1], np.inf)))
-    peak = int(np.nanargmax(np.where(np.arange(x.size) >= crossing, rise, -np.inf)))
+    peak = int(np.nanargmax(np.where(np.arange(n) >= crossing, rise, -np.inf)))
     return {
         "minimum": minimum,
         "crossing": crossing,
@@ -170,7 +178,7 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         "end_factor": float(np.exp(rise[-1])) if np.isfinite(rise[-1]) else None,
         "bar_factor": float(math.exp(bar)),
         "noise": typical,
-        "width": width,
+        "width": width * block,
     }
 
 
