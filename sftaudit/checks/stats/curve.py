@@ -30,6 +30,7 @@ from .rolling import MAD_TO_SIGMA, log_quantum, positive, rolling_level, tail_fa
 LEVEL_POINTS = 5  # the running level: the median of the values before
 NOISE_POINTS = 32  # at least this many values pooled for a value's noise
 NOISE_REACH = 2  # blocks pooled on each side of a value's own block
+MIN_DIFFERENCES = 5  # second differences needed for a noise estimate
 
 
 def log_values(values) -> np.ndarray:
@@ -45,7 +46,8 @@ def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOIS
     From second differences (1.4826 MAD / sqrt 6: a linear trend, even a steep one, leaves them), pooled over
     the row's block and `reach` blocks on each side (at least `min_points` values; blocks of run length / 32,
     4..64 rows), the window shifted inward at the ends so the first rows are judged like any other. NaN where
-    fewer than 3 finite values are near."""
+    fewer than `MIN_DIFFERENCES` second differences are near (a log of 6 values or fewer has no noise to judge a
+    value against: its bounds do)."""
     x = np.asarray(x, dtype=float)
     n = x.size
     d2 = np.full(n, np.nan)
@@ -65,7 +67,7 @@ def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOIS
         centre = np.nanmedian(pooled, axis=1)
         sigma = MAD_TO_SIGMA * np.nanmedian(np.abs(pooled - centre[:, None]), axis=1) / math.sqrt(6)
     finite = np.count_nonzero(np.isfinite(pooled), axis=1)
-    sigma = np.where(finite >= 3, sigma, np.nan)
+    sigma = np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
     return np.repeat(sigma, block)[:n]
 
 
@@ -80,10 +82,11 @@ def excursions(
 
     Each value's residual from the median of the `level_points` values before it (log space), over the noise of
     such a residual (`point_noise` x sqrt(1 + pi / (2 x level_points)): the value's own noise and its level's),
-    floored at one rounding step of the log at that level; z >= `sigma` x the run's upper-tail factor and a
-    residual >= log(`min_effect`) is elevated. One-sided: a value below its level never is. An episode starts at
-    an elevated row and stays up while the values keep above the level before it began (by the same threshold);
-    it is sustained when it lasts `diverge_steps` rows, or through the end of the run (2 rows at least).
+    floored at one rounding step of the log at that level (no noise estimate: not judged); z >= `sigma` x the
+    run's upper-tail factor and a residual >= log(`min_effect`) is elevated. One-sided: a value below its level
+    never is. An episode starts at an elevated row and stays up while the values keep above the level before it
+    began (by the same threshold); it is sustained when it lasts `diverge_steps` rows, or through the end of the
+    run (2 rows at least).
 
     Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
     sustained)."""
@@ -95,8 +98,9 @@ def excursions(
     quantum = log_quantum(v)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(x.size)
-        scale = np.fmax(scale, resolution)
-        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(residual > 0, np.inf, np.nan))
+        scale = np.where(np.isfinite(scale), np.maximum(scale, resolution), np.nan)  # no noise: not judged
+        flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
+        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
     tail = tail_factor(z[np.isfinite(z)])
     threshold = sigma * tail
     with np.errstate(invalid="ignore"):
