@@ -229,23 +229,40 @@ def _dip(log, row, factor, rng):
     return log, int(log.steps[row])
 
 
+def _trend(loss: np.ndarray) -> np.ndarray:
+    """The clean log's own trend: the centred running median of log loss over a twentieth of the log (odd)."""
+    x = np.log(np.where(loss > 0, loss, np.nan))
+    half = max(1, loss.size // 40)
+    padded = np.concatenate([np.full(half, np.nan), x, np.full(half, np.nan)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+    return np.exp(np.nanmedian(windows, axis=1))
+
+
+def _frozen(log: Log, row: int) -> np.ndarray:
+    """Per row from `row` on, the factor that holds the loss's trend at its level there (its noise kept): a
+    creep or a rise is a climb from where the loss was, not a slower fall."""
+    trend = _trend(log.loss)
+    return np.where(np.arange(log.loss.size) >= row, trend[row] / trend, 1.0)
+
+
 def _creep(log, row, factor, rng):
+    """From the row the loss stops falling and creeps up to `factor` x its level there by the end."""
     t = np.arange(log.loss.size)
     ramp = np.clip((t - row) / max(log.loss.size - 1 - row, 1), 0, 1)
-    log.loss *= np.exp(np.log(factor) * ramp)
+    log.loss *= _frozen(log, row) * np.exp(np.log(factor) * ramp)
     return log, int(log.steps[min(row + 1, log.steps.size - 1)])
 
 
 def _lr_rise(log, row, factor, rng):
-    """The LR warms up again from the row: x10 over a fifth of the rest of the run, and the loss rises with it by
-    `factor` and stays up."""
+    """From the row the LR warms up again, x10 over a fifth of the rest of the run, and the loss rises with it from
+    its level there to `factor` x that level, and stays up."""
     n = log.loss.size
     span = max(2, (n - row) // 5)
     ramp = np.clip((np.arange(n) - row) / span, 0, 1)
     base = np.where(np.isfinite(log.lr), log.lr, 0.0)
     peak = np.nanmax(base[: row + 1]) if np.isfinite(log.lr).any() else 1e-4
     log.lr = np.where(np.arange(n) >= row, np.maximum(base, peak) * (1 + 9 * ramp), log.lr)
-    log.loss *= 1 + (factor - 1) * ramp
+    log.loss *= _frozen(log, row) * (1 + (factor - 1) * ramp)
     return log, int(log.steps[min(row + 1, log.steps.size - 1)])
 
 

@@ -33,13 +33,14 @@ class LossDivergence(Check):
         with the run's upper-tail factor (see LOOP-10); one-sided. Against the start: log(loss) - log(first
         logged loss) over the run's noise from second differences of log loss (1.4826 MAD / sqrt 6: a smooth
         trend, even a steep climb, leaves them out), floored likewise. Climb: the centred running median of log
-        loss over run length / 10 logged values against its own running minimum.
+        loss over run length / 10 logged values against its own running minimum, in units of that median's
+        noise (the run's noise x sqrt(pi / (2 x the values in it))).
     Threshold:
         Running level: z >= `sigma` (6) x tail factor and >= `min_effect` (1.2) x the level, for
         `diverge_steps` (5) logged steps, or through the end (2 at least): fail. Start: every logged loss from
         some step through the end above the first logged one by `sigma` x tail factor x noise, over at least
-        min(`diverge_steps`, half the logged steps): fail. Climb: the running median >= `rise_factor` (1.5) x
-        its minimum and >= `rise_sigmas` (5) x the run's median noise above it: warn (a fail when it ends above
+        min(`diverge_steps`, half the logged steps): fail. Climb: the running median >= `rise_factor` (1.3) x
+        its minimum and >= `rise_sigmas` (8) x its own noise above it: warn (a fail when it ends above
         the start, by the start rule), at the first logged step over that bar, naming the learning rate's
         course over the climb. Fewer than 3 finite logged losses (8 for a climb), or a policy-gradient loss
         (GRPO/PPO, named from the log's keys): not judged.
@@ -56,8 +57,8 @@ class LossDivergence(Check):
         "sigma": 6.0,
         "diverge_steps": 5,
         "min_effect": 1.2,
-        "rise_factor": 1.5,
-        "rise_sigmas": 5.0,
+        "rise_factor": 1.3,
+        "rise_sigmas": 8.0,
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -92,7 +92,7 @@ def test_a_loss_creeping_up_for_epochs_after_its_minimum_warns_and_its_clean_twi
     noise = np.exp(0.12 * rng.standard_normal(n))
     verdict = audit_state(tmp_path / "creep", history(np.round(base * creep * noise, 4), lr, every=10))
     [finding] = findings(verdict, "LOOP-19")
-    assert finding["severity"] == "warn" and 1500 < finding["step"] < 3000
+    assert finding["severity"] == "warn" and 900 < finding["step"] < 3000  # the creep starts at step 910
     assert finding["evidence"]["to_end"] is True and "learning rate decayed" in finding["message"]
     assert 600 <= finding["evidence"]["minimum_step"] <= 1500
     clean = audit_state(tmp_path / "clean", history(np.round(base * noise, 4), lr, every=10))

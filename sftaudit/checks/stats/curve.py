@@ -142,8 +142,9 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
     The level is the centred running median of log values over run length / 10 logged values (odd, 3 at
     least; on a long log, of the medians of blocks of run length / 200 values, so the cost stays linear); its
     running minimum is the best level so far. A rise is that level above the minimum by at least
-    log(`min_factor`) and by `min_sigmas` x the run's typical noise (the median of `point_noise`). None: no such
-    rise, or fewer than `min_points` finite values.
+    log(`min_factor`) and by `min_sigmas` x the noise of such a level: the run's typical noise (the median of
+    `point_noise`) x sqrt(pi / (2 x the values in the median)). None: no such rise, or fewer than `min_points`
+    finite values.
 
     Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
     over the bar at the end, the level's values there and the run's noise."""
@@ -160,11 +161,12 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         coarse = np.nanmedian(padded.reshape(blocks, block), axis=1)
     width = max(3, (blocks // 10) | 1)
     level = np.repeat(centred_median(coarse, width), block)[:n]
+    points = width * block  # logged values behind each level
     best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
     rise = level - best
     noise = point_noise(x)
     typical = float(np.nanmedian(noise)) if np.isfinite(noise).any() else 0.0
-    bar = max(math.log(min_factor), min_sigmas * typical)
+    bar = max(math.log(min_factor), min_sigmas * typical * math.sqrt(math.pi / (2 * points)))
     with np.errstate(invalid="ignore"):
         over = rise >= bar
     if not over.any():
@@ -182,7 +184,7 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         "end_factor": float(np.exp(rise[-1])) if np.isfinite(rise[-1]) else None,
         "bar_factor": float(math.exp(bar)),
         "noise": typical,
-        "width": width * block,
+        "width": points,
     }
 
 
