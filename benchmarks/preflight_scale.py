@@ -44,7 +44,7 @@ t1, c1 = time.perf_counter(), time.process_time()
 from sftaudit.core.tokenizer import load_saved_tokenizer
 tokenizer = load_saved_tokenizer(sys.argv[1])
 t2, c2 = time.perf_counter(), time.process_time()
-from sftaudit.dataset.chat_template import Renderer, tokenizer_specials
+from sftaudit.dataset.render import Renderer, tokenizer_specials
 renderer = Renderer(tokenizer.chat_template, tokenizer_specials(tokenizer))
 t3, c3 = time.perf_counter(), time.process_time()
 from sftaudit.dataset.batches import load_rows

@@ -58,7 +58,6 @@ def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
     # A run whose step records are gone cannot be judged: unjudged, never pass.
     stripped = Path(shutil.copytree(clean_run, tmp_path / "stripped"))
     (rank_dir(stripped, 0) / "steps.jsonl").write_text("")
-    (stripped / "sftaudit" / "audit.duckdb").unlink(missing_ok=True)
     unjudged = audit(stripped)
     assert unjudged["verdict"] == "unjudged" and unjudged["cannot_judge"]
     assert_valid(unjudged)
@@ -67,6 +66,13 @@ def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
 def test_a_verdict_with_a_wrong_field_is_refused_by_the_schema(clean_run):
     broken = cached_audit(clean_run) | {"verdict": "ok"}
     assert list(validator().iter_errors(broken))
+
+
+def test_the_architecture_page_is_generated_from_the_import_contracts():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_architecture.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_check_pages_are_generated_from_the_checks():

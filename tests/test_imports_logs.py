@@ -289,9 +289,14 @@ def test_lfs_pointer_logs_are_named_once(tmp_path):
         (run / name).parent.mkdir(parents=True)
         (run / name).write_text(LFS_POINTER, encoding="utf-8")
     done = import_run(run)
-    assert done["steps"] == 30 and len(done["notes"]) == 1
-    assert done["notes"][0].startswith("2 log file(s) (runs/Jan28_15-12-11_gpu07/events.out.tfevents")
-    assert done["notes"][0].endswith("Git LFS pointer, not the data: run `git lfs pull`")
+    [said] = [n for n in _manifest(run)["notes"] if n["key"] == "lfs_pointers"]
+    assert done["steps"] == 30 and said["text"] in done["notes"]
+    assert said["text"].startswith("2 log file(s) (runs/Jan28_15-12-11_gpu07/events.out.tfevents")
+    assert said["text"].endswith("Git LFS pointer, not the data: run `git lfs pull`")
+    assert said["files"] == [
+        "runs/Jan28_15-12-11_gpu07/events.out.tfevents.1674944078.gpu07.12415.0",
+        "runs/Jan28_23-42-14_gpu07/events.out.tfevents.1674974582.gpu07.94170.0",
+    ]
     code, _, errors, verdict = _audit(run, tmp_path / "out")
     assert verdict["resolution"]["notes"] == done["notes"] and errors == ""
 

@@ -210,6 +210,9 @@ class LossDynamics(Check):
         ]
 
     def _train_val_gap(self, ctx) -> list[Finding]:
+        selected = (ctx.manifest.get("selection") or {}).get("metric")
+        if selected not in (None, "eval_loss"):
+            return []  # the run selects on another metric (WER, accuracy): LOOP-26 judges over-fitting on it
         evals = ctx.frame(
             "SELECT step, avg(value) AS eval_loss FROM metrics WHERE rank = 0 AND name = 'eval_loss' "
             "GROUP BY step ORDER BY step"

@@ -47,7 +47,10 @@ class ResumeContinuity(Check):
         after a checkpoint of step > 0: fail. Loss rising by more than `loss_jump_fraction` of its
         level (no fingerprint only): warn. Any warn or fail above on a resume from a checkpoint that
         lacks parts of the training state the run needs (as LOOP-09 judges it): one more warn
-        (a risk that bit) naming those parts.
+        (a risk that bit) naming those parts. A run imported from its logs (resumes placed by them: a branch
+        abandoned, a plan changed between saved states; two runs sharing a folder are never one resumed run):
+        no checkpoint on disk to resume from, or one that now fails LOOP-09, is info (a risk: what the resume
+        loaded is not on disk); its learning rate at a resume is LOOP-14's, which knows each segment's plan.
     Evidence:
         The resume step and checkpoint; for data the re-read `sample_ids` with the steps they were
         last trained and re-trained at, the count, the current epoch's start and length, where the order
@@ -76,6 +79,8 @@ class ResumeContinuity(Check):
         if not resumes:
             return []
         checkpoints = saved_checkpoints(ctx)
+        # An imported run's logged learning rate at a resume is LOOP-14's: it knows each segment's plan.
+        imported = bool(ctx.manifest.get("imported"))
         findings = []
         for seg, first in resumes:
             source, problems = self._source(ctx, checkpoints, seg, first)
@@ -83,7 +88,7 @@ class ResumeContinuity(Check):
             broke = []
             for what, found in (
                 ("data position", self._data(ctx, seg, first)),
-                ("learning rate", self._lr(ctx, seg, first)),
+                ("learning rate", [] if imported else self._lr(ctx, seg, first)),
                 ("weights", self._weights(ctx, seg, first, source)),
                 ("optimizer state", self._optimizer(ctx, seg, first, source)),
             ):
@@ -161,6 +166,19 @@ class ResumeContinuity(Check):
         if inspection.passes:
             return source, []
         problem = next(msg for sev, msg, _ in inspection.problems if sev in ("warn", "fail"))
+        if imported:
+            # The folder as it is now (a copy may leave weights out) says nothing of what the resume loaded.
+            return source, [
+                self.finding(
+                    "info",
+                    f"the run resumed at step {first}, from {source['name']} as the logs place it, which now fails "
+                    f"LOOP-09 ({problem}); what the resume loaded cannot be checked",
+                    step=first,
+                    category="risk",
+                    resume_step=first,
+                    source_checkpoint=source["name"],
+                )
+            ]
         return source, [
             self.finding(
                 "fail",

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from .base import AuditContext, Check, Finding
-from .stats.rolling import skipped_updates
+from .stats.rolling import positive, run_config, skipped_updates
 
 SPEEDS = (2, 3, 4, 5, 6, 8)  # how many times too fast (or slow) a mis-stepped scheduler may run
 
@@ -19,7 +19,10 @@ class LRScheduleConformance(Check):
         The learning rate each step trained with departing from the schedule the run configured:
         running k x ahead (a scheduler stepped several times per optimizer step, e.g.
         accelerate's wrapper stepping it once per process) or behind; reaching its floor early;
-        restarting its warmup (a resume with a fresh scheduler); 0 while gradients flow.
+        restarting its warmup (a resume with a fresh scheduler); 0 while gradients flow. A run imported from its
+        logs has no traced schedule; its logged LR is judged by its shape: a warm-up that lasts the whole run
+        (warmup_steps >= max_steps), and at each resume a schedule that did not go on where it was (restarted,
+        dropped to 0, jumped), told apart from a resume that changed the run's plan (another max_steps).
     Why it matters:
         A schedule compressed k x ends its warmup and decays k x early: the rest of the run trains
         at a learning rate near 0 while the loss curve merely looks converged. Nothing else in
@@ -36,24 +39,37 @@ class LRScheduleConformance(Check):
         trace at k x (or 1/k x) the step index for k in 2..8, a restart from the trace's start at
         a resume, the floor (the trace's minimum) reached early, LR 0 at steps with a non-zero
         gradient norm.
+        Imported: at a resume (a new segment) the first LR after it against the last before, relative, within
+        max(`resume_tolerance`, 2 x the largest relative per-step change of the `resume_window` logs before);
+        a departure is "restarted" when the LR fell to <= 1% of the peak and rises over the next `resume_window`
+        logs. Within a segment (a resume whose log simply goes on): a cliff (from >= 10% of the peak to <= 5% of
+        it in one log) followed by `resume_window` rising logs whose median slope per step is within
+        `resume_tolerance` of the first warm-up's. The whole-run warm-up: the last segment's LR never falls from
+        its first log to its peak, rises at
+        at least half of those logs, peaks at the last log or the one before it, and the run reached its plan
+        (within one logging interval).
     Threshold:
         Any step outside the tolerance: fail at the first one. LR exactly 0 while the gradient
-        norm is non-zero and the schedule says otherwise: part of the same finding (evidence).
+        norm is non-zero and the schedule says otherwise: part of the same finding (evidence). Imported: a
+        departure at a resume is a warn at the resume step (configuration when the segments' max_steps differ,
+        else an anomaly: the scheduler's state was not restored); the first warm-up climbed again within a
+        segment: an anomaly warn at the cliff; a whole-run warm-up is a configuration warn.
     Evidence:
         The first departing step with recorded and configured LR, the diagnosis (k x ahead/behind,
         warmup restarted at step r, floor reached at step s instead of m), the number of steps
-        affected, the scheduler's class and its traced arguments.
+        affected, the scheduler's class and its traced arguments. Imported: the LR before, at and after the
+        resume with each plan's max_steps; the warm-up's first and peak LR and steps, the planned length.
     """
 
     code = "LOOP-14"
     name = "learning-rate schedule conformance"
     needs = ("steps",)
-    defaults = {"tolerance": 0.01}
+    defaults = {"tolerance": 0.01, "resume_window": 3, "resume_tolerance": 0.1}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         scheduler = self._scheduler(ctx)
         if scheduler is None:
-            return []
+            return self._logged(ctx) if ctx.manifest.get("imported") else []
         if not scheduler.get("lr"):
             return [
                 self.finding(
@@ -186,3 +202,183 @@ class LRScheduleConformance(Check):
                     " (warmup again: the scheduler's state was not restored)",
                 }
         return {"kind": "departed", "text": "it does not follow the configured schedule from there"}
+
+    # ------------------------------------------------------------------ a run imported from its logs: no trace
+
+    def _logged(self, ctx: AuditContext) -> list[Finding]:
+        """The logged learning rate judged by its shape alone: at each resume, and over the whole run."""
+        frame = ctx.frame(
+            "SELECT step, seg, lr FROM steps WHERE rank = 0 AND lr IS NOT NULL AND isfinite(lr) ORDER BY step"
+        )
+        if frame.height < 3:
+            return []
+        steps, segs = frame["step"].to_numpy(), frame["seg"].to_numpy()
+        lr = frame["lr"].to_numpy().astype(float)
+        return (
+            self._at_resumes(ctx, steps, segs, lr)
+            + self._replayed_warmups(steps, segs, lr)
+            + self._whole_run_warmup(ctx, steps, segs, lr)
+        )
+
+    def _at_resumes(self, ctx: AuditContext, steps, segs, lr) -> list[Finding]:
+        plans = {
+            seg: (json.loads(m).get("config") or {}).get("max_steps")
+            for seg, m in ctx.con.execute("SELECT seg, manifest FROM manifest WHERE rank = 0").fetchall()
+        }
+        window = self.params["resume_window"]
+        findings = []
+        for i in np.flatnonzero(segs[1:] != segs[:-1]) + 1:
+            before, at = float(lr[i - 1]), float(lr[i])
+            peak = float(lr[:i].max())
+            if peak <= 0:
+                continue
+            recent = lr[max(i - 1 - window, 0) : i]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                pace = np.abs(np.diff(recent)) / np.where(recent[:-1] > 0, recent[:-1], np.inf)
+            tolerance = max(self.params["resume_tolerance"], 2 * float(pace.max(initial=0.0)))
+            after = lr[i + 1 : i + 1 + window]
+            rises = bool(after.size and after.max() > at * (1 + tolerance) and after.max() > 0.01 * peak)
+            # Past its warm-up a schedule does not climb again: an LR above the last one before the resume is not
+            # it going on, even where the step right after the resume looks continuous (a decay ending at 0).
+            warming = i >= 2 and lr[i - 1] > lr[i - 2]
+            level = max(before, 0.01 * peak)  # a schedule that had reached 0 goes on at 0
+            climbs = not warming and bool(after.size and after.max() > level * (1 + tolerance))
+            if abs(at - before) <= tolerance * level and not climbs:
+                continue  # the schedule went on where it was
+            planned = (plans.get(int(segs[i - 1])), plans.get(int(segs[i])))
+            replanned = None not in planned and planned[0] != planned[1]
+            s = int(steps[i])
+            shape = f"{before:.3g} at step {steps[i - 1]}, {at:.3g} at step {s}"
+            if rises:
+                j = i + 1 + int(np.argmax(after))
+                shape += f", {lr[j]:.3g} at step {steps[j]} ({lr[j] / peak:.0%} of the peak {peak:.3g})"
+            dropped = at <= 0.01 * peak
+            fell = at < before * (1 - tolerance)
+            what = (
+                "restarted"  # it fell, then climbed: the warm-up again
+                if fell and rises
+                else "dropped to 0"
+                if dropped
+                else "dropped"
+                if fell
+                else "jumped"
+            )
+            evidence = dict(
+                step=s,
+                resume_step=s,
+                lr_before=before,
+                lr_at_resume=at,
+                value=abs(at - before) / level,
+                threshold=tolerance,
+                diagnosis=what,
+                max_steps_before=planned[0],
+                max_steps_after=planned[1],
+            )
+            if replanned:
+                findings.append(
+                    self.finding(
+                        "warn",
+                        f"the resume at step {s} changed the run's plan (max_steps {planned[0]:,} -> {planned[1]:,}) and "
+                        f"the learning rate with it ({shape}): a schedule rebuilt for the new length starts from the "
+                        "last LR of the old one, then follows the new one"
+                        + (", so the LR rose again late in training" if rises else "")
+                        + "; plan the run's whole length at its start, or warm up again deliberately",
+                        category="configuration",
+                        **evidence,
+                    )
+                )
+                continue
+            cause = (
+                "the schedule started over (warm-up again)"
+                if what == "restarted"
+                else f"the learning rate {what} where the schedule should have gone on"
+            )
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"at the resume at step {s} {cause} ({shape}): the scheduler's state was not restored from the "
+                    "checkpoint; resume with its scheduler.pt (resume_from_checkpoint restores it)",
+                    **evidence,
+                )
+            )
+        return findings
+
+    def _replayed_warmups(self, steps, segs, lr) -> list[Finding]:
+        """Within a segment (a resume no saved state shows: the resumed run's log goes on from the checkpoint's),
+        the warm-up run again: the LR falls at once from a working level to near 0 and climbs along the run's
+        first warm-up (the same slope per step). A cyclic schedule descends to its floor gradually; one with hard
+        restarts jumps back to its peak at once: neither climbs the first ramp again after a cliff."""
+        stops = np.flatnonzero(np.diff(lr) <= 0)
+        end = int(stops[0]) if stops.size else lr.size - 1  # the first warm-up's last log
+        if end < 2 or lr[end] <= lr[0]:
+            return []
+        slope = np.median(np.diff(lr[: end + 1]) / np.diff(steps[: end + 1]))
+        peak = float(lr.max())
+        tolerance = self.params["resume_tolerance"]
+        cliffs = np.flatnonzero(
+            (lr[1:] <= 0.05 * peak) & (lr[:-1] >= 0.1 * peak) & (segs[1:] == segs[:-1]) & (np.arange(1, lr.size) > end)
+        )
+        findings = []
+        for i in cliffs + 1:
+            climb = lr[i : i + 1 + self.params["resume_window"]]
+            gaps = np.diff(steps[i : i + climb.size])
+            if climb.size < 3 or (np.diff(climb) <= 0).any():
+                continue
+            again = float(np.median(np.diff(climb) / gaps))
+            if abs(again - slope) > tolerance * slope:
+                continue
+            s = int(steps[i])
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"the learning rate fell at once from {lr[i - 1]:.3g} at step {steps[i - 1]} to {lr[i]:.3g} at step "
+                    f"{s} and climbed again along the run's first warm-up ({again:.3g} per step, then {slope:.3g}): the "
+                    "schedule started over at a resume whose scheduler's state was not restored; resume with the "
+                    "checkpoint's scheduler.pt (resume_from_checkpoint restores it)",
+                    step=s,
+                    resume_step=s,
+                    lr_before=float(lr[i - 1]),
+                    lr_at_resume=float(lr[i]),
+                    warmup_slope=float(slope),
+                    slope_again=again,
+                    diagnosis="restarted",
+                )
+            )
+        return findings
+
+    def _whole_run_warmup(self, ctx: AuditContext, steps, segs, lr) -> list[Finding]:
+        """A warm-up as long as the run (warmup_steps >= max_steps): the LR rises from the first log to its peak at
+        the run's end, after it at most the last log (where a linear schedule reaches 0)."""
+        last = segs == segs[-1]  # the segment the run ended in
+        steps, lr = steps[last], lr[last]
+        config = run_config(ctx.manifest)
+        planned = positive(config.get("max_steps"))
+        interval = positive(config.get("logging_steps")) or 1
+        peak = int(np.argmax(lr))
+        rise = np.diff(lr[: peak + 1])
+        if (
+            planned is None
+            or steps[-1] < planned - interval  # a run that stopped early: LOOP-24's
+            or lr.size - 1 - peak > 1
+            or rise.size < 2
+            or (rise < 0).any()
+            or (rise > 0).sum() < max(2, rise.size // 2)
+        ):
+            return []
+        end = f", then {lr[-1]:.3g} at the last step {steps[-1]:,}" if peak < lr.size - 1 else ""
+        return [
+            self.finding(
+                "warn",
+                f"the learning-rate warm-up lasted the whole run: the LR rose from {lr[0]:.3g} at step {steps[0]:,} to "
+                f"its peak {lr[peak]:.3g} at step {steps[peak]:,}{end}, of {int(planned):,} planned steps, so the run never "
+                "trained at a settled learning rate nor decayed from it (warmup_steps >= max_steps); make the warm-up a "
+                "small part of the run (warmup_ratio 0.03-0.1, or warmup_steps well below max_steps)",
+                category="configuration",
+                peak_step=int(steps[peak]),
+                peak_lr=float(lr[peak]),
+                first_lr=float(lr[0]),
+                last_step=int(steps[-1]),
+                planned=int(planned),
+                diagnosis="warmup over the whole run",
+            )
+        ]

@@ -22,12 +22,16 @@ class StoppedEarly(Check):
         Planned length: the manifest's `max_steps` (the Trainer's, LLaMA-Factory's `total_steps`), else
         `num_train_epochs` x steps per epoch (from the logged `epoch`). Last step: the highest step of any
         record. Tolerance: one logging interval (`logging_steps`, else the smallest gap between logged steps).
-        A shim run that closed cleanly (a `close` event) ended on purpose (an early stop).
+        A shim run that closed cleanly (a `close` event) ended on purpose (an early stop); so did an imported run
+        whose newest trainer state says the Trainer was told to stop (`should_training_stop`: early stopping, a
+        callback). An imported run whose only log is a checkpoint's trainer state (the import's
+        `log_ends_at_checkpoint` note) may have gone on after it: that is said, not a crash.
     Threshold:
-        Planned - last > tolerance: warn (info when the shim recorded a clean close). No planned length
-        recorded: not judged.
+        Planned - last > tolerance: warn (info when the shim recorded a clean close, or the Trainer was told to
+        stop). No planned length recorded: not judged.
     Evidence:
-        The last step, the planned length and where it came from, the share done, whether the run closed.
+        The last step, the planned length and where it came from, the share done, whether the run closed; what
+        stopped it, or the checkpoint the log ends with.
     """
 
     code = "LOOP-24"
@@ -79,6 +83,10 @@ class StoppedEarly(Check):
                 )
             ]
         imported = bool(ctx.manifest.get("imported"))
+        if imported:
+            found = self._imported(ctx, last, planned, share, interval, evidence)
+            if found:
+                return found
         return [
             self.finding(
                 "warn",
@@ -87,6 +95,45 @@ class StoppedEarly(Check):
                 + ": it crashed, was killed or was interrupted; find why, and resume it from its last checkpoint or "
                 "accept the shorter run deliberately (its learning rate never finished its schedule)",
                 tolerance=interval,
+                **evidence,
+            )
+        ]
+
+    def _imported(self, ctx: AuditContext, last, planned, share, interval, evidence) -> list[Finding]:
+        """What an imported run's files say of its end: the Trainer told to stop (a callback: early stopping), or
+        a log that ends with a checkpoint's state (nothing written after it is in the folder)."""
+        trainer = (ctx.manifest.get("config") or {}).get("trainer_state") or {}
+        early = trainer.get("early_stopping") or {}
+        if trainer.get("should_training_stop"):
+            patience, counter = early.get("patience"), early.get("counter")
+            by = (
+                f"early stopping: {counter} evaluation(s) in a row without improvement, patience {patience}"
+                if isinstance(patience, int) and isinstance(counter, int) and counter >= patience
+                else "a callback set should_training_stop"
+            )
+            return [
+                self.finding(
+                    "info",
+                    f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%}) because the Trainer was told "
+                    f"to ({by}): it was stopped on purpose",
+                    stopped_by=by,
+                    **evidence,
+                )
+            ]
+        notes = {n.get("key"): n for n in ctx.manifest.get("notes") or [] if isinstance(n, dict)}
+        at = notes.get("log_ends_at_checkpoint")
+        if at is None:
+            return []
+        return [
+            self.finding(
+                "warn",
+                f"the log ends at step {last:,} of {planned:,} planned ({share:.0%}), with {at['checkpoint']}: this folder "
+                "holds no log written after that checkpoint (no trainer_state.json at its top, no trainer_log.jsonl or "
+                f"event file), so whether the run stopped there or went on is not on disk; find its later log or "
+                f"checkpoints, or take {at['checkpoint']} as the run's end (its learning rate had not finished its "
+                "schedule)",
+                tolerance=interval,
+                log_ends_with=at["checkpoint"],
                 **evidence,
             )
         ]

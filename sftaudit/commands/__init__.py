@@ -1,1 +1,1 @@
-"""The commands behind the CLI and the notebook API: gate, replay, preflight, diff."""
+"""One module per CLI subcommand (each runs as `run(args)`), and the notebook API (`sftaudit.open`)."""

@@ -3,6 +3,8 @@
 The run is audited (ingest + checks + verdict); the checkpoint's verdict rests on the run
 findings up to its step and the findings about the checkpoint itself (LOOP-09). A policy
 says which of them block. Outputs are deterministic: same input, same bytes.
+``--checkpoint best`` judges the checkpoint the verdict keeps (`keep_checkpoint`: best on the run's selection
+metric); when it keeps none, exit 2 with the reason.
 
 Policy file (TOML)::
 
@@ -35,9 +37,9 @@ from ..checks.resume_state import (
 from ..core.terminal import json_safe, shown, xml_text
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
-from ..store.ingest import connect, load_manifest, run_lock
+from ..store.rundb import connect, load_manifest
 from ..verdict.attribution import findings_up_to
-from ..verdict.audit import audit, unjudged_reason
+from ..verdict.audit import audited, unjudged_reason
 from ..verdict.config import AuditConfig, read_small_text
 
 
@@ -134,9 +136,11 @@ class GateResult:
         return json_safe(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False)) + "\n"
 
     def to_junit(self) -> str:
-        """One testcase per check: a blocking finding is a failure; a check turned off, or one that had
-        too little evidence to judge (`not_run`), is skipped with the reason. All text goes through
-        `xml_text`: XML cannot hold control characters, and CI pages should not show bidi controls raw."""
+        """One testcase per check: a blocking finding is a failure; a check turned off, one that had
+        too little evidence to judge (`not_run`), or one that judged only part of the run's evidence
+        (`partial`) and found nothing blocking, is skipped with the reason: never a plain pass for what
+        was not seen. All text goes through `xml_text`: XML cannot hold control characters, and CI
+        pages should not show bidi controls raw."""
         name = self.checkpoint["name"]
         suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
         counts = {"tests": 0, "failures": 0, "skipped": 0}
@@ -152,15 +156,19 @@ class GateResult:
                 counts["skipped"] += 1
                 continue
             blocking = [f for f in mine if self.policy.blocks(f)]
+            partial = f"partial evidence: {reason}" if status == "partial" else None
             if blocking:
                 counts["failures"] += 1
                 failure = ET.SubElement(
                     case, "failure", {"type": blocking[0]["severity"], "message": xml_text(blocking[0]["message"])}
                 )
                 failure.text = xml_text("\n".join(_line(f) for f in blocking))
-            others = [f for f in mine if not self.policy.blocks(f)]
+            elif partial:
+                ET.SubElement(case, "skipped", {"message": xml_text(f"{partial}; nothing blocking in what was judged")})
+                counts["skipped"] += 1
+            others = [_line(f) for f in mine if not self.policy.blocks(f)] + ([partial] if partial and blocking else [])
             if others:
-                ET.SubElement(case, "system-out").text = xml_text("\n".join(_line(f) for f in others))
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(others))
         for key in ("tests", "failures", "skipped"):
             suite.set(key, str(counts[key]))
         suite.set("errors", "0")
@@ -179,16 +187,23 @@ def _line(f: dict[str, Any]) -> str:
     return f"{f['code']} {f['severity']} {where}: {f['message']}"
 
 
-def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
+def gate(
+    run_dir: str | Path,
+    checkpoint: str,
+    policy: Policy,
+    config: AuditConfig | None = None,
+    data: str | Path | None = None,
+) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
     run_dir = Path(run_dir)
-    with run_lock(run_dir):  # the audit and the inspection of its checkpoints see one state of the run
-        verdict = audit(run_dir, config)
+    with audited(run_dir, config, data=data) as done:  # the audit and the inspection of its checkpoints: one state
+        verdict = done.verdict
         lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
         raise InputError(unjudged_reason(verdict))
-    target = resolve_checkpoint(run_dir, verdict["checkpoints"], checkpoint)
+    wanted = kept_checkpoint_name(verdict) if checkpoint == BEST else checkpoint
+    target = resolve_checkpoint(run_dir, verdict["checkpoints"], wanted)
     try:
         on_disk = inside_run(run_dir, target["path"]).exists()
     except CheckpointError as exc:
@@ -231,6 +246,18 @@ def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[s
         con.close()
 
 
+# `--checkpoint best`: the checkpoint the verdict keeps (a folder named `best` is given by its path, `./best`).
+BEST = "best"
+
+
+def kept_checkpoint_name(verdict: dict[str, Any]) -> str:
+    """The verdict's kept checkpoint; an InputError (exit 2, one line) saying why when it names none."""
+    if verdict.get("keep_checkpoint"):
+        return verdict["keep_checkpoint"]
+    why = (verdict.get("keep") or {}).get("why") or "the verdict names none"
+    raise InputError(f"{verdict['run']}: no checkpoint to keep for --checkpoint best: {why}")
+
+
 def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted: str) -> dict[str, Any]:
     """A checkpoint by name (step-20), step (20) or path (inside the run directory). A step whose
     save a later save to the same path overwrote cannot be judged: its files are gone."""
@@ -259,11 +286,11 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
 
 def run(args) -> int:
     """The CLI: gate the checkpoint, write JUnit, JSON and SARIF where asked, print the summary."""
-    from .common import EXIT_FAIL, EXIT_PASS, prepare, say, write
+    from .common import EXIT_FAIL, EXIT_PASS, say, write
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    policy = Policy.load(args.policy, args.strict or config.strict)
+    result = gate(args.run_dir, args.checkpoint, policy, config, data=args.data)
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
             write(path, text(), "--junit" if text == result.to_junit else "--json")
@@ -273,5 +300,12 @@ def run(args) -> int:
 
         considered = {**stored_verdict(args.run_dir), "findings": result.findings}
         write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
-    say(result.summary())
+    if args.github:
+        from ..verdict.audit import stored_verdict
+        from .common import with_github
+
+        gated = json.loads(result.to_json())
+        with_github(lambda: say(result.summary()), stored_verdict(args.run_dir), args.run_dir, gate=gated)
+    else:
+        say(result.summary())
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -18,20 +18,21 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..store.ingest import connect, load_manifest, run_lock
-from ..verdict.audit import audit
+from ..store.rundb import connect, load_manifest
+from ..verdict.audit import audited
 from ..verdict.config import AuditConfig
 
 DEFAULT_WINDOW = 10
 
 
-def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW) -> dict[str, Any]:
-    with run_lock(run_dir):  # the audit and the read of its batches see one state of the database
-        return _replay(Path(run_dir), config, window)
+def replay(
+    run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW, data: str | Path | None = None
+) -> dict[str, Any]:
+    with audited(run_dir, config, data=data) as done:  # the audit and the read of its batches see one state
+        return _replay(Path(run_dir), done.verdict, window)
 
 
-def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str, Any]:
-    verdict = audit(run_dir, config or AuditConfig())
+def _replay(run_dir: Path, verdict: dict[str, Any], window: int) -> dict[str, Any]:
     first = verdict["first_anomalous_step"]
     out: dict[str, Any] = {
         "run": verdict["run"],
@@ -44,6 +45,7 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
         "batches": [],
         "resume": None,
         "configuration": configuration(verdict),
+        **kept(verdict),
     }
     if first is None:
         return out
@@ -68,6 +70,23 @@ def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str,
         skip = [b["step"] for b in out["batches"]]
         out["resume"] = {"resume_from_checkpoint": path, "skip_steps": skip, **resume_command(manifest, path, skip)}
     return out
+
+
+def kept(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint to ship (name, step, path; None when none can be named) and the verdict's `keep` object."""
+    keep = verdict.get("keep")
+    chosen = next((c for c in verdict["checkpoints"] if c["name"] == verdict.get("keep_checkpoint")), None)
+    return {"keep_checkpoint": {k: chosen[k] for k in ("name", "step", "path")} if chosen else None, "keep": keep}
+
+
+def keep_line(doc: dict[str, Any]) -> list[str]:
+    """The kept checkpoint in one line (none when the run logged no evaluation)."""
+    keep, chosen = doc.get("keep"), doc.get("keep_checkpoint")
+    if not keep:
+        return []
+    if chosen:
+        return [f"keep {chosen['name']} to ship (step {chosen['step']}): {keep['why']}"]
+    return [f"no checkpoint to keep: {keep['why']}"]
 
 
 def chain(verdict: dict[str, Any], since: int, until: int) -> list[dict[str, Any]]:
@@ -138,7 +157,9 @@ def to_text(doc: dict[str, Any]) -> str:
     if changes:
         changes.insert(0, "configuration to change (no bad step: rolling back or skipping batches does not fix it):")
     if doc["first_anomalous_step"] is None:
-        return "\n".join([f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay", *changes])
+        return "\n".join(
+            [f"{doc['run']}: {doc['verdict'].upper()}; no anomalous step, nothing to replay", *keep_line(doc), *changes]
+        )
     lines = [f"{doc['run']}: {doc['verdict'].upper()}; first anomalous step {doc['first_anomalous_step']}"]
     lines.append("findings:")
     lines += [f"  step {f['step']} {f['code']} {f['severity']}: {f['message']}" for f in doc["chain"]]
@@ -158,6 +179,7 @@ def to_text(doc: dict[str, Any]) -> str:
         lines.append(
             f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']}){deleted}"
         )
+    lines += keep_line(doc)
     lines.append("batches up to the anomaly (inspect or skip):")
     lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
     if doc["resume"]:
@@ -172,11 +194,10 @@ def to_text(doc: dict[str, Any]) -> str:
 def run(args) -> int:
     """The CLI: audit, then print the replay (text, or JSON with --json)."""
     from ..core.terminal import json_safe
-    from .common import exit_code, prepare, say
+    from .common import exit_code, say
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    doc = replay(args.run_dir, config)
+    doc = replay(args.run_dir, config, data=args.data)
     if args.json:
         print(json_safe(to_json(doc)), end="")
     else:

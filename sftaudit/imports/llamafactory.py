@@ -10,7 +10,8 @@ object per Trainer log to ``output_dir/trainer_log.jsonl``: ``current_steps`` (t
 log repeating its step) marks a restart, and the lines before it from that step on are the branch
 the resume abandoned (which the resumed ``trainer_state.json`` no longer holds).
 
-Here each restart's lines become log-history entries in ``trainer_state.json``'s key names.
+Here each restart's lines become log-history entries in ``trainer_state.json``'s key names; a key this
+list does not know (a newer LLaMA-Factory's, a custom callback's) is kept under its own name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from .logs import normalised
 
 TRAINER_LOG = "trainer_log.jsonl"
 LOG_SOURCE = "imported logs: trainer_log.jsonl (LLaMA-Factory)"
@@ -37,6 +40,10 @@ KEYS = {
     "total_tokens": "num_input_tokens_seen",
     "throughput": "throughput",
 }
+# Writers a line can continue: the most recently written (processes logging at once are one per GPU or so).
+ACTIVE_WRITERS = 16
+# The callback's own bookkeeping: progress, not a logged number.
+PROGRESS = {"current_steps", "total_steps", "percentage", "elapsed_time", "remaining_time"}
 
 
 def read_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -74,10 +81,11 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     each step's line is kept once. Writers that follow one another are the restarts."""
     lines = read_lines(run_dir) if lines is None else lines
     writers: list[dict[str, Any]] = []  # {"lines": [(file index, raw)], "step", "loss_step", "elapsed"}
+    active: list[dict[str, Any]] = []  # the writers a line may continue, least recently written first
     seen = set()
     for index, raw in enumerate(lines):
         step = raw.get("current_steps")
-        if not isinstance(step, int) or not any(k in raw for k in KEYS if k not in ("epoch", "lr")):
+        if not isinstance(step, int) or not any(k not in PROGRESS and k not in ("epoch", "lr") for k in raw):
             continue  # a prediction-progress line, or no training/eval number in it
         text = json.dumps(raw, sort_keys=True)
         if text in seen:
@@ -88,15 +96,19 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
         # clock does not go back. Of those, the one it follows most closely; on a tie the one written last.
         fits = [
             w
-            for w in writers
+            for w in active
             if (step > w["step"] or (step == w["step"] and not ("loss" in raw and w["loss_step"] == step)))
             and (elapsed is None or w["elapsed"] is None or elapsed >= w["elapsed"])
         ]
         if fits:
             writer = max(fits, key=lambda w: (w["step"], w["lines"][-1][0]))
+            active.remove(writer)
         else:
             writer = {"lines": [], "elapsed": None, "loss_step": -1}
             writers.append(writer)
+        # A bounded set of writers stays open (processes writing at once are a few): a log whose step goes back
+        # line after line opens a writer per line, and stays linear.
+        active = active[-(ACTIVE_WRITERS - 1) :] + [writer]
         writer["lines"].append((index, raw))
         writer["step"], writer["elapsed"] = step, elapsed if elapsed is not None else writer["elapsed"]
         writer["loss_step"] = step if "loss" in raw else writer["loss_step"]
@@ -112,7 +124,9 @@ def log_segments(run_dir: Path, lines: list[dict[str, Any]] | None = None) -> li
     for group in runs:
         kept: dict[tuple, dict[str, Any]] = {}
         for _index, raw in sorted((x for w in group for x in w["lines"]), key=lambda x: x[0]):
-            entry = {"step": raw["current_steps"]} | {KEYS[k]: v for k, v in raw.items() if k in KEYS}
+            entry = {"step": raw["current_steps"]} | normalised(
+                {KEYS.get(k, k): v for k, v in raw.items() if k not in PROGRESS}
+            )
             kept.setdefault((entry["step"], tuple(sorted(entry))), entry)  # the first writer's line of each step
         segments.append(sorted(kept.values(), key=lambda e: e["step"]))
     return segments

@@ -5,6 +5,7 @@ pointer files (a clone without git-lfs leaves them in place of the data)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,43 @@ LFS_POINTER_MAX_BYTES = 1024
 LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
 
 
+# A number written as text ("nan", "Infinity", "1e-4"): longer text is no number a logger wrote.
+NUMBER_TEXT_CHARS = 40
+
+
+def number(value: Any) -> float | None:
+    """A logged value as a float: a JSON number (``NaN``/``Infinity`` included), or text that spells one
+    ("nan", "inf", "-Infinity", "2e-05": loggers that stringify); None for anything else (a bool, a list)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float's range
+            return math.copysign(math.inf, value)
+    if isinstance(value, str) and len(value) <= NUMBER_TEXT_CHARS:
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def normalised(entry: dict[str, Any]) -> dict[str, Any]:
-    """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``)."""
-    out = {}
+    """A log entry with the Trainer's key names (`ALIASES`; any other ``eval/x`` as ``eval_x``) and every value
+    that is a number as a float (text spelling one included, so a "nan" stays a NaN); a nested group of numbers
+    (``{"rewards": {"chosen": ...}}``) flattened to ``rewards/chosen``. ``step`` stays the integer it is.
+    One pass over the keys: a per-step log of a million entries goes through here once per saved state."""
+    out: dict[str, Any] = {}
     for key, value in entry.items():
-        name = ALIASES.get(key) or (f"eval_{key[5:]}" if key.startswith("eval/") else key)
+        if type(value) is dict:
+            for k, v in value.items():
+                if isinstance(k, str) and type(v) is not dict:
+                    out[f"{key}/{k}"] = v if type(v) is float or (n := number(v)) is None else n
+            continue
+        if type(value) is not float and key != "step":
+            value = v if (v := number(value)) is not None else value
+        name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
         if name != key and (name in entry or name in out):
             out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
             continue
@@ -49,18 +82,17 @@ def is_lfs_pointer(path: Path) -> bool:
         return False
 
 
-def log_histories(segments: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """Per restart, the log history the Trainer held after it: earlier lines before its first step, then its own."""
-    out = []
-    for i, seg in enumerate(segments):
-        start = seg[0]["step"]
-        earlier = [e for s in segments[:i] for e in s if e["step"] < start]
-        # Of the earlier restarts' lines, only the newest for each step: each restart overwrote what followed it.
-        kept = {}
-        for e in earlier:
-            kept[(e["step"], tuple(sorted(e)))] = e
-        out.append(sorted(kept.values(), key=lambda e: e["step"]) + seg)
-    return out
+def latest_history(segments: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The log history the Trainer held after the last restart: the earlier restarts' lines before its first step
+    (of each step, the line written last: each restart overwrote what followed it), then its own. One pass: what
+    earlier restarts abandoned is the import's to set aside (`trainer._with_log`)."""
+    start = segments[-1][0]["step"]
+    kept = {}
+    for seg in segments[:-1]:
+        for e in seg:
+            if e["step"] < start:
+                kept[(e["step"], tuple(sorted(e)))] = e
+    return sorted(kept.values(), key=lambda e: e["step"]) + segments[-1]
 
 
 def logging_interval(history: list[dict[str, Any]]) -> int | None:

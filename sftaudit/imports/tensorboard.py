@@ -26,6 +26,8 @@ EVENTS_GLOB = "events.out.tfevents.*"
 EVENTS_SOURCE = "imported logs: TensorBoard event files"
 # The end-of-training log's keys (`Trainer._finalize_training` + `speed_metrics`): a summary, not a step.
 SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+# The callback's tag group for `trainer.predict`'s metrics (`test_*` keys).
+PREDICTION_GROUPS = {"test"}
 
 
 def event_files(run_dir: Path) -> list[Path]:
@@ -62,14 +64,17 @@ def event_segments(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str,
                     texts[value.tag.partition("/")[0]] = _json_text(tensor_util.make_ndarray(value.tensor)) or {}
                 if plugin != "scalars":
                     continue  # text (the run's args) and anything else that is not a logged number
-                # An untagged scalar ("loss", "lr": a SummaryWriter of one's own) is a training log's.
+                # An untagged scalar ("loss", "lr": a SummaryWriter of one's own) is a training log's, and so is
+                # one in a group of its own ("rewards/chosen" written directly), under its whole tag.
                 group, _, key = value.tag.partition("/") if "/" in value.tag else ("train", "", value.tag)
                 if group == "eval":
                     kind, key = "eval", f"eval_{key}"
                 elif group == "train":
                     kind = "summary" if key in SUMMARY else "train"
+                elif group in PREDICTION_GROUPS:
+                    continue  # `trainer.predict` after training: no training step
                 else:
-                    continue
+                    kind, key = "train", value.tag
                 entry = entries.setdefault((event.step, kind), {"step": event.step})
                 entry[key] = float(tensor_util.make_ndarray(value.tensor).item())
         if entries:

@@ -31,6 +31,7 @@ import json
 import math
 import re
 import shutil
+from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,11 @@ from .dataset import (
     failure_events,
 )
 from .llamafactory import LOG_SOURCE, NO_GRAD_NORM, TRAINER_LOG, log_segments, planned_steps, read_lines
-from .logs import LFS_HINT, is_lfs_pointer, log_histories, logging_interval, normalised
+from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, normalised, number
+from .notes import earlier_run_in_log, lfs, log_limits, other_runs
+from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
+from .selection import run_selection
+from .task import describe_task
 from .tensorboard import EVENTS_SOURCE, event_files, event_segments
 
 TRAINER_STATE = "trainer_state.json"
@@ -184,14 +189,15 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
     states = _states(run_dir, checkpoints)
     # A training log kept per (re)start: LLaMA-Factory's, else TensorBoard's (when the extra is installed).
     lines, args = read_lines(run_dir), {}
-    segments, log_source = log_segments(run_dir, lines), LOG_SOURCE
+    segments, log_source, log_file = log_segments(run_dir, lines), LOG_SOURCE, TRAINER_LOG
     if not segments:
         segments, texts = event_segments(run_dir)
         args = texts.get("args", {}) | {"model_config": texts.get("model_config")}
-        log_source = EVENTS_SOURCE
+        log_source, log_file = EVENTS_SOURCE, "the TensorBoard event files"
+    segments, earlier = _latest_start(segments, log_file)
     source = LOGS_SOURCE if states else log_source
-    if not states:  # a per-restart log alone: each restart's history stands in for a trainer_state.json
-        states = [_log_state(run_dir, i, history, args) for i, history in enumerate(log_histories(segments))]
+    if not states and segments:  # a per-restart log alone: its last restart's history stands in for the state
+        states = [_log_state(run_dir, latest_history(segments), args, log_file)]
     pointers = lfs_pointers(run_dir, checkpoints)
     if not states:
         hint = " (TensorBoard event files need: pip install 'sftaudit[tensorboard]')" if event_files(run_dir) else ""
@@ -205,42 +211,54 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
         raise InputError(
             f"{run_dir}: no readable {TRAINER_STATE} or {TRAINER_LOG} (in the run folder or any checkpoint)" + hint
         )
-    # The state written last is the branch the run ended on (after a resume from an earlier checkpoint,
-    # a checkpoint of the abandoned branch may hold a higher step).
-    newest = max(states, key=lambda s: (s["mtime"], s["global_step"], s["top_level"]))
-    timeline, abandoned, resumed_at = _timeline(newest, states)
-    if source == LOGS_SOURCE and segments:
-        timeline, abandoned, resumed_at = _with_log(timeline, abandoned, resumed_at, segments)
-    if resumed_at is not None and not any(e["step"] >= resumed_at for e in timeline):
-        abandoned, resumed_at = [], None  # the abandoned steps lie beyond the run's end: nothing replaced them
+    # Which run the folder's states belong to, and which is the latest, by what they hold (`runs`).
+    glued = _cut_glued(run_dir, states)
+    groups = group_runs(states)
+    judged = latest(groups)
+    others = sorted((describe(g, run_dir) for g in groups if g is not judged), key=lambda o: -o["global_step"])
+    # A glued run whose own checkpoints are here is named with them, once.
+    named = {(o["first_step"], o["last_step"]) for o in others}
+    earlier += [g for g in glued if (g["first_step"], g["last_step"]) not in named]
+    others_folders = {s["folder"] for g in groups if g is not judged for s in g}
+    checkpoints = [(s, p) for s, p in checkpoints if p not in others_folders]
+    newest = _newest(judged)
+    timeline, abandoned, resumes = _timeline(newest, judged)
+    if segments:
+        timeline, abandoned, resumes = _with_log(timeline, abandoned, resumes, segments)
+    # A resume whose abandoned steps lie beyond the run's end: nothing replaced them.
+    last_step = max((e["step"] for e in timeline), default=0)
+    resumes = {r: src for r, src in resumes.items() if r <= last_step}
+    abandoned = [(e, r) for e, r in abandoned if r in resumes]
+    starts = sorted(resumes)  # segment k + 1 starts at starts[k]
+    before_resume = {r: k for k, r in enumerate(starts)}  # the segment a resume abandoned a branch of
 
     records: dict[str, list[dict[str, Any]]] = {
         k: [] for k in ("manifest", "steps", "metrics", "checkpoints", "events")
     }
-    for seg, entries in (
-        (0, abandoned),
-        (0, [e for e in timeline if resumed_at is None or e["step"] < resumed_at]),
-        (1, [e for e in timeline if resumed_at is not None and e["step"] >= resumed_at]),
-    ):
-        for e in entries:
-            records["metrics"] += [
-                {"seg": seg, "step": e["step"], "name": k, "value": float(v)}
-                for k, v in e.items()
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-            ]
-            if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
-                records["steps"].append(
-                    {
-                        "seg": seg,
-                        "step": e["step"],
-                        "loss": e["loss"],
-                        "lr": e.get("learning_rate"),
-                        "grad_norm": e.get("grad_norm"),
-                    }
-                )
-    abandoned_states = {s["folder"] for s in states if s["abandoned"]}
+    for seg, e in [(before_resume[r], e) for e, r in abandoned] + [
+        (bisect_right(starts, e["step"]), e) for e in timeline
+    ]:
+        records["metrics"] += [
+            {"seg": seg, "step": e["step"], "name": k, "value": v}
+            for k, v in e.items()
+            if k != "step" and isinstance(v, float)
+        ]
+        if "loss" in e and not any(k in e for k in SUMMARY_KEYS):
+            records["steps"].append(
+                {
+                    "seg": seg,
+                    "step": e["step"],
+                    "loss": number(e["loss"]),
+                    "lr": number(e.get("learning_rate")),
+                    "grad_norm": number(e.get("grad_norm")),
+                }
+            )
+    branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
+    outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
     for step, folder in every_checkpoint:
+        if folder in others_folders:
+            continue  # another run's: named once in the notes
         if (step, folder) not in checkpoints:
             records["checkpoints"].append(
                 {
@@ -255,7 +273,7 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                 }
             )
             continue
-        seg = 0 if folder in abandoned_states or resumed_at is None or step < resumed_at else 1
+        seg = before_resume[branch_of[folder]] if folder in branch_of else bisect_right(starts, step)
         records["checkpoints"].append(
             {
                 "seg": seg,
@@ -267,37 +285,53 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
                     for f in sorted(folder.rglob("*"))
                     if f.is_file()
                 ],
-                "training_state": _resume_outline(folder),
+                "training_state": _resume_outline(folder, outlines.get(folder)),
                 "tokenizer_fingerprint": fingerprints.get(folder),
-                "time": folder.stat().st_mtime,
+                "time": folder.stat().st_mtime,  # a record of the save, never a reason to choose a run
             }
         )
     if data is not None:
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
-    resumed_from = _resumed_from(checkpoints, timeline, resumed_at)
-    for seg in [0] + ([1] if resumed_at is not None else []):
-        manifest = _manifest(
-            run_dir, newest, checkpoints, tokenizer, seg, dataset, source, planned_steps(lines), pointers
+    described = _described(run_dir, checkpoints, newest, tokenizer, timeline)
+    notes = (
+        other_runs(others)
+        + earlier_run_in_log(earlier)
+        + lfs(pointers)
+        + log_limits(
+            timeline,
+            newest,
+            _logging_steps(newest),
+            log_beyond_checkpoints=newest["top_level"] or bool(segments),
+            ended=_ended(newest),
+            scaler_in=[p.name for _, p in checkpoints if (p / "scaler.pt").is_file()],
         )
-        if seg and resumed_from is not None:
-            manifest["config"]["resume_from"] = resumed_from
+    )
+    for seg in range(len(starts) + 1):
+        state = _segment_state(judged, newest, starts, seg)
+        manifest = _manifest(run_dir, state, described, seg, dataset, source, planned_steps(lines), pointers, notes)
+        if seg:
+            manifest["config"]["resume_from"] = resumes[starts[seg - 1]] or _resumed_from(
+                checkpoints, timeline, starts[seg - 1]
+            )
         if refused:  # the tokenizer the run saved is not used: the checks that need it say why
             manifest["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
         records["manifest"].append(manifest)
-        records["events"].append({"seg": seg, "kind": "start", "time": newest["mtime"]})
+        records["events"].append({"seg": seg, "kind": "start", "time": state["mtime"]})
     _write(run_dir, records)
     return {
         "steps": len(records["steps"]),
         "metrics": len(records["metrics"]),
         "checkpoints": len(checkpoints),
         "logging_steps": _logging_steps(newest),
-        "resumed_at": resumed_at,
-        "abandoned_steps": sorted({e["step"] for e in abandoned if "loss" in e}),
+        "resumed_at": starts[0] if starts else None,
+        "resumes": starts,
+        "abandoned_steps": sorted({e["step"] for e, _ in abandoned if "loss" in e}),
+        "other_runs": len(others) + len(earlier),
         "tokenizer": tokenizer is not None,
         "dataset_rows": (dataset or {}).get("rows"),
-        "notes": _notes(pointers),
+        "notes": [n["text"] for n in notes],
     }
 
 
@@ -305,44 +339,51 @@ def import_run(run_dir: str | Path, data: str | Path | None = None, progress: bo
 
 
 def _states(run_dir: Path, checkpoints: list[tuple[int, Path]]) -> list[dict[str, Any]]:
-    """Every readable trainer_state.json (a truncated one is an interrupted save: LOOP-09's business)."""
+    """Every readable trainer_state.json (a truncated one is an interrupted save: LOOP-09's business), each read
+    once: its log history, its plan and other fields, and what the checkpoint's resume outline needs."""
     out = []
-    for folder, top_level in [(p, False) for _, p in checkpoints] + [(run_dir, True)]:
+    for step, folder, top_level in [(s, p, False) for s, p in checkpoints] + [(None, run_dir, True)]:
         path = folder / TRAINER_STATE
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
             history = [
                 normalised(e) for e in state["log_history"] if isinstance(e, dict) and isinstance(e.get("step"), int)
             ]
-        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             continue
+        global_step = state.get("global_step")
         out.append(
             {
                 "folder": folder,
+                "step": step,  # the folder's step (None: the state at the top of the folder)
                 "top_level": top_level,
                 "history": history,
                 "mtime": path.stat().st_mtime,
-                "global_step": int(state.get("global_step") or 0),
+                "global_step": global_step if isinstance(global_step, int) and not isinstance(global_step, bool) else 0,
                 "max_steps": state.get("max_steps"),
                 "logging_steps": state.get("logging_steps"),
                 "save_steps": state.get("save_steps"),
                 "eval_steps": state.get("eval_steps"),
                 "train_batch_size": state.get("train_batch_size"),
                 "num_train_epochs": state.get("num_train_epochs"),
-                "abandoned": False,
+                # the state's other fields (best_metric, best_global_step, stateful_callbacks, ...), as written
+                "fields": {k: v for k, v in state.items() if k != "log_history"},
+                "outline": {"step": state.get("global_step"), "epoch": state.get("epoch")},
             }
         )
     return out
 
 
-def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
-    """A restart's history from a training log, shaped as `_states` shapes a trainer_state.json; the run's
+def _log_state(run_dir: Path, history: list[dict[str, Any]], args: dict[str, Any], log_file: str) -> dict[str, Any]:
+    """The history of a training log's last restart, shaped as `_states` shapes a trainer_state.json; the run's
     arguments and model config where the log kept them (TensorBoard's ``args`` and ``model_config`` texts)."""
     return {
-        "folder": run_dir / f"log-{index}",
+        "folder": run_dir / "log",
+        "file": log_file,
+        "step": None,
         "top_level": True,
         "history": history,
-        "mtime": index,
+        "mtime": None,
         "global_step": max(e["step"] for e in history),
         "max_steps": args.get("max_steps"),
         "logging_steps": logging_interval(history) or args.get("logging_steps"),
@@ -350,33 +391,105 @@ def _log_state(run_dir: Path, index: int, history: list[dict[str, Any]], args: d
         "eval_steps": args.get("eval_steps"),
         "train_batch_size": args.get("per_device_train_batch_size"),
         "num_train_epochs": args.get("num_train_epochs"),
-        "abandoned": False,
+        "fields": {},
         "model_config": args.get("model_config"),
     }
 
 
-def _with_log(timeline, abandoned, resumed_at, segments):
-    """What a training log kept per (re)start adds to the trainer states: the lines a restart abandoned
-    that no saved state kept (logged between the checkpoint resumed from and the crash), and the lines logged after
-    the last saved state (a crash before the next save)."""
-    known = {e["step"] for e in abandoned}
+def _latest_start(
+    segments: list[list[dict[str, Any]]], log_file: str
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """A log kept per (re)start from the last start that began a new run: a restart whose first training log is
+    within the first logging interval trained from step 0 (a resume starts past the checkpoint it resumed from).
+    Returns those segments and the earlier runs' part of the log, described for the notes."""
+    interval = logging_interval([e for seg in segments for e in seg]) or 1
+    firsts = [min((e["step"] for e in seg if "loss" in e), default=None) for seg in segments]
+    new = [i for i, first in enumerate(firsts) if i and first is not None and first <= interval]
+    if not new:
+        return segments, []
+    cut = new[-1]
+    before = [e["step"] for seg in segments[:cut] for e in seg]
+    return segments[cut:], [
+        {
+            "file": log_file,
+            "first_step": min(before),
+            "last_step": max(before),
+            "starts_at": firsts[cut],
+            "why": "a run that starts again from its first step",
+        }
+    ]
+
+
+def _cut_glued(run_dir: Path, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cut each state's history at its last reset (`runs.split_glued`); the other run's part, described once
+    per file that held one."""
+    out = []
+    for s in states:
+        before, after = split_glued(s["history"])
+        if not before:
+            continue
+        s["history"] = after
+        first = next(e for e in after if "loss" in e)
+        out.append(
+            {
+                "file": s.get("file") or str((s["folder"] / TRAINER_STATE).relative_to(run_dir)),
+                "first_step": min(e["step"] for e in before),
+                "last_step": max(e["step"] for e in before),
+                "starts_at": first["step"],
+                "why": "its step goes back"
+                if first["step"] < max(e["step"] for e in before)
+                else "its epoch goes back",
+            }
+        )
+    # One note per other run: a later checkpoint's state repeats what an earlier one held.
+    unique = {(p["first_step"], p["last_step"], p["starts_at"]): p for p in out}
+    return list(unique.values())
+
+
+def _newest(run: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of the branch written last (`runs.later`, two states in turn; a state consistent with another
+    is its earlier checkpoint, or its continuation)."""
+    ordered = sorted(run, key=lambda s: (s["global_step"], s["top_level"], str(s["folder"])), reverse=True)
+    best = ordered[0]
+    for s in ordered[1:]:
+        diverged = _diverged(s, best)
+        if diverged is not None and later([s], [best], diverged):
+            best = s
+    return best
+
+
+def _diverged(a: dict[str, Any], b: dict[str, Any]) -> int | None:
+    """The first step at which two states' logs differ, up to where both logged (None: they agree)."""
+    short, long = sorted((a["history"], b["history"]), key=len)
+    if short == long[: len(short)]:
+        return None  # one is the other's earlier checkpoint (compared in C; a NaN entry takes the long way)
+    end = min(max((e["step"] for e in a["history"]), default=-1), max((e["step"] for e in b["history"]), default=-1))
+    index = {_key(e): e for e in b["history"] if e["step"] <= end}
+    differing = [e["step"] for e in a["history"] if e["step"] <= end and not _same(index.pop(_key(e), None), e)]
+    differing += [step for step, _ in index]  # what b logged and a did not
+    return min(differing, default=None)
+
+
+def _with_log(timeline, abandoned, resumes, segments):
+    """What a training log kept per (re)start adds to the trainer states (or to its own last restart's history):
+    the lines a restart abandoned that no saved state kept (logged between the checkpoint resumed from and the
+    crash), and the lines logged after the last saved state (a crash before the next save)."""
+    known = {e["step"] for e, _ in abandoned}
+    lost = []
     for seg, after in zip(segments, segments[1:]):
         restart = after[0]["step"]
-        lost = [e for e in seg if e["step"] >= restart and e["step"] not in known]
-        if lost:
-            abandoned = sorted(abandoned + lost, key=lambda e: e["step"])
-            resumed_at = restart if resumed_at is None else min(resumed_at, restart)
+        dropped = [(e, restart) for e in seg if e["step"] >= restart and e["step"] not in known]
+        if dropped:
+            resumes.setdefault(restart, None)
+            lost += dropped
+    abandoned = sorted(abandoned + lost, key=lambda x: x[0]["step"])
     last = max((e["step"] for e in timeline), default=0)
-    return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumed_at
+    return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumes
 
 
-def _resumed_from(
-    checkpoints: list[tuple[int, Path]], timeline: list[dict[str, Any]], resumed_at: int | None
-) -> str | None:
+def _resumed_from(checkpoints: list[tuple[int, Path]], timeline: list[dict[str, Any]], resumed_at: int) -> str | None:
     """The checkpoint on disk the resume can have started from: the newest saved after the last training log
     before the resume and before the first one after it (the logs show the restart only to their resolution)."""
-    if resumed_at is None:
-        return None
     before = max((e["step"] for e in timeline if "loss" in e and e["step"] < resumed_at), default=0)
     within = [p for step, p in checkpoints if before <= step < resumed_at]
     return within[-1].name if within else None
@@ -386,41 +499,67 @@ def _key(entry: dict[str, Any]) -> tuple[int, tuple[str, ...]]:
     return entry["step"], tuple(sorted(entry))
 
 
-def _timeline(newest: dict[str, Any], states: list[dict[str, Any]]):
-    """The newest state's log history, the entries older states hold that it lost (a resume
-    restarts the log from the checkpoint it resumed from), and the first step after the resume.
+def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
+    """The newest state's log history, the entries other states of the run hold that it lost (each with the step
+    the run resumed at), and the resumes: {first step after the resume: the checkpoint it resumed from, or None}.
 
-    An older state whose entries disagree with the newest's from some step on saw another branch
-    of the run: its entries from that step are the abandoned branch, and the run resumed there."""
+    A state whose entries disagree with the newest's from some step on saw another branch of the run: its
+    entries from that step are the abandoned branch, and the run resumed there. A state that agrees but
+    planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
+    changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
+    count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
     current = {_key(e): e for e in newest["history"]}
-    abandoned: dict[tuple, dict[str, Any]] = {}
-    resumed_at = None
-    for s in states:
+    abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
+    resumes: dict[int, str | None] = {}
+    agreeing = []
+    for s in run:
         if s is newest:
             continue
-        differing = [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
+        same = s["history"] == newest["history"][: len(s["history"])]  # an earlier checkpoint, compared in C
+        differing = [] if same else [e["step"] for e in s["history"] if not _same(current.get(_key(e)), e)]
         if not differing:
+            agreeing.append(s)
             continue
-        s["abandoned"] = True
-        diverged = min(differing)
-        resumed_at = diverged if resumed_at is None else min(resumed_at, diverged)
-        abandoned.update({_key(e): e for e in s["history"] if e["step"] >= diverged})
-    return newest["history"], sorted(abandoned.values(), key=lambda e: e["step"]), resumed_at
+        diverged = s["diverged"] = min(differing)
+        resumes.setdefault(diverged, None)
+        abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
+    for step in epoch_restarts(newest["history"]):
+        resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
+    logged = sorted(e["step"] for e in newest["history"] if "loss" in e)
+    chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
+    for before, after in zip(chain, chain[1:]):
+        if plans_differ(plan(before), plan(after)):
+            i = bisect_right(logged, before["global_step"])
+            if i < len(logged):
+                resumes.setdefault(logged[i], None if before["top_level"] else before["folder"].name)
+    return newest["history"], sorted(abandoned.values(), key=lambda x: x[0]["step"]), resumes
 
 
 def _same(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
     # json.dumps compares NaN == NaN (a NaN loss logged by both states is the same entry)
-    return a is not None and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    return a is not None and (a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True))
+
+
+def _segment_state(run: list[dict[str, Any]], newest: dict[str, Any], starts: list[int], seg: int) -> dict[str, Any]:
+    """The state that describes a segment's plan: the newest, for the last segment; else the furthest state saved
+    within the segment (before the next resume), on the branch the run kept, else on any."""
+    if seg == len(starts):
+        return newest
+    low, high = (starts[seg - 1] if seg else -1), starts[seg]
+    within = [s for s in run if low <= s["global_step"] < high]
+    kept = [s for s in within if s.get("diverged") is None]
+    return tip(kept or within) if (kept or within) else newest
 
 
 # ---------------------------------------------------------------------------- checkpoints, tokenizer, manifest
 
 
-def _resume_outline(folder: Path) -> dict[str, Any]:
-    """What the folder holds for an exact resume (the same outline the shim's Trainer callback records)."""
+def _resume_outline(folder: Path, outline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the folder holds for an exact resume (the same outline the shim's Trainer callback records); `outline`:
+    its trainer state's step and epoch, as `_states` read them (read here only when `_states` could not)."""
     names = {p.name for p in folder.iterdir()}
-    state = None
-    if TRAINER_STATE in names:
+    state = outline
+    if state is None and TRAINER_STATE in names:
         try:
             state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -468,13 +607,8 @@ def _tokenizer(
 
 def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str, Any] | None = None) -> dict[str, Any]:
     """The newest config.json saved (else the one a log kept: TensorBoard's model_config text)."""
-    configs = []
-    for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
-        try:
-            configs.append(json.loads((folder / "config.json").read_text(encoding="utf-8")))
-        except (OSError, ValueError, UnicodeDecodeError):
-            continue
-    config = next((c for c in configs + [logged] if isinstance(c, dict) and c), None)
+    config = next((c for c in _json_files(run_dir, checkpoints, "config.json")), None)
+    config = config or (logged if isinstance(logged, dict) and logged else None)
     if config is None:
         return {}
     architectures = config.get("architectures")
@@ -483,6 +617,37 @@ def _model(run_dir: Path, checkpoints: list[tuple[int, Path]], logged: dict[str,
         "config": config,
         "tie_word_embeddings": config.get("tie_word_embeddings"),
     }
+
+
+def _json_files(run_dir: Path, checkpoints: list[tuple[int, Path]], name: str):
+    """The JSON objects saved under `name`, newest checkpoint first, the run folder's last (lazily: read as taken)."""
+    for folder in [p for _, p in reversed(checkpoints)] + [run_dir]:
+        try:
+            value = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        if isinstance(value, dict) and value:
+            yield value
+
+
+def _described(
+    run_dir: Path,
+    checkpoints: list[tuple[int, Path]],
+    newest: dict[str, Any],
+    tokenizer: dict[str, Any] | None,
+    timeline: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """What the manifest says of the model, once for every segment: ``model``, ``params``, ``vocab_size``,
+    ``task`` (`task.describe_task`: config.json or adapter_config.json, and the keys the log holds)."""
+    model = _model(run_dir, checkpoints, newest.get("model_config"))
+    folders = [p for _, p in reversed(checkpoints)] + [run_dir]
+    params = _params(folders[:-1])
+    vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
+    adapter = next(_json_files(run_dir, checkpoints, "adapter_config.json"), None)
+    keys = {k for e in timeline for k in e if k != "step"}
+    task = describe_task(model.get("config"), adapter, keys)
+    task["vocab_size"] = task["vocab_size"] or vocab_size
+    return {"model": model, "params": params, "vocab_size": vocab_size, "tokenizer": tokenizer or {}, "task": task}
 
 
 def _params(folders: list[Path]) -> list[dict[str, Any]]:
@@ -538,13 +703,6 @@ def _vocab_size(
     return (tokenizer or {}).get("length") if whole else None
 
 
-def _notes(pointers: list[str]) -> list[str]:
-    """What the import could not read, said once."""
-    if not pointers:
-        return []
-    return [f"{len(pointers)} log file(s) ({pointers[0]}{', ...' if len(pointers) > 1 else ''}) are a {LFS_HINT}"]
-
-
 def _logging_steps(newest: dict[str, Any]) -> int | None:
     """``logging_steps`` as the state says it (older states have none), else as the log shows it."""
     steps = newest["logging_steps"]
@@ -556,18 +714,17 @@ def _logging_steps(newest: dict[str, Any]) -> int | None:
 def _manifest(
     run_dir: Path,
     newest: dict[str, Any],
-    checkpoints,
-    tokenizer,
+    described: dict[str, Any],
     seg: int,
     dataset: dict[str, Any] | None,
     source: str,
     total_steps: int | None = None,
     pointers: list[str] | None = None,
+    notes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    model = _model(run_dir, checkpoints, newest.get("model_config"))
-    folders = [p for _, p in reversed(checkpoints)] + [run_dir]
-    params = _params(folders[:-1])
-    vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
+    """The manifest of segment `seg`, planned as `newest` (the segment's state; the last segment's is the newest
+    state of the run, with trainer_state.json's own fields in ``newest["fields"]``)."""
+    model = described["model"]
     granularity = {
         "logging_steps": _logging_steps(newest),
         "save_steps": newest["save_steps"],
@@ -598,17 +755,49 @@ def _manifest(
         "started": None,
         "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},
         "model": model,
-        "params": params,
+        "task": described["task"],
+        "params": described["params"],
         "tied": {},
-        "vocab_size": vocab_size,
+        "vocab_size": described["vocab_size"],
         "lfs_pointers": pointers or [],
-        "import_notes": _notes(pointers or []),
+        "notes": notes or [],
+        "import_notes": [n["text"] for n in notes or []],
         "grad_norm_source": "pre_clip",
-        "tokenizer": tokenizer or {},
+        "selection": run_selection(newest["fields"], newest["history"]),
+        "tokenizer": described["tokenizer"],
         "config": {
             "max_steps": _planned_steps(newest, total_steps),
-            "trainer_state": granularity | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")},
+            "trainer_state": granularity
+            | {k: newest[k] for k in ("train_batch_size", "num_train_epochs")}
+            | _stopping(newest["fields"]),
         },
+    }
+
+
+def _ended(state: dict[str, Any]) -> bool:
+    """The state says training ended with it: it reached its ``max_steps``, or the Trainer was told to stop."""
+    planned = state["max_steps"]
+    reached = isinstance(planned, int) and not isinstance(planned, bool) and 0 < planned <= state["global_step"]
+    return reached or _stopping(state["fields"])["should_training_stop"] is True
+
+
+def _stopping(fields: dict[str, Any]) -> dict[str, Any]:
+    """What the state says of how training was ending when it was saved: the Trainer's ``should_training_stop``
+    (a callback or the plan told it to stop), and the early-stopping callback's patience and count."""
+
+    def part(value: Any, *keys: str) -> Any:
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    stop = part(fields, "stateful_callbacks", "TrainerControl", "args", "should_training_stop")
+    early = part(fields, "stateful_callbacks", "EarlyStoppingCallback")
+    early = early[-1] if isinstance(early, list) and early else early  # several instances are saved as a list
+    patience = part(early, "args", "early_stopping_patience")
+    counter = part(early, "attributes", "early_stopping_patience_counter")
+    return {
+        "should_training_stop": stop if isinstance(stop, bool) else None,
+        "early_stopping": {"patience": patience, "counter": counter} if isinstance(early, dict) else None,
     }
 
 

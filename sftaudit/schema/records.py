@@ -1,7 +1,7 @@
 """The artifact records, declared once: every record kind, each field's type, whether every record
 carries it, who writes it, and what it means.
 
-Ingest derives its columns from this (`sftaudit.store.ingest.RECORD_COLUMNS`), the shim's writer its file
+Ingest derives its columns from this (`sftaudit.store.rundb.RECORD_COLUMNS`), the shim's writer its file
 names (`sftaudit.core.artifacts.RECORD_KINDS`), the dataset path its batch and sample columns, and
 ``docs/artifacts.md`` its tables (``scripts/gen_artifact_docs.py``); tests/test_record_schema.py
 records real runs and fails on a key a writer emits that is not declared here, or a required one
@@ -93,6 +93,14 @@ MANIFEST = RecordKind(
             (SHIM, IMPORT),
             True,
         ),
+        Field(
+            "unsupported_versions",
+            "JSON",
+            "the recording's libraries older than sftaudit supports: name -> `installed`, `oldest_supported` "
+            "(empty: none)",
+            (SHIM,),
+            True,
+        ),
         Field("instance_id", "VARCHAR", "a random id of this recorder (one per process and segment)", (SHIM,), True),
         Field("argv", "VARCHAR[]", "the command that ran, for `sftaudit replay`'s resume command", (SHIM,), True),
         Field(
@@ -137,7 +145,10 @@ MANIFEST = RecordKind(
         Field(
             "tokenizer",
             "JSON",
-            "`fingerprint`, `class`, `length`, `special_tokens` {bos,eos,pad,unk: {token,id}}, "
+            "`fingerprint` (`v2:` and a hash of `identity`), `identity` (a hash per part of what the tokenizer is: "
+            "vocabulary, merges, model, added_tokens, normalizer, pre_tokenizer, post_processor, decoder, "
+            "special_tokens, chat_template; never its truncation or padding state), `class`, `length`, "
+            "`special_tokens` {bos,eos,pad,unk: {token,id}}, "
             "`added_tokens`, `padding_side`, `truncation_side`, `chat_template` (null or empty: none given)",
             ALL,
             True,
@@ -176,7 +187,24 @@ MANIFEST = RecordKind(
             (SHIM,),
             True,
         ),
-        Field("optimizer", "JSON", "when given: `class`", (SHIM,)),
+        Field(
+            "optimizer",
+            "JSON",
+            "when given: the optimizer that updates the weights, read through its wrappers: `class`, `module`, "
+            "`wrappers` (the wrappers' classes, outermost first: accelerate's `AcceleratedOptimizer`, DeepSpeed's "
+            "ZeRO optimizers), `groups` (per parameter group: `lr`, `initial_lr`, `betas`, `eps`, `weight_decay`, "
+            "... as the group has them, `params`, `numel`)",
+            (SHIM,),
+        ),
+        Field(
+            "loss_scaler",
+            "JSON",
+            "whether a step with non-finite gradients can have been skipped: `present`, `skips_nonfinite_steps`, "
+            "and for a scaler found `class`, `source` (`recorder`: given as `grad_scaler`; `accelerate`: its "
+            "optimizer wrapper's, the Trainer's fp16; `deepspeed`: its optimizer's overflow check), `enabled` "
+            "(absent: not known, as in older recordings)",
+            (SHIM,),
+        ),
         Field("imported", "BOOLEAN", "true: written by `sftaudit import`", (IMPORT,), True),
         Field(
             "source",
@@ -197,7 +225,45 @@ MANIFEST = RecordKind(
             True,
         ),
         Field("lfs_pointers", "VARCHAR[]", "log files that are Git LFS pointers", (IMPORT,), True),
-        Field("import_notes", "VARCHAR[]", "what the import could not read, said once", (IMPORT,), True),
+        Field(
+            "notes",
+            "JSON[]",
+            "what the logs cannot show and what else the folder holds, once per run: `{key, text, ...}` under a "
+            "stable `key`: `other_runs` (`runs`: other runs' checkpoints in the folder), `earlier_run_in_log` "
+            "(another run's log before this one's), `lfs_pointers` (`files`), `nothing_logged`, "
+            "`log_ends_at_checkpoint` (`checkpoint`), `logging_window` (`logging_steps`), `nan_inf_filter`, "
+            "`no_grad_norm`, `no_evaluation`, `fp16_skipped_steps` (`checkpoints`)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
+            "import_notes",
+            "VARCHAR[]",
+            "the `notes`' texts, in order (the verdict's `resolution.notes`)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
+            "task",
+            "JSON",
+            "what the run trained: `kind` (`causal_lm`, `seq2seq`, `sequence_classification`, "
+            "`token_classification`, `question_answering`, `multiple_choice`, `masked_lm`, `ctc`; null: unknown), "
+            "`architecture`, `model_type`, `is_encoder_decoder`, `num_labels` / `labels` / `problem_type` (a "
+            "classifier), `vocab_size`, `adapter` (PEFT `task_type`, `base_model`), `objective` (`dpo`, `orpo`, "
+            "`kto`, `cpo`, `grpo`, `ppo`; null: supervised), `family` (`sft`, `preference`, `rl`) and "
+            "`objective_keys` (the logged keys that named it)",
+            (IMPORT,),
+            True,
+        ),
+        Field(
+            "selection",
+            "JSON",
+            "the metric the run chose its best checkpoint on, from trainer_state.json: `metric` (the eval key equal "
+            "to `best_metric` at the best step; null: not told), `greater_is_better` (null: not told), "
+            "`best_metric`, `best_global_step`, `best_model_checkpoint` (null: the run tracked no best metric)",
+            (IMPORT,),
+            True,
+        ),
         Field(
             "preflight",
             "JSON",
@@ -492,7 +558,13 @@ CHECKPOINTS = RecordKind(
             "`saved`: an outline of the training state saved with it (scalars kept, tensors as {type, shape, dtype})",
             (SHIM, IMPORT),
         ),
-        Field("tokenizer_fingerprint", "VARCHAR", "`saved`: the tokenizer's fingerprint", (SHIM, IMPORT)),
+        Field(
+            "tokenizer_fingerprint",
+            "VARCHAR",
+            "`saved`: the tokenizer's fingerprint (as the manifest's `tokenizer.fingerprint`; one without the `v2:` "
+            "prefix was recorded with the tokenizer's truncation and padding state)",
+            (SHIM, IMPORT),
+        ),
         Field("param_norms", "DOUBLE[]", "`saved`: float64 per-tensor weight norms of this rank's pieces"),
         Field(
             "param_fingerprints",

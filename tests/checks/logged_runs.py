@@ -94,3 +94,46 @@ def falling(n: int, start: float = 2.0, end: float = 0.8, noise: float = 0.05, s
     rng = np.random.default_rng(seed)
     t = np.arange(n)
     return (end + (start - end) * np.exp(-t / (n / 5))) * np.exp(noise * rng.standard_normal(n))
+
+
+def logged(steps, loss, lr, grad_norm=None, epochs_per_step: float = 0.001) -> list[dict]:
+    """Training log entries as the Trainer writes them, one per step of `steps`."""
+    return [
+        {
+            "epoch": s * epochs_per_step,
+            "learning_rate": float(lr[i]),
+            "loss": float(loss[i]),
+            "step": int(s),
+            **({} if grad_norm is None else {"grad_norm": float(grad_norm[i])}),
+        }
+        for i, s in enumerate(steps)
+    ]
+
+
+def save_state(
+    run_dir: Path, folder: str, history: list[dict], max_steps: int, save_steps: int = 500, **fields
+) -> Path:
+    """A `trainer_state.json` in `run_dir/folder` ("." for the run folder's own): the log history so far and the
+    plan, as `TrainerState.save_to_json` writes them; `fields` other state fields (`stateful_callbacks`, ...)."""
+    folder_path = run_dir / folder
+    folder_path.mkdir(parents=True, exist_ok=True)
+    last = max((e["step"] for e in history), default=0)
+    state = {
+        "global_step": fields.pop("global_step", last),
+        "max_steps": max_steps,
+        "logging_steps": fields.pop("logging_steps", 1),
+        "save_steps": save_steps,
+        "eval_steps": 500,
+        "train_batch_size": 4,
+        "num_train_epochs": 1,
+        "log_history": history,
+        **fields,
+    }
+    (folder_path / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")
+    return run_dir
+
+
+def linear_schedule(steps, peak: float, warmup: int, total: int) -> np.ndarray:
+    """The Trainer's linear schedule with warm-up: the LR a step trained with."""
+    s = np.asarray(steps, dtype=float)
+    return np.where(s < warmup, peak * s / max(warmup, 1), peak * np.maximum(total - s, 0) / max(total - warmup, 1))

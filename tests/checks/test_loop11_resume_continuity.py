@@ -11,10 +11,11 @@ import pytest
 
 from sftaudit.checks.loop11_resume_continuity import epoch_starts, numbered_occurrences
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from ..shared import cached_audit, shared_dir
+from .logged_runs import audited, falling, findings, logged, save_state
 from .resume_runs import FAULTS, ORDERS, resume_runs
 
 
@@ -261,3 +262,43 @@ def test_a_trainer_resume_that_ignores_the_data_skip(tmp_path, tokenizer_cache):
     data = found[0]["evidence"]
     assert data["restarted_at"] == "the start of epoch 2" and data["restarted_at_step"] == 4
     assert data["count"] == data["trained_this_epoch"] == 4
+
+
+# ---------------------------------------------------------------------------- runs imported from their logs
+
+
+def _imported_folder(run_dir, second_run: bool):
+    """Checkpoints saved every 10 steps. `second_run`: a second training (its own first log, a loss 50% higher)
+    saved checkpoint-10/20 over the first one's and stopped at 20; the first ran to 30. Else one run resumed
+    from checkpoint-10 with its weights lost (the loss 50% higher from step 11), saving checkpoint-20 over the
+    abandoned branch's and ending at 40; the abandoned branch's checkpoint-30 is left."""
+    steps = np.arange(1, 41)
+    loss, lr = falling(40, seed=3), [1e-4] * 40
+    first = logged(steps[:30], loss[:30], lr)
+    higher = logged(steps, loss * 1.5, lr)
+    save_state(run_dir, "checkpoint-30", first, max_steps=40, save_steps=10)
+    if second_run:
+        for k in (10, 20):
+            save_state(run_dir, f"checkpoint-{k}", higher[:k], max_steps=40, save_steps=10)
+        return run_dir
+    resumed = first[:10] + higher[10:]
+    for k in (10, 20, 40):
+        save_state(run_dir, f"checkpoint-{k}", resumed[:k], max_steps=40, save_steps=10)
+    return run_dir
+
+
+def test_two_runs_in_one_folder_are_never_read_as_a_resume_and_a_resume_of_one_still_is(tmp_path):
+    """Two runs sharing a folder: no resume, nothing from LOOP-11 (the other run is named once by the import).
+    The twin, one run resumed with its weights lost: LOOP-11 warns at the resume step that the loss jumped, and
+    says that its source checkpoint (holding no weights now) cannot be checked, and that it lacked the state an
+    exact resume needs (risks)."""
+    two = audited(_imported_folder(tmp_path / "two", second_run=True))
+    assert findings(two, "LOOP-11") == []
+    assert any("1 other run's checkpoints share this folder" in n for n in two["resolution"]["notes"])
+    resumed = audited(_imported_folder(tmp_path / "resumed", second_run=False))
+    found = {(f["severity"], f["category"], f["step"]) for f in findings(resumed, "LOOP-11")}
+    assert found == {("warn", "anomaly", 11), ("info", "risk", 11), ("warn", "risk", 11)}
+    [jump] = [f for f in findings(resumed, "LOOP-11") if f["category"] == "anomaly"]
+    assert "the loss jumped" in jump["message"]
+    [source] = [f for f in findings(resumed, "LOOP-11") if f["severity"] == "info"]
+    assert "from checkpoint-10 as the logs place it, which now fails LOOP-09" in source["message"]

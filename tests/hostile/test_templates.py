@@ -20,7 +20,7 @@ BOMBS = {
 }
 PROGRAM = """
 import sys
-from sftaudit.dataset.chat_template import Renderer
+from sftaudit.dataset.render import Renderer
 from sftaudit.errors import InputError
 import jinja2
 try:
