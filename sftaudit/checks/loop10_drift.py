@@ -57,7 +57,8 @@ class LossDynamics(Check):
         divergence). A one-sided normal p of 1e-9 at z 6 keeps false spikes under 1% even over a 10-million-point
         log (family-wise control; Benjamini-Hochberg over normal p-values raised false spikes on per-step logs
         whose tails outrun the factor). Learning-rate jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless
-        the step keeps (within 50%) the per-step slope of the interval before it (a decay reaching 0): warn.
+        the step keeps (within 50%) the per-step slope of the interval before it (a decay reaching 0): warn;
+        not judged on a run imported from its logs (LOOP-14 judges a logged schedule against its plan).
         Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks after warmup: info (a converged and a stuck
         loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01)
         and volatility ratio >= 3: info (drift is context for the other findings, not a verdict). Fewer than 3
@@ -101,7 +102,10 @@ class LossDynamics(Check):
             [] if family == "rl" else (self._loss_spikes(ctx, steps, loss) + self._plateau(steps, loss, window, first))
         )
         return (
-            curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
+            curve
+            + self._lr_jumps(ctx, steps, lr, first)
+            + self._train_val_gap(ctx)
+            + self._drift(ctx, frame, window, first)
         )
 
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
@@ -149,9 +153,11 @@ class LossDynamics(Check):
             )
         return findings
 
-    def _lr_jumps(self, steps, lr, first) -> list[Finding]:
+    def _lr_jumps(self, ctx, steps, lr, first) -> list[Finding]:
         if not np.isfinite(lr).any():
             return []  # no learning rate logged
+        if ctx.manifest.get("imported"):
+            return []  # a logged schedule is LOOP-14's: it knows each segment's plan and names the restart
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = lr[1:] / lr[:-1]
         factor = self.params["lr_jump"]

@@ -8,7 +8,7 @@ from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
 from .dynamics_runs import LR_JUMP_STEP, of, recorded_series_run, run
-from .logged_runs import audited, findings, trainer_run
+from .logged_runs import audited, falling, findings, linear_schedule, trainer_run
 
 
 def test_learning_rate_jump_warns_at_its_step_and_the_divergence_after_it_is_loop19s(runs):
@@ -156,6 +156,23 @@ def test_a_linear_decay_reaching_zero_at_the_last_step_is_no_jump(tmp_path):
     run_dir = recorded_series_run(tmp_path / "restarted", restarted, loss, norms, ["lm_head.weight"])
     [jump] = [f for f in of(audit(run_dir), "LOOP-10") if "learning rate" in f["message"]]
     assert (jump["severity"], jump["step"]) == ("warn", 41)
+
+
+def test_an_imported_runs_learning_rate_restart_is_loop14s_alone_and_a_recorded_one_stays_loop10s(tmp_path):
+    """A logged schedule restarting its warm-up at step 60 (a resume with a fresh scheduler): LOOP-14 judges it
+    against the plan and names the cause; LOOP-10 does not report it a second time. The same LR recorded by the
+    shim still warns at LOOP-10 (no plan from logs there)."""
+    steps = np.arange(1, 121)
+    lr = linear_schedule(steps, 2e-4, 10, 120)
+    restarted = np.where(steps < 60, lr, linear_schedule(steps - 60, 2e-4, 10, 120))
+    verdict = audited(trainer_run(tmp_path / "imported", falling(120), lr=restarted))
+    assert [f["step"] for f in findings(verdict, "LOOP-14")] == [60]
+    assert [f for f in findings(verdict, "LOOP-10") if "learning rate" in f["message"]] == []
+    recorded = recorded_series_run(
+        tmp_path / "recorded", restarted, falling(120), np.ones((120, 1)), ["lm_head.weight"]
+    )
+    [jump] = [f for f in of(audit(recorded), "LOOP-10") if "learning rate" in f["message"]]
+    assert (jump["severity"], jump["step"]) == ("warn", 60)
 
 
 def _spiky(loss, at, factor):
