@@ -95,7 +95,7 @@ class LossDynamics(Check):
         lr = column(frame, "lr")
         window = self.params["window"] or adaptive_window(steps.size)
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
-        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm))
+        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm, ctx.manifest))
         family, _ = loss_family(ctx)
         # A policy-gradient surrogate (GRPO, PPO) is no fit of the data: its spikes and plateaus mean nothing.
         curve = (

@@ -72,7 +72,7 @@ class NonFiniteLogs(Check):
         loss, lr = column(frame, "loss"), column(frame, "lr")
         # With per-tensor gradient norms (the shim) LOOP-05 reports a non-finite loss beside the tensors it hit.
         findings = [] if ctx.has_rows("grad_norms") else self._loss(steps, loss, bad_loss)
-        skipped = skipped_updates(bad_norm, has_norm)
+        skipped = skipped_updates(bad_norm, has_norm, ctx.manifest)
         findings += self._skips(steps, lr, skipped, bad_norm, has_norm)
         applied = bad_norm & ~skipped
         if applied.any() and not self._named_by_loop05(ctx, int(steps[np.flatnonzero(applied)[0]])):

@@ -122,3 +122,31 @@ def test_nan_preference_statistics_warn_at_each_step_and_one_nan_to_the_end_fail
     [fail] = findings(audit_state(tmp_path / "broken", history(loss, 5e-6, keys=broken, every=10)), "LOOP-25")
     assert (fail["severity"], fail["step"], fail["evidence"]["key"]) == ("fail", 491, "rewards/margins")
     assert fail["evidence"]["steps_affected"] == 11
+
+
+def test_a_non_finite_step_is_a_skipped_update_only_where_something_could_skip_it(tmp_path):
+    """Every tensor's norm inf at step 33 of a recording, finite after, the LR held there. With a loss scaler
+    in the manifest (or a manifest that predates the field) it is a skipped update (info); in a run whose
+    manifest says nothing could skip a step it is no skip: no info, LOOP-05 fails at it instead."""
+    from sftaudit.verdict.audit import audit
+
+    from .dynamics_runs import recorded_series_run
+
+    steps = 70
+    norms = np.exp(-1 + 0.2 * np.random.default_rng(7).standard_normal((steps, 4)))
+    norms[32] = np.inf
+    lr = warmup_then_linear(steps, warmup=10, held=(33,))
+    names = [f"model.layers.{i}.weight" for i in range(4)]
+
+    def judged(name, manifest_keys=None):
+        run_dir = recorded_series_run(tmp_path / name, lr, [1.0] * steps, norms, names, manifest_keys)
+        return [
+            (f["code"], f["severity"], f["step"])
+            for f in audit(run_dir)["findings"]
+            if f["code"] in ("LOOP-05", "LOOP-25")
+        ]
+
+    scaled = {"loss_scaler": {"present": True, "skips_nonfinite_steps": True, "class": "GradScaler"}}
+    assert judged("scaled", scaled) == judged("older") == [("LOOP-25", "info", 33)]
+    unscaled = judged("unscaled", {"loss_scaler": {"present": False, "skips_nonfinite_steps": False}})
+    assert ("LOOP-05", "fail", 33) in unscaled and not [f for f in unscaled if f[0] == "LOOP-25" and f[1] == "info"]

@@ -263,10 +263,16 @@ def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     return f["step"].to_numpy(), f["bad_loss"].to_numpy(), f["bad_norm"].to_numpy(), f["has_norm"].to_numpy()
 
 
-def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray) -> np.ndarray:
+def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray, manifest: dict) -> np.ndarray:
     """Rows whose update the optimizer skipped: a non-finite logged gradient norm with a finite one logged later.
     Weights an applied non-finite update reached stay non-finite, and so does every later gradient norm: a finite
-    one after it shows the update was not applied (the fp16 GradScaler skips such steps and holds the LR)."""
-    finite = np.asarray(has_norm, bool) & ~np.asarray(bad_norm, bool)
+    one after it shows the update was not applied (the fp16 GradScaler skips such steps and holds the LR). None
+    when the manifest says nothing could skip a step (the shim saw no loss scaler nor DeepSpeed's overflow check:
+    `loss_scaler.skips_nonfinite_steps` false); a manifest without it (older recordings, imported logs) as above."""
+    bad = np.asarray(bad_norm, bool)
+    scaler = manifest.get("loss_scaler")
+    if isinstance(scaler, dict) and scaler.get("skips_nonfinite_steps") is False:
+        return np.zeros_like(bad)
+    finite = np.asarray(has_norm, bool) & ~bad
     finite_after = np.r_[np.flip(np.logical_or.accumulate(np.flip(finite)))[1:], False]
-    return np.asarray(bad_norm, bool) & finite_after
+    return bad & finite_after
