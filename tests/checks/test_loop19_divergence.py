@@ -28,6 +28,8 @@ def test_a_loss_climbing_over_the_run_fails_from_its_first_elevated_window(tmp_p
     [finding] = findings(verdict, "LOOP-19")
     assert finding["severity"] == "fail" and finding["step"] in (11, 21)  # the logging window of step 20 or 30
     assert verdict["first_anomalous_step"] == finding["step"]
+    clean = audited(trainer_run(tmp_path / "clean", falling(10, 0.9974, 0.4, noise=0.03), lr=5e-3, every=10))
+    assert findings(clean, "LOOP-19") == []
 
 
 def test_an_ordinary_noisy_run_that_ends_near_its_start_is_no_divergence(tmp_path):
@@ -118,7 +120,6 @@ def test_a_loss_rising_with_the_learning_rate_warm_up_warns_naming_the_learning_
 
 
 def test_a_x3_jump_that_takes_five_logged_steps_to_come_down_fails_at_the_jump(tmp_path):
-    rng = np.random.default_rng(9)
     loss = falling(80, 2.0, 0.8, noise=0.03, seed=9)
     jumped = loss.copy()
     jumped[40:46] *= [3.0, 2.8, 2.4, 2.0, 1.6, 1.3]
@@ -130,4 +131,39 @@ def test_a_x3_jump_that_takes_five_logged_steps_to_come_down_fails_at_the_jump(t
     verdict = audited(trainer_run(tmp_path / "spike", spiked))
     assert findings(verdict, "LOOP-19") == []
     assert [(f["severity"], f["step"]) for f in findings(verdict, "LOOP-10", ("warn",))] == [("warn", 41)]
-    del rng
+
+
+def test_a_dip_of_one_or_two_logged_steps_is_never_a_spike_or_a_divergence(tmp_path):
+    loss = falling(80, 2.0, 0.8, noise=0.03, seed=9)
+    dipped = loss.copy()
+    dipped[40:42] /= 3
+    dipped[60] /= 10
+    verdict = audited(trainer_run(tmp_path / "dip", dipped))
+    assert findings(verdict, "LOOP-19") == [] and findings(verdict, "LOOP-10", ("warn", "fail")) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: the running level (median of the 5 values before) sinks into a dip "
+    "of 3+ logged steps, and the loss coming back to where it was reads as a rise",
+)
+def test_the_loss_coming_back_after_a_dip_of_three_logged_steps_is_no_divergence(tmp_path):
+    dipped = falling(80, 2.0, 0.8, noise=0.03, seed=9)
+    dipped[40:43] /= 3
+    assert findings(audited(trainer_run(tmp_path / "dip", dipped)), "LOOP-19") == []
+
+
+def test_a_creep_that_ends_above_the_first_logged_loss_fails_and_one_that_ends_below_it_warns(tmp_path):
+    # Falls 2.0 -> 0.5 over 60 logged steps, then climbs for 60 more: to 3.0 (above the start: the run is
+    # worse than the model it started from) or to 1.0 (a climb from its best, still below the start).
+    base = falling(120, 2.0, 0.5, noise=0.03, seed=4)
+    base[60:] = 0.5 * np.exp(0.03 * np.random.default_rng(5).standard_normal(60))
+    ramp = np.clip((np.arange(120) - 60) / 59, 0, 1)
+    worse = audited(trainer_run(tmp_path / "worse", base * np.exp(np.log(6.0) * ramp), every=10))
+    [finding] = findings(worse, "LOOP-19")
+    assert finding["severity"] == "fail" and 610 <= finding["step"] <= 1200
+    assert finding["evidence"]["start_loss"] == pytest.approx(base[0])
+    creep = audited(trainer_run(tmp_path / "creep", base * np.exp(np.log(2.0) * ramp), every=10))
+    [finding] = findings(creep, "LOOP-19")
+    assert finding["severity"] == "warn" and 610 <= finding["step"] <= 1200
+    assert findings(audited(trainer_run(tmp_path / "clean", base, every=10)), "LOOP-19") == []

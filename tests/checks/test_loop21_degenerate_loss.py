@@ -70,7 +70,21 @@ def test_a_zero_loss_beside_a_zero_gradient_norm_names_the_missing_gradient(tmp_
     assert "logging_nan_inf_filter" not in finding["message"]
     nan_norm = audit_state(tmp_path / "nan", history([0.03] + [0.0] * 99, 2e-4, [0.5] + [np.nan] * 99, every=10))
     [finding] = findings(nan_norm, "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 11)
     assert "non-finite gradient norm beside it" in finding["message"]
+    clean = audit_state(tmp_path / "clean", history(falling(100), 2e-4, np.full(100, 0.5), every=10))
+    assert findings(clean, "LOOP-21") == []
+
+
+def test_a_short_log_ending_in_two_zero_windows_fails_and_its_twin_does_not(tmp_path):
+    # 4 logged windows of 25 steps: 2 zeros through the end are all a short log can show; 2 zeros inside a
+    # longer log that trains on after them are not enough.
+    [finding] = findings(audited(trainer_run(tmp_path / "short", [1.9, 1.2, 0.0, 0.0], every=25)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 51) and finding["evidence"]["through_end"] is True
+    assert "from step 75 to step 100" in finding["message"]
+    assert findings(audited(trainer_run(tmp_path / "twin", [1.9, 1.2, 0.93, 0.88], every=25)), "LOOP-21") == []
+    inside = np.r_[falling(20), 0.0, 0.0, falling(20, 0.8, 0.7)]
+    assert findings(audited(trainer_run(tmp_path / "inside", inside, every=25)), "LOOP-21") == []
 
 
 def test_a_negative_cross_entropy_warns_at_its_first_step_and_a_positive_twin_is_silent(tmp_path):
