@@ -36,7 +36,9 @@ class DegenerateLoss(Check):
     Statistic:
         Stretches of consecutive logged losses exactly 0, or exactly equal. The log's rounding step q is
         estimated from the values (1e-4 for 4 decimals). A zero stretch is rounding, not degeneracy, when the
-        loss before it was within `sigma` noise sigmas (or q) of 0: a loss converging to 0.0001 rounds to 0.
+        loss before it was one rounding step, or within `sigma` of the run's relative noise sigmas of q / 2 in
+        log space (a loss converging to 0.0001 rounds to 0; one of 0.15 never falls through 0 by noise);
+        unrounded, within `sigma` noise sigmas of 0.
         Equal values are chance when the run's own step-to-step noise at that level (value x 1.4826 MAD of the
         first differences of log loss / sqrt 2, outside equal stretches) is near q: the probability of two
         equal rounded values is about q / (2 sqrt(pi) sigma); a stretch is degenerate when that probability to
@@ -87,7 +89,7 @@ class DegenerateLoss(Check):
             value = loss[s]
             before = loss[s - 1] if s else None
             if value == 0:
-                if before is not None and before <= max(self.params["sigma"] * (noise or 0.0) * before, q):
+                if before is not None and self._rounds_to_zero(before, q, noise):
                     continue  # a loss converging to 0 that the log's rounding ends at 0
                 return findings + [self._finding(steps, loss, s, n, q, before, noise, zero=True)]
             # A value of a few rounding steps cannot show the model moving (0.0005 at 4 decimals: 20% steps).
@@ -114,6 +116,16 @@ class DegenerateLoss(Check):
                 minimum=float(loss[rows].min()),
             )
         ]
+
+    def _rounds_to_zero(self, before: float, q: float, noise: float | None) -> bool:
+        """Whether the log's rounding can have brought a loss of `before` to exactly 0. A rounded log shows 0 for a
+        loss under q / 2; the run's relative noise (log space: a loss falls by factors, never through 0 by noise)
+        reaches that from `before` within `sigma` sigmas, or `before` is one rounding step. An unrounded log: the
+        loss before was within `sigma` noise sigmas of 0."""
+        k = self.params["sigma"] * (noise or 0.0)
+        if q > 0:
+            return before <= q or np.log(before / (q / 2)) <= k
+        return before <= k * before
 
     def _noise(self, loss: np.ndarray, equal: np.ndarray) -> float | None:
         """The run's relative step-to-step noise (of log loss) outside equal stretches (None: too few to say)."""

@@ -95,3 +95,15 @@ def test_a_negative_cross_entropy_warns_at_its_first_step_and_a_positive_twin_is
     assert (finding["severity"], finding["step"]) == ("warn", 56) and "negative" in finding["message"]
     loss[55] = 0.0001
     assert findings(audited(trainer_run(tmp_path / "positive", loss, decimals=4)), "LOOP-21") == []
+
+
+def test_a_noisy_low_loss_falling_to_0_for_3_windows_fails_and_its_twin_does_not(tmp_path):
+    # Whisper's shape: 4-decimal loss near 0.15 with 40% relative noise per window. A loss that noisy is no
+    # closer to a rounded 0 (under 0.00005, a factor of 3,000 below it) than a quiet one.
+    rng = np.random.default_rng(11)
+    loss = np.round(0.15 * np.exp(0.4 * rng.standard_normal(60)), 4)
+    zeroed = loss.copy()
+    zeroed[30:33] = 0.0
+    [finding] = findings(audited(trainer_run(tmp_path / "zero", zeroed, every=100, decimals=4)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 3001) and finding["evidence"]["last_step"] == 3300
+    assert findings(audited(trainer_run(tmp_path / "clean", loss, every=100, decimals=4)), "LOOP-21") == []
