@@ -98,12 +98,9 @@ class GradientNormAnomaly(Check):
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
-        skipped = skipped_updates(bad_norm, has_norm)
-        scaler = ctx.manifest.get("loss_scaler")
-        if isinstance(scaler, dict) and scaler.get("skips_nonfinite_steps") is False:
-            # The shim saw no loss scaler (nor DeepSpeed's overflow check): nothing skipped a step, so finite
-            # gradients after a non-finite one do not make it a benign skip.
-            skipped = np.zeros_like(skipped)
+        # With no loss scaler (nor DeepSpeed's overflow check) nothing skipped a step: finite gradients after a
+        # non-finite one do not make it a benign skip.
+        skipped = skipped_updates(bad_norm, has_norm, ctx.manifest)
         return (
             self._nonfinite_loss(ctx)
             + self._nonfinite_grads(ctx, skipped)

@@ -6,10 +6,10 @@ import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
 from .gradient_columns import gradient_columns
+from .stats.curve import excursions
 from .stats.rolling import (
     adaptive_window,
     column,
-    loss_excursions,
     loss_family,
     nonfinite_logged,
     rows_per_log,
@@ -23,44 +23,50 @@ class LossDynamics(Check):
     """Loss pathologies and rolling-window drift (runs after every step).
 
     What it detects:
-        A loss spike (a batch the model cannot predict, such as garbage text), a learning rate that
-        jumps outside warmup, a loss plateau, training vs validation loss divergence (when the run logs
-        `eval_loss`), and distribution drift of the loss, the global and per-tensor gradient norms and the
-        probe entropy between consecutive windows. A loss that rises and stays up is LOOP-19's.
+        A loss spike (a batch the model cannot predict, such as garbage text, or an update that knocked the
+        model off and that it recovered from), a learning rate that jumps outside warmup, a loss plateau,
+        training vs validation loss divergence (when the run logs `eval_loss`), and distribution drift of the
+        loss, the global and per-tensor gradient norms and the probe entropy between consecutive windows. A loss
+        that rises and stays up is LOOP-19's; a spike of the logged global gradient norm is LOOP-27's.
     Why it matters:
         Each of the three loss-curve pathologies points at a cause: a plateau (homogeneous data or too few
         useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
         (over-fitting or leakage). A learning-rate jump outside warmup is a scheduler or resume bug.
     Statistic:
-        Spikes are judged against the run's own step-to-step noise at its logging resolution, never a fixed
-        floor. On log(loss) (a loss's noise scales with its level): each logged value's residual from the
-        median of the 5 values before it; z = (residual - centre) / sigma, with the centre and robust sigma
-        (1.4826 MAD) of the residuals over the previous 4 blocks of `window` logged steps (run length / 16,
-        8..128), floored at one rounding step of the log at that level (the step estimated from the values:
-        0.0002 after 0.0001 in a 4-decimal log is one step, not a doubling). The threshold is scaled by the
-        run's upper-tail factor: the 90th percentile of its residuals above their median over their MAD,
-        relative to a normal distribution's. A per-step loss of few rows is right-skewed (one hard row lifts
-        the mean) and a preference loss (DPO, ORPO, KTO: `rewards/*`, `logps/*` logged) heavy-tailed: the
-        factor measures it; the batch size enters through the measured noise, and the rows each logged value
-        averages (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO:
-        `kl`, `reward` logged) is no fit of the data: no spikes or plateaus judged. Learning-rate ratio
-        lr[s] / lr[s-1] after warmup (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau:
-        relative change of the block median loss over `plateau_blocks` blocks. Train/val: eval_loss rising at
-        `gap_evals` consecutive evaluations while the training loss block median falls. Drift: two-sided
-        Mann-Whitney U between consecutive windows of each series' absolute step-to-step change of log value
-        (volatility, indifferent to a smooth trend), Benjamini-Hochberg corrected across all series and windows.
+        Spikes are judged against the run's own noise at its logging resolution, from the first logged steps,
+        never a fixed floor. On log(loss) (a loss's noise scales with its level): each logged value's residual
+        from the median of the 5 values before it, over the noise of such a residual where the value lies: the
+        robust sigma (1.4826 MAD / sqrt 6) of second differences of log loss pooled over a centred window of at
+        least 32 logged values (second differences leave a trend out, even a fine-tune's steep first fall),
+        floored at one rounding step of the log at that level (0.0002 after 0.0001 in a 4-decimal log is one
+        step, not a doubling). One-sided: a value below its running level is never a spike, however the curve
+        bends. The threshold is scaled by the run's upper-tail factor: the 90th percentile of its standardised
+        residuals above their median over their MAD, relative to a normal distribution's. A per-step loss of
+        few rows is right-skewed (one hard row lifts the mean) and a preference loss (DPO, ORPO, KTO:
+        `rewards/*`, `logps/*` logged) heavy-tailed: the factor measures it; the rows each logged value averages
+        (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO: `kl`, `reward`
+        logged) is no fit of the data: no spikes or plateaus judged. Learning-rate ratio lr[s] / lr[s-1] after
+        warmup (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau: relative change of the
+        block median loss over `plateau_blocks` blocks. Train/val: eval_loss rising at `gap_evals` consecutive
+        evaluations while the training loss block median falls. Drift: two-sided Mann-Whitney U between
+        consecutive windows of each series' absolute step-to-step change of log value (volatility, indifferent
+        to a smooth trend), Benjamini-Hochberg corrected across all series and windows.
     Threshold:
-        Spike: z >= `sigma_spike` (6) x tail factor, for fewer than `diverge_steps` (5) logged steps and not
-        through the end: warn (longer is LOOP-19's divergence, and nothing after it is judged). Learning-rate
-        jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the per-step slope
-        of the interval before it (a decay reaching 0): warn. Plateau: change < `plateau_tolerance` (0.5%) over
-        4 blocks after warmup: info (a converged and a stuck loss look alike; the eval metrics decide).
-        Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01) and volatility ratio >= 3: info (drift
-        is context for the other findings, not a verdict). Fewer than 3 logged steps: not judged.
+        Spike: z >= `sigma_spike` (6) x tail factor and at least `min_effect` (1.2) x the running level, back
+        below that bar within `diverge_steps` (5) logged steps: warn (longer, or through the end, is LOOP-19's
+        divergence). A one-sided normal p of 1e-9 at z 6 keeps false spikes under 1% even over a 10-million-point
+        log (family-wise control; Benjamini-Hochberg over normal p-values raised false spikes on per-step logs
+        whose tails outrun the factor). Learning-rate jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless
+        the step keeps (within 50%) the per-step slope of the interval before it (a decay reaching 0): warn;
+        not judged on a run imported from its logs (LOOP-14 judges a logged schedule against its plan).
+        Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks after warmup: info (a converged and a stuck
+        loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01)
+        and volatility ratio >= 3: info (drift is context for the other findings, not a verdict). Fewer than 3
+        logged steps: not judged.
     Evidence:
-        Loss, baseline level, z, p-value and effect size at the step; the tail factor, the log's rounding
-        step and the rows per logged value; the spike steps; the
-        learning rates around a jump; block medians of a plateau; drifted series with q-values.
+        Loss, running level, z, p-value and effect size at the step, the logged steps it stayed up; the tail
+        factor, the log's rounding step and the rows per logged value; the learning rates around a jump; block
+        medians of a plateau; drifted series with q-values.
     """
 
     code = "LOOP-10"
@@ -68,6 +74,7 @@ class LossDynamics(Check):
     needs = ("steps",)
     defaults = {
         "sigma_spike": 6.0,
+        "min_effect": 1.2,
         "diverge_steps": 5,
         "window": None,
         "lr_jump": 10.0,
@@ -88,28 +95,30 @@ class LossDynamics(Check):
         lr = column(frame, "lr")
         window = self.params["window"] or adaptive_window(steps.size)
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
-        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm))
+        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm, ctx.manifest))
         family, _ = loss_family(ctx)
         # A policy-gradient surrogate (GRPO, PPO) is no fit of the data: its spikes and plateaus mean nothing.
         curve = (
-            []
-            if family == "rl"
-            else (self._loss_spikes(ctx, steps, loss, window, first) + self._plateau(steps, loss, window, first))
+            [] if family == "rl" else (self._loss_spikes(ctx, steps, loss) + self._plateau(steps, loss, window, first))
         )
         return (
-            curve + self._lr_jumps(steps, lr, first) + self._train_val_gap(ctx) + self._drift(ctx, frame, window, first)
+            curve
+            + self._lr_jumps(ctx, steps, lr, first)
+            + self._train_val_gap(ctx)
+            + self._drift(ctx, frame, window, first)
         )
 
-    def _loss_spikes(self, ctx, steps, loss, window, first) -> list[Finding]:
+    def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
         from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
 
-        found = loss_excursions(loss, window, first, self.params["sigma_spike"], self.params["diverge_steps"])
+        p = self.params
+        found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"])
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(
             self.code,
             "loss z vs its own step-to-step noise",
             steps.tolist(),
-            np.nan_to_num(z).tolist(),
+            np.nan_to_num(z, posinf=0.0, neginf=0.0).tolist(),
             threshold,
             sole_condition=True,
         )
@@ -119,20 +128,23 @@ class LossDynamics(Check):
             if sustained:
                 break  # a loss that rose and stayed up is LOOP-19's divergence; after it the baseline is meaningless
             e = s + length - 1
-            baseline = float(np.exp(found["level"][s]))
+            level = float(np.exp(found["level"][s]))
+            effect = float(loss[s] / level)
             findings.append(
                 self.finding(
                     "warn",
-                    f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running level of {baseline:.3g} for {length} "
-                    f"logged step(s) (z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}); "
-                    f"inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples",
+                    f"loss spiked at step {steps[s]} to {loss[s]:.4g}, {effect:.3g}x its running level of {level:.4g} "
+                    f"(z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}), back within "
+                    f"{length} logged step(s); inspect the batches of steps {steps[s]}-{steps[e]} for corrupt samples, "
+                    f"and the learning rate if the spike recurs",
                     step=steps[s],
                     value=loss[s],
-                    baseline_median=baseline,
+                    baseline_median=level,
                     z=z[s],
                     p_value=float(stats.norm.sf(z[s])),
-                    effect_size=loss[s] / baseline,
+                    effect_size=effect,
                     threshold=threshold,
+                    min_effect=p["min_effect"],
                     tail_factor=found["tail"],
                     log_quantum=found["quantum"],
                     rows_per_log=rows,
@@ -141,9 +153,11 @@ class LossDynamics(Check):
             )
         return findings
 
-    def _lr_jumps(self, steps, lr, first) -> list[Finding]:
+    def _lr_jumps(self, ctx, steps, lr, first) -> list[Finding]:
         if not np.isfinite(lr).any():
             return []  # no learning rate logged
+        if ctx.manifest.get("imported"):
+            return []  # a logged schedule is LOOP-14's: it knows each segment's plan and names the restart
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = lr[1:] / lr[:-1]
         factor = self.params["lr_jump"]

@@ -101,7 +101,7 @@ class LRScheduleConformance(Check):
         # accelerate): after it the LR runs one scheduler step behind the step count, by design.
         logged = frame["grad_norm"].is_not_null().to_numpy()
         bad = logged & ~np.isfinite(frame["grad_norm"].cast(float).fill_null(0.0).to_numpy())
-        skips = np.cumsum(skipped_updates(bad, logged))
+        skips = np.cumsum(skipped_updates(bad, logged, ctx.manifest))
         behind = {(o, a): (skips - (skips - np.r_[0, skips[:-1]]) * (o == 0)) * a for o in (0, 1) for a in (0, 1)}
         candidates = {key: configured(steps - 1 + key[0] - behind[key]) for key in behind}
         key = max(candidates, key=lambda k: (matches(candidates[k]).sum(), -k[1], -k[0]))

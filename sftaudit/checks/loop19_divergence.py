@@ -1,21 +1,12 @@
-"""LOOP-19 loss divergence: a sustained rise of the logged loss."""
+"""LOOP-19 loss divergence: a sustained rise of the logged loss, and a slower climb from its best level."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding
-from .stats.rolling import (
-    MAD_TO_SIGMA,
-    adaptive_window,
-    column,
-    loss_excursions,
-    loss_family,
-    nonfinite_logged,
-    skipped_updates,
-    step_frame,
-    warmup_end,
-)
+from .stats.curve import excursions, rise_from_minimum
+from .stats.rolling import MAD_TO_SIGMA, column, loss_family, step_frame
 
 
 class LossDivergence(Check):
@@ -24,37 +15,53 @@ class LossDivergence(Check):
     What it detects:
         A loss that rose and stayed up: above its own running level for `diverge_steps` logged steps in a row
         (or through the end of the run), or above the run's own start through the end of the run (a QLoRA run
-        at learning rate 5 whose loss goes 1.64 -> 11.8 at step 2 and sticks; a loss climbing 1.0 -> 29.6).
+        at learning rate 5 whose loss goes 1.64 -> 11.8 at step 2 and sticks; a loss climbing 1.0 -> 29.6; a x3
+        jump that takes five logged steps to come back down). And a slower climb from the loss's best level: a
+        loss that creeps up for epochs after its minimum while the learning rate decays (0.0018 -> 0.032), or
+        that rises while the learning rate warms up (0.12 -> 0.31).
     Why it matters:
         Fine-tuning lowers the loss on its own data from the first step; a loss that ends above where the run
         started made the model worse at everything the run exists to teach, and every step after the rise is
-        wasted. The usual cause is a learning rate too high for the optimizer (or a jump in it).
+        wasted. The usual cause is a learning rate too high for the optimizer (or a jump in it). A training loss
+        that climbs from its minimum is no over-fitting (that lowers the training loss): the optimizer is
+        leaving the minimum it found (a learning rate too high as it warms up, fp16 overflow, a later part of
+        the data that is broken).
     Statistic:
-        On log(loss): each logged value's residual from the median of the 5 values before it, judged against
-        the robust sigma (1.4826 MAD) of those residuals over the run's previous 4 blocks (the run's own
-        step-to-step noise at its logging resolution; blocks of run length / 16, 8..128 logged steps), floored
-        at one rounding step of the log at that level, with the run's upper-tail factor (see LOOP-10). Against
-        the start: log(loss) - log(first logged loss) over the run's noise from second differences of log loss
-        (1.4826 MAD / sqrt 6: a smooth trend, even a steep climb, leaves them out), floored likewise.
+        On log(loss): each logged value's residual from the median of the 5 values before it, judged against the
+        run's own noise where the value lies (the robust sigma of second differences of log loss, pooled over
+        at least 32 logged values, available from the first step), floored at one rounding step of the log,
+        with the run's upper-tail factor (see LOOP-10); one-sided. Against the start: log(loss) - log(first
+        logged loss) over the run's noise from second differences of log loss (1.4826 MAD / sqrt 6: a smooth
+        trend, even a steep climb, leaves them out), floored likewise. Climb: the centred running median of log
+        loss over run length / 10 logged values against its own running minimum, in units of that median's
+        noise (the run's noise x sqrt(pi / (2 x the values in it))).
     Threshold:
-        Running level: z >= `sigma` (6) x tail factor for `diverge_steps` (5) logged steps, or through the end
-        (2 at least): fail. Start: every logged loss from some step through the end above the first logged one
-        by `sigma` x tail factor x noise, over at least min(`diverge_steps`, half the logged steps): fail.
-        Fewer than 3 finite logged losses, or a policy-gradient loss (GRPO/PPO, named from the log's keys):
-        not judged.
+        Running level: z >= `sigma` (6) x tail factor and >= `min_effect` (1.2) x the level, for
+        `diverge_steps` (5) logged steps, or through the end (2 at least): fail. Start: every logged loss from
+        some step through the end above the first logged one by `sigma` x tail factor x noise, over at least
+        min(`diverge_steps`, half the logged steps): fail. Climb: the running median >= `rise_factor` (1.3) x
+        its minimum and >= `rise_sigmas` (8) x its own noise above it: warn (a fail when it ends above
+        the start, by the start rule), at the first logged step over that bar, naming the learning rate's
+        course over the climb. Fewer than 3 finite logged losses (8 for a climb), or a policy-gradient loss
+        (GRPO/PPO, named from the log's keys): not judged.
     Evidence:
         The first elevated step, its loss, the level or start it rose from, z, how many logged steps it stayed
-        up, the peak learning rate, the loss family.
+        up, the peak learning rate, the loss family; for a climb the minimum, its step, the peak and the end
+        level, the learning rate at each.
     """
 
     code = "LOOP-19"
     name = "loss divergence"
     needs = ("steps",)
-    defaults = {"sigma": 6.0, "diverge_steps": 5, "window": None}
+    defaults = {
+        "sigma": 6.0,
+        "diverge_steps": 5,
+        "min_effect": 1.2,
+        "rise_factor": 1.3,
+        "rise_sigmas": 8.0,
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
-
         frame = step_frame(ctx, "loss", "lr")
         loss = column(frame, "loss")
         finite = np.isfinite(loss)
@@ -68,56 +75,114 @@ class LossDivergence(Check):
             )
         steps = frame["step"].to_numpy()
         lr = column(frame, "lr")
-        _, _, bad_norm, has_norm = nonfinite_logged(ctx)
-        first = warmup_end(np.nan_to_num(lr), skipped_updates(bad_norm, has_norm))
-        window = self.params["window"] or adaptive_window(steps.size)
-        found = loss_excursions(loss, window, first, self.params["sigma"], self.params["diverge_steps"])
+        p = self.params
+        found = excursions(loss, p["sigma"], p["diverge_steps"], p["min_effect"])
         peak_lr = float(np.nanmax(lr)) if np.isfinite(lr).any() else None
         advice = f"lower the learning rate (peak {peak_lr:.3g})" if peak_lr else "lower the learning rate"
         episode = next(((s, n) for s, n, sustained in found["episodes"] if sustained), None)
         start = self._against_start(loss, found)
         if start is not None and (episode is None or start <= episode[0]):
-            i = start
-            rise = int(finite[i:].sum())
-            z = float(self._start_z(loss, found)[i])
-            return [
-                self.finding(
-                    "fail",
-                    f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
-                    f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
-                    f"made the model worse on its own data: {advice} and restart, or resume from a checkpoint before step "
-                    f"{steps[i]}",
-                    step=steps[i],
-                    value=loss[i],
-                    start_loss=loss[0],
-                    last_loss=float(loss[finite][-1]),
-                    steps_up=rise,
-                    z=z,
-                    p_value=float(stats.norm.sf(z)),
-                    threshold=found["threshold"],
-                    peak_lr=peak_lr,
-                    family=family,
-                )
-            ]
-        if episode is None:
-            return []
+            return [self._from_start(steps, loss, finite, start, found, advice, peak_lr, family)]
+        if episode is not None:
+            return [self._from_level(steps, loss, episode, found, advice, peak_lr, family)]
+        return self._climb(steps, loss, lr, family)
+
+    def _from_start(self, steps, loss, finite, i, found, advice, peak_lr, family) -> Finding:
+        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
+
+        rise = int(finite[i:].sum())
+        z = float(self._start_z(loss, found)[i])
+        return self.finding(
+            "fail",
+            f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
+            f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
+            f"made the model worse on its own data: {advice} and restart, or resume from a checkpoint before step "
+            f"{steps[i]}",
+            step=steps[i],
+            value=loss[i],
+            start_loss=loss[0],
+            last_loss=float(loss[finite][-1]),
+            steps_up=rise,
+            z=z,
+            p_value=float(stats.norm.sf(z)),
+            threshold=found["threshold"],
+            peak_lr=peak_lr,
+            family=family,
+        )
+
+    def _from_level(self, steps, loss, episode, found, advice, peak_lr, family) -> Finding:
+        from scipy import stats  # (imported on use, as above)
+
         s, n = episode
         level = float(np.exp(found["level"][s]))
+        through = s + n == steps.size
+        course = "through the end of the run" if through else f"for {n} logged steps before it came back down"
+        return self.finding(
+            "fail",
+            f"loss diverged at step {steps[s]} ({loss[s]:.4g}, {loss[s] / level:.3g}x its running level of {level:.4g}) "
+            f"and stayed up {course}; resume from a checkpoint before step {steps[s]} and {advice}",
+            step=steps[s],
+            value=loss[s],
+            baseline_median=level,
+            z=found["z"][s],
+            p_value=float(stats.norm.sf(found["z"][s])),
+            effect_size=loss[s] / level,
+            threshold=found["threshold"],
+            steps_up=n,
+            through_end=through,
+            spike_steps=steps[s : s + n].tolist()[:50],
+            peak_lr=peak_lr,
+            family=family,
+        )
+
+    def _climb(self, steps, loss, lr, family) -> list[Finding]:
+        p = self.params
+        rise = rise_from_minimum(loss, p["rise_factor"], p["rise_sigmas"])
+        if rise is None:
+            return []
+        lo, at, top = rise["minimum"], rise["crossing"], rise["peak"]
+        level = rise["level"]
+        lr_lo, lr_top = lr[lo], lr[top]
+        if np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top >= 1.5 * lr_lo:
+            why = (
+                f"while the learning rate rose from {lr_lo:.3g} to {lr_top:.3g}: the peak learning rate is too high for "
+                f"this run; lower it (or lengthen the warm-up) and restart from a checkpoint before step {steps[at]}"
+            )
+        elif np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top <= lr_lo / 1.5:
+            why = (
+                f"while the learning rate decayed from {lr_lo:.3g} to {lr_top:.3g}: no schedule explains it and "
+                "over-fitting lowers the training loss; check fp16 overflow (T5 and other models pretrained in bf16 "
+                "overflow in fp16), a later part of the data that is broken or mislabelled, and weight decay"
+            )
+        else:
+            why = (
+                "at a steady learning rate: the optimizer is leaving the minimum it found; lower the learning rate, "
+                f"and keep a checkpoint from before step {steps[at]}"
+            )
+        end = (
+            "and it is still there at the end of the run"
+            if rise["to_end"]
+            else f"then came back to {level[-1]:.4g} at the end"
+        )
         return [
             self.finding(
-                "fail",
-                f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running level of {level:.3g}) and stayed up for "
-                f"{n} logged step(s); resume from a checkpoint before step {steps[s]} and {advice}",
-                step=steps[s],
-                value=loss[s],
-                baseline_median=level,
-                z=found["z"][s],
-                p_value=float(stats.norm.sf(found["z"][s])),
-                effect_size=loss[s] / level,
-                threshold=found["threshold"],
-                steps_up=n,
-                spike_steps=steps[s : s + n].tolist()[:50],
-                peak_lr=peak_lr,
+                "warn",
+                f"loss climbed {rise['factor']:.3g}x from its best level ({level[lo]:.4g} around step {steps[lo]}) to "
+                f"{level[top]:.4g} around step {steps[top]}, {end}; it rose {why}",
+                step=steps[at],
+                value=float(level[at]),
+                minimum=float(level[lo]),
+                minimum_step=steps[lo],
+                peak=float(level[top]),
+                peak_step=steps[top],
+                factor=rise["factor"],
+                end_factor=rise["end_factor"],
+                to_end=rise["to_end"],
+                threshold=rise["bar_factor"],
+                noise=rise["noise"],
+                smoothing_points=rise["width"],
+                lr_at_minimum=lr_lo,
+                lr_at_peak=lr_top,
                 family=family,
             )
         ]

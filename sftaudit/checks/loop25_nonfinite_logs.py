@@ -1,4 +1,5 @@
-"""LOOP-25 non-finite logged loss and gradient norm; steps the fp16 loss scaler skipped."""
+"""LOOP-25 non-finite logged values (the loss, the gradient norm, any other logged key); steps the fp16 loss
+scaler skipped."""
 
 from __future__ import annotations
 
@@ -21,36 +22,49 @@ class NonFiniteLogs(Check):
     What it detects:
         A NaN or infinite logged loss; a non-finite logged gradient norm, either an update the optimizer
         skipped (the fp16 GradScaler: gradient norm inf or NaN, learning rate held, training goes on) or one
-        that reached the weights (every later gradient norm non-finite); a streak of skipped steps. From the
-        logs alone: no checkpoint or per-tensor gradient is needed.
+        that reached the weights (every later gradient norm non-finite); a streak of skipped steps; a NaN or
+        infinite value of any other logged number: an eval metric (eval_loss NaN at one evaluation), a
+        preference or RL statistic (rewards/margins, logps/*, logits/*, kl, reward NaN at three steps while the
+        loss stays finite). From the logs alone: no checkpoint or per-tensor gradient is needed.
     Why it matters:
         One non-finite update makes every weight it touches non-finite, and every later step is wasted; the
         Trainer's `logging_nan_inf_filter` then logs a finite (or 0) loss, so the loss curve hides it and only
         the gradient norm shows it. A few skipped fp16 steps are the loss scaler finding its scale and cost
         nothing; a streak of them means the gradients are non-finite at any scale (a bad batch, an overflow in
-        the forward pass): nothing is trained while it lasts.
+        the forward pass): nothing is trained while it lasts. A non-finite statistic beside a finite loss is a
+        batch or an evaluation that produced garbage the mean hid: a sequence with no completion tokens left
+        after truncation (0 / 0), an overflow in one forward pass; the eval numbers of that step mean nothing,
+        and a statistic non-finite to the end means what it measures is broken.
     Statistic:
         Per logged step: loss and gradient norm finite or not. A non-finite gradient norm followed later by a
         finite one was not applied (weights it had reached would keep every later norm non-finite): a skipped
         update. Consecutive logged skips form a streak; at the start of the run (before any finite gradient
-        norm) the scaler is calibrating and halves its scale per skip.
+        norm) the scaler is calibrating and halves its scale per skip. Every other logged number (the `metrics`
+        table: eval_*, rewards/*, logps/*, logits/*, kl, reward, ...): non-finite or not, per key and step.
     Threshold:
         Non-finite loss: fail at its first step. Non-finite gradient norm through the end of the run: fail
         (warn when only the last logged step is). Skipped updates: info with their count; `skip_streak` (5)
         consecutive logged skips: fail, `start_skips` (16, the halvings from GradScaler's initial 2^16) at the
         start of the run. On shim runs with per-tensor gradient norms, LOOP-05 reports a non-finite loss and
-        names the tensors of a non-finite gradient that was applied: those are left to it.
+        names the tensors of a non-finite gradient that was applied: those are left to it. Any other logged key
+        non-finite: warn at each logged step where one is, naming the keys (at most `max_steps_listed` (20)
+        findings, the last one counting the rest); a key non-finite at every logged step from some step through
+        the end (2 at least): fail at its first.
     Evidence:
         First and last step, how many logged steps, the logged loss beside the first non-finite gradient norm,
-        whether the learning rate was held, the skipped steps.
+        whether the learning rate was held, the skipped steps; the non-finite keys and their values at a step.
     """
 
     code = "LOOP-25"
     name = "non-finite logged values"
     needs = ("steps",)
-    defaults = {"skip_streak": 5, "start_skips": 16}
+    uses = ("metrics",)
+    defaults = {"skip_streak": 5, "start_skips": 16, "max_steps_listed": 20}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
+        return self._loss_and_norm(ctx) + self._other_keys(ctx)
+
+    def _loss_and_norm(self, ctx: AuditContext) -> list[Finding]:
         steps, bad_loss, bad_norm, has_norm = nonfinite_logged(ctx)
         if not (bad_loss.any() or bad_norm.any()):
             return []
@@ -58,7 +72,7 @@ class NonFiniteLogs(Check):
         loss, lr = column(frame, "loss"), column(frame, "lr")
         # With per-tensor gradient norms (the shim) LOOP-05 reports a non-finite loss beside the tensors it hit.
         findings = [] if ctx.has_rows("grad_norms") else self._loss(steps, loss, bad_loss)
-        skipped = skipped_updates(bad_norm, has_norm)
+        skipped = skipped_updates(bad_norm, has_norm, ctx.manifest)
         findings += self._skips(steps, lr, skipped, bad_norm, has_norm)
         applied = bad_norm & ~skipped
         if applied.any() and not self._named_by_loop05(ctx, int(steps[np.flatnonzero(applied)[0]])):
@@ -165,9 +179,105 @@ class NonFiniteLogs(Check):
             )
         ]
 
+    def _other_keys(self, ctx: AuditContext) -> list[Finding]:
+        """Every other logged number: a warn per logged step where some are non-finite, a fail per key that is
+        non-finite through the end."""
+        keyed = f"""WITH logged AS (
+                SELECT name, step, bool_or(NOT isfinite(value)) AS bad,
+                       any_value(value) FILTER (NOT isfinite(value)) AS value
+                FROM metrics WHERE rank = 0 AND name NOT IN ({", ".join(f"'{k}'" for k in IN_STEPS)})
+                GROUP BY name, step),
+            tails AS (
+                SELECT name, step, bad, value, bool_and(bad) OVER later AS bad_to_end
+                FROM logged
+                WINDOW later AS (PARTITION BY name ORDER BY step ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING)),
+            keys AS (
+                SELECT name, step, bad, value,
+                       bad_to_end AND count(*) FILTER (bad_to_end) OVER (PARTITION BY name) >= 2 AS bad_to_end
+                FROM tails)
+            """
+        ends = ctx.frame(
+            keyed + "SELECT name, min(step) AS first, max(step) AS last, count(*) AS n FROM keys "
+            "WHERE bad_to_end GROUP BY name ORDER BY first, name"
+        )
+        ended = {r["name"]: r["first"] for r in ends.iter_rows(named=True)}
+        per_step = ctx.frame(
+            keyed
+            + "SELECT step, list(name ORDER BY name) AS names, list(CAST(value AS VARCHAR) ORDER BY name) AS vals "
+            "FROM keys WHERE bad AND NOT bad_to_end GROUP BY step ORDER BY step"
+        )
+        findings = [
+            self.finding(
+                "fail",
+                f"the logged {r['name']} is non-finite at every logged step from step {r['first']} through the end "
+                f"({r['n']} logged steps, last at step {r['last']}): {_what_broke(r['name'])}; resume from a "
+                f"checkpoint before step {r['first']}",
+                step=r["first"],
+                key=r["name"],
+                first_step=r["first"],
+                last_step=r["last"],
+                steps_affected=int(r["n"]),
+            )
+            for r in ends.iter_rows(named=True)
+        ]
+        limit = self.params["max_steps_listed"]
+        rows = list(per_step.head(limit).iter_rows(named=True))
+        for i, r in enumerate(rows):
+            names = r["names"]
+            more = (
+                f" ({per_step.height - limit} more logged step(s) with non-finite keys after it)"
+                if i == limit - 1 and per_step.height > limit
+                else ""
+            )
+            findings.append(
+                self.finding(
+                    "warn",
+                    f"logged {_listed(names)} {'is' if len(names) == 1 else 'are'} non-finite at step {r['step']} "
+                    f"({', '.join(f'{n} {v}' for n, v in zip(names[:4], r['vals'][:4]))}): {_what_broke(names[0])}"
+                    f"{more}",
+                    step=r["step"],
+                    keys=names[:50],
+                    values=r["vals"][:50],
+                    earlier_keys_to_end=sorted(k for k, first in ended.items() if first <= r["step"]),
+                )
+            )
+        return findings
+
     @staticmethod
     def _named_by_loop05(ctx: AuditContext, step: int) -> bool:
         """LOOP-05 reports a non-finite gradient with its tensors when per-tensor norms were recorded there."""
         return bool(
             ctx.scalar("SELECT count(*) FROM grad_norms WHERE rank = 0 AND step = ? AND NOT isfinite(norm)", [step])
         )
+
+
+# Keys judged above from the steps table (the loss, the gradient norm).
+IN_STEPS = ("loss", "grad_norm")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _what_broke(name: str) -> str:
+    """What a non-finite value of a logged key means, by the kind of key."""
+    base = name.removeprefix("eval_")
+    if name.startswith("eval_"):
+        return (
+            "the evaluation there produced non-finite values (a sample whose labels are all ignored gives 0 / 0, an "
+            "overflow in the eval forward pass in fp16): its numbers mean nothing; check the eval set's labels and "
+            "the eval precision"
+        )
+    if base.startswith(("rewards/", "logps/", "logits/")):
+        return (
+            "a batch's log-probabilities were non-finite (a sequence with no completion tokens left after "
+            "truncation gives 0 / 0, an overflow in one forward pass) and the mean loss hid it: that batch trained "
+            "on garbage; check max_length / max_prompt_length truncation and the precision"
+        )
+    if base in ("kl", "reward", "reward_std", "entropy") or base.startswith(("objective/", "completions/")):
+        return (
+            "the policy's statistics were non-finite there (a log-probability of -inf under the reference model, an "
+            "overflow): the update at that step was computed from garbage; check the generation settings and the "
+            "precision"
+        )
+    return "the value logged there is not a number; find what computed it"

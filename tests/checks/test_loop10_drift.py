@@ -8,7 +8,7 @@ from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
 from .dynamics_runs import LR_JUMP_STEP, of, recorded_series_run, run
-from .logged_runs import audited, findings, trainer_run
+from .logged_runs import audited, falling, findings, linear_schedule, trainer_run
 
 
 def test_learning_rate_jump_warns_at_its_step_and_the_divergence_after_it_is_loop19s(runs):
@@ -158,6 +158,23 @@ def test_a_linear_decay_reaching_zero_at_the_last_step_is_no_jump(tmp_path):
     assert (jump["severity"], jump["step"]) == ("warn", 41)
 
 
+def test_an_imported_runs_learning_rate_restart_is_loop14s_alone_and_a_recorded_one_stays_loop10s(tmp_path):
+    """A logged schedule restarting its warm-up at step 60 (a resume with a fresh scheduler): LOOP-14 judges it
+    against the plan and names the cause; LOOP-10 does not report it a second time. The same LR recorded by the
+    shim still warns at LOOP-10 (no plan from logs there)."""
+    steps = np.arange(1, 121)
+    lr = linear_schedule(steps, 2e-4, 10, 120)
+    restarted = np.where(steps < 60, lr, linear_schedule(steps - 60, 2e-4, 10, 120))
+    verdict = audited(trainer_run(tmp_path / "imported", falling(120), lr=restarted))
+    assert [f["step"] for f in findings(verdict, "LOOP-14")] == [60]
+    assert [f for f in findings(verdict, "LOOP-10") if "learning rate" in f["message"]] == []
+    recorded = recorded_series_run(
+        tmp_path / "recorded", restarted, falling(120), np.ones((120, 1)), ["lm_head.weight"]
+    )
+    [jump] = [f for f in of(audit(recorded), "LOOP-10") if "learning rate" in f["message"]]
+    assert (jump["severity"], jump["step"]) == ("warn", 60)
+
+
 def _spiky(loss, at, factor):
     out = np.array(loss, dtype=float)
     out[at] *= factor
@@ -222,3 +239,39 @@ def test_benjamini_hochberg_on_the_tested_p_values_equals_scipy_on_all_of_them()
         np.testing.assert_allclose(
             _benjamini_hochberg(p[tested], p.size), stats.false_discovery_control(p, method="bh")[tested]
         )
+
+
+# A newcomer's recorded run at learning rate 0.3 (100x too high), 40 steps of the 2,048-token fixture model from
+# scratch: 6.0 -> 4.2 -> 11.3 -> 12.05 at steps 5-8, then back down past 4.29 and 4.19 (steps 14-15) to ~3.8.
+SETTLE = [4.07, 4.02, 3.98, 3.99, 3.93, 3.95, 3.9, 3.91, 3.87, 3.9, 3.86, 3.84, 3.86, 3.83, 3.85, 3.82, 3.84, 3.81]
+LR_03 = [7.62, 7.35, 7.0, 6.6, 6.0, 4.2, 11.3, 12.05, 9.6, 7.4, 6.1, 5.2, 4.7, 4.29, 4.19, 4.16, 4.12] + SETTLE
+LR_03 = LR_03 + [3.8 + 0.02 * (k % 3) for k in range(40 - len(LR_03))]
+
+
+def test_a_x3_jump_early_in_a_40_step_recording_is_found_and_the_dip_after_it_never_is(tmp_path):
+    norms = np.ones((40, 1))
+    lr = [0.3 * min(1.0, (s + 1) / 5) for s in range(40)]
+    run_dir = recorded_series_run(tmp_path / "lr03", lr, LR_03, norms, ["lm_head.weight"], {"vocab_size": 2048})
+    verdict = audit(run_dir)
+    spikes = of(verdict, "LOOP-10")
+    assert [(f["severity"], f["step"]) for f in spikes] == [("warn", 7)]  # the jump; never step 15's 4.19 < 4.29
+    assert spikes[0]["evidence"]["effect_size"] > 1.5 and spikes[0]["evidence"]["z"] > 10
+    # An update that sent the loss above chance (ln 2048 = 7.62) and kept it there wrecked the run: a fail.
+    [wrecked] = of(verdict, "LOOP-20")
+    assert (wrecked["severity"], wrecked["step"]) == ("fail", 7)
+    assert verdict["first_anomalous_step"] == 7  # (no batches recorded: the verdict itself is unjudged)
+    clean = [7.62, 7.35, 7.0, 6.6, 6.0, 5.6] + list(np.linspace(5.3, 2.0, 34) + 0.03 * np.sin(np.arange(34)))
+    run_dir = recorded_series_run(tmp_path / "clean", lr, clean, norms, ["lm_head.weight"], {"vocab_size": 2048})
+    verdict = audit(run_dir)
+    assert of(verdict, "LOOP-10") == [] and of(verdict, "LOOP-19") == [] and of(verdict, "LOOP-20") == []
+
+
+def test_a_spike_in_the_first_steps_of_a_long_log_is_judged_like_any_other(tmp_path):
+    rng = np.random.default_rng(11)
+    n = 2000
+    loss = (0.4 + 1.7 * np.exp(-np.arange(n) / 10)) * np.exp(0.05 * rng.standard_normal(n))
+    spiked = loss.copy()
+    spiked[14] *= 2.0  # step 15: no block of history behind it yet
+    [spike] = findings(audited(trainer_run(tmp_path / "early", spiked)), "LOOP-10", ("warn", "fail"))
+    assert (spike["severity"], spike["step"]) == ("warn", 15)
+    assert findings(audited(trainer_run(tmp_path / "clean", loss)), "LOOP-10", ("warn", "fail")) == []

@@ -1,13 +1,23 @@
-"""LOOP-20: a loss at or above ln V, from the vocabulary in config.json; clean twins and losses that are no token
-cross-entropy stay silent."""
+"""LOOP-20: a loss at chance (ln K labels of a classification head, ln V tokens), back at it, above it; clean
+twins, preference losses and losses that are no single cross-entropy stay silent."""
 
 import math
 
 import numpy as np
 
+from .curve_runs import audit_state, history
 from .logged_runs import audited, falling, findings, status, trainer_run
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257}
+PRETRAINED_GPT2 = GPT2 | {"_name_or_path": "gpt2"}
+# A two-label classifier as xlm-roberta-large's config.json saves it: no id2label (transformers' default is 2).
+CLASSIFIER = {
+    "_name_or_path": "xlm-roberta-large",
+    "architectures": ["XLMRobertaForSequenceClassification"],
+    "model_type": "xlm-roberta",
+    "problem_type": "single_label_classification",
+    "vocab_size": 250002,
+}
 
 
 def test_a_model_stuck_at_chance_for_its_whole_run_fails_and_a_learning_twin_does_not(tmp_path):
@@ -17,11 +27,9 @@ def test_a_model_stuck_at_chance_for_its_whole_run_fails_and_a_learning_twin_doe
     )
     [finding] = findings(verdict, "LOOP-20")
     assert (finding["severity"], finding["step"]) == ("fail", 1)
-    assert (
-        finding["evidence"]["vocab_size"] == 50257 and finding["evidence"]["vocab_source"] == "manifest"
-    )  # the importer's
+    assert finding["evidence"]["classes"] == 50257 and finding["evidence"]["chance_source"] == "manifest"
     assert abs(finding["evidence"]["chance_loss"] - math.log(50257)) < 1e-9
-    assert "ln 50,257 = 10.82" in finding["message"]
+    assert "ln V = ln 50,257 = 10.82" in finding["message"]
     learning = audited(trainer_run(tmp_path / "learning", [10.83, 7.9, 6.2, 5.1, 4.6, 4.3], every=100, config=GPT2))
     assert findings(learning, "LOOP-20") == []
     # The first 8 steps of a model trained from scratch: at chance, too early to call stuck.
@@ -37,12 +45,92 @@ def test_a_first_window_above_chance_warns_at_that_window(tmp_path):
     loss = np.r_[14.7538, falling(40, 1.2, 0.45, noise=0.03)]
     [finding] = findings(audited(trainer_run(tmp_path / "start", loss, every=50, config=config)), "LOOP-20")
     assert (finding["severity"], finding["step"]) == ("warn", 1)  # the logging window of step 50
-    assert finding["evidence"]["vocab_source"] == "manifest" and finding["evidence"]["steps_above"] == 1
+    assert finding["evidence"]["chance_source"] == "manifest" and finding["evidence"]["steps_above"] == 1
     clean = audited(trainer_run(tmp_path / "clean", falling(41, 1.9, 0.45, noise=0.03), every=50, config=config))
     assert findings(clean, "LOOP-20") == []
 
 
-def test_without_a_vocabulary_or_with_a_loss_that_is_no_token_cross_entropy_it_is_not_judged(tmp_path):
+def _classifier_loss(collapse_at=None, n=50, seed=0):
+    """A two-label classifier logged every 10 steps: at ln 2 for its first windows, learning to ~0.35; with
+    `collapse_at` a gradient burst there sends it back to ln 2 for good."""
+    rng = np.random.default_rng(seed)
+    loss = 0.35 + (0.69 - 0.35) / (1 + np.exp((np.arange(n) - 14) / 2.0))
+    norm = np.full(n, 8.0)
+    if collapse_at is not None:
+        loss[collapse_at:] = 0.69
+        norm[collapse_at] = 110.0
+    return loss * np.exp(0.04 * rng.standard_normal(n)), norm * np.exp(0.3 * rng.standard_normal(n))
+
+
+def test_a_classifier_back_at_ln_2_after_a_gradient_burst_fails_and_its_clean_twin_does_not(tmp_path):
+    loss, norm = _classifier_loss(collapse_at=30)
+    verdict = audit_state(tmp_path / "collapse", history(loss, 2e-5, norm, every=10), CLASSIFIER)
+    [collapse] = [f for f in findings(verdict, "LOOP-20") if f["evidence"].get("collapse")]
+    assert (collapse["severity"], collapse["step"]) == ("fail", 301)  # the window of step 310
+    assert collapse["evidence"]["classes"] == 2 and collapse["evidence"]["kind"] == "classification head"
+    assert "transformers' default" in collapse["evidence"]["chance_source"]
+    assert "ln K = ln 2 = 0.6931" in collapse["message"] and "gradient-norm burst" in collapse["message"]
+    # The same classifier learning to the end: its first windows at ln 2 are where every classifier starts.
+    loss, norm = _classifier_loss()
+    assert findings(audit_state(tmp_path / "clean", history(loss, 2e-5, norm, every=10), CLASSIFIER), "LOOP-20") == []
+
+
+def test_a_classifier_is_judged_against_its_labels_not_its_vocabulary(tmp_path):
+    loss, norm = _classifier_loss()
+    config = CLASSIFIER | {"id2label": {str(i): f"L{i}" for i in range(5)}}
+    # A five-label classifier that never leaves ln 5 = 1.61 in 300 steps (against ln 250,002 = 12.4: far below).
+    stuck_loss = np.log(5) * np.exp(0.03 * np.random.default_rng(2).standard_normal(30))
+    verdict = audit_state(tmp_path / "five", history(stuck_loss, 2e-5, norm[:30], every=10), config)
+    [stuck] = findings(verdict, "LOOP-20")
+    assert (stuck["severity"], stuck["step"]) == ("fail", 1)
+    assert stuck["evidence"]["classes"] == 5 and stuck["evidence"]["chance_source"] == "config.json id2label"
+    regression = CLASSIFIER | {"problem_type": "regression", "num_labels": 1}
+    verdict = audit_state(tmp_path / "regression", history(loss, 2e-5, norm, every=10), regression)
+    assert status(verdict, "LOOP-20")[0] == "not_run" and "regression head" in status(verdict, "LOOP-20")[1]
+
+
+def test_a_lora_fine_tune_whose_first_windows_sit_at_ln_v_warns_and_its_clean_twin_does_not(tmp_path):
+    # Three windows at ln 50257 (11.0, 10.4, 9.6) with a grad-norm of 23, then a drop to 0.7.
+    loss = np.r_[10.9959, 10.421, 9.6081, 5.3367, 1.8801, falling(15, 0.89, 0.64, noise=0.03)]
+    norm = np.r_[4.87, 7.21, 23.4, 11.9, 1.64, np.full(15, 0.15)]
+    verdict = audit_state(tmp_path / "chance", history(loss, 2e-4, norm, every=10), PRETRAINED_GPT2)
+    [finding] = findings(verdict, "LOOP-20")
+    assert (finding["severity"], finding["step"]) == ("warn", 1)
+    assert finding["evidence"]["last_step"] == 30 and finding["evidence"]["pretrained"] == "a model loaded from gpt2"
+    clean = np.r_[3.4, 2.9, 2.5, falling(17, 2.2, 0.64, noise=0.03)]
+    assert (
+        findings(audit_state(tmp_path / "clean", history(clean, 2e-4, norm, every=10), PRETRAINED_GPT2), "LOOP-20")
+        == []
+    )
+    # A model trained from scratch (config.json names no pretrained source) starts at chance: silent.
+    assert findings(audit_state(tmp_path / "scratch", history(loss, 2e-4, norm, every=10), GPT2), "LOOP-20") == []
+
+
+def test_a_loss_that_jumps_above_chance_after_learning_fails_at_the_jump(tmp_path):
+    # LR 100x too high on a 2,048-token model trained from scratch: 6.0 -> 4.2 -> 11.3 -> 12.05, then ~3.8.
+    rng = np.random.default_rng(1)
+    settle = 3.8 + 0.35 * np.exp(-np.arange(25) / 6) + 0.05 * rng.standard_normal(25)
+    loss = np.r_[7.62, 7.35, 7.0, 6.6, 6.0, 4.2, 11.3, 12.05, 9.6, 7.4, 6.1, 5.2, 4.7, 4.29, 4.19, settle]
+    config = {"model_type": "llama", "vocab_size": 2048}
+    verdict = audit_state(tmp_path / "lr", history(loss, 0.3), config)
+    [finding] = findings(verdict, "LOOP-20")
+    assert (finding["severity"], finding["step"]) == ("fail", 7)
+    assert finding["evidence"]["last_step"] == 9 and "destroyed" in finding["message"]
+    clean = np.r_[7.62, 7.35, 7.0, 6.6, 6.0, 5.5, falling(34, 5.2, 2.0, noise=0.02)]
+    assert findings(audit_state(tmp_path / "clean", history(clean, 3e-3), config), "LOOP-20") == []
+
+
+def test_a_pretrained_model_starting_above_what_token_frequencies_score_warns(tmp_path):
+    # A QLoRA run of a chat model (ln 32000 = 10.37) whose first window logs 8.34, then 1.26, 0.50, 0.43.
+    config = {"model_type": "llama", "vocab_size": 32000, "_name_or_path": "TinyLlama/TinyLlama-1.1B-Chat-v1.0"}
+    verdict = audit_state(tmp_path / "pad", history([8.3368, 1.2565, 0.4951, 0.427], 1.6e-4, every=10), config)
+    [finding] = findings(verdict, "LOOP-20")
+    assert (finding["severity"], finding["step"]) == ("warn", 1) and "token frequencies" in finding["message"]
+    clean = audit_state(tmp_path / "clean", history([2.31, 1.2565, 0.4951, 0.427], 1.6e-4, every=10), config)
+    assert findings(clean, "LOOP-20") == []
+
+
+def test_without_a_chance_level_or_with_a_loss_that_is_no_single_cross_entropy_it_is_not_judged(tmp_path):
     verdict = audited(trainer_run(tmp_path / "novocab", [10.8, 10.8, 10.8]))
     assert status(verdict, "LOOP-20") == (
         "not_run",
@@ -52,6 +140,9 @@ def test_without_a_vocabulary_or_with_a_loss_that_is_no_token_cross_entropy_it_i
     heads = {f"train/ploss_{k}": np.full(5, 3.5) for k in range(7)}
     verdict = audited(trainer_run(tmp_path / "heads", np.full(5, 24.5), keys=heads, config=GPT2))
     assert status(verdict, "LOOP-20")[0] == "not_run" and "train/ploss_0" in status(verdict, "LOOP-20")[1]
+    # A DPO loss starts at ln 2 by construction: no chance collapse, whatever the vocabulary.
     dpo = {"rewards/margins": np.zeros(5), "logps/chosen": np.full(5, -200.0)}
     verdict = audited(trainer_run(tmp_path / "dpo", np.full(5, 0.6931), keys=dpo, config={"vocab_size": 2}))
-    assert status(verdict, "LOOP-20")[0] == "not_run" and "preference" in status(verdict, "LOOP-20")[1]
+    assert (
+        status(verdict, "LOOP-20")[0] == "not_run" and "ln 2 = 0.693 by construction" in status(verdict, "LOOP-20")[1]
+    )

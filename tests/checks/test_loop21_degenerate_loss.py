@@ -37,3 +37,73 @@ def test_an_unrounded_ordinary_loss_never_repeats_and_grpo_is_not_judged(tmp_pat
     assert findings(audited(trainer_run(tmp_path / "clean", falling(200))), "LOOP-21") == []
     verdict = audited(trainer_run(tmp_path / "grpo", np.zeros(20), keys={"kl": np.zeros(20), "reward": np.ones(20)}))
     assert status(verdict, "LOOP-21")[0] == "not_run"
+
+
+def test_a_dpo_loss_of_0_in_its_last_two_of_four_windows_fails_naming_the_growing_margin(tmp_path):
+    from .curve_runs import audit_state, history
+
+    entries = history(
+        [0.6931, 0.1628, 0.0, 0.0],
+        2.5e-5,
+        [1628.4, 0.0139, 1.7e-08, 8.1e-08],
+        keys={"rewards/margins": [0.0, 26.73, 119.6, 141.7], "logps/rejected": [-433.1, -631.7, -1540.5, -1784.1]},
+    )
+    for e, step in zip(entries, (1, 10, 20, 30)):
+        e["step"] = step
+    [finding] = findings(audit_state(tmp_path / "dpo", entries), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 11)  # the logging window of step 20
+    assert finding["evidence"]["through_end"] is True and finding["evidence"]["margin_before"] == 26.73
+    assert "reward margin grew to 141.7" in finding["message"]
+    for e, loss in zip(entries, (0.6931, 0.3628, 0.2712, 0.2418)):
+        e["loss"] = loss
+    assert findings(audit_state(tmp_path / "clean", entries), "LOOP-21") == []
+
+
+def test_a_zero_loss_beside_a_zero_gradient_norm_names_the_missing_gradient(tmp_path):
+    from .curve_runs import audit_state, history
+
+    [finding] = findings(
+        audit_state(tmp_path / "zero", history(np.zeros(100), 2e-4, np.zeros(100), every=10)), "LOOP-21"
+    )
+    assert (finding["step"], finding["evidence"]["last_step"]) == (1, 1000)
+    assert "through the end of the run" in finding["message"] and "so is the gradient norm" in finding["message"]
+    assert "logging_nan_inf_filter" not in finding["message"]
+    nan_norm = audit_state(tmp_path / "nan", history([0.03] + [0.0] * 99, 2e-4, [0.5] + [np.nan] * 99, every=10))
+    [finding] = findings(nan_norm, "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 11)
+    assert "non-finite gradient norm beside it" in finding["message"]
+    clean = audit_state(tmp_path / "clean", history(falling(100), 2e-4, np.full(100, 0.5), every=10))
+    assert findings(clean, "LOOP-21") == []
+
+
+def test_a_short_log_ending_in_two_zero_windows_fails_and_its_twin_does_not(tmp_path):
+    # 4 logged windows of 25 steps: 2 zeros through the end are all a short log can show; 2 zeros inside a
+    # longer log that trains on after them are not enough.
+    [finding] = findings(audited(trainer_run(tmp_path / "short", [1.9, 1.2, 0.0, 0.0], every=25)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 51) and finding["evidence"]["through_end"] is True
+    assert "from step 75 to step 100" in finding["message"]
+    assert findings(audited(trainer_run(tmp_path / "twin", [1.9, 1.2, 0.93, 0.88], every=25)), "LOOP-21") == []
+    inside = np.r_[falling(20), 0.0, 0.0, falling(20, 0.8, 0.7)]
+    assert findings(audited(trainer_run(tmp_path / "inside", inside, every=25)), "LOOP-21") == []
+
+
+def test_a_negative_cross_entropy_warns_at_its_first_step_and_a_positive_twin_is_silent(tmp_path):
+    loss = np.r_[falling(50, 0.46, 0.0, noise=0.0), np.full(10, 0.0002)]
+    loss = np.round(loss, 4)
+    loss[55] = -0.0001
+    [finding] = findings(audited(trainer_run(tmp_path / "negative", loss, decimals=4)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("warn", 56) and "negative" in finding["message"]
+    loss[55] = 0.0001
+    assert findings(audited(trainer_run(tmp_path / "positive", loss, decimals=4)), "LOOP-21") == []
+
+
+def test_a_noisy_low_loss_falling_to_0_for_3_windows_fails_and_its_twin_does_not(tmp_path):
+    # Whisper's shape: 4-decimal loss near 0.15 with 40% relative noise per window. A loss that noisy is no
+    # closer to a rounded 0 (under 0.00005, a factor of 3,000 below it) than a quiet one.
+    rng = np.random.default_rng(11)
+    loss = np.round(0.15 * np.exp(0.4 * rng.standard_normal(60)), 4)
+    zeroed = loss.copy()
+    zeroed[30:33] = 0.0
+    [finding] = findings(audited(trainer_run(tmp_path / "zero", zeroed, every=100, decimals=4)), "LOOP-21")
+    assert (finding["severity"], finding["step"]) == ("fail", 3001) and finding["evidence"]["last_step"] == 3300
+    assert findings(audited(trainer_run(tmp_path / "clean", loss, every=100, decimals=4)), "LOOP-21") == []

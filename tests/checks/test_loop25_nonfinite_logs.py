@@ -78,3 +78,75 @@ def test_a_logged_nan_loss_fails_and_a_clean_log_is_silent(tmp_path):
     assert (finding["severity"], finding["step"]) == ("fail", 21) and finding["evidence"]["steps_affected"] == 20
     clean = audited(trainer_run(tmp_path / "clean", falling(40), grad_norm=list(np.linspace(2, 1, 40))))
     assert findings(clean, "LOOP-25") == []
+
+
+def test_a_nan_eval_loss_at_one_evaluation_warns_there_naming_it_and_a_clean_twin_is_silent(tmp_path):
+    from .curve_runs import audit_state, evaluations, history
+
+    steps = [100, 200, 300, 400, 500]
+    entries = history(falling(50), 2e-4, every=10)
+    nan_eval = evaluations(steps, eval_loss=[0.62, 0.6, float("nan"), 0.57, 0.56], eval_wer=[30, 29, 28, 28, 27])
+    [finding] = findings(audit_state(tmp_path / "nan", entries + nan_eval), "LOOP-25")
+    assert (finding["severity"], finding["step"]) == ("warn", 291) and finding["evidence"]["keys"] == ["eval_loss"]
+    assert "eval_loss" in finding["message"] and "evaluation" in finding["message"]
+    clean = evaluations(steps, eval_loss=[0.62, 0.6, 0.58, 0.57, 0.56], eval_wer=[30, 29, 28, 28, 27])
+    assert findings(audit_state(tmp_path / "clean", entries + clean), "LOOP-25") == []
+
+
+def test_nan_preference_statistics_warn_at_each_step_and_one_nan_to_the_end_fails(tmp_path):
+    from .curve_runs import audit_state, history
+
+    n = 60
+    rng = np.random.default_rng(4)
+    keys = {
+        "rewards/margins": np.linspace(0, 2, n) + 0.1 * rng.standard_normal(n),
+        "logps/chosen": np.full(n, -196.0),
+        "logits/chosen": np.full(n, -0.3),
+    }
+    nan = {k: v.copy() for k, v in keys.items()}
+    for row in (38, 42, 56):
+        nan["rewards/margins"][row] = np.nan
+    nan["logps/chosen"][42] = np.nan
+    loss = 0.69 * np.exp(-np.arange(n) / 80) * np.exp(0.05 * rng.standard_normal(n))
+    warns = findings(audit_state(tmp_path / "nan", history(loss, 5e-6, keys=nan, every=10)), "LOOP-25")
+    assert [(f["severity"], f["step"], f["evidence"]["keys"]) for f in warns] == [
+        ("warn", 381, ["rewards/margins"]),
+        ("warn", 421, ["logps/chosen", "rewards/margins"]),
+        ("warn", 561, ["rewards/margins"]),
+    ]
+    assert "log-probabilities" in warns[0]["message"]
+    assert findings(audit_state(tmp_path / "clean", history(loss, 5e-6, keys=keys, every=10)), "LOOP-25") == []
+    # The margin non-finite at every logged step from step 500: one fail for the key, at its first step.
+    broken = {k: v.copy() for k, v in keys.items()}
+    broken["rewards/margins"][49:] = np.nan
+    [fail] = findings(audit_state(tmp_path / "broken", history(loss, 5e-6, keys=broken, every=10)), "LOOP-25")
+    assert (fail["severity"], fail["step"], fail["evidence"]["key"]) == ("fail", 491, "rewards/margins")
+    assert fail["evidence"]["steps_affected"] == 11
+
+
+def test_a_non_finite_step_is_a_skipped_update_only_where_something_could_skip_it(tmp_path):
+    """Every tensor's norm inf at step 33 of a recording, finite after, the LR held there. With a loss scaler
+    in the manifest (or a manifest that predates the field) it is a skipped update (info); in a run whose
+    manifest says nothing could skip a step it is no skip: no info, LOOP-05 fails at it instead."""
+    from sftaudit.verdict.audit import audit
+
+    from .dynamics_runs import recorded_series_run
+
+    steps = 70
+    norms = np.exp(-1 + 0.2 * np.random.default_rng(7).standard_normal((steps, 4)))
+    norms[32] = np.inf
+    lr = warmup_then_linear(steps, warmup=10, held=(33,))
+    names = [f"model.layers.{i}.weight" for i in range(4)]
+
+    def judged(name, manifest_keys=None):
+        run_dir = recorded_series_run(tmp_path / name, lr, [1.0] * steps, norms, names, manifest_keys)
+        return [
+            (f["code"], f["severity"], f["step"])
+            for f in audit(run_dir)["findings"]
+            if f["code"] in ("LOOP-05", "LOOP-25")
+        ]
+
+    scaled = {"loss_scaler": {"present": True, "skips_nonfinite_steps": True, "class": "GradScaler"}}
+    assert judged("scaled", scaled) == judged("older") == [("LOOP-25", "info", 33)]
+    unscaled = judged("unscaled", {"loss_scaler": {"present": False, "skips_nonfinite_steps": False}})
+    assert ("LOOP-05", "fail", 33) in unscaled and not [f for f in unscaled if f[0] == "LOOP-25" and f[1] == "info"]

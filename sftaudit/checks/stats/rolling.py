@@ -202,74 +202,20 @@ def rolling_level(x: np.ndarray, points: int) -> np.ndarray:
         return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, points), axis=1)
 
 
-def tail_factor(residuals: np.ndarray) -> float:
+def tail_factor(residuals: np.ndarray, min_count: int = 200) -> float:
     """How much heavier than normal the upper tail of the run's own residuals is: the 90th percentile of the
     deviations above the median over the median absolute deviation, relative to a normal distribution's (>= 1).
     The mean loss of a few rows is skewed up (one hard row lifts it); a preference loss is heavy-tailed. Robust
-    to 10% outliers: a few spikes do not raise it."""
+    to 10% outliers: a few spikes do not raise it. 1 with fewer than `min_count` residuals: a 90th percentile
+    of the upward deviations needs about a hundred of them (a short log's few high values would set it)."""
     r = np.asarray(residuals, dtype=float)
     r = r[np.isfinite(r)]
-    if r.size < 20:
+    if r.size < min_count:
         return 1.0
     dev = r - np.median(r)
     mad = np.median(np.abs(dev))
     up = dev[dev > 0]
     return 1.0 if mad <= 0 or up.size < 10 else max(1.0, float(np.quantile(up, 0.9) / mad / GAUSS_Q90_OVER_MAD))
-
-
-def loss_noise(loss: np.ndarray, window: int, first: int, level_points: int = 5, sigma_blocks: int = 4) -> dict:
-    """The logged loss judged against its own step-to-step variability at its logging resolution.
-
-    In log space (a loss's noise scales with its level): each logged value's residual from the median of the
-    `level_points` values before it; the residuals' centre and robust sigma (1.4826 MAD) over the previous
-    `sigma_blocks` blocks of `window` rows (warmup rows `< first` excluded), floored at one rounding step of the
-    log (`log_quantum`) at that level; the run's tail factor. A non-positive loss has no log: NaN there."""
-    loss = np.asarray(loss, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.where(np.isfinite(loss) & (loss > 0), np.log(np.where(loss > 0, loss, 1.0)), np.nan)
-    level = rolling_level(x, level_points)
-    residual = x - level
-    judged = np.arange(x.size) >= first
-    centre, sigma = previous_block_stats(np.where(judged, residual, np.nan), window, sigma_blocks, 0.5)
-    quantum = log_quantum(loss)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(x.size)
-    scale = np.fmax(sigma, resolution)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(scale > 0, (residual - centre) / np.where(scale > 0, scale, 1.0), np.nan)
-    return {
-        "x": x,
-        "level": level,
-        "residual": residual,
-        "centre": centre,
-        "scale": scale,
-        "z": z,
-        "quantum": quantum,
-        "tail": tail_factor(residual[judged]),
-        "judged": judged,
-    }
-
-
-def loss_excursions(loss: np.ndarray, window: int, first: int, sigma: float, diverge_steps: int) -> dict:
-    """`loss_noise` and the episodes of logged values at least `sigma` x the tail factor above their level:
-    each (first row, rows it stays above that level, whether that is sustained). An episode stays up while the
-    values keep above the level before it began; sustained = `diverge_steps` rows, or through the end of the
-    run (2 rows at least)."""
-    noise = loss_noise(loss, window, first)
-    threshold = sigma * noise["tail"]
-    with np.errstate(invalid="ignore"):
-        elevated = noise["judged"] & (noise["z"] >= threshold)
-    starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
-    episodes = []
-    x = noise["x"]
-    for s in starts:  # one pass per episode (a handful), each vectorised over the rows after it
-        bar = noise["level"][s] + noise["centre"][s] + threshold * noise["scale"][s]
-        with np.errstate(invalid="ignore"):
-            below = np.flatnonzero(~(x[s:] >= bar))
-        length = int(below[0]) if below.size else x.size - s
-        sustained = length >= diverge_steps or (s + length == x.size and length >= 2)
-        episodes.append((int(s), length, bool(sustained)))
-    return {**noise, "threshold": threshold, "episodes": episodes}
 
 
 def run_config(manifest: dict) -> dict:
@@ -321,10 +267,16 @@ def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     return f["step"].to_numpy(), f["bad_loss"].to_numpy(), f["bad_norm"].to_numpy(), f["has_norm"].to_numpy()
 
 
-def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray) -> np.ndarray:
+def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray, manifest: dict) -> np.ndarray:
     """Rows whose update the optimizer skipped: a non-finite logged gradient norm with a finite one logged later.
     Weights an applied non-finite update reached stay non-finite, and so does every later gradient norm: a finite
-    one after it shows the update was not applied (the fp16 GradScaler skips such steps and holds the LR)."""
-    finite = np.asarray(has_norm, bool) & ~np.asarray(bad_norm, bool)
+    one after it shows the update was not applied (the fp16 GradScaler skips such steps and holds the LR). None
+    when the manifest says nothing could skip a step (the shim saw no loss scaler nor DeepSpeed's overflow check:
+    `loss_scaler.skips_nonfinite_steps` false); a manifest without it (older recordings, imported logs) as above."""
+    bad = np.asarray(bad_norm, bool)
+    scaler = manifest.get("loss_scaler")
+    if isinstance(scaler, dict) and scaler.get("skips_nonfinite_steps") is False:
+        return np.zeros_like(bad)
+    finite = np.asarray(has_norm, bool) & ~bad
     finite_after = np.r_[np.flip(np.logical_or.accumulate(np.flip(finite)))[1:], False]
-    return np.asarray(bad_norm, bool) & finite_after
+    return bad & finite_after

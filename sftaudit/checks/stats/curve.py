@@ -1,0 +1,269 @@
+"""A healthy loss curve, judged from the logged values alone (LOOP-10, LOOP-19, LOOP-20, LOOP-27).
+
+Everything is judged in log space (a loss's noise scales with its level) against the run's *own* noise at its
+logging resolution, measured where each value lies and available from the first logged steps: the robust sigma
+(1.4826 MAD / sqrt 6) of second differences of the log values, pooled over a centred window of at least 32
+logged values (clamped at the ends of the run). Second differences leave a trend out, even the steep fall of a
+fine-tune's first steps, so a fall is never mistaken for noise and an early jump is judged against the calm of
+the run around it.
+
+- **Excursions** (spikes and rises that stay): each value against the median of the 5 values before it, one-sided
+  (a value below its level is never an excursion), and at least `min_effect` times that level.
+- **Rise from the minimum** (a creep, a rise with the learning rate): a centred running median of the log values
+  climbing above its own running minimum by a fixed factor and by many noise sigmas.
+- **Chance** (the loss of a uniform guess): ln K for a classification head of K labels, ln V for a language model
+  over V tokens, from the model's config.json as the run recorded it.
+
+Fixed statistics throughout (never a threshold fitted to a run); numpy, no Python loop over steps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import numpy as np
+
+from .rolling import MAD_TO_SIGMA, log_quantum, positive, rolling_level, tail_factor
+
+LEVEL_POINTS = 5  # the running level: the median of the values before
+NOISE_POINTS = 32  # at least this many values pooled for a value's noise
+NOISE_REACH = 2  # blocks pooled on each side of a value's own block
+MIN_DIFFERENCES = 5  # second differences needed for a noise estimate
+
+
+def log_values(values) -> np.ndarray:
+    """log of each logged value; NaN where it is not a finite positive number (0, a negative, NaN)."""
+    v = np.asarray(values, dtype=float)
+    ok = np.isfinite(v) & (v > 0)
+    return np.where(ok, np.log(np.where(ok, v, 1.0)), np.nan)
+
+
+def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOISE_REACH) -> np.ndarray:
+    """Per row, the robust sigma of one logged (log) value's noise around its local trend.
+
+    From second differences (1.4826 MAD / sqrt 6: a linear trend, even a steep one, leaves them), pooled over
+    the row's block and `reach` blocks on each side (at least `min_points` values; blocks of run length / 32,
+    4..64 rows), the window shifted inward at the ends so the first rows are judged like any other. NaN where
+    fewer than `MIN_DIFFERENCES` second differences are near (a log of 6 values or fewer has no noise to judge a
+    value against: its bounds do)."""
+    x = np.asarray(x, dtype=float)
+    n = x.size
+    d2 = np.full(n, np.nan)
+    if n >= 3:
+        d2[1:-1] = x[2:] - 2 * x[1:-1] + x[:-2]
+    width = 2 * reach + 1
+    block = max(int(np.clip(n // 32, 4, 64)), -(-min_points // width))
+    blocks = -(-n // block)
+    padded = np.full(blocks * block, np.nan)
+    padded[:n] = d2
+    rows = padded.reshape(blocks, block)
+    k = min(width, blocks)
+    start = np.clip(np.arange(blocks) - reach, 0, blocks - k)
+    pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(blocks, k * block)
+    with warnings.catch_warnings():  # a window without finite values has no noise
+        warnings.simplefilter("ignore", RuntimeWarning)
+        centre = np.nanmedian(pooled, axis=1)
+        sigma = MAD_TO_SIGMA * np.nanmedian(np.abs(pooled - centre[:, None]), axis=1) / math.sqrt(6)
+    finite = np.count_nonzero(np.isfinite(pooled), axis=1)
+    sigma = np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
+    return np.repeat(sigma, block)[:n]
+
+
+def excursions(
+    values,
+    sigma: float,
+    diverge_steps: int,
+    min_effect: float,
+    level_points: int = LEVEL_POINTS,
+) -> dict:
+    """Logged values judged against the run's own noise, and their excursions above their running level.
+
+    Each value's residual from the median of the `level_points` values before it (log space), over the noise of
+    such a residual (`point_noise` x sqrt(1 + pi / (2 x level_points)): the value's own noise and its level's),
+    floored at one rounding step of the log at that level (no noise estimate: not judged); z >= `sigma` x the
+    run's upper-tail factor and a residual >= log(`min_effect`) is elevated. One-sided: a value below its level
+    never is. An episode starts at an elevated row and stays up while the values keep above the level before it
+    began (by the same threshold); it is sustained when it lasts `diverge_steps` rows, or through the end of the
+    run (2 rows at least).
+
+    Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
+    sustained)."""
+    v = np.asarray(values, dtype=float)
+    x = log_values(v)
+    level = rolling_level(x, level_points)
+    residual = x - level
+    scale = point_noise(x) * math.sqrt(1 + math.pi / (2 * level_points))
+    quantum = log_quantum(v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(x.size)
+        scale = np.where(np.isfinite(scale), np.maximum(scale, resolution), np.nan)  # no noise: not judged
+        flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
+        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
+    tail = tail_factor(z[np.isfinite(z)])
+    threshold = sigma * tail
+    with np.errstate(invalid="ignore"):
+        elevated = (z >= threshold) & (residual >= math.log(min_effect))
+    starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
+    episodes = []
+    for s in starts:  # one pass per episode (a handful), each vectorised over the rows after it
+        bar = level[s] + max(threshold * scale[s], math.log(min_effect)) if np.isfinite(scale[s]) else level[s]
+        with np.errstate(invalid="ignore"):
+            below = np.flatnonzero(~(x[s:] >= bar))
+        length = int(below[0]) if below.size else x.size - s
+        sustained = length >= diverge_steps or (s + length == x.size and length >= 2)
+        episodes.append((int(s), length, bool(sustained)))
+    return {
+        "x": x,
+        "level": level,
+        "residual": residual,
+        "scale": scale,
+        "z": z,
+        "quantum": quantum,
+        "tail": tail,
+        "threshold": threshold,
+        "episodes": episodes,
+    }
+
+
+def centred_median(x: np.ndarray, width: int) -> np.ndarray:
+    """The median of the `width` values centred on each row (fewer at the ends; NaN ignored)."""
+    half = width // 2
+    padded = np.concatenate([np.full(half, np.nan), np.asarray(x, dtype=float), np.full(half, np.nan)])
+    with warnings.catch_warnings():  # an all-NaN window has no median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1), axis=1)
+
+
+def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: int = 8) -> dict | None:
+    """The largest climb of the loss above its own best level, when it is one.
+
+    The level is the centred running median of log values over run length / 10 logged values (odd, 3 at
+    least; on a long log, of the medians of blocks of run length / 200 values, so the cost stays linear); its
+    running minimum is the best level so far. A rise is that level above the minimum by at least
+    log(`min_factor`) and by `min_sigmas` x the noise of such a level: the run's typical noise (the median of
+    `point_noise`) x sqrt(pi / (2 x the values in the median)). None: no such rise, or fewer than `min_points`
+    finite values.
+
+    Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
+    over the bar at the end, the level's values there and the run's noise."""
+    x = log_values(values)
+    if np.isfinite(x).sum() < min_points:
+        return None
+    n = x.size
+    block = max(1, n // 200)
+    blocks = -(-n // block)
+    padded = np.full(blocks * block, np.nan)
+    padded[:n] = x
+    with warnings.catch_warnings():  # a block without finite values has no median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        coarse = np.nanmedian(padded.reshape(blocks, block), axis=1)
+    width = max(3, (blocks // 10) | 1)
+    level = np.repeat(centred_median(coarse, width), block)[:n]
+    points = width * block  # logged values behind each level
+    best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
+    rise = level - best
+    noise = point_noise(x)
+    typical = float(np.nanmedian(noise)) if np.isfinite(noise).any() else 0.0
+    bar = max(math.log(min_factor), min_sigmas * typical * math.sqrt(math.pi / (2 * points)))
+    with np.errstate(invalid="ignore"):
+        over = rise >= bar
+    if not over.any():
+        return None
+    crossing = int(np.flatnonzero(over)[0])
+    minimum = int(np.argmin(np.where(np.isfinite(level[: crossing + 1]), level[: crossing + 1], np.inf)))
+    peak = int(np.nanargmax(np.where(np.arange(n) >= crossing, rise, -np.inf)))
+    return {
+        "minimum": minimum,
+        "crossing": crossing,
+        "peak": peak,
+        "to_end": bool(over[-1]),
+        "level": np.exp(level),
+        "factor": float(np.exp(rise[peak])),
+        "end_factor": float(np.exp(rise[-1])) if np.isfinite(rise[-1]) else None,
+        "bar_factor": float(math.exp(bar)),
+        "noise": typical,
+        "width": points,
+    }
+
+
+# ---------------------------------------------------------------------------- chance level
+
+# Heads whose loss is a cross-entropy over labels, not over the vocabulary (transformers' class names).
+CLASSIFIER = re.compile(r"For(Sequence|Token|Audio|Image|Video)Classification$|ForMultipleChoice$")
+
+
+def _model_config(manifest: dict) -> dict:
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    config = model.get("config") if isinstance(model.get("config"), dict) else {}
+    return config
+
+
+def vocab_size(manifest: dict) -> tuple[int | None, str | None]:
+    """The output vocabulary (the model's when its config says, else the tokenizer's) and where it came from."""
+    config = _model_config(manifest)
+    for where, value in (
+        ("manifest", manifest.get("vocab_size")),
+        ("model config", config.get("vocab_size")),
+        (
+            "model config (text_config)",
+            (config.get("text_config") or {}).get("vocab_size")
+            if isinstance(config.get("text_config"), dict)
+            else None,
+        ),
+        (
+            "tokenizer",
+            (manifest.get("tokenizer") or {}).get("length") if isinstance(manifest.get("tokenizer"), dict) else None,
+        ),
+    ):
+        v = positive(value)
+        if v is not None and v >= 2:
+            return int(v), where
+    return None, None
+
+
+class NoChance(Exception):
+    """The run's loss has no chance level to judge it by (a regression head, an unknown vocabulary)."""
+
+
+def chance_level(manifest: dict) -> dict:
+    """The loss of a uniform guess for the run's model: ln K for a classification head of K labels (config.json's
+    id2label, else num_labels, else transformers' default of 2; ln 2 per label for a multi-label head), ln V
+    for a language model (seq2seq and speech decoders too) over its vocabulary. Raises NoChance with the reason
+    when the model's loss has none."""
+    config = _model_config(manifest)
+    architectures = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    head = next((a for a in architectures if isinstance(a, str) and CLASSIFIER.search(a)), None)
+    if head is not None:
+        labels = config.get("id2label")
+        if isinstance(labels, dict) and labels:
+            k, source = len(labels), "config.json id2label"
+        elif positive(config.get("num_labels")):
+            k, source = int(config["num_labels"]), "config.json num_labels"
+        else:
+            k, source = 2, "transformers' default: config.json names no labels"
+        if config.get("problem_type") == "regression" or k < 2:
+            raise NoChance(f"{head} is a regression head (mean squared error): its loss has no chance level")
+        if config.get("problem_type") == "multi_label_classification":
+            return {"chance": math.log(2), "kind": "multi-label head", "classes": 2, "source": source, "head": head}
+        return {"chance": math.log(k), "kind": "classification head", "classes": k, "source": source, "head": head}
+    vocab, source = vocab_size(manifest)
+    if vocab is None:
+        raise NoChance("the vocabulary size is unknown (no model config.json, tokenizer or checkpoint header)")
+    return {"chance": math.log(vocab), "kind": "language model", "classes": vocab, "source": source, "head": None}
+
+
+def pretrained_evidence(manifest: dict) -> str | None:
+    """What shows the run fine-tunes a pretrained model (an adapter, a model loaded by name), or None."""
+    params = manifest.get("params") if isinstance(manifest.get("params"), list) else []
+    adapters = [p.get("name", "") for p in params if isinstance(p, dict) and "lora_" in str(p.get("name", ""))]
+    if adapters:
+        return f"LoRA adapter weights ({adapters[0]})"
+    config = _model_config(manifest)
+    if isinstance(config.get("base_model_name_or_path"), str) and config["base_model_name_or_path"]:
+        return f"an adapter on {config['base_model_name_or_path']}"
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name.strip():
+        return f"a model loaded from {name}"
+    return None
