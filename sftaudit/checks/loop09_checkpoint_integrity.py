@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..readers.checkpoints import TRAINER_GLOBALS
-from ..readers.inspection import Inspection, groups_of, listed
+from ..readers.inspection import PROBLEMS, Inspection, groups_of, listed
 from .base import AuditContext, Check, Finding
 from .resume_state import (
     cannot_resume,
@@ -66,6 +68,13 @@ class CheckpointIntegrity(Check):
 
     code = "LOOP-09"
     name = "checkpoint integrity"
+    rules = {
+        **PROBLEMS,
+        "overwritten-saves": "a checkpoint path was saved at several steps: only the last save is on disk",
+        "weights-only-saves": "the run saves weights only: no checkpoint can resume exactly (configuration)",
+        "cannot-resume": "checkpoints lack parts of the training state an exact resume needs (risk)",
+        "parameters-unchanged": "parameters identical in two checkpoints although they had gradients in between",
+    }
     needs = ("checkpoints",)
     defaults = {
         "expected_dtype": None,  # e.g. "bfloat16"; default: the checkpoint's majority dtype
@@ -77,10 +86,11 @@ class CheckpointIntegrity(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         checkpoints = saved_checkpoints(ctx)
         inspections = inspected(ctx, checkpoints, **inspection_options(self.params))
-        findings = [self._finding(i, sev, msg, ev) for i in inspections for sev, msg, ev in i.problems]
+        findings = [self._finding(i, kind, sev, msg, ev) for i in inspections for kind, sev, msg, ev in i.problems]
         findings += [
             self._finding(
                 i,
+                "overwritten-saves",
                 "info",
                 (
                     f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
@@ -109,6 +119,7 @@ class CheckpointIntegrity(Check):
             return [
                 self._finding(
                     i,
+                    "cannot-resume",
                     "fail",
                     cannot_resume(i.name, lacking[i.name]),
                     {"missing_state": lacking[i.name]},
@@ -137,6 +148,7 @@ class CheckpointIntegrity(Check):
             trainer = " (the Trainer: save_only_model=False)" if any(i.trainer for i in read) else ""
             findings.append(
                 self.finding(
+                    "weights-only-saves",
                     "info",
                     (
                         f"{len(weights_only)} checkpoint(s) are weights-only saves ({listed(weights_only)}): they lack "
@@ -157,6 +169,7 @@ class CheckpointIntegrity(Check):
             parts = "; ".join(f"{', '.join(ps)} ({listed(list(ns))})" for ns, ps in by_checkpoints.items())
             findings.append(
                 self.finding(
+                    "cannot-resume",
                     "info",
                     (
                         f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
@@ -170,10 +183,17 @@ class CheckpointIntegrity(Check):
         return findings
 
     def _finding(
-        self, inspection: Inspection, severity: str, message: str, evidence: dict, category: str = "anomaly"
+        self,
+        inspection: Inspection,
+        rule: str,
+        severity: str,
+        message: str,
+        evidence: dict,
+        category: str = "anomaly",
     ) -> Finding:
-        f = self.finding(severity, message, step=inspection.step, category=category, **evidence)
-        return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.category)
+        """A finding about one checkpoint (its scope is that checkpoint alone)."""
+        f = self.finding(rule, severity, message, step=inspection.step, category=category, **evidence)
+        return replace(f, checkpoint=inspection.name)
 
     def _stale(self, ctx: AuditContext, before: Inspection, after: Inspection) -> list[Finding]:
         same = sorted(n for n, d in after.digests.items() if before.digests.get(n) == d)
@@ -212,6 +232,7 @@ class CheckpointIntegrity(Check):
         return [
             self._finding(
                 after,
+                "parameters-unchanged",
                 "fail",
                 (
                     f"{len(stale)} parameter(s) identical in {before.name} and {after.name} although they had gradients "

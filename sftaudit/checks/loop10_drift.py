@@ -65,6 +65,13 @@ class LossDynamics(Check):
 
     code = "LOOP-10"
     name = "loss pathologies and drift"
+    rules = {
+        "loss-spike": "the loss spiked against its own step-to-step noise",
+        "lr-jump": "the learning rate changed abruptly in one step after warmup",
+        "plateau": "the loss plateaued",
+        "overfitting": "validation loss rose at several evaluations in a row while the training loss fell",
+        "volatility": "the step-to-step volatility of logged series rose",
+    }
     needs = ("steps",)
     defaults = {
         "sigma_spike": 6.0,
@@ -122,6 +129,7 @@ class LossDynamics(Check):
             baseline = float(np.exp(found["level"][s]))
             findings.append(
                 self.finding(
+                    "loss-spike",
                     "warn",
                     f"loss spiked at step {steps[s]} to {loss[s]:.3g} against a running level of {baseline:.3g} for {length} "
                     f"logged step(s) (z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}); "
@@ -163,6 +171,7 @@ class LossDynamics(Check):
         i = jumps[0] + 1
         return [
             self.finding(
+                "lr-jump",
                 "warn",
                 f"learning rate changed {ratio[i - 1]:.3g}x in one step at step {steps[i]} ({lr[i - 1]:.3g} -> {lr[i]:.3g}) "
                 f"after warmup; check the scheduler and the resumed optimizer state",
@@ -191,6 +200,7 @@ class LossDynamics(Check):
         at = steps[start + b * window]
         return [
             self.finding(
+                "plateau",
                 "info",
                 f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
                 f"check the data for homogeneous or mostly masked samples before spending more steps",
@@ -227,6 +237,7 @@ class LossDynamics(Check):
         at = int(evals["step"][i + 1])
         return [
             self.finding(
+                "overfitting",
                 "warn",
                 f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
                 f"the model is overfitting its training data: stop or roll back to a checkpoint before step {at}, "
@@ -268,6 +279,7 @@ class LossDynamics(Check):
         )[: self.params["max_series_listed"]]
         return [
             self.finding(
+                "volatility",
                 "info",
                 f"step-to-step volatility of {chosen.size} series ({listed[0]['series']} first) rose from step {step} "
                 f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",

@@ -49,6 +49,10 @@ class LossDivergence(Check):
 
     code = "LOOP-19"
     name = "loss divergence"
+    rules = {
+        "worse-than-start": "the loss rose above its start and stayed there through the end",
+        "diverged": "the loss diverged from its running level and stayed up",
+    }
     needs = ("steps",)
     defaults = {"sigma": 6.0, "diverge_steps": 5, "window": None}
 
@@ -82,6 +86,7 @@ class LossDivergence(Check):
             z = float(self._start_z(loss, found)[i])
             return [
                 self.finding(
+                    "worse-than-start",
                     "fail",
                     f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
                     f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
@@ -105,6 +110,7 @@ class LossDivergence(Check):
         level = float(np.exp(found["level"][s]))
         return [
             self.finding(
+                "diverged",
                 "fail",
                 f"loss diverged at step {steps[s]} ({loss[s]:.3g} against a running level of {level:.3g}) and stayed up for "
                 f"{n} logged step(s); resume from a checkpoint before step {steps[s]} and {advice}",

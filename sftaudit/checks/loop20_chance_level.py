@@ -66,6 +66,10 @@ class ChanceLevelLoss(Check):
 
     code = "LOOP-20"
     name = "loss at chance"
+    rules = {
+        "at-chance": "the loss stayed at chance level through the end",
+        "above-chance": "the loss rose above chance level",
+    }
     needs = ("steps",)
     defaults = {"tolerance": 0.02, "min_steps": 100}
 
@@ -102,6 +106,7 @@ class ChanceLevelLoss(Check):
             i = int(rows[0])
             return [
                 self.finding(
+                    "at-chance",
                     "fail",
                     f"loss stayed at chance from step {steps[i]} through the end ({rows.size} logged step(s), "
                     f"{loss[i]:.4g} .. {loss[-1]:.4g} against ln {vocab:,} = {chance:.4g}): the model learned nothing; check "
@@ -121,6 +126,7 @@ class ChanceLevelLoss(Check):
         i = int(above[0])
         return [
             self.finding(
+                "above-chance",
                 "warn",
                 f"loss {loss[i]:.4g} at step {steps[i]} is above chance (ln {vocab:,} = {chance:.4g}; {above.size} logged "
                 f"step(s) above it, then {loss[-1]:.4g} at the end): the model was confidently wrong there; check the "

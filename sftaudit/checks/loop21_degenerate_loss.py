@@ -45,6 +45,10 @@ class DegenerateLoss(Check):
 
     code = "LOOP-21"
     name = "degenerate loss"
+    rules = {
+        "zero-loss": "the loss is exactly 0 over several logged steps",
+        "constant-loss": "the loss is the same value at every logged step of a stretch",
+    }
     needs = ("steps",)
     defaults = {"min_points": 3, "sigma": 6.0, "alpha": 1e-3, "min_quanta": 100}
 
@@ -116,6 +120,7 @@ class DegenerateLoss(Check):
                 f"a lower learning rate"
             )
         return self.finding(
+            "zero-loss" if zero else "constant-loss",
             "fail",
             message,
             step=steps[s],

@@ -56,7 +56,7 @@ def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], 
         except ValueError as exc:
             raise InputError(str(exc)) from None
         try:
-            findings += check.run(ctx)
+            findings += [f for f in check.run(ctx) if f.rule not in config.disabled]
         except (CannotJudge, UnsupportedVersion) as exc:  # the others judge on
             ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
