@@ -117,16 +117,7 @@ class CheckpointIntegrity(Check):
             return []
         if self.params["require_resume_state"]:
             return [
-                self._finding(
-                    i,
-                    "cannot-resume",
-                    "fail",
-                    cannot_resume(i.name, lacking[i.name]),
-                    {"missing_state": lacking[i.name]},
-                    category="risk",
-                )
-                for i in inspections
-                if i.name in lacking
+                self.resume_state_finding(i.name, i.step, lacking[i.name]) for i in inspections if i.name in lacking
             ]
         read = [i for i in inspections if i.state_found is not None]
         # Weights-only saves: the run keeps no optimizer state anywhere, and these hold weights (a
@@ -181,6 +172,14 @@ class CheckpointIntegrity(Check):
                 )
             )
         return findings
+
+    def resume_state_finding(self, name: str, step: int, lacking: list[str]) -> Finding:
+        """The fail `require_resume_state` makes of one checkpoint lacking parts of an exact resume's training state
+        (gate's resume-state policy asks it of the checkpoint it judges)."""
+        f = self.finding(
+            "cannot-resume", "fail", cannot_resume(name, lacking), step=step, category="risk", missing_state=lacking
+        )
+        return replace(f, checkpoint=name)
 
     def _finding(
         self,

@@ -8,7 +8,9 @@ resolution, attribution, gate, the report) are declared in `Evidence`, each with
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
+
+from typing_extensions import TypedDict  # the schema generator (pydantic) reads it on Python 3.11
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -22,6 +24,11 @@ SCOPES = ("run", "checkpoint")
 Severity = Literal["info", "warn", "fail"]
 Category = Literal["anomaly", "configuration", "risk"]
 Scope = Literal["run", "checkpoint"]
+
+
+def described(description: str, *, omit_none: bool = False, **kwargs: Any) -> Any:
+    """A dataclass field with its description (the generated schema's) and whether JSON leaves it out while None."""
+    return field(metadata={"description": description, "omit_none": omit_none}, **kwargs)
 
 
 class Resolution(TypedDict, total=False):
@@ -70,23 +77,28 @@ class Finding:
 
     `checkpoint` is the checkpoint window the step falls in (set by attribution), or the checkpoint a
     checkpoint-level finding is about (set by the check itself). `rule` is the stable rule id
-    ("LOOP-05/own-history-spike"): one check's code covers several rules. `scope` is set by attribution.
+    ("LOOP-05/own-history-spike"): one check's code covers several rules.
     The field order is verdict.json's key order (fields are only ever added at the end).
     """
 
-    code: Annotated[str, "The check's stable code (LOOP-01 ...)."]
-    severity: Annotated[Severity, "info | warn | fail."]
-    message: Annotated[str, "One sentence a human can act on."]
-    step: Annotated[int | None, "The first step it concerns, or none."] = None
-    checkpoint: Annotated[str | None, "The checkpoint window it falls in, or the checkpoint it is about."] = None
-    evidence: Annotated[Evidence, "Small structured data: ids, values, thresholds (rendered by the report)."] = field(
-        default_factory=dict  # type: ignore[assignment]
+    code: str = described("The check's stable code (LOOP-01 ...).")
+    severity: Severity = described("info | warn | fail.")
+    message: str = described("One sentence a human can act on.")
+    step: int | None = described("The first step it concerns, or none.", default=None)
+    checkpoint: str | None = described(
+        "The checkpoint window its step falls in, or the checkpoint it is about.", default=None
     )
-    category: Annotated[Category, "anomaly | configuration | risk: only anomalies date the run."] = "anomaly"
-    scope: Annotated[
-        Scope | None, "run: weighs on every checkpoint from its step; checkpoint: on that checkpoint alone."
-    ] = None
-    rule: Annotated[str | None, "The stable rule id, CODE/slug (e.g. LOOP-05/periodic-spike)."] = None
+    evidence: Evidence = described(
+        "Small structured data: ids, values, thresholds (rendered by the report); the keys other layers read are "
+        "declared, a check adds its own.",
+        default_factory=dict,
+    )
+    category: Category = described("anomaly | configuration | risk: only anomalies date the run.", default="anomaly")
+    scope: Scope | None = described(
+        "run: weighs on every checkpoint from its step; checkpoint: on that checkpoint alone (set by attribution).",
+        default=None,
+    )
+    rule: str | None = described("The stable rule id, CODE/slug (e.g. LOOP-05/periodic-spike).", default=None)
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITY_RANK:

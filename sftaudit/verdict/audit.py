@@ -20,6 +20,7 @@ from ..checks.selection_metric import run_selection_series
 from ..errors import InputError, UnsupportedVersion
 from ..imports import ensure_artifacts
 from ..readers.checkpoints import CheckpointError, inside_run
+from ..schema.verdict import CheckCoverage, RunResolution
 from ..store.ingest import ingest
 from ..store.rundb import (
     connect,
@@ -510,9 +511,13 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         evidence,
         run_selection_series(con, manifest),
     )
-    verdict["checks"] = checks
+    typed = dataclasses.replace(verdict, checks=[CheckCoverage(**c) for c in checks])
     if resolution:  # an imported run: how finely its evidence places a step
-        verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
+        window = first_window(typed.to_dict())
+        typed = dataclasses.replace(
+            typed, resolution=RunResolution.from_dict({**resolution, "first_anomalous_window": window})
+        )
+    verdict = typed.to_dict()
     # With the config it was judged with, the version that judged it and what the database held: `audited`
     # reuses it only while all three are the same.
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON, config JSON, sftaudit VARCHAR, ingested VARCHAR)")
