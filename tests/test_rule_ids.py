@@ -1,5 +1,6 @@
 """Stable rule ids: every finding a check can make names one rule the check declares, and every declared rule is
-made somewhere; the config can disable one rule alone, and names an unknown one in one line."""
+made somewhere; the config can disable one rule alone, and names an unknown one in one line. What a check needs of
+an imported run's source is named in the declared vocabulary, never by the source naming the check."""
 
 from __future__ import annotations
 
@@ -106,3 +107,11 @@ def test_a_disabled_rule_is_dropped_and_the_check_still_runs(tmp_path):
     verdict = audit(run, config=config)
     assert [f for f in verdict["findings"] if f["code"] == "LOOP-21"] == []
     assert next(c for c in verdict["checks"] if c["code"] == "LOOP-21")["status"] == "ran"
+
+
+def test_what_a_check_needs_of_a_source_is_in_the_declared_vocabulary():
+    from sftaudit.schema.records import LACKS
+
+    assert all(set(c.source_needs) <= set(LACKS) for c in registered_checks())
+    needed = {kind for c in registered_checks() for kind in c.source_needs}
+    assert needed == set(LACKS), "a kind of lack no check needs, or one a check needs that is not declared"

@@ -127,6 +127,9 @@ class Check:
     name: ClassVar[str]
     needs: ClassVar[tuple[str | tuple[str, ...], ...]]
     uses: ClassVar[tuple[str, ...]] = ()
+    # What an imported run's source may lack (`schema.records.LACKS`) that the check cannot judge without: when
+    # the manifest's `lacks` names one, the check is not_run with the source's words.
+    source_needs: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
     # The check's rules, declared once: slug -> one line on what it fires on. Each finding names one; its rule
     # id ("LOOP-05/periodic-spike") is what SARIF and the config's `disable` address.

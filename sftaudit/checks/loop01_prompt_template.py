@@ -56,6 +56,7 @@ class PromptTemplateConsistency(Check):
         "second-template": "samples are rendered with a second chat template during the run",
     }
     needs = ("chat_template",)
+    source_needs = ("tokenizer",)
     defaults = {"max_samples_listed": 50}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

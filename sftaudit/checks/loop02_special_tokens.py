@@ -85,6 +85,7 @@ class SpecialTokenAlignment(Check):
         "resume-tokenizer-changed": "the run resumed with a different tokenizer",
     }
     needs = ("tokenizer",)
+    source_needs = ("tokenizer",)
     defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

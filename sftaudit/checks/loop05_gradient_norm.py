@@ -92,6 +92,7 @@ class GradientNormAnomaly(Check):
         "weights-unchanged": "a tensor received gradients but its weights did not change between checkpoints",
     }
     needs = ("steps",)
+    source_needs = ("grad_norm",)
     uses = ("grad_norms",)  # per tensor: without it, the global norm alone
     defaults = {
         "max_tensors_listed": 20,

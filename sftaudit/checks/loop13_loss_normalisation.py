@@ -71,6 +71,7 @@ class LossNormalisation(Check):
         "initial-loss-high": "the first step's loss is far above a uniform guess",
     }
     needs = ("batches",)
+    source_needs = ("micro_batch_loss",)
     defaults = {
         "max_weight_error": 0.01,
         "max_logged_error": 0.02,

@@ -49,6 +49,7 @@ class PackingBoundaries(Check):
         "cross-sample-attention": "packed samples attend to each other",
     }
     needs = ("batches",)
+    source_needs = ("collator",)
     defaults = {"rows_listed": 5}
 
     def run(self, ctx: AuditContext) -> list[Finding]:

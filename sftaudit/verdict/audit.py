@@ -310,9 +310,10 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
 
 def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
     """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
-    manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
-    # The manifest's reason comes first: "the tokenizer asks for remote code" says more than "not recorded".
-    said = (manifest.get("unjudged") or {}).get(check.code)
+    manifest says the run's source lacks what the check cannot judge without (an imported run's `lacks`)."""
+    # The source's words come first: "the tokenizer asks for remote code" says more than "not recorded".
+    lacks = manifest.get("lacks") or {}
+    said = next((lacks[kind] for kind in check.source_needs if lacks.get(kind)), None)
     if said:
         return said
     missing = [
