@@ -59,11 +59,16 @@ class CheckpointIntegrity(Check):
         resume from such a checkpoint broke); a fail per checkpoint under `require_resume_state`.
         Git LFS pointers are one warn per
         checkpoint (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a
-        path saved at several steps, are info.
+        path saved at several steps, are info. A checkpoint without its weights while others kept theirs (an
+        interrupted or pruned save) is a warn of its own; when no checkpoint holds weights at all (a copy of the
+        run's logs, e.g. an output_dir committed without its weight files) the run is judged on its training:
+        one info for the run (a risk) says none of them can be resumed, shipped or rolled back to, and they
+        stay not intact.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
-        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`.
+        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`; `not_intact` with
+        `applies_to` for the checkpoints of a logs-only copy.
     """
 
     code = "LOOP-09"
@@ -74,6 +79,7 @@ class CheckpointIntegrity(Check):
         "weights-only-saves": "the run saves weights only: no checkpoint can resume exactly (configuration)",
         "cannot-resume": "checkpoints lack parts of the training state an exact resume needs (risk)",
         "parameters-unchanged": "parameters identical in two checkpoints although they had gradients in between",
+        "logs-only": "no checkpoint holds model weights (a copy of the run's logs): none can be used (risk)",
     }
     needs = ("checkpoints",)
     defaults = {
@@ -86,7 +92,26 @@ class CheckpointIntegrity(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         checkpoints = saved_checkpoints(ctx)
         inspections = inspected(ctx, checkpoints, **inspection_options(self.params))
-        findings = [self._finding(i, kind, sev, msg, ev) for i in inspections for kind, sev, msg, ev in i.problems]
+        weightless = _weightless(inspections)
+        findings = [
+            self._finding(i, kind, sev, msg, ev)
+            for i in inspections
+            for kind, sev, msg, ev in i.problems
+            if not (kind == "no-weights" and weightless)
+        ]
+        if weightless:
+            findings.append(
+                self.finding(
+                    "logs-only",
+                    "info",
+                    f"none of the run's {len(weightless)} checkpoint(s) holds model weights ({listed(weightless)}): "
+                    "this folder is a copy of the run's logs without its weight files, so no checkpoint can be "
+                    "resumed, shipped or rolled back to; the training is judged on its logs",
+                    category="risk",
+                    applies_to=weightless,
+                    not_intact=True,
+                )
+            )
         findings += [
             self._finding(
                 i,
@@ -101,7 +126,8 @@ class CheckpointIntegrity(Check):
             for i, c in zip(inspections, checkpoints)
             if len(c["saves"]) > 1
         ]
-        findings += self._resume_state(ctx, inspections)
+        # A logs-only copy's checkpoints cannot be used at all: what their training state lacks is moot.
+        findings += self._resume_state(ctx, [i for i in inspections if i.name not in weightless])
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
@@ -245,6 +271,14 @@ class CheckpointIntegrity(Check):
                 },
             )
         ]
+
+
+def _weightless(inspections: list[Inspection]) -> list[str]:
+    """The checkpoints of a logs-only copy: every checkpoint still on disk holds no model weights (empty when any
+    holds weights: then a weightless one is an interrupted or pruned save, a warn of its own)."""
+    present = [i for i in inspections if i.on_disk]
+    bare = [i.name for i in present if any(kind == "no-weights" for kind, *_ in i.problems)]
+    return bare if present and len(bare) == len(present) else []
 
 
 def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:

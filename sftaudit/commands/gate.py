@@ -39,7 +39,7 @@ from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..schema.findings import Finding
 from ..store.rundb import connect, load_manifest
-from ..verdict.attribution import findings_up_to
+from ..verdict.attribution import findings_up_to, unusable
 from ..verdict.audit import audited, unjudged_reason
 from ..verdict.config import AuditConfig, read_small_text
 
@@ -228,6 +228,8 @@ def gate(
             target["name"], target["step"], lacking[target["name"]]
         )
         considered.append(replace(made, scope="checkpoint"))
+    # A checkpoint a finding says cannot be used at all (a logs-only copy's: no weights) fails whatever the severity.
+    considered = [replace(f, severity="fail") if target["name"] in unusable(f) else f for f in considered]
     return GateResult(
         verdict["run"],
         {k: target[k] for k in ("name", "step", "path")},

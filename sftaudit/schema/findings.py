@@ -67,6 +67,11 @@ class Evidence(TypedDict, total=False):
     samples_affected: Annotated[int, "How many samples are concerned in all."]
     first_step: Annotated[int, "The first step the condition held."]
     last_step: Annotated[int, "The last step the condition held."]
+    not_intact: Annotated[
+        bool,
+        "The checkpoints it applies to (`applies_to`) cannot be resumed, shipped or rolled back to, whatever the "
+        "finding's severity: never named rollback or keep; gate fails on them.",
+    ]
     kind: Annotated[str, "A check's own sub-kind of the finding (older than the rule id; kept for readers)."]
     file: Annotated[str, "The file in the run folder the finding is about."]
 

@@ -77,7 +77,9 @@ def build_verdict(
     for c in sorted(checkpoints, key=lambda c: c["step"]):
         upto = findings_up_to(scoped, c["name"], c["step"])
         own = [f for f in scoped if f.checkpoint == c["name"]]
-        sound = not any(f.scope == "checkpoint" and f.severity != "info" for f in own)
+        sound = not any(f.scope == "checkpoint" and f.severity != "info" for f in own) and not any(
+            c["name"] in unusable(f) for f in about_run
+        )
         on_disk = c.get("on_disk", True)
         per_checkpoint.append(
             CheckpointVerdict(
@@ -116,6 +118,12 @@ def build_verdict(
         findings=scoped,
         check_errors=[CheckError(**e) for e in check_errors or []],
     )
+
+
+def unusable(finding: Finding) -> list[str]:
+    """The checkpoints a finding says cannot be used at all (evidence `not_intact`: a logs-only copy's), whatever
+    its severity."""
+    return list(finding.evidence.get("applies_to") or []) if finding.evidence.get("not_intact") else []
 
 
 def findings_up_to(findings: list[Finding], name: str, step: int) -> list[Finding]:
