@@ -527,13 +527,12 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         [json.dumps(verdict), json.dumps(dataclasses.asdict(config)), __version__],
     )
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
-                   checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
+                   checkpoint VARCHAR, message VARCHAR, evidence JSON, rule VARCHAR)""")
     rows = [
-        (f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
-        for f in verdict["findings"]
+        (f.code, f.severity, f.step, f.checkpoint, f.message, json.dumps(f.evidence), f.rule) for f in typed.findings
     ]
     if rows:
-        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
+        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
     _store_series(con, ctx.series)
     return verdict
 
