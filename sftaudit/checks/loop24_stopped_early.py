@@ -47,6 +47,7 @@ class StoppedEarly(Check):
         "no-log-after-checkpoint": "the log ends before the plan with a checkpoint and no later log",
     }
     needs = (("steps", "metrics", "checkpoints"),)
+    source_needs = ("planned_length", "log_end")
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         config = run_config(ctx.manifest)

@@ -221,10 +221,11 @@ def gate(
     checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
     considered = findings_up_to([Finding.from_dict(f) for f in verdict["findings"]], target["name"], target["step"])
     if target["name"] in lacking and not any(
-        f.code == "LOOP-09" and f.scope == "checkpoint" and "missing_state" in f.evidence for f in considered
+        f.code == CheckpointIntegrity.code and f.scope == "checkpoint" and "missing_state" in f.evidence
+        for f in considered
     ):
         # The policy's rule is LOOP-09's `require_resume_state` for this checkpoint: its failure, as LOOP-09 makes it.
-        made = CheckpointIntegrity(**config.check_options.get("LOOP-09", {})).resume_state_finding(
+        made = CheckpointIntegrity(**config.check_options.get(CheckpointIntegrity.code, {})).resume_state_finding(
             target["name"], target["step"], lacking[target["name"]]
         )
         considered.append(replace(made, scope="checkpoint"))
@@ -245,7 +246,7 @@ def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[s
     con = connect(run_dir, read_only=True)
     try:
         ctx = AuditContext(con, run_dir, load_manifest(con))
-        options = inspection_options(config.check_options.get("LOOP-09", {}))
+        options = inspection_options(config.check_options.get(CheckpointIntegrity.code, {}))
         return missing_state(ctx, inspected(ctx, saved_checkpoints(ctx), **options))
     finally:
         con.close()

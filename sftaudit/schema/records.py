@@ -25,6 +25,8 @@ LACKS = {
     "micro_batch_loss": "the loss of each micro-batch",
     "collator": "the run's collator (packing or not)",
     "tokenizer": "a tokenizer sftaudit can load",
+    "planned_length": "the run's planned length (max_steps, or epochs and steps per epoch)",
+    "log_end": "the log up to where training stopped",
 }
 
 
@@ -233,7 +235,7 @@ MANIFEST = RecordKind(
         Field(
             "lacks",
             "JSON",
-            "evidence the run's source cannot hold (`LACKS`: grad_norm, micro_batch_loss, collator, tokenizer) -> "
+            "evidence the run's source cannot hold (a kind of `LACKS`: grad_norm, planned_length, ...) -> "
             "why, in words; the checks that need it report `not_run` with them",
             (IMPORT,),
             True,
