@@ -39,6 +39,14 @@ def check_page(check) -> str:
     if check.uses:
         lines += ["Judged more finely with (without it the check is `partial`):", ""]
         lines += [f"- {EVIDENCE[t]}" for t in check.uses] + [""]
+    lines += [
+        "## Rules",
+        "",
+        "Each finding names one rule; `[audit] disable` takes a rule id to silence one rule alone.",
+        "",
+    ]
+    lines += ["| rule id | fires on |", "| --- | --- |"]
+    lines += [f"| `{check.code}/{slug}` | {text} |" for slug, text in check.rules.items()] + [""]
     if check.defaults:
         lines += ["## Options", "", "| option | default |", "| --- | --- |"]
         lines += [

@@ -52,7 +52,7 @@ def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
         [],
         1,
         passed["evidence"],
-    ) | {"checks": passed["checks"]}
+    ).to_dict() | {"checks": passed["checks"]}
     assert warned["verdict"] == "warn"
     assert_valid(warned)
     # A run whose step records are gone cannot be judged: unjudged, never pass.
@@ -97,3 +97,24 @@ def test_docs_site_builds_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_verdict_schema_is_generated_from_the_verdict_types():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_verdict_schema.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_verdict_types_never_need_pydantic():
+    # pydantic generates the schema (a test/dev dependency): the analyzer imports the types without it.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['pydantic'] = None; import sftaudit.schema.verdict, sftaudit.verdict.attribution",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr

@@ -19,6 +19,7 @@ from sftaudit.cli import main
 from sftaudit.imports import import_run
 from sftaudit.imports.source import LogSource
 from sftaudit.imports.sources import registered_sources
+from sftaudit.schema.records import LACKS
 
 from .sources import EXAMPLE_STEPS, example_loss
 
@@ -76,6 +77,8 @@ def test_every_source_reads_the_contract_run_alike(module, tmp_path):
         (s, example_loss(s), pytest.approx(1e-4)) for s in EXAMPLE_STEPS
     ]
     assert all(type(e["step"]) is int and all(type(v) is float for k, v in e.items() if k != "step") for e in training)
+    # What it lacks is said in the declared vocabulary, never by a check's code.
+    assert set(log.lacks) <= set(LACKS) and all(isinstance(why, str) and why for why in log.lacks.values())
 
 
 @pytest.mark.parametrize("module", MODULES)

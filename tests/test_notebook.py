@@ -19,7 +19,7 @@ from sftaudit.store.rundb import connect
 def test_frames_match_the_verdict_and_the_tables(nan_run, tmp_path):
     run = sftaudit.open(shutil.copytree(nan_run, tmp_path / "nan"))
     verdict = run.verdict
-    assert verdict["verdict"] == "fail" and verdict["first_anomalous_step"] is not None
+    assert verdict.verdict == "fail" and verdict.first_anomalous_step is not None
     steps, grads, findings = run.steps, run.grad_norms, run.findings
     assert isinstance(steps, pl.DataFrame) and grads.columns == ["step", "rank", "tensor", "norm"]
     con = connect(run.run_dir, read_only=True)
@@ -28,9 +28,7 @@ def test_frames_match_the_verdict_and_the_tables(nan_run, tmp_path):
         assert grads.height == con.execute("SELECT count(*) FROM grad_norms").fetchone()[0]
     finally:
         con.close()
-    assert sorted(zip(findings["code"], findings["message"])) == sorted(
-        (f["code"], f["message"]) for f in verdict["findings"]
-    )
+    assert sorted(zip(findings["rule"], findings["message"])) == sorted((f.rule, f.message) for f in verdict.findings)
     assert run.batches.height and run.checkpoints.height
     worst = run.sql("SELECT tensor, max(norm) AS m FROM grad_norms WHERE isfinite(norm) GROUP BY tensor")
     assert worst.height == grads["tensor"].n_unique()
@@ -48,11 +46,11 @@ def test_opening_a_run_while_it_trains_sees_the_new_steps(clean_run, tmp_path):
     grown.write_bytes(b"".join(lines[:10]))
     run = sftaudit.open(run_dir)
     assert run.steps["step"].to_list() == list(range(1, 11))
-    first = run.verdict["evidence"]["ranks"][0]["last_step"]
+    first = run.verdict.evidence.ranks[0].last_step
     with grown.open("ab") as f:
         f.write(b"".join(lines[10:]))
     assert run.steps.height == len(lines)
-    assert run.verdict["evidence"]["ranks"][0]["last_step"] == len(lines) > first == 10
+    assert run.verdict.evidence.ranks[0].last_step == len(lines) > first == 10
 
 
 def test_importing_sftaudit_stays_light():

@@ -106,12 +106,12 @@ def test_rollback_skips_a_checkpoint_that_fails_integrity():
         Finding("LOOP-05", "fail", "nan", step=13),
         Finding("LOOP-09", "fail", "nan weights", step=10, checkpoint="checkpoint-10"),
     ]
-    verdict = build_verdict("r", findings, checkpoints)
+    verdict = build_verdict("r", findings, checkpoints).to_dict()
     assert verdict["first_anomalous_step"] == 13  # a checkpoint finding is not a training anomaly
     assert verdict["rollback_checkpoint"] == "checkpoint-5"
     assert [c["verdict"] for c in verdict["checkpoints"]] == ["pass", "fail", "fail"]
-    assert build_verdict("r", findings[:1], checkpoints)["rollback_checkpoint"] == "checkpoint-10"
-    assert build_verdict("r", findings[:1], checkpoints, rollback_margin=9)["rollback_checkpoint"] is None
+    assert build_verdict("r", findings[:1], checkpoints).rollback_checkpoint == "checkpoint-10"
+    assert build_verdict("r", findings[:1], checkpoints, rollback_margin=9).rollback_checkpoint is None
 
 
 # ---------------------------------------------------------------- resume, end to end
@@ -186,14 +186,14 @@ def test_configuration_findings_are_changes_not_batches_to_skip():
     checkpoints = [{"name": f"checkpoint-{s}", "step": s, "path": f"checkpoint-{s}"} for s in (5, 10, 15)]
     setup = Finding("LOOP-04", "warn", "only the last turn is trained", step=1, category="configuration")
     findings = [setup, Finding("LOOP-05", "fail", "nan", step=13)]
-    verdict = build_verdict("r", findings, checkpoints)
+    verdict = build_verdict("r", findings, checkpoints).to_dict()
     assert verdict["first_anomalous_step"] == 13 and verdict["rollback_checkpoint"] == "checkpoint-10"
     assert [f["code"] for f in chain(verdict, 0, 23)] == ["LOOP-05"]
     assert configuration(verdict) == [
         {"code": "LOOP-04", "severity": "warn", "step": 1, "message": "only the last turn is trained"}
     ]
     # Without the anomaly nothing is rolled back or skipped; the change is still named.
-    alone = build_verdict("r", [setup], checkpoints)
+    alone = build_verdict("r", [setup], checkpoints).to_dict()
     assert alone["first_anomalous_step"] is None and alone["rollback_checkpoint"] is None
     doc = {"run": "r", "verdict": alone["verdict"], "first_anomalous_step": None, "configuration": configuration(alone)}
     assert to_text(doc).splitlines() == [

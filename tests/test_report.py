@@ -132,7 +132,7 @@ def plant(run: Path, dest: Path) -> Path:
                 if c["name"] == f["checkpoint"]:
                     c["findings"].append(f)
             con.execute(
-                "INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO findings (code, severity, step, checkpoint, message, evidence) VALUES (?, ?, ?, ?, ?, ?)",
                 [f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"])],
             )
         verdict["findings"].sort(key=lambda f: (f["step"] is None, f["step"] or 0, f["code"]))

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import duckdb
 import polars as pl
 
+from ..schema.findings import CATEGORIES, SEVERITIES, SEVERITY_RANK, Finding  # noqa: F401 - the checks import them here
 from ..store.rundb import first_row, has_rows
 
-SEVERITIES = ("info", "warn", "fail")
-SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
-# What a finding is about (its category). Only an anomaly (something went wrong at a step) sets the first anomalous
-# step, the rollback checkpoint and replay's advice; a configuration is a deliberate choice stated at
-# run scope; a risk is something that may bite later (a checkpoint that cannot resume exactly).
-CATEGORIES = ("anomaly", "configuration", "risk")
 DOC_SECTIONS = ("What it detects", "Why it matters", "Statistic", "Threshold", "Evidence")
 
 # The evidence a check may need, by table, as a reader would name it. A check whose `needs` are
@@ -37,32 +32,6 @@ EVIDENCE = {
     "tokenizer": "the run's tokenizer",
     "chat_template": "the tokenizer's chat template",
 }
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing a human must act on: which step, which tensor/samples, what to change.
-
-    `checkpoint` is the checkpoint window the step falls in (set by attribution), or the
-    checkpoint a checkpoint-level finding is about (set by the check itself).
-    """
-
-    code: str
-    severity: str
-    message: str
-    step: int | None = None
-    checkpoint: str | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-    category: str = "anomaly"
-
-    def __post_init__(self) -> None:
-        if self.severity not in SEVERITY_RANK:
-            raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
-        if self.category not in CATEGORIES:
-            raise ValueError(f"category must be one of {CATEGORIES}, not {self.category!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -151,14 +120,20 @@ class Check:
     config overrides them per check code. `needs` names the EVIDENCE tables without
     which the check cannot judge anything (a tuple among them: any one of those will do);
     `uses`, the evidence it judges more finely with (without it the check runs on partial
-    evidence).
+    evidence). `rules` declares what its findings fire on, one slug each.
     """
 
     code: ClassVar[str]
     name: ClassVar[str]
     needs: ClassVar[tuple[str | tuple[str, ...], ...]]
     uses: ClassVar[tuple[str, ...]] = ()
+    # What an imported run's source may lack (`schema.records.LACKS`) that the check cannot judge without: when
+    # the manifest's `lacks` names one, the check is not_run with the source's words.
+    source_needs: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
+    # The check's rules, declared once: slug -> one line on what it fires on. Each finding names one; its rule
+    # id ("LOOP-05/periodic-spike") is what SARIF and the config's `disable` address.
+    rules: ClassVar[dict[str, str]]
 
     def __init__(self, **overrides: Any):
         unknown = set(overrides) - set(self.defaults)
@@ -170,9 +145,20 @@ class Check:
         raise NotImplementedError
 
     def finding(
-        self, severity: str, message: str, step: int | None = None, *, category: str = "anomaly", **evidence: Any
+        self,
+        rule: str,
+        severity: str,
+        message: str,
+        /,
+        step: int | None = None,
+        *,
+        category: str = "anomaly",
+        **evidence: Any,
     ) -> Finding:
-        """A finding of this check; `category` is one of CATEGORIES (anomaly by default)."""
+        """A finding of this check under one of its declared `rules` (the slug; the finding's rule id is
+        "CODE/slug"); `category` is one of CATEGORIES (anomaly by default)."""
+        if rule not in self.rules:
+            raise ValueError(f"{self.code}: undeclared rule {rule!r}; declared: {sorted(self.rules)}")
         return Finding(
             self.code,
             severity,
@@ -180,6 +166,7 @@ class Check:
             step=None if step is None else int(step),
             evidence=_finite(json.loads(json.dumps(evidence, default=_json_default))),
             category=category,
+            rule=f"{self.code}/{rule}",
         )
 
 

@@ -47,7 +47,16 @@ class PromptTemplateConsistency(Check):
 
     code = "LOOP-01"
     name = "prompt-template consistency"
+    rules = {
+        "template-over-budget": "the chat template would stall or exhaust memory when rendered",
+        "field-missing": "the template references a field the dataset does not have (or spells differently)",
+        "render-failed": "samples fail to render with the chat template",
+        "message-dropped": "the template drops a message of a sample (e.g. a system prompt it does not support)",
+        "empty-turn": "samples have an empty turn",
+        "second-template": "samples are rendered with a second chat template during the run",
+    }
     needs = ("chat_template",)
+    source_needs = ("tokenizer",)
     defaults = {"max_samples_listed": 50}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
@@ -66,6 +75,7 @@ class PromptTemplateConsistency(Check):
         except TemplateOverBudget as exc:
             return [
                 self.finding(
+                    "template-over-budget",
                     "fail",
                     f"{exc}: the run's template would stall or exhaust memory wherever it is "
                     f"rendered; fix or replace it before training",
@@ -96,7 +106,14 @@ class PromptTemplateConsistency(Check):
                         f"(it has {sorted(have)}); map the dataset's field to '{name}'"
                     )
                 findings.append(
-                    self.finding("fail", message, template_field=name, dataset_fields=sorted(have), spelled_as=spelled)
+                    self.finding(
+                        "field-missing",
+                        "fail",
+                        message,
+                        template_field=name,
+                        dataset_fields=sorted(have),
+                        spelled_as=spelled,
+                    )
                 )
         return findings
 
@@ -107,6 +124,7 @@ class PromptTemplateConsistency(Check):
         ids = failed["sample_id"].to_list()
         return [
             self.finding(
+                "render-failed",
                 "fail",
                 f"{len(ids)} sample(s) fail to render with the chat template (first {ids[0]}: {failed['error'][0]}); "
                 f"fix or drop them before training",
@@ -124,6 +142,7 @@ class PromptTemplateConsistency(Check):
         ids = dropped["sample_id"].to_list()
         return [
             self.finding(
+                "message-dropped",
                 "fail",
                 f"{len(ids)} sample(s) lose a message in the render (first {ids[0]}: {dropped['error'][0]}); the template "
                 f"drops it (e.g. a system prompt it does not support): merge it into the first user turn or use a "
@@ -159,6 +178,7 @@ class PromptTemplateConsistency(Check):
                 ids = list(dict.fromkeys(s for _, s in rows))
                 findings.append(
                     self.finding(
+                        "empty-turn",
                         _EMPTY_SEVERITY[role],
                         f"{len(ids)} sample(s) have an empty {role} turn, from step {rows[0][0]} (first {ids[0]}); "
                         f"drop or repair them before training",
@@ -184,6 +204,7 @@ class PromptTemplateConsistency(Check):
         step, fingerprint, ids = other.row(0)
         return [
             self.finding(
+                "second-template",
                 "fail",
                 f"from step {step} samples are rendered with a second chat template ({fingerprint}, the run started "
                 f"with {expected}) in {other.height} micro-batch(es); render every sample with one template",

@@ -70,7 +70,22 @@ class SpecialTokenAlignment(Check):
 
     code = "LOOP-02"
     name = "tokenizer special-token alignment"
+    rules = {
+        "marker-split": "a template marker is split into several tokens",
+        "no-eos": "the tokenizer has no eos token",
+        "pad-is-end-of-turn": "pad is the end-of-turn marker and every one is masked with the padding",
+        "untrained-marker-rows": "template markers have untrained embedding/output rows",
+        "stop-not-in-generation-config": "generation does not stop on the template's end-of-turn marker",
+        "double-bos": "samples start with two BOS tokens",
+        "missing-bos": "samples do not start with the BOS the template opens with",
+        "embedding-too-small": "the embedding has fewer rows than the tokenizer has ids",
+        "tokenizer-length-changed": "the tokenizer's length changed during the run",
+        "special-tokens-changed-at-save": "the tokenizer saved at the end differs in its special tokens only",
+        "tokenizer-changed-at-save": "a tokenizer saved with a checkpoint is not the one the run trained with",
+        "resume-tokenizer-changed": "the run resumed with a different tokenizer",
+    }
     needs = ("tokenizer",)
+    source_needs = ("tokenizer",)
     defaults = {"untrained_row_fraction": 0.05}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
@@ -134,6 +149,7 @@ class SpecialTokenAlignment(Check):
                 first = markers[0]
                 findings.append(
                     self.finding(
+                        "marker-split",
                         severity,
                         f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
                         f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
@@ -152,6 +168,7 @@ class SpecialTokenAlignment(Check):
         if eos is None:
             return [
                 self.finding(
+                    "no-eos",
                     "fail",
                     "the tokenizer has no eos token, so generation cannot learn to stop; "
                     "set eos_token to the template's end-of-turn marker",
@@ -184,6 +201,7 @@ class SpecialTokenAlignment(Check):
         marker = tokenizer.convert_ids_to_tokens(stop)
         return [
             self.finding(
+                "pad-is-end-of-turn",
                 "fail",
                 f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} {what} are masked "
                 f"with the padding, so the model never learns to stop; use a distinct pad token or mask padding by "
@@ -227,6 +245,7 @@ class SpecialTokenAlignment(Check):
         frozen = not rows.get("embed_trainable") or rows.get("output_trainable") is False
         return [
             self.finding(
+                "untrained-marker-rows",
                 "fail" if frozen else "info",
                 f"{len(low)} template marker(s) the samples use have untrained embedding/output rows (norm below "
                 f"{fraction:.0%} of the median), first {low[0][1]!r} (embedding {low[0][2]:.3g}, median "
@@ -264,6 +283,7 @@ class SpecialTokenAlignment(Check):
         marker = tokenizer.convert_ids_to_tokens(stop)
         return [
             self.finding(
+                "stop-not-in-generation-config",
                 "warn",
                 f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
                 f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
@@ -295,6 +315,7 @@ class SpecialTokenAlignment(Check):
         ids = list(dict.fromkeys(s for _, s in hits))
         return [
             self.finding(
+                "double-bos",
                 "fail",
                 f"{len(ids)} sample(s) start with two BOS tokens {tokenizer.bos_token!r} from step {hits[0][0]} (first "
                 f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
@@ -332,6 +353,7 @@ class SpecialTokenAlignment(Check):
         found = tokenizer.convert_ids_to_tokens(int(hits[0][2]))
         return [
             self.finding(
+                "missing-bos",
                 "fail",
                 f"{len(ids)} sample(s) do not start with BOS {tokenizer.bos_token!r} from step {hits[0][0]} (first "
                 f"{ids[0]} starts with {found!r}): the template opens with it and inference sends it, so the model is "
@@ -361,6 +383,7 @@ class SpecialTokenAlignment(Check):
             return []
         return [
             self.finding(
+                "embedding-too-small",
                 "fail",
                 f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
                 f"resize the token embeddings to at least {need}",
@@ -385,6 +408,7 @@ class SpecialTokenAlignment(Check):
             step, now, ids = changed
             findings.append(
                 self.finding(
+                    "tokenizer-length-changed",
                     "fail",
                     f"the tokenizer changed at step {step}: {length} ids at the start, {now} from then on; pin one "
                     f"tokenizer version for the whole run and restart from a checkpoint before step {step}",
@@ -448,6 +472,7 @@ class SpecialTokenAlignment(Check):
             roles = ", ".join(f"{c['role']} token {c['change']}" for c in changes)
             return [
                 self.finding(
+                    "special-tokens-changed-at-save",
                     "warn",
                     f"{roles} at save: the tokenizer saved after the last checkpoint ({last}) differs from the one "
                     f"the run trained with only in its special tokens ({what}); the weights are not affected, but "
@@ -465,6 +490,7 @@ class SpecialTokenAlignment(Check):
         )
         return [
             self.finding(
+                "tokenizer-changed-at-save",
                 "fail",
                 f"{where}: {what}; {len(changed)} checkpoint(s) affected, keep one tokenizer for the run",
                 step=step,
@@ -489,6 +515,7 @@ class SpecialTokenAlignment(Check):
             what = "; ".join(c["text"] for c in changes) or "parts of it changed that its description does not name"
             return [
                 self.finding(
+                    "resume-tokenizer-changed",
                     "fail",
                     f"the run resumed (segment {seg}) with a different tokenizer ({what}; fingerprint "
                     f"{now.get('fingerprint')}, started with {fingerprint}); resume with the tokenizer saved in the "

@@ -38,6 +38,10 @@ class BatchPaddingStrategy(Check):
 
     code = "LOOP-03"
     name = "batch padding strategy"
+    rules = {
+        "length-variance": "batches are mostly padding because their lengths vary",
+        "padding-share": "the run's share of padding and what length grouping would save",
+    }
     needs = ("batches",)
     defaults = {"cv_threshold": 0.15, "padding_threshold": 0.6, "group_batches": 50}
 
@@ -73,6 +77,7 @@ class BatchPaddingStrategy(Check):
         lengths, ids = worst["lengths"], worst["sample_ids"]
         return [
             self.finding(
+                "length-variance",
                 "warn",
                 f"{flagged.height} batch(es) from step {first} are mostly padding because their lengths vary "
                 f"(worst: step {worst['step']}, CV {worst['cv']:.0%}, {worst['padding_share']:.0%} padding); "
@@ -99,6 +104,7 @@ class BatchPaddingStrategy(Check):
         waste, saving = 1 - real / padded, 1 - grouped / padded
         return [
             self.finding(
+                "padding-share",
                 "info",
                 f"padding is {waste:.0%} of the run's {padded} batch tokens; length-grouped batching would need "
                 f"{grouped} ({saving:.0%} less compute)",

@@ -85,6 +85,18 @@ class LossMaskValidity(Check):
 
     code = "LOOP-04"
     name = "loss-mask validity"
+    rules = {
+        "full-sequence-loss": "every non-padding token is trained (the prompts too)",
+        "trained-token-count": "the trained token count differs from the template's assistant turns",
+        "last-turn-only": "only the last assistant turn of multi-turn samples is trained",
+        "end-of-turn-untrained": "the assistant turns' end-of-turn markers are not trained",
+        "emptied-by-truncation": "truncation cuts samples before their assistant turn: they train no token",
+        "off-by-one": "the prompt token just before the assistant turn is trained",
+        "prompt-trained": "prompt tokens are trained",
+        "assistant-masked": "assistant tokens are masked",
+        "padding-confused": "padding is confused with prompt",
+        "padding-trained": "padding tokens are trained",
+    }
     needs = ("batches",)
     defaults = {
         "aggregate_tolerance": 0.001,
@@ -119,6 +131,7 @@ class LossMaskValidity(Check):
                 return findings
             return findings + [
                 self.finding(
+                    "full-sequence-loss",
                     "warn",
                     "every non-padding token is trained (full-sequence loss: TRL's default for a `messages` dataset, "
                     "axolotl's train_on_inputs), so the model also learns to write the prompts; for completion-only "
@@ -182,6 +195,7 @@ class LossMaskValidity(Check):
             causes = {f.category for f in findings}
             findings.append(
                 self.finding(
+                    "trained-token-count",
                     "warn",
                     f"the recorded samples train {actual_total} tokens but the template's assistant turns hold "
                     f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
@@ -201,6 +215,7 @@ class LossMaskValidity(Check):
         rows.sort(key=lambda r: r[0])
         ids = list(dict.fromkeys(r[1] for r in rows))
         return self.finding(
+            "last-turn-only",
             "warn",
             f"only the last assistant turn of each sample is trained: the earlier answers of {len(ids)} multi-turn "
             f"sample(s) are masked (first {ids[0]}), so the model learns no answer that a conversation goes on "
@@ -248,6 +263,7 @@ class LossMaskValidity(Check):
         else:
             cause = f"keep labels on each assistant turn through its {marker!r}"
         return self.finding(
+            "end-of-turn-untrained",
             "fail",
             f"{ends['trained']} of {ends['total']} end-of-turn markers {marker!r} of the assistant turns are trained "
             f"(from step {step}, first {sample}): the model never learns to emit its stop token and runs on past "
@@ -281,6 +297,7 @@ class LossMaskValidity(Check):
         ids = list(dict.fromkeys(s for _, s in truncated))
         return [
             self.finding(
+                "emptied-by-truncation",
                 "fail",
                 f"{len(ids)} sample(s) train no token: truncation to {longest} tokens cuts them before the assistant "
                 f"turn (first {ids[0]}, step {truncated[0][0]}); raise max_length, truncate the prompt from the left, "
@@ -317,6 +334,7 @@ class LossMaskValidity(Check):
             "padding_confused": f"padding is confused with prompt in {len(ids)} sample(s) ({tokens} position(s))",
         }[kind]
         return self.finding(
+            kind.replace("_", "-"),
             "warn" if kind == "padding_confused" else "fail",
             f"{what} from step {step} (first {sample}, position {pos}); {_ADVICE[kind]}",
             step=step,
@@ -345,6 +363,7 @@ class LossMaskValidity(Check):
         evidence = self._padding_evidence(ctx, tokenizer, layout, step, sample)
         return [
             self.finding(
+                "padding-trained",
                 "fail",
                 f"padding is trained in {len(ids)} sample(s) from step {step} ({int(rows['trained'].sum())} pad "
                 f"token(s), first {sample}); set labels to -100 wherever attention_mask is 0",

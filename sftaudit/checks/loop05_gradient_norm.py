@@ -82,7 +82,17 @@ class GradientNormAnomaly(Check):
 
     code = "LOOP-05"
     name = "gradient-norm anomaly"
+    rules = {
+        "non-finite-loss": "the recorded loss became non-finite",
+        "non-finite-gradient": "gradients became non-finite",
+        "periodic-spike": "a tensor's gradient norm spikes on a fixed period",
+        "own-history-spike": "a tensor's gradient norm jumped against its own running median",
+        "global-spike": "the global gradient norm jumped with no single tensor standing out",
+        "gradient-collapse": "tensors' gradients collapsed far below their own running median",
+        "weights-unchanged": "a tensor received gradients but its weights did not change between checkpoints",
+    }
     needs = ("steps",)
+    source_needs = ("grad_norm",)
     uses = ("grad_norms",)  # per tensor: without it, the global norm alone
     defaults = {
         "max_tensors_listed": 20,
@@ -128,6 +138,7 @@ class GradientNormAnomaly(Check):
             return []
         return [
             self.finding(
+                "non-finite-loss",
                 "fail",
                 f"loss became non-finite at step {first} ({n} step(s) through {last}); resume from a checkpoint "
                 f"before step {first} and find the batch or learning rate that caused it",
@@ -166,6 +177,7 @@ class GradientNormAnomaly(Check):
         shown = names[: self.params["max_tensors_listed"]]
         return [
             self.finding(
+                "non-finite-gradient",
                 "fail",
                 f"gradients became non-finite at step {first} in {len(names)} tensor(s), first {names[0]}; "
                 f"resume from a checkpoint before step {first} and skip or inspect that step's batch",
@@ -258,6 +270,7 @@ class GradientNormAnomaly(Check):
                 explained[cell_step[chosen]] = True
                 findings.append(
                     self.finding(
+                        "periodic-spike",
                         "warn",
                         f"{names[col]} gradient norm spikes every {period} steps from step {at} ({chosen.size} spikes, "
                         f"up to {np.exp(log_ratio[chosen].max()):.0f}x its running median); look for work the framework repeats on that "
@@ -278,6 +291,7 @@ class GradientNormAnomaly(Check):
             top = tensors[0]
             findings.append(
                 self.finding(
+                    "own-history-spike",
                     "fail",
                     f"gradient norm of {top['tensor']} jumped to {top['effect_size']:.0f}x its running median at step {step}"
                     + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
@@ -308,6 +322,7 @@ class GradientNormAnomaly(Check):
             effect = float(np.exp(global_y[row] - g_median[row]))
             findings.append(
                 self.finding(
+                    "global-spike",
                     "warn",
                     f"global gradient norm jumped to {effect:.0f}x its running median at step {steps[row]} "
                     f"({rows.size} step(s) flagged) with no single tensor standing out; inspect that step's batch",
@@ -431,6 +446,7 @@ class GradientNormAnomaly(Check):
         at_first = int((row == row[order[0]]).sum())
         return [
             self.finding(
+                "gradient-collapse",
                 "fail",
                 f"the gradients of {at_first} tensor(s) collapsed at step {first} to {top['norm']:.2g}, "
                 f"{top['fall']:.2g}x below their own running median ({top['baseline_median']:.2g}), first "
@@ -507,6 +523,7 @@ class GradientNormAnomaly(Check):
                 reported.add(idx)
                 findings.append(
                     self.finding(
+                        "weights-unchanged",
                         "fail",
                         f"{names[idx]} received non-zero gradients at {n} step(s) from step {first} but its weights did not "
                         f"change between {a_name} and {b_name}; add it to the optimizer's parameter groups",

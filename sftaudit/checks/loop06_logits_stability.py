@@ -76,6 +76,11 @@ class LogitsStability(Check):
 
     code = "LOOP-06"
     name = "logits distribution stability"
+    rules = {
+        "spread": "the top-1 probability on the probe prompts swung beyond its own history",
+        "kl": "the next-token distribution on the probe prompts jumped from the previous probe",
+        "entropy": "next-token entropy on the probe prompts collapsed",
+    }
     needs = ("probes",)
     defaults = {
         "max_top1_std": 0.08,
@@ -185,6 +190,7 @@ class LogitsStability(Check):
             before = at[steps[i - 1], prompts[0]] if i else at[s, prompts[0]]
             findings.append(
                 self.finding(
+                    rule,
                     "warn",
                     text.format(v=values[i], w=w, s=s)
                     + "; inspect the batches since the previous probe for corrupt or templated samples",

@@ -39,6 +39,9 @@ class GenerationDiversity(Check):
 
     code = "LOOP-07"
     name = "generation diversity"
+    rules = {
+        "diversity-lost": "distinct-1 of the generations stayed low for several generation steps",
+    }
     needs = ("generations",)
     defaults = {"min_distinct_1": 0.35, "consecutive": 3, "top_ngrams": 10}
 
@@ -78,6 +81,7 @@ class GenerationDiversity(Check):
         top = [{"ngram": join_ngram(g), "count": c} for g, c in counts.most_common(self.params["top_ngrams"]) if c > 1]
         return [
             self.finding(
+                "diversity-lost",
                 "warn",
                 f"generations lost diversity from step {steps[first]}: distinct-1 stayed below {self.params['min_distinct_1']} "
                 f"for {k} generation steps (down to {stats[first : end + 1, 0].min():.2f}); decay the learning rate and "

@@ -64,6 +64,11 @@ class EvalMetricDrift(Check):
 
     code = "LOOP-08"
     name = "eval metric drift"
+    rules = {
+        "metrics-disagree": "ROUGE-L and BLEU-4 stopped agreeing over the rolling window",
+        "metric-fell": "an eval metric fell over the run",
+        "eval-leak": "eval items also appear in the training data",
+    }
     needs = (("evals", "samples"),)  # the metrics judge eval predictions; contamination, the training samples
     uses = ("evals", "samples")
     defaults = {
@@ -130,6 +135,7 @@ class EvalMetricDrift(Check):
                 i = low[0]
                 findings.append(
                     self.finding(
+                        "metrics-disagree",
                         "warn",
                         f"ROUGE-L and BLEU-4 stopped agreeing at step {steps[i + w - 1]} (Pearson r = {r[i]:.2f} over the last "
                         f"{w} evals); check that both metrics score the same outputs on the same tokenization before trusting either",
@@ -150,6 +156,7 @@ class EvalMetricDrift(Check):
                 if tau.statistic < 0 and tau.pvalue < self.params["trend_p"]:
                     findings.append(
                         self.finding(
+                            "metric-fell",
                             "warn",
                             f"{name} fell over the run ({values[0]:.3f} at step {steps[0]} to {values[-1]:.3f} at step "
                             f"{steps[-1]}, Kendall tau {tau.statistic:.2f}); compare checkpoints and keep the best, not the last",
@@ -209,6 +216,7 @@ class EvalMetricDrift(Check):
         share = len(leaks) / len(eval_set)
         return [
             self.finding(
+                "eval-leak",
                 "fail" if share >= self.params["max_leaked_share"] else "warn",
                 f"{len(leaks)} of {len(eval_set)} eval items ({share:.0%}) also appear in the training data, first trained at "
                 f"step {first}; remove them from the eval set (or the training set) and recompute the eval metrics",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..readers.checkpoints import TRAINER_GLOBALS
-from ..readers.inspection import Inspection, groups_of, listed
+from ..readers.inspection import PROBLEMS, Inspection, groups_of, listed
 from .base import AuditContext, Check, Finding
 from .resume_state import (
     cannot_resume,
@@ -57,15 +59,28 @@ class CheckpointIntegrity(Check):
         resume from such a checkpoint broke); a fail per checkpoint under `require_resume_state`.
         Git LFS pointers are one warn per
         checkpoint (not verifiable, so not a rollback target); a checkpoint no longer on disk, and a
-        path saved at several steps, are info.
+        path saved at several steps, are info. A checkpoint without its weights while others kept theirs (an
+        interrupted or pruned save) is a warn of its own; when no checkpoint holds weights at all (a copy of the
+        run's logs, e.g. an output_dir committed without its weight files) the run is judged on its training:
+        one info for the run (a risk) says none of them can be resumed, shipped or rolled back to, and they
+        stay not intact.
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
-        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`.
+        `applies_to`, the imports a pickle would perform, `lfs_pointers`, `saves`; `not_intact` with
+        `applies_to` for the checkpoints of a logs-only copy.
     """
 
     code = "LOOP-09"
     name = "checkpoint integrity"
+    rules = {
+        **PROBLEMS,
+        "overwritten-saves": "a checkpoint path was saved at several steps: only the last save is on disk",
+        "weights-only-saves": "the run saves weights only: no checkpoint can resume exactly (configuration)",
+        "cannot-resume": "checkpoints lack parts of the training state an exact resume needs (risk)",
+        "parameters-unchanged": "parameters identical in two checkpoints although they had gradients in between",
+        "logs-only": "no checkpoint holds model weights (a copy of the run's logs): none can be used (risk)",
+    }
     needs = ("checkpoints",)
     defaults = {
         "expected_dtype": None,  # e.g. "bfloat16"; default: the checkpoint's majority dtype
@@ -77,10 +92,30 @@ class CheckpointIntegrity(Check):
     def run(self, ctx: AuditContext) -> list[Finding]:
         checkpoints = saved_checkpoints(ctx)
         inspections = inspected(ctx, checkpoints, **inspection_options(self.params))
-        findings = [self._finding(i, sev, msg, ev) for i in inspections for sev, msg, ev in i.problems]
+        weightless = _weightless(inspections)
+        findings = [
+            self._finding(i, kind, sev, msg, ev)
+            for i in inspections
+            for kind, sev, msg, ev in i.problems
+            if not (kind == "no-weights" and weightless)
+        ]
+        if weightless:
+            findings.append(
+                self.finding(
+                    "logs-only",
+                    "info",
+                    f"none of the run's {len(weightless)} checkpoint(s) holds model weights ({listed(weightless)}): "
+                    "this folder is a copy of the run's logs without its weight files, so no checkpoint can be "
+                    "resumed, shipped or rolled back to; the training is judged on its logs",
+                    category="risk",
+                    applies_to=weightless,
+                    not_intact=True,
+                )
+            )
         findings += [
             self._finding(
                 i,
+                "overwritten-saves",
                 "info",
                 (
                     f"{i.name} was saved at steps {', '.join(map(str, c['saves']))} to the same path: each save "
@@ -91,7 +126,8 @@ class CheckpointIntegrity(Check):
             for i, c in zip(inspections, checkpoints)
             if len(c["saves"]) > 1
         ]
-        findings += self._resume_state(ctx, inspections)
+        # A logs-only copy's checkpoints cannot be used at all: what their training state lacks is moot.
+        findings += self._resume_state(ctx, [i for i in inspections if i.name not in weightless])
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
@@ -107,15 +143,7 @@ class CheckpointIntegrity(Check):
             return []
         if self.params["require_resume_state"]:
             return [
-                self._finding(
-                    i,
-                    "fail",
-                    cannot_resume(i.name, lacking[i.name]),
-                    {"missing_state": lacking[i.name]},
-                    category="risk",
-                )
-                for i in inspections
-                if i.name in lacking
+                self.resume_state_finding(i.name, i.step, lacking[i.name]) for i in inspections if i.name in lacking
             ]
         read = [i for i in inspections if i.state_found is not None]
         # Weights-only saves: the run keeps no optimizer state anywhere, and these hold weights (a
@@ -137,6 +165,7 @@ class CheckpointIntegrity(Check):
             trainer = " (the Trainer: save_only_model=False)" if any(i.trainer for i in read) else ""
             findings.append(
                 self.finding(
+                    "weights-only-saves",
                     "info",
                     (
                         f"{len(weights_only)} checkpoint(s) are weights-only saves ({listed(weights_only)}): they lack "
@@ -157,6 +186,7 @@ class CheckpointIntegrity(Check):
             parts = "; ".join(f"{', '.join(ps)} ({listed(list(ns))})" for ns, ps in by_checkpoints.items())
             findings.append(
                 self.finding(
+                    "cannot-resume",
                     "info",
                     (
                         f"{len(others)} checkpoint(s) cannot resume exactly, their training state lacks {parts}; save them "
@@ -169,11 +199,26 @@ class CheckpointIntegrity(Check):
             )
         return findings
 
+    def resume_state_finding(self, name: str, step: int, lacking: list[str]) -> Finding:
+        """The fail `require_resume_state` makes of one checkpoint lacking parts of an exact resume's training state
+        (gate's resume-state policy asks it of the checkpoint it judges)."""
+        f = self.finding(
+            "cannot-resume", "fail", cannot_resume(name, lacking), step=step, category="risk", missing_state=lacking
+        )
+        return replace(f, checkpoint=name)
+
     def _finding(
-        self, inspection: Inspection, severity: str, message: str, evidence: dict, category: str = "anomaly"
+        self,
+        inspection: Inspection,
+        rule: str,
+        severity: str,
+        message: str,
+        evidence: dict,
+        category: str = "anomaly",
     ) -> Finding:
-        f = self.finding(severity, message, step=inspection.step, category=category, **evidence)
-        return Finding(f.code, f.severity, f.message, f.step, inspection.name, f.evidence, f.category)
+        """A finding about one checkpoint (its scope is that checkpoint alone)."""
+        f = self.finding(rule, severity, message, step=inspection.step, category=category, **evidence)
+        return replace(f, checkpoint=inspection.name)
 
     def _stale(self, ctx: AuditContext, before: Inspection, after: Inspection) -> list[Finding]:
         same = sorted(n for n, d in after.digests.items() if before.digests.get(n) == d)
@@ -212,6 +257,7 @@ class CheckpointIntegrity(Check):
         return [
             self._finding(
                 after,
+                "parameters-unchanged",
                 "fail",
                 (
                     f"{len(stale)} parameter(s) identical in {before.name} and {after.name} although they had gradients "
@@ -225,6 +271,14 @@ class CheckpointIntegrity(Check):
                 },
             )
         ]
+
+
+def _weightless(inspections: list[Inspection]) -> list[str]:
+    """The checkpoints of a logs-only copy: every checkpoint still on disk holds no model weights (empty when any
+    holds weights: then a weightless one is an interrupted or pruned save, a warn of its own)."""
+    present = [i for i in inspections if i.on_disk]
+    bare = [i.name for i in present if any(kind == "no-weights" for kind, *_ in i.problems)]
+    return bare if present and len(bare) == len(present) else []
 
 
 def _by_part(lacking: dict[str, list[str]]) -> dict[str, list[str]]:

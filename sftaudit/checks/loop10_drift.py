@@ -71,6 +71,13 @@ class LossDynamics(Check):
 
     code = "LOOP-10"
     name = "loss pathologies and drift"
+    rules = {
+        "loss-spike": "the loss spiked against its own step-to-step noise",
+        "lr-jump": "the learning rate changed abruptly in one step after warmup",
+        "plateau": "the loss plateaued",
+        "overfitting": "validation loss rose at several evaluations in a row while the training loss fell",
+        "volatility": "the step-to-step volatility of logged series rose",
+    }
     needs = ("steps",)
     defaults = {
         "sigma_spike": 6.0,
@@ -132,6 +139,7 @@ class LossDynamics(Check):
             effect = float(loss[s] / level)
             findings.append(
                 self.finding(
+                    "loss-spike",
                     "warn",
                     f"loss spiked at step {steps[s]} to {loss[s]:.4g}, {effect:.3g}x its running level of {level:.4g} "
                     f"(z {z[s]:.1f} against the run's own step-to-step noise, threshold {threshold:.1f}), back within "
@@ -177,6 +185,7 @@ class LossDynamics(Check):
         i = jumps[0] + 1
         return [
             self.finding(
+                "lr-jump",
                 "warn",
                 f"learning rate changed {ratio[i - 1]:.3g}x in one step at step {steps[i]} ({lr[i - 1]:.3g} -> {lr[i]:.3g}) "
                 f"after warmup; check the scheduler and the resumed optimizer state",
@@ -205,6 +214,7 @@ class LossDynamics(Check):
         at = steps[start + b * window]
         return [
             self.finding(
+                "plateau",
                 "info",
                 f"loss plateaued from step {at}: the running median moved {change[b]:+.2%} over {k * window} steps; "
                 f"check the data for homogeneous or mostly masked samples before spending more steps",
@@ -241,6 +251,7 @@ class LossDynamics(Check):
         at = int(evals["step"][i + 1])
         return [
             self.finding(
+                "overfitting",
                 "warn",
                 f"validation loss rose at {n} evaluations in a row from step {at} while the training loss fell; "
                 f"the model is overfitting its training data: stop or roll back to a checkpoint before step {at}, "
@@ -282,6 +293,7 @@ class LossDynamics(Check):
         )[: self.params["max_series_listed"]]
         return [
             self.finding(
+                "volatility",
                 "info",
                 f"step-to-step volatility of {chosen.size} series ({listed[0]['series']} first) rose from step {step} "
                 f"against the previous {window} steps (Benjamini-Hochberg q < {self.params['fdr_q']})",

@@ -60,6 +60,20 @@ class ResumeContinuity(Check):
 
     code = "LOOP-11"
     name = "resume continuity"
+    rules = {
+        "resumed-from-incomplete-state": "a resume broke and its checkpoint lacks training state",
+        "source-not-on-disk": "no checkpoint the run could have resumed from is on disk",
+        "source-not-recorded": "no checkpoint was recorded where the run resumed",
+        "source-now-fails-integrity": "the checkpoint the logs place the resume at now fails LOOP-09",
+        "source-fails-integrity": "the run resumed from a checkpoint that fails LOOP-09",
+        "data-skipped": "the resumed run skipped samples of its order",
+        "data-reordered": "the resumed run trained another order than the abandoned run",
+        "data-replayed": "the resumed run trained again samples it had already trained in the epoch",
+        "scheduler-not-restored": "the learning rate jumped on resume: the scheduler state was not restored",
+        "weights-not-restored": "the weights after the resume are not those of the checkpoint",
+        "optimizer-not-restored": "the optimizer state was not restored on resume",
+        "loss-jump": "the loss jumped when the run resumed",
+    }
     needs = ("steps",)
     defaults = {
         "data_window": 50,
@@ -109,6 +123,7 @@ class ResumeContinuity(Check):
             return []
         return [
             self.finding(
+                "resumed-from-incomplete-state",
                 "warn",
                 f"the resume at step {first} from {source['name']} broke ({', '.join(broke)}), and "
                 f"{source['name']} cannot resume exactly: its training state lacks {', '.join(lacking)}; save them "
@@ -141,6 +156,7 @@ class ResumeContinuity(Check):
             # A folder holding logs and only some checkpoints is no evidence the resume was inexact.
             return None, [
                 self.finding(
+                    "source-not-on-disk",
                     "info",
                     f"the run resumed at step {first}, but no checkpoint it could have "
                     f"resumed from is on disk; its state cannot be checked",
@@ -153,6 +169,7 @@ class ResumeContinuity(Check):
         if source is None:
             return None, [
                 self.finding(
+                    "source-not-recorded",
                     "fail",
                     f"the run resumed at step {first} but no checkpoint "
                     f"{named or f'at step {first - 1}'} was recorded; it cannot have resumed "
@@ -165,11 +182,12 @@ class ResumeContinuity(Check):
         [inspection] = inspected(ctx, [source])
         if inspection.passes:
             return source, []
-        problem = next(msg for sev, msg, _ in inspection.problems if sev in ("warn", "fail"))
+        problem = next(msg for _, sev, msg, _ in inspection.problems if sev in ("warn", "fail"))
         if imported:
             # The folder as it is now (a copy may leave weights out) says nothing of what the resume loaded.
             return source, [
                 self.finding(
+                    "source-now-fails-integrity",
                     "info",
                     f"the run resumed at step {first}, from {source['name']} as the logs place it, which now fails "
                     f"LOOP-09 ({problem}); what the resume loaded cannot be checked",
@@ -181,6 +199,7 @@ class ResumeContinuity(Check):
             ]
         return source, [
             self.finding(
+                "source-fails-integrity",
                 "fail",
                 f"the run resumed at step {first} from {source['name']}, which fails LOOP-09 ({problem})",
                 step=first,
@@ -240,6 +259,7 @@ class ResumeContinuity(Check):
                 left = abandoned["step"].to_numpy()
                 return [
                     self.finding(
+                        "data-skipped",
                         "info",
                         f"the run resumed at step {first} {skipped} sample(s) further in its order than the "
                         f"abandoned run (the batches of steps {left[0]}-{left[skipped - 1]} skipped)",
@@ -252,6 +272,7 @@ class ResumeContinuity(Check):
             at = int(differs[0])
             return [
                 self.finding(
+                    "data-reordered",
                     "warn",
                     f"after resuming at step {first} the run trained another order than the abandoned run did "
                     f"at the same steps (from step {now_steps[at]}: {ids[now[at]]} instead of {ids[then[at]]}); "
@@ -271,6 +292,7 @@ class ResumeContinuity(Check):
         steps = np.unique(now_steps[reread]).tolist()
         return [
             self.finding(
+                "data-replayed",
                 "fail",
                 f"after resuming at step {first} the run trained {reread.size} sample(s) again that it had "
                 f"already trained in epoch {len(starts)} (begun at step {epoch['epoch_started_at_step']}), at steps "
@@ -366,6 +388,7 @@ class ResumeContinuity(Check):
         )
         return [
             self.finding(
+                "scheduler-not-restored",
                 "fail",
                 f"the learning rate went from {last:.3g} at step {first - 1} to {now:.3g} at step {first} on "
                 f"resume, {what}; the scheduler state was not restored from the checkpoint",
@@ -411,6 +434,7 @@ class ResumeContinuity(Check):
         worst = differing[np.argsort(-off[differing])][: self.params["max_ids_listed"]]
         return [
             self.finding(
+                "weights-not-restored",
                 "fail",
                 f"the weights at step {first} are not those of {source['name']}, which the run resumed from: "
                 f"{differing.size} of {len(now)} tensors differ (e.g. {names.get(int(worst[0]), int(worst[0]))}, norm "
@@ -431,6 +455,7 @@ class ResumeContinuity(Check):
             return []
         return [
             self.finding(
+                "optimizer-not-restored",
                 "fail",
                 f"the optimizer state was not restored at step {first}: its step count is 0 although "
                 f"{source['name']} was saved after {source['step']} steps, so Adam's moments start empty and the first "
@@ -462,6 +487,7 @@ class ResumeContinuity(Check):
             return []
         return [
             self.finding(
+                "loss-jump",
                 "warn",
                 f"the loss jumped from {before:.3f} to {after:.3f} when the run resumed at step {first} (median of "
                 f"{k} steps each side); check that weights and optimizer state were restored",

@@ -45,6 +45,10 @@ class GarbageSamples(Check):
 
     code = "LOOP-12"
     name = "garbage samples"
+    rules = {
+        "tokenizer-coverage": "a typical sample's trained tokens are mostly raw bytes: the tokenizer does not cover the script",
+        "garbage-samples": "recorded samples are mostly raw bytes",
+    }
     needs = ("samples",)
     defaults = {"byte_share": 0.5, "baseline_factor": 4.0, "max_samples_listed": 10}
 
@@ -72,6 +76,7 @@ class GarbageSamples(Check):
         if baseline >= p["byte_share"]:
             return [
                 self.finding(
+                    "tokenizer-coverage",
                     "warn",
                     f"{baseline:.0%} of the trained tokens of a typical sample are raw bytes: the tokenizer "
                     f"does not cover this data's script; train or extend a tokenizer on it before fine-tuning",
@@ -91,6 +96,7 @@ class GarbageSamples(Check):
         steps = sorted(set(garbage["step"].to_list()))
         return [
             self.finding(
+                "garbage-samples",
                 "warn",
                 f"{len(garbage)} recorded sample(s) from step {first} are mostly raw bytes (first "
                 f"{garbage['sample_id'][0]}, {garbage['share'][0]:.0%} of its trained tokens): garbage text in the "

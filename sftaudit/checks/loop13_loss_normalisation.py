@@ -63,7 +63,15 @@ class LossNormalisation(Check):
 
     code = "LOOP-13"
     name = "loss normalisation and scale"
+    rules = {
+        "unequal-token-weights": "the loss weights tokens unequally across micro-batches",
+        "nan-hidden-by-filter": "the loss was non-finite but the trainer logged a finite value",
+        "logged-loss-mismatch": "the logged training loss is not the recorded loss",
+        "objective-scaled": "the backpropagated objective is scaled against a large batch's",
+        "initial-loss-high": "the first step's loss is far above a uniform guess",
+    }
     needs = ("batches",)
+    source_needs = ("micro_batch_loss",)
     defaults = {
         "max_weight_error": 0.01,
         "max_logged_error": 0.02,
@@ -167,6 +175,7 @@ class LossNormalisation(Check):
         top = micro_batches[over]
         return [
             self.finding(
+                "unequal-token-weights",
                 "fail",
                 f"the loss of step {step} weights tokens unequally ({convention}): tokens of micro-batch {top['micro']}"
                 f"{' on rank ' + str(top['rank']) if micro['rank'][rows].n_unique() > 1 else ''} "
@@ -207,6 +216,7 @@ class LossNormalisation(Check):
             s, v = hidden[0]
             findings.append(
                 self.finding(
+                    "nan-hidden-by-filter",
                     "fail",
                     f"the loss was non-finite at step {s} but the trainer logged {v:.4g} there ({len(hidden)} step(s)); "
                     f"the Trainer's logging_nan_inf_filter hides NaN steps from the logs: resume from a checkpoint "
@@ -256,6 +266,7 @@ class LossNormalisation(Check):
         )
         findings.append(
             self.finding(
+                "logged-loss-mismatch",
                 "fail",
                 f"the logged training loss at step {step} is {log_arr[j]:.4g}{why} ({int(off.sum())} step(s)); {fix}",
                 step=step,
@@ -326,6 +337,7 @@ class LossNormalisation(Check):
         )
         return [
             self.finding(
+                "objective-scaled",
                 "fail",
                 f"the backpropagated objective at step {step} is {objective[j]:.4g}{shown} ({int(off.sum())} step(s))"
                 f"{log}: the gradients are {r:.3g}x a large batch's (and clipping and the logged grad_norm with "
@@ -375,6 +387,7 @@ class LossNormalisation(Check):
             return []
         return [
             self.finding(
+                "initial-loss-high",
                 "warn",
                 f"the first step's loss is {first[1]:.3g}, {first[1] / uniform:.1f}x ln(vocabulary) = {uniform:.2f}, the loss of a "
                 f"uniform guess; check the output head's initialisation and any scaling applied to the loss",

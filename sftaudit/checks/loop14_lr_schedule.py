@@ -63,6 +63,14 @@ class LRScheduleConformance(Check):
 
     code = "LOOP-14"
     name = "learning-rate schedule conformance"
+    rules = {
+        "not-traced": "the learning-rate schedule could not be traced (no horizon)",
+        "off-schedule": "the learning rate left its configured schedule",
+        "plan-changed-on-resume": "a resume changed the run's plan and the schedule with it",
+        "scheduler-not-restored": "at a resume the scheduler's state was not restored",
+        "schedule-restarted": "the schedule started over at a resume",
+        "endless-warmup": "the learning-rate warm-up lasted the whole run",
+    }
     needs = ("steps",)
     defaults = {"tolerance": 0.01, "resume_window": 3, "resume_tolerance": 0.1}
 
@@ -73,6 +81,7 @@ class LRScheduleConformance(Check):
         if not scheduler.get("lr"):
             return [
                 self.finding(
+                    "not-traced",
                     "info",
                     f"learning-rate schedule not judged: the {scheduler.get('class')} schedule could not be traced "
                     "at start (no horizon: pass the run's max_steps in the Recorder's config)",
@@ -143,6 +152,7 @@ class LRScheduleConformance(Check):
             text += f"; {int(zero.sum())} step(s) trained at LR 0 while gradients flowed"
         return [
             self.finding(
+                "off-schedule",
                 "fail",
                 f"the learning rate left its configured schedule at step {s} ({lr[first]:.3g} instead of {expected[first]:.3g}): "
                 f"{text}; check how often scheduler.step() runs per optimizer step and that a resume restores the "
@@ -277,6 +287,7 @@ class LRScheduleConformance(Check):
             if replanned:
                 findings.append(
                     self.finding(
+                        "plan-changed-on-resume",
                         "warn",
                         f"the resume at step {s} changed the run's plan (max_steps {planned[0]:,} -> {planned[1]:,}) and "
                         f"the learning rate with it ({shape}): a schedule rebuilt for the new length starts from the "
@@ -295,6 +306,7 @@ class LRScheduleConformance(Check):
             )
             findings.append(
                 self.finding(
+                    "scheduler-not-restored",
                     "warn",
                     f"at the resume at step {s} {cause} ({shape}): the scheduler's state was not restored from the "
                     "checkpoint; resume with its scheduler.pt (resume_from_checkpoint restores it)",
@@ -330,6 +342,7 @@ class LRScheduleConformance(Check):
             s = int(steps[i])
             findings.append(
                 self.finding(
+                    "schedule-restarted",
                     "warn",
                     f"the learning rate fell at once from {lr[i - 1]:.3g} at step {steps[i - 1]} to {lr[i]:.3g} at step "
                     f"{s} and climbed again along the run's first warm-up ({again:.3g} per step, then {slope:.3g}): the "
@@ -368,6 +381,7 @@ class LRScheduleConformance(Check):
         end = f", then {lr[-1]:.3g} at the last step {steps[-1]:,}" if peak < lr.size - 1 else ""
         return [
             self.finding(
+                "endless-warmup",
                 "warn",
                 f"the learning-rate warm-up lasted the whole run: the LR rose from {lr[0]:.3g} at step {steps[0]:,} to "
                 f"its peak {lr[peak]:.3g} at step {steps[peak]:,}{end}, of {int(planned):,} planned steps, so the run never "

@@ -50,6 +50,11 @@ class TrainableSetConformance(Check):
 
     code = "LOOP-15"
     name = "trainable-set conformance"
+    rules = {
+        "trainable-set-differs": "the trainable set differs from the declared one",
+        "no-gradient": "tensors that require grad got no or zero gradient for several steps",
+        "stale-gradient": "tensors had a gradient bit-identical in norm to the previous step's",
+    }
     needs = ("grad_norms",)
     defaults = {"min_steps": 3, "max_tensors_listed": 20, "chance_expected": 1e-3}
 
@@ -80,6 +85,7 @@ class TrainableSetConformance(Check):
             what.append(f"pattern(s) {unmatched} match no parameter")
         return [
             self.finding(
+                "trainable-set-differs",
                 "fail",
                 f"the trainable set differs from the declared one: {'; '.join(what)}; check the freezing code and "
                 f"the adapter's target modules",
@@ -130,6 +136,7 @@ class TrainableSetConformance(Check):
             listed = [{"tensor": names[c], "gradient": "none" if none_at[c] else "zero"} for c in cols]
             findings.append(
                 self.finding(
+                    "no-gradient",
                     "fail",
                     f"{len(cols)} tensor(s) that require grad got {'no' if none else 'zero'} gradient for {k} steps in a row "
                     f"(through step {steps[row]}), first {names[cols[0]]}; with gradient checkpointing use "
@@ -167,6 +174,7 @@ class TrainableSetConformance(Check):
         first_name = names[int(cols[in_row[0]])]
         return [
             self.finding(
+                "stale-gradient",
                 "fail",
                 f"{in_row.size} tensor(s) had a gradient bit-identical in norm to the previous step's at step "
                 f"{steps[first_row + 1]}, first {first_name} ({affected} step(s); chance would do this "

@@ -45,7 +45,11 @@ class PackingBoundaries(Check):
 
     code = "LOOP-16"
     name = "packing boundaries"
+    rules = {
+        "cross-sample-attention": "packed samples attend to each other",
+    }
     needs = ("batches",)
+    source_needs = ("collator",)
     defaults = {"rows_listed": 5}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
@@ -121,6 +125,7 @@ class PackingBoundaries(Check):
         ignored = " (cu_seq_lens are read by flash attention only)" if first["varlen"] and flash == "false" else ""
         return [
             self.finding(
+                "cross-sample-attention",
                 "fail",
                 f"from step {first['step']} rows hold several samples ({first['samples']} in row {first['sample_id']}) that "
                 f"attend to each other under {attn} attention: {'; '.join(first['causes'])}{ignored} "

@@ -64,6 +64,15 @@ class CrossRankConsistency(Check):
 
     code = "LOOP-17"
     name = "cross-rank consistency"
+    rules = {
+        "rank-missing": "a rank stopped or missed steps while the others went on",
+        "gradients-differ": "replicated gradients differ across ranks",
+        "weights-differ": "data-parallel replicas hold different weights at a save",
+        "data-not-sharded": "ranks trained the same samples",
+        "clip-norm-local": "the framework clipped by a norm it did not compute over all shards",
+        "rank-non-finite-loss": "one rank's local loss became non-finite while the others' stayed finite",
+        "rank-loss-outlier": "one rank's local loss stood far outside the usual spread between ranks",
+    }
     needs = ("steps",)
     defaults = {
         "total_norm_rtol": 1e-3,
@@ -109,6 +118,7 @@ class CrossRankConsistency(Check):
         names = ", ".join(str(r[0]) for r in rows)
         return [
             self.finding(
+                "rank-missing",
                 "fail",
                 f"rank {rank} {'stopped recording after step ' + str(last) if stopped else 'missed step ' + str(first)} "
                 f"while other ranks went on ({missing} step(s) missing; ranks affected: {names}); a dead, hung or "
@@ -153,6 +163,7 @@ class CrossRankConsistency(Check):
         )
         return [
             self.finding(
+                "gradients-differ",
                 "fail",
                 f"replicated gradients differ across ranks at step {first}: rank(s) {', '.join(map(str, ranks))} differ "
                 f"from rank {at_first[0][5]} in {len(at_first)} tensor(s), first {at_first[0][1]}; {cause}",
@@ -183,6 +194,7 @@ class CrossRankConsistency(Check):
         ranks = sorted({r[3] for r in at_first})
         return [
             self.finding(
+                "weights-differ",
                 "fail",
                 f"data-parallel replicas hold different weights at the save of step {step} ({path}): rank(s) "
                 f"{', '.join(map(str, ranks))} differ from rank {at_first[0][4]} in {len(at_first)} tensor(s), first "
@@ -209,6 +221,7 @@ class CrossRankConsistency(Check):
         step, n, ids, ranks, total = rows[0]
         return [
             self.finding(
+                "data-not-sharded",
                 "fail",
                 f"ranks {', '.join(map(str, ranks))} trained the same {n} of {total} sample(s) at step {step} "
                 f"({len(rows)} step(s) affected): the data is not sharded across data-parallel ranks (a "
@@ -243,6 +256,7 @@ class CrossRankConsistency(Check):
         step, rank, logged, reduced, _ = rows[0]
         return [
             self.finding(
+                "clip-norm-local",
                 "fail",
                 f"the framework's total gradient norm at step {step} on rank {rank} was {logged:.4g}, but the whole "
                 f"model's gradient norm (its ranks' pieces reduced) was {reduced:.4g}: the framework clipped by a norm "
@@ -271,6 +285,7 @@ class CrossRankConsistency(Check):
             return []  # every rank at once: nothing to pin to a rank (LOOP-05 reports the non-finite loss)
         return [
             self.finding(
+                "rank-non-finite-loss",
                 "fail",
                 f"the local loss of rank(s) {', '.join(map(str, bad))} became non-finite at step {step} while the other "
                 f"ranks' stayed finite: inspect the batch rank {bad[0]} trained at step {step} and its device; the "
@@ -314,6 +329,7 @@ class CrossRankConsistency(Check):
         others = ", ".join(f"rank {r}'s {np.exp(v):.4g}" for j, (r, v) in enumerate(zip(ranks, y[i])) if j != worst[i])
         return [
             self.finding(
+                "rank-loss-outlier",
                 "warn",
                 f"the local loss of rank {rank} at step {step} was {loss:.4g}, {loss / baseline:.3g}x its own running "
                 f"median ({baseline:.4g}), against {others}: far outside the usual spread between the "

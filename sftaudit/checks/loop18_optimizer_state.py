@@ -77,6 +77,14 @@ class OptimizerState(Check):
 
     code = "LOOP-18"
     name = "optimizer state and weight movement"
+    rules = {
+        "state-not-read": "the optimizer state of checkpoints could not be read",
+        "never-updated": "trainable tensors were never updated by the optimizer",
+        "non-finite-state": "the saved optimizer state is non-finite",
+        "second-moment-jump": "a tensor's gradient scale (Adam's second moment) grew far beyond its peers'",
+        "update-jump": "a tensor moved far more between saves than in the window before",
+        "eps-dominated": "updates are dominated by Adam's eps: gradients smaller than eps",
+    }
     needs = ("checkpoints",)
     defaults = {"moment_jump": 10.0, "movement_jump": 10.0, "eps_share": 0.5, "max_tensors_listed": 20}
 
@@ -150,6 +158,7 @@ class OptimizerState(Check):
                 by_problem.setdefault(s.problem, []).append(s.name)
         return [
             self.finding(
+                "state-not-read",
                 "info",
                 f"{names[0] if len(names) == 1 else f'{len(names)} checkpoints ({names[0]} first)'}: "
                 f"optimizer state not read ({problem})",
@@ -199,6 +208,7 @@ class OptimizerState(Check):
         listed = tensors[: self.params["max_tensors_listed"]]
         return [
             self.finding(
+                "never-updated",
                 "fail",
                 f"{len(tensors)} trainable tensor(s) were never updated by the optimizer up to {newest.name} "
                 f"({listed[0]['tensor']}: {listed[0]['reason']}); check that their gradients reach the optimizer "
@@ -216,6 +226,7 @@ class OptimizerState(Check):
                 first, last, previous = self._window(snapshots, snap)
                 return [
                     self.finding(
+                        "non-finite-state",
                         "fail",
                         f"the optimizer state saved at {snap.name} is non-finite in {len(bad)} tensor(s) "
                         f"({self._label(snap, bad[0])} first): a non-finite gradient reached the optimizer in steps "
@@ -231,12 +242,13 @@ class OptimizerState(Check):
         return []
 
     def _jump(
-        self, message: str, a: Snapshot, b: Snapshot, tensors: list[dict], limit: float, median: float
+        self, rule: str, message: str, a: Snapshot, b: Snapshot, tensors: list[dict], limit: float, median: float
     ) -> Finding:
         """A warn at the first step after save `a`: the listed tensors' ratio between saves `a` and `b` stands
         out from their peers' (`median`)."""
         first = a.step + 1
         return self.finding(
+            rule,
             "warn",
             message,
             step=first,
@@ -279,6 +291,7 @@ class OptimizerState(Check):
             first, last = a.step + 1, b.step
             findings.append(
                 self._jump(
+                    "second-moment-jump",
                     f"the gradient scale of {tensors[0]['tensor']} (from Adam's second moment) grew {tensors[0]['ratio']:.0f}x "
                     f"between {a.name} and {b.name}, its peers' {median:.2g}x"
                     + (f" (with {len(tensors) - 1} more tensor(s))" if len(tensors) > 1 else "")
@@ -314,6 +327,7 @@ class OptimizerState(Check):
         ]
         return [
             self.finding(
+                "eps-dominated",
                 "warn",
                 f"in {len(damped)} tensor(s) ({tensors[0]['tensor']} first, {tensors[0]['eps_share']:.0%} of its elements) "
                 f"the update is dominated by Adam's eps = {eps:g} at {snap.name}: their gradients are smaller than eps, "
@@ -366,6 +380,7 @@ class OptimizerState(Check):
             first, last = a.step + 1, b.step
             return [
                 self._jump(
+                    "update-jump",
                     f"{tensors[0]['tensor']} moved {tensors[0]['ratio']:.0f}x more between {a.name} and {b.name} than in "
                     f"the window before (its peers {median:.2g}x)"
                     + (f", with {len(tensors) - 1} more tensor(s)" if len(tensors) > 1 else "")

@@ -52,6 +52,11 @@ class LossDivergence(Check):
 
     code = "LOOP-19"
     name = "loss divergence"
+    rules = {
+        "worse-than-start": "the loss rose above its start and stayed there through the end",
+        "diverged": "the loss diverged from its running level and stayed up",
+        "climb": "the loss climbed from its best level (a creep while the LR decays, a rise with the LR warm-up)",
+    }
     needs = ("steps",)
     defaults = {
         "sigma": 6.0,
@@ -93,6 +98,7 @@ class LossDivergence(Check):
         rise = int(finite[i:].sum())
         z = float(self._start_z(loss, found)[i])
         return self.finding(
+            "worse-than-start",
             "fail",
             f"loss diverged from step {steps[i]}: {loss[i]:.4g} against {loss[0]:.4g} at the start of the run, and it "
             f"stayed above the start through the end ({rise} logged steps, last {loss[finite][-1]:.4g}); the run "
@@ -118,6 +124,7 @@ class LossDivergence(Check):
         through = s + n == steps.size
         course = "through the end of the run" if through else f"for {n} logged steps before it came back down"
         return self.finding(
+            "diverged",
             "fail",
             f"loss diverged at step {steps[s]} ({loss[s]:.4g}, {loss[s] / level:.3g}x its running level of {level:.4g}) "
             f"and stayed up {course}; resume from a checkpoint before step {steps[s]} and {advice}",
@@ -166,6 +173,7 @@ class LossDivergence(Check):
         )
         return [
             self.finding(
+                "climb",
                 "warn",
                 f"loss climbed {rise['factor']:.3g}x from its best level ({level[lo]:.4g} around step {steps[lo]}) to "
                 f"{level[top]:.4g} around step {steps[top]}, {end}; it rose {why}",

@@ -69,6 +69,15 @@ class ChanceLevelLoss(Check):
 
     code = "LOOP-20"
     name = "loss at chance"
+    rules = {
+        "at-chance": "the loss stayed at chance level through the end",
+        "above-chance": "the loss rose above chance level",
+        "chance-throughout": "the loss sat at chance from its first logged step through the end",
+        "back-to-chance": "the loss went back to chance for a stretch of logged steps",
+        "chance-at-start": "the first logged steps of a pretrained model are at chance",
+        "destroyed": "the loss went above chance after the run had learned: an update destroyed the model",
+        "above-unigram": "the first logged loss of a pretrained language model is above what token frequencies score",
+    }
     needs = ("steps",)
     defaults = {"tolerance": 0.15, "above": 0.15, "min_steps": 100, "min_points": 3, "unigram_share": 0.75}
 
@@ -161,6 +170,7 @@ class ChanceLevelLoss(Check):
                     burst = f" after a gradient-norm burst ({peak:.3g} against a median of {typical:.3g})"
             return [
                 self.finding(
+                    "at-chance",
                     "fail",
                     f"loss went back to chance at step {steps[i]}{burst} and stayed there through the end ({n} logged "
                     f"steps, {loss[i:].min():.4g} .. {loss[i:].max():.4g} against {self._name()}) after reaching "
@@ -175,6 +185,7 @@ class ChanceLevelLoss(Check):
         if i == 0 and n >= -(-loss.size // 2) and trained >= self.params["min_steps"]:
             return [
                 self.finding(
+                    "chance-throughout",
                     "fail",
                     f"loss stayed at chance from step {steps[0]} through the end ({n} logged step(s), {loss[0]:.4g} .. "
                     f"{loss[-1]:.4g} against {self._name()}): the model learned nothing; check that the loss reaches "
@@ -203,6 +214,7 @@ class ChanceLevelLoss(Check):
             if s > 0:
                 return [
                     self.finding(
+                        "back-to-chance",
                         "warn",
                         f"loss went back to chance at steps {steps[s]}-{steps[e]} ({n} logged steps, {loss[s : e + 1].min():.4g} "
                         f".. {loss[s : e + 1].max():.4g} against {self._name()}) after reaching {loss[:s].min():.4g}, then "
@@ -216,6 +228,7 @@ class ChanceLevelLoss(Check):
             if self._ctx["pretrained"] and not self._ctx["chance"]["head"] and not above[s : e + 1].any():
                 return [
                     self.finding(
+                        "chance-at-start",
                         "warn",
                         f"loss is at chance for the first {n} logged step(s) (steps {steps[s]}-{steps[e]}: "
                         f"{', '.join(f'{v:.4g}' for v in loss[s : e + 1][:5])} against {self._name()}) although the run "
@@ -236,6 +249,7 @@ class ChanceLevelLoss(Check):
             if s > 0 and n >= 2:
                 e = s + n - 1
                 return self.finding(
+                    "destroyed",
                     "fail",
                     f"loss went above chance at step {steps[s]} ({loss[s]:.4g}, {loss[s] / loss[s - 1]:.3g}x the "
                     f"{loss[s - 1]:.4g} before it) and stayed above {self._name()} for {n} logged steps: an update "
@@ -256,6 +270,7 @@ class ChanceLevelLoss(Check):
         i = int(rows[0])
         return [
             self.finding(
+                "above-chance",
                 "warn",
                 f"loss {loss[i]:.4g} at step {steps[i]} is above chance ({self._name()}; {rows.size} logged step(s) "
                 f"above it, then {loss[-1]:.4g} at the end): the model was confidently wrong there; check the weights "
@@ -276,6 +291,7 @@ class ChanceLevelLoss(Check):
             return []
         return [
             self.finding(
+                "above-unigram",
                 "warn",
                 f"the first logged loss ({loss[0]:.4g} at step {steps[0]}) is {loss[0] / chance['chance']:.0%} of "
                 f"chance ({self._name()}), above what a model knowing only token frequencies scores (about 70%), although "

@@ -59,6 +59,11 @@ class DegenerateLoss(Check):
 
     code = "LOOP-21"
     name = "degenerate loss"
+    rules = {
+        "zero-loss": "the loss is exactly 0 over several logged steps",
+        "constant-loss": "the loss is the same value at every logged step of a stretch",
+        "negative-loss": "a cross-entropy loss logged below 0",
+    }
     needs = ("steps",)
     defaults = {"min_points": 3, "sigma": 6.0, "alpha": 1e-3, "min_quanta": 100}
 
@@ -105,6 +110,7 @@ class DegenerateLoss(Check):
         i = int(rows[0])
         return [
             self.finding(
+                "negative-loss",
                 "warn",
                 f"the logged loss is negative at step {steps[i]} ({loss[i]:.4g}; {rows.size} logged step(s) below 0, "
                 f"down to {loss[rows].min():.4g}): no cross-entropy is; the logged number is not the loss the run "
@@ -162,6 +168,7 @@ class DegenerateLoss(Check):
                 f"a lower learning rate"
             )
         return self.finding(
+            "zero-loss" if zero else "constant-loss",
             "fail",
             message,
             step=steps[s],

@@ -123,6 +123,10 @@ class LearningRateRange(Check):
 
     code = "LOOP-22"
     name = "learning-rate range"
+    rules = {
+        "zero-learning-rate": "the learning rate is 0 at every logged step",
+        "peak-too-high": "the peak learning rate is above any sane range for the optimizer",
+    }
     needs = ("steps",)
     defaults = {"adam_limit": FAMILY_LIMITS["adam"], "sgd_limit": FAMILY_LIMITS["sgd"]}
 
@@ -137,6 +141,7 @@ class LearningRateRange(Check):
         if lr.max() <= 0:
             return [
                 self.finding(
+                    "zero-learning-rate",
                     "fail",
                     f"the learning rate is {lr.max():.3g} at every logged step ({lr.size}): nothing is trained; "
                     "check the scheduler (a warmup that never ends, a decay that starts at 0) and the optimizer's lr",
@@ -166,6 +171,7 @@ class LearningRateRange(Check):
         )
         return [
             self.finding(
+                "peak-too-high",
                 "fail" if peak > 10 * limit else "warn",
                 f"peak learning rate {peak:.3g} (step {steps[i]}) is above any sane range for {which}: "
                 f"{'Adam-style' if family == 'adam' else 'SGD-style'} fine-tunes stay at or below {limit:g}, usually "

@@ -34,6 +34,9 @@ class TrainEvalRatio(Check):
 
     code = "LOOP-23"
     name = "train/eval loss ratio"
+    rules = {
+        "train-above-eval": "the training loss is far above the eval loss",
+    }
     needs = ("steps", "metrics")
     defaults = {"max_ratio": 3.0}
 
@@ -64,6 +67,7 @@ class TrainEvalRatio(Check):
         accumulation = run_config(ctx.manifest).get("gradient_accumulation_steps")
         return [
             self.finding(
+                "train-above-eval",
                 "warn",
                 f"the logged training loss is {median:.1f}x the eval loss over the later evaluations (e.g. {train[-1]:.4g} "
                 f"against {ev[-1]:.4g} at step {at[-1]}); no over-fitting makes training loss the higher one by that much: "

@@ -39,7 +39,15 @@ class StoppedEarly(Check):
 
     code = "LOOP-24"
     name = "run ended before its plan"
+    rules = {
+        "guard-stopped": "sftaudit's guard stopped the run before its plan",
+        "closed-early": "the run closed before its plan: stopped on purpose",
+        "stopped-early": "the run stopped before its plan: crashed, killed or interrupted",
+        "stopped-on-request": "the Trainer was told to stop before its plan",
+        "no-log-after-checkpoint": "the log ends before the plan with a checkpoint and no later log",
+    }
     needs = (("steps", "metrics", "checkpoints"),)
+    source_needs = ("planned_length", "log_end")
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         config = run_config(ctx.manifest)
@@ -81,6 +89,7 @@ class StoppedEarly(Check):
             kept = f"; {halted['kept_from']} was kept as {halted['kept']}" if halted.get("kept") else ""
             return [
                 self.finding(
+                    "guard-stopped",
                     "warn",
                     f"sftaudit's guard stopped the run at step {last:,} of {planned:,} planned ({share:.0%}): "
                     f"{halted.get('reason')}{kept}; it did not complete: fix the cause and resume from a checkpoint "
@@ -92,6 +101,7 @@ class StoppedEarly(Check):
         if closed:
             return [
                 self.finding(
+                    "closed-early",
                     "info",
                     f"the run closed at step {last:,} of {planned:,} planned ({share:.0%}): it was stopped on purpose "
                     "(an early stop or a shortened run)",
@@ -105,6 +115,7 @@ class StoppedEarly(Check):
                 return found
         return [
             self.finding(
+                "stopped-early",
                 "warn",
                 f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%})"
                 + (" and did not close" if not imported else "")
@@ -129,6 +140,7 @@ class StoppedEarly(Check):
             )
             return [
                 self.finding(
+                    "stopped-on-request",
                     "info",
                     f"the run stopped at step {last:,} of {planned:,} planned ({share:.0%}) because the Trainer was told "
                     f"to ({by}): it was stopped on purpose",
@@ -142,6 +154,7 @@ class StoppedEarly(Check):
             return []
         return [
             self.finding(
+                "no-log-after-checkpoint",
                 "warn",
                 f"the log ends at step {last:,} of {planned:,} planned ({share:.0%}), with {at['checkpoint']}: this folder "
                 "holds no log written after that checkpoint (no trainer_state.json at its top, no trainer_log.jsonl or "

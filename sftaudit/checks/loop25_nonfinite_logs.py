@@ -57,6 +57,15 @@ class NonFiniteLogs(Check):
 
     code = "LOOP-25"
     name = "non-finite logged values"
+    rules = {
+        "non-finite-loss": "the logged loss became non-finite",
+        "skipped-streak": "the optimizer skipped several logged steps in a row (non-finite at any loss scale)",
+        "skipped-steps": "the fp16 loss scaler skipped steps whose gradient norm was non-finite",
+        "last-grad-norm-non-finite": "the gradient norm logged at the last step is non-finite",
+        "non-finite-grad-norm": "the gradient norm is non-finite from a step through the end",
+        "non-finite-metric-to-end": "a logged metric is non-finite from a step through the end",
+        "non-finite-metric": "a logged metric (eval or preference statistic) is non-finite at a step",
+    }
     needs = ("steps",)
     uses = ("metrics",)
     defaults = {"skip_streak": 5, "start_skips": 16, "max_steps_listed": 20}
@@ -88,6 +97,7 @@ class NonFiniteLogs(Check):
         recovered = bool(np.isfinite(loss[first:]).any())
         return [
             self.finding(
+                "non-finite-loss",
                 "fail",
                 f"loss became non-finite at step {steps[first]} ({rows.size} logged step(s) through {steps[rows[-1]]}"
                 + ("; finite again later: those updates were skipped or the loss alone overflowed" if recovered else "")
@@ -115,6 +125,7 @@ class NonFiniteLogs(Check):
             if n >= limit:
                 findings.append(
                     self.finding(
+                        "skipped-streak",
                         "fail",
                         f"the optimizer skipped {n} logged steps in a row from step {steps[s]} to {steps[s + n - 1]} (gradient "
                         f"norm non-finite at each, finite again after): nothing was trained there, and the gradients are "
@@ -130,6 +141,7 @@ class NonFiniteLogs(Check):
         share = rows.size / steps.size
         findings.append(
             self.finding(
+                "skipped-steps",
                 "info",
                 f"the optimizer skipped {rows.size} logged step(s) whose gradient norm was non-finite (first at step "
                 f"{steps[rows[0]]}; {int(held.sum())} with the learning rate held): the fp16 loss scaler lowering its scale; "
@@ -149,6 +161,7 @@ class NonFiniteLogs(Check):
         if first == steps.size - 1:
             return [
                 self.finding(
+                    "last-grad-norm-non-finite",
                     "warn",
                     f"the gradient norm logged at the last step ({steps[first]}) is non-finite: the log cannot tell whether "
                     f"that update reached the weights; check the saved weights for NaN before using them",
@@ -166,6 +179,7 @@ class NonFiniteLogs(Check):
         )
         return [
             self.finding(
+                "non-finite-grad-norm",
                 "fail",
                 f"the gradient norm is non-finite from step {steps[first]} through the end ({rows.size} logged steps){why}: "
                 f"that update reached the weights, which are non-finite from then on; resume from a checkpoint before "
@@ -208,6 +222,7 @@ class NonFiniteLogs(Check):
         )
         findings = [
             self.finding(
+                "non-finite-metric-to-end",
                 "fail",
                 f"the logged {r['name']} is non-finite at every logged step from step {r['first']} through the end "
                 f"({r['n']} logged steps, last at step {r['last']}): {_what_broke(r['name'])}; resume from a "
@@ -231,6 +246,7 @@ class NonFiniteLogs(Check):
             )
             findings.append(
                 self.finding(
+                    "non-finite-metric",
                     "warn",
                     f"logged {_listed(names)} {'is' if len(names) == 1 else 'are'} non-finite at step {r['step']} "
                     f"({', '.join(f'{n} {v}' for n, v in zip(names[:4], r['vals'][:4]))}): {_what_broke(names[0])}"

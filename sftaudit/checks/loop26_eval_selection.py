@@ -74,6 +74,11 @@ class EvalSelection(Check):
 
     code = "LOOP-26"
     name = "eval metrics and selection"
+    rules = {
+        "best-before-end": "the selection metric was best mid-run and worse to the end",
+        "eval-loss-rose": "eval_loss rose while the selection metric did not worsen",
+        "metric-degenerate": "an eval metric sits at a degenerate level at the last evaluation",
+    }
     needs = ("metrics",)
     defaults = {"error_rate_level": 0.95, "chance_margin": 0.05}
 
@@ -142,6 +147,7 @@ class EvalSelection(Check):
                 f"config, the tokenizer that decodes them, labels with -100 replaced) as well"
             )
         return self.finding(
+            "best-before-end",
             "warn",
             f"{metric} was best at step {steps[b]} ({values[b]:.4g}) and {shape}: every evaluation to the end is worse "
             f"by more than its noise band ({band:.3g}; last {values[-1]:.4g}){contradiction}; ship the checkpoint "
@@ -166,6 +172,7 @@ class EvalSelection(Check):
         b, t = turned
         return [
             self.finding(
+                "eval-loss-rose",
                 "info",
                 f"eval_loss rose from its best {loss[b]:.4g} at step {loss_steps[b]} (worse by more than its noise band "
                 f"from step {loss_steps[t]}; last {loss[-1]:.4g}) while {metric}, the metric the run selects checkpoints "
@@ -235,6 +242,7 @@ class EvalSelection(Check):
             )
             out.append(
                 self.finding(
+                    "metric-degenerate",
                     "fail",
                     f"{key} is {values[-1]:.4g} at the last evaluation, {what}; it has been there since step {steps[i]}"
                     f"{falling}",

@@ -47,6 +47,10 @@ class LoggedGradientNormSpike(Check):
 
     code = "LOOP-27"
     name = "logged gradient-norm spike"
+    rules = {
+        "spike": "the logged gradient norm spiked against its running level and came back down",
+        "first-norm": "the first logged gradient norm is far above the rest",
+    }
     needs = ("steps",)
     defaults = {"sigma": 6.0, "min_effect": 10.0, "diverge_steps": 5, "first_factor": 100.0, "max_listed": 20}
 
@@ -83,6 +87,7 @@ class LoggedGradientNormSpike(Check):
             )
             findings.append(
                 self.finding(
+                    "spike",
                     "warn",
                     f"the logged gradient norm spiked at step {steps[s]} to {norm[s]:.4g}, {effect:.3g}x its running level "
                     f"of {level:.4g} (z {found['z'][s]:.1f} against the run's own step-to-step noise, threshold "
@@ -110,6 +115,7 @@ class LoggedGradientNormSpike(Check):
             return []
         return [
             self.finding(
+                "first-norm",
                 "warn",
                 f"the gradient norm logged at step {steps[0]} ({norm[0]:.4g}) is {_times(ratio)} the median of the "
                 f"{min(FIRST_COMPARED, norm.size - 1)} logged after it ({rest:.3g}): the first updates' gradients were outsized (an fp16 overflow, labels or a "

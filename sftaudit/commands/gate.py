@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import tomllib
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..checks import registered_checks
 from ..checks.base import SEVERITIES, AuditContext
+from ..checks.loop09_checkpoint_integrity import CheckpointIntegrity
 from ..checks.resume_state import (
-    cannot_resume,
     inspected,
     inspection_options,
     missing_state,
@@ -37,8 +37,9 @@ from ..checks.resume_state import (
 from ..core.terminal import json_safe, shown, xml_text
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
+from ..schema.findings import Finding
 from ..store.rundb import connect, load_manifest
-from ..verdict.attribution import findings_up_to
+from ..verdict.attribution import findings_up_to, unusable
 from ..verdict.audit import audited, unjudged_reason
 from ..verdict.config import AuditConfig, read_small_text
 
@@ -218,24 +219,25 @@ def gate(
             f"(rotated out or deleted)"
         )
     checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
-    considered = findings_up_to(verdict["findings"], target["name"], target["step"])
+    considered = findings_up_to([Finding.from_dict(f) for f in verdict["findings"]], target["name"], target["step"])
     if target["name"] in lacking and not any(
-        f["code"] == "LOOP-09" and f["scope"] == "checkpoint" and "missing_state" in f["evidence"] for f in considered
+        f.code == CheckpointIntegrity.code and f.scope == "checkpoint" and "missing_state" in f.evidence
+        for f in considered
     ):
-        # The policy's rule is LOOP-09's `require_resume_state` for this checkpoint: its failure, as LOOP-09 words it.
-        considered.append(
-            {
-                "code": "LOOP-09",
-                "severity": "fail",
-                "step": target["step"],
-                "checkpoint": target["name"],
-                "message": cannot_resume(target["name"], lacking[target["name"]]),
-                "evidence": {"missing_state": lacking[target["name"]]},
-                "category": "risk",
-                "scope": "checkpoint",
-            }
+        # The policy's rule is LOOP-09's `require_resume_state` for this checkpoint: its failure, as LOOP-09 makes it.
+        made = CheckpointIntegrity(**config.check_options.get(CheckpointIntegrity.code, {})).resume_state_finding(
+            target["name"], target["step"], lacking[target["name"]]
         )
-    return GateResult(verdict["run"], {k: target[k] for k in ("name", "step", "path")}, policy, considered, checks)
+        considered.append(replace(made, scope="checkpoint"))
+    # A checkpoint a finding says cannot be used at all (a logs-only copy's: no weights) fails whatever the severity.
+    considered = [replace(f, severity="fail") if target["name"] in unusable(f) else f for f in considered]
+    return GateResult(
+        verdict["run"],
+        {k: target[k] for k in ("name", "step", "path")},
+        policy,
+        [f.to_dict() for f in considered],
+        checks,
+    )
 
 
 def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[str]]:
@@ -244,7 +246,7 @@ def resume_state_lacking(run_dir: Path, config: AuditConfig) -> dict[str, list[s
     con = connect(run_dir, read_only=True)
     try:
         ctx = AuditContext(con, run_dir, load_manifest(con))
-        options = inspection_options(config.check_options.get("LOOP-09", {}))
+        options = inspection_options(config.check_options.get(CheckpointIntegrity.code, {}))
         return missing_state(ctx, inspected(ctx, saved_checkpoints(ctx), **options))
     finally:
         con.close()

@@ -1,7 +1,7 @@
 """`sftaudit.open(RUN_DIR)`: a run's audit database as polars frames, for a notebook.
 
     run = sftaudit.open("runs/demo-nan")
-    run.verdict["first_anomalous_step"]          # the verdict, as verdict.json has it
+    run.verdict.first_anomalous_step              # the verdict, typed (`.to_dict()`: as verdict.json has it)
     run.steps.filter(pl.col("loss").is_nan())     # polars; .to_pandas() where pandas is wanted
     run.grad_norms                                # long: step, rank, tensor, norm
     run.sql("SELECT tensor, max(norm) FROM grad_norms GROUP BY tensor")
@@ -20,6 +20,7 @@ from typing import Any
 import polars as pl
 
 from ..errors import InputError
+from ..schema.verdict import Verdict
 from ..store.rundb import connect, inside_run_folder
 from ..verdict.audit import audited
 from ..verdict.config import AuditConfig
@@ -57,10 +58,11 @@ class AuditedRun:
                 con.close()
 
     @property
-    def verdict(self) -> dict[str, Any]:
-        """The verdict (as verdict.json has it), audited again when new records arrived."""
+    def verdict(self) -> Verdict:
+        """The verdict (`sftaudit.schema.verdict.Verdict`; `.to_dict()` is verdict.json), audited again when new
+        records arrived."""
         with audited(self.run_dir, self.config, judge="if_stale") as done:
-            return done.verdict
+            return Verdict.from_dict(done.verdict)
 
     @property
     def steps(self) -> pl.DataFrame:

@@ -27,9 +27,9 @@ DATASET_SOURCE = "dataset (preflight path)"
 DATASET_STEP = 0  # the dataset's batches: before any training step (the run's order is unknown)
 DATASET_KINDS = ("batches", "samples")
 # Checks that read the batches but judge what only the run's own batches carry.
-DATASET_UNJUDGED = {
-    "LOOP-13": "the dataset given with --data has no loss per micro-batch: the run's own batches were not recorded",
-    "LOOP-16": "the run's collator (packing or not) is not on disk: the dataset given with --data was collated "
+DATASET_LACKS = {
+    "micro_batch_loss": "the dataset given with --data has no loss per micro-batch: the run's own batches were not recorded",
+    "collator": "the run's collator (packing or not) is not on disk: the dataset given with --data was collated "
     "by the standard completion-only collator",
 }
 

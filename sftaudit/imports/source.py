@@ -37,7 +37,7 @@ class SourceLog:
     number under its own name, as floats). ``plan``: the `PLAN_KEYS` the source recorded (absent: not recorded).
     ``identity``: the run's name or id and its configuration (``config``: the arguments; ``model_config``).
     ``fields``: a Trainer state's other fields (``best_metric``, ``stateful_callbacks``, ...). ``lacks``: evidence this
-    source cannot hold, {check code: why, in words}. ``skipped``: records that could not be read and were skipped,
+    source cannot hold, {kind: why, in words}, the kinds from `schema.records.LACKS` (never a check's code). ``skipped``: records that could not be read and were skipped,
     ``{"file", "lines", "of"}`` per file (the evidence coverage counts them). ``records``: how many records (lines,
     events) the files held, logged numbers or not. ``ignored``: values of the plan (or of the Trainer state's
     ``global_step``) that are no number where one belongs (NaN, Infinity, text, a list), {field: the value as

@@ -41,8 +41,8 @@ from ..core.safe_io import LFS_HINT, UnsafeFile, is_lfs_pointer, open_regular, r
 from ..errors import InputError
 from .dataset import (
     DATASET_KINDS,
+    DATASET_LACKS,
     DATASET_SOURCE,
-    DATASET_UNJUDGED,
     dataset_description,
     dataset_records,
     failure_events,
@@ -327,7 +327,7 @@ def import_run(
                 checkpoints, timeline, starts[seg - 1]
             )
         if refused:  # the tokenizer the run saved is not used: the checks that need it say why
-            manifest["unjudged"].update({code: refused for code in ("LOOP-01", "LOOP-02")})
+            manifest["lacks"]["tokenizer"] = refused
         records["manifest"].append(manifest)
         records["events"].append({"seg": seg, "kind": "start", "time": state["mtime"]})
     write(run_dir, records, {"steps": steps, "metrics": metrics})
@@ -765,7 +765,7 @@ def _manifest(
         | ({k: DATASET_SOURCE for k in DATASET_KINDS} if dataset else {}),
         "dataset": {k: v for k, v in dataset.items() if k != "failures"} if dataset else None,
         # What the log cannot hold, when it is the only log (a Trainer state beside it holds it).
-        "unjudged": (DATASET_UNJUDGED if dataset else {}) | (log.lacks if log and source == log.provenance else {}),
+        "lacks": (DATASET_LACKS if dataset else {}) | (log.lacks if log and source == log.provenance else {}),
         "schedule": {},
         "started": None,
         "versions": {"transformers": (model.get("config") or {}).get("transformers_version")},

@@ -1,7 +1,7 @@
 """SARIF 2.1.0 from a verdict: the audit where code-scanning views show lint.
 
-One rule per registered check (id `LOOP-NN`, its name, its docstring's summary and "What it detects",
-a link to its docs page); one result per warn/fail finding, `error` for fail and `warning` for warn,
+One rule per rule id of a registered check (id `LOOP-NN/slug`, the rule's one line, the check's docstring as
+its help, a link to the check's docs page); one result per warn/fail finding, under its rule id, `error` for fail and `warning` for warn,
 located at the artifact file the check read (the checkpoint folder for a checkpoint finding) with a
 logical location naming the step and tensor. Checks that did not run, or judged only part of the
 run's evidence, are the invocation's notifications (with the reason), never passing results.
@@ -40,18 +40,19 @@ EVIDENCE_FILES = {
 def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     """The verdict as one SARIF run, each rule linking its check's documentation page."""
     checks = registered_checks()
-    index = {c.code: i for i, c in enumerate(checks)}
-    rules = [_rule(c) for c in checks]
+    rules = [_rule(c, slug) for c in checks for slug in c.rules]
+    index = {r["id"]: i for i, r in enumerate(rules)}
+    known = {c.code for c in checks}
     files = {c.code: _artifact(c) for c in checks}
-    results = [_result(f, index, files) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in index]
+    results = [_result(f, index, files) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in known]
     notes = [
         {
             "level": "error" if c["status"] == "error" else "note",
             "message": {"text": f"{c['code']} {c['status'].replace('_', ' ')}: {c['reason']}"},
-            "descriptor": {"id": c["code"], "index": index[c["code"]]},
+            "descriptor": {"id": c["code"]},
         }
         for c in verdict.get("checks", [])
-        if c["status"] in ("not_run", "partial", "error") and c["code"] in index
+        if c["status"] in ("not_run", "partial", "error") and c["code"] in known
     ]
     if verdict.get("cannot_judge"):
         notes.append({"level": "error", "message": {"text": f"the run cannot be judged: {verdict['cannot_judge']}"}})
@@ -82,17 +83,17 @@ def write_sarif(verdict: dict[str, Any], run_dir: str | Path, path: str | Path) 
     return path
 
 
-def _rule(check) -> dict[str, Any]:
+def _rule(check, slug: str) -> dict[str, Any]:
     doc = check_doc(check)
     detects = dict(doc["sections"]).get("What it detects", doc["summary"])
     return {
-        "id": check.code,
-        "name": check.name.title().replace(" ", "").replace("-", ""),
-        "shortDescription": {"text": doc["summary"]},
-        "fullDescription": {"text": detects},
+        "id": f"{check.code}/{slug}",
+        "name": "".join(w.title() for w in f"{check.name} {slug}".replace("-", " ").split()),
+        "shortDescription": {"text": check.rules[slug]},
+        "fullDescription": {"text": f"{check.rules[slug]}. {check.code} ({check.name}): {detects}"},
         "helpUri": check_page(check.code),
         "help": {"text": "\n\n".join(f"{name}: {body}" for name, body in doc["sections"])},
-        "properties": {"name": check.name},
+        "properties": {"name": check.name, "check": check.code},
     }
 
 
@@ -117,9 +118,10 @@ def _result(finding: dict[str, Any], index: dict[str, int], files: dict[str, str
     location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri, "uriBaseId": RUN_BASE}}}
     if logical:
         location["logicalLocations"] = logical
+    rule = finding.get("rule") or finding["code"]  # a verdict stored before rule ids names the check alone
     return {
-        "ruleId": finding["code"],
-        "ruleIndex": index[finding["code"]],
+        "ruleId": rule,
+        **({"ruleIndex": index[rule]} if rule in index else {}),
         "level": LEVELS[finding["severity"]],
         "message": {"text": finding["message"]},
         "locations": [location],

@@ -59,14 +59,36 @@ RNG_PARTS = {"python": ("python",), "numpy": ("numpy",), "torch": ("torch", "cpu
 # Parts every exact resume needs; the scheduler and the collator's state only where the run has them.
 ALWAYS_NEEDED = ("step", "optimizer", "rng_states", "data_position")
 
+# What reading a checkpoint can find wrong, by kind: LOOP-09 declares each as one of its rules.
+PROBLEMS = {
+    "outside-run": "the checkpoint was saved outside the run folder and was not read",
+    "not-on-disk": "the checkpoint was rotated out or deleted",
+    "file-refused": "a checkpoint file is not a regular file inside the run folder",
+    "lfs-pointers": "checkpoint files are Git LFS pointers, not the weights",
+    "changed-since-save": "files changed or vanished since the shim hashed them at save",
+    "non-finite": "the saved weights hold non-finite values",
+    "empty-adapter": "the adapter file holds no tensors",
+    "adapter-mismatch": "the saved adapter does not match the adapter's target modules",
+    "lora-rank": "LoRA matrices do not have the configured rank",
+    "lora-b-zero": "every lora_B matrix is still zero after training",
+    "tied-weights-differ": "tied input and output embeddings were saved different",
+    "keys-mismatch": "the saved keys do not match the model's parameters",
+    "shape-mismatch": "tensors were saved with the wrong shape",
+    "dtype-mismatch": "tensors were saved in another dtype than the rest",
+    "unsafe-pickle": "a pickle would import something a checkpoint does not need",
+    "unreadable": "a checkpoint file cannot be read",
+    "no-weights": "the checkpoint holds no model weights",
+}
+
 
 @dataclass
 class Inspection:
-    """What reading one checkpoint found: problems (severity, message, evidence) and tensor digests."""
+    """What reading one checkpoint found: problems (kind, severity, message, evidence) and tensor digests. The kind
+    names the problem for LOOP-09's rules (`PROBLEMS`)."""
 
     name: str
     step: int
-    problems: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    problems: list[tuple[str, str, str, dict[str, Any]]] = field(default_factory=list)
     digests: dict[str, str] | None = None  # None: the weights could not be read
     on_disk: bool = True
     state_found: list[str] | None = None  # training-state parts its files hold (None: not read)
@@ -76,7 +98,7 @@ class Inspection:
 
     @property
     def passes(self) -> bool:
-        return self.on_disk and not any(sev in ("warn", "fail") for sev, _, _ in self.problems)
+        return self.on_disk and not any(sev in ("warn", "fail") for _, sev, _, _ in self.problems)
 
 
 def inspect_checkpoint(
@@ -121,6 +143,7 @@ class _Inspector:
         except CheckpointError as exc:
             out.problems.append(
                 (
+                    "outside-run",
                     "fail",
                     f"{name} was saved outside the run directory and was not read ({exc})",
                     {"path": checkpoint["path"]},
@@ -132,6 +155,7 @@ class _Inspector:
             out.on_disk = False
             out.problems.append(
                 (
+                    "not-on-disk",
                     "info",
                     f"{name} is no longer on disk (rotated out or deleted); it cannot be rolled back to",
                     {"path": checkpoint["path"]},
@@ -144,6 +168,7 @@ class _Inspector:
         if refused:
             out.problems.append(
                 (
+                    "file-refused",
                     "fail",
                     f"{name}: {refused[0]}; the checkpoint was not read (copy the real file "
                     f"into the checkpoint folder)",
@@ -157,6 +182,7 @@ class _Inspector:
             names = listed([str(f.relative_to(path)) if path.is_dir() else f.name for f in pointers], 3)
             out.problems.append(
                 (
+                    "lfs-pointers",
                     "warn",
                     f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
                     f"({names}): run `git lfs pull` in the clone, then audit again; until then "
@@ -206,6 +232,7 @@ class _Inspector:
         if changed:
             out.problems.append(
                 (
+                    "changed-since-save",
                     "fail",
                     f"{out.name}: {len(changed)} file(s) changed or vanished since the shim "
                     f"hashed them at save, first {changed[0]}; do not trust this checkpoint",
@@ -218,23 +245,35 @@ class _Inspector:
             weights = read_weights(path, self.options.trusted_pickle_globals)
         except UnsafePickle as exc:
             rel = self._rel(path, exc.file)
-            out.problems.append(("fail", _unsafe_message(rel, exc.imports), {"file": rel, "imports": exc.imports}))
+            out.problems.append(
+                ("unsafe-pickle", "fail", _unsafe_message(rel, exc.imports), {"file": rel, "imports": exc.imports})
+            )
             out.unread.add(exc.file.name)
             return None
         except FileError as exc:
             rel = self._rel(path, exc.file)
             out.problems.append(
-                ("fail", f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded", {"file": rel})
+                (
+                    "unreadable",
+                    "fail",
+                    f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
+                    {"file": rel},
+                )
             )
             out.unread.add(exc.file.name)
             return None
         except MissingWeights as exc:
             out.problems.append(
-                ("warn", f"{out.name}: {exc}: it cannot be verified or rolled back to", {"file": path.name})
+                (
+                    "no-weights",
+                    "warn",
+                    f"{out.name}: {exc}: it cannot be verified or rolled back to",
+                    {"file": path.name},
+                )
             )
             return None
         except (CheckpointError, OSError) as exc:
-            out.problems.append(("fail", f"{out.name}: {exc}", {"file": path.name}))
+            out.problems.append(("unreadable", "fail", f"{out.name}: {exc}", {"file": path.name}))
             return None
         out.digests = {n: s.digest for n, s in weights.scans.items()}
         entries, scans, params = weights.tensors, weights.scans, checkpoint["params"]
@@ -252,6 +291,7 @@ class _Inspector:
         if bad:
             out.problems.append(
                 (
+                    "non-finite",
                     "fail",
                     f"{out.name} holds non-finite values in {len(bad)} tensor(s), first "
                     f"{bad[0]['tensor']} ({bad[0]['nonfinite_elements']} element(s)); do not resume "
@@ -272,6 +312,7 @@ class _Inspector:
         if not entries:
             out.problems.append(
                 (
+                    "empty-adapter",
                     "fail",
                     f"{out.name}: the adapter file holds no tensors; the trained adapter was "
                     f"not saved (a state_dict filter applied twice keeps nothing)",
@@ -297,6 +338,7 @@ class _Inspector:
         if missing or untargeted:
             out.problems.append(
                 (
+                    "adapter-mismatch",
                     "fail",
                     f"{out.name} does not match the adapter: {len(missing)} trained LoRA "
                     f"matrices missing and {len(untargeted)} key(s) outside target_modules "
@@ -307,6 +349,7 @@ class _Inspector:
         if wrong_rank:
             out.problems.append(
                 (
+                    "lora-rank",
                     "fail",
                     f"{out.name}: {len(wrong_rank)} LoRA matrices do not have the rank r={rank} "
                     f"of adapter_config.json, first {wrong_rank[0]['tensor']} {wrong_rank[0]['shape']}",
@@ -317,6 +360,7 @@ class _Inspector:
         if b and step > 0 and all(scans[n].all_zero for n in b):
             out.problems.append(
                 (
+                    "lora-b-zero",
                     "fail",
                     f"{out.name}: every lora_B matrix ({len(b)}) is still zero after {step} "
                     f"step(s), so the adapter changes nothing; the LoRA parameters were not trained "
@@ -339,6 +383,7 @@ class _Inspector:
         if weights.scans[head].digest != weights.scans[embed].digest:
             out.problems.append(
                 (
+                    "tied-weights-differ",
                     "fail",
                     f"{out.name}: the config ties {head} to {embed} "
                     f"(tie_word_embeddings) but the saved tensors differ; a reload overwrites one with "
@@ -358,6 +403,7 @@ class _Inspector:
             first = (missing or unexpected)[0]
             out.problems.append(
                 (
+                    "keys-mismatch",
                     "fail",
                     f"{out.name} does not match the model: {len(missing)} missing and "
                     f"{len(unexpected)} unexpected key(s), first {first}; a strict load fails and a "
@@ -374,6 +420,7 @@ class _Inspector:
         if wrong:
             out.problems.append(
                 (
+                    "shape-mismatch",
                     "fail",
                     f"{out.name}: {len(wrong)} tensor(s) have the wrong shape, first "
                     f"{wrong[0]['tensor']} {wrong[0]['shape']} instead of {wrong[0]['expected']}",
@@ -395,6 +442,7 @@ class _Inspector:
         if stray:
             out.problems.append(
                 (
+                    "dtype-mismatch",
                     "fail",
                     f"{out.name}: {len(stray)} tensor(s) not saved as {expected}, first "
                     f"{stray[0]['tensor']} as {stray[0]['dtype']}; cast consistently before saving",
@@ -424,15 +472,22 @@ class _Inspector:
                 contents = read_pickle(f)
             except UnreadablePickle as exc:
                 out.problems.append(
-                    ("fail", f"{rel}: {str(exc).partition(': ')[2]}", {"file": rel, "imports": exc.imports})
+                    (
+                        "unreadable",
+                        "fail",
+                        f"{rel}: {str(exc).partition(': ')[2]}",
+                        {"file": rel, "imports": exc.imports},
+                    )
                 )
                 continue
             except CheckpointError as exc:
-                out.problems.append(("fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
+                out.problems.append(("unreadable", "fail", f"{rel} cannot be inspected: {exc}", {"file": rel}))
                 continue
             unsafe = contents.unsafe_globals(self.options.trusted_pickle_globals)
             if unsafe:
-                out.problems.append(("fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe}))
+                out.problems.append(
+                    ("unsafe-pickle", "fail", _unsafe_message(rel, unsafe), {"file": rel, "imports": unsafe})
+                )
                 continue
             pickles[f.name] = contents
         if weights and weights.state_keys:

@@ -1,1 +1,2 @@
-"""The published contracts: the artifact records (`records`) and verdict.json (``verdict.schema.json``)."""
+"""The published contracts: the artifact records (`records`), a finding and its evidence (`findings`) and
+verdict.json (`verdict`, from which ``verdict.schema.json`` is generated)."""

@@ -18,6 +18,17 @@ from dataclasses import dataclass
 SHIM, IMPORT, DATASET = "shim", "import", "dataset"
 ALL = (SHIM, IMPORT, DATASET)
 
+# What an imported run's source can lack, as the manifest's `lacks` names it (kind -> why, in the source's words).
+# A check lists the kinds it cannot judge without (`Check.source_needs`): it is then not_run with those words.
+LACKS = {
+    "grad_norm": "the gradient norm of each step",
+    "micro_batch_loss": "the loss of each micro-batch",
+    "collator": "the run's collator (packing or not)",
+    "tokenizer": "a tokenizer sftaudit can load",
+    "planned_length": "the run's planned length (max_steps, or epochs and steps per epoch)",
+    "log_end": "the log up to where training stopped",
+}
+
 
 @dataclass(frozen=True)
 class Field:
@@ -221,7 +232,14 @@ MANIFEST = RecordKind(
         ),
         Field("granularity", "JSON", "`logging_steps`, `save_steps`, `eval_steps`", (IMPORT,), True),
         Field("sources", "JSON", "evidence kind -> where it came from", (IMPORT,), True),
-        Field("unjudged", "JSON", "check code -> why the audit reports it `not_run`", (IMPORT,), True),
+        Field(
+            "lacks",
+            "JSON",
+            "evidence the run's source cannot hold (a kind of `LACKS`: grad_norm, planned_length, ...) -> "
+            "why, in words; the checks that need it report `not_run` with them",
+            (IMPORT,),
+            True,
+        ),
         Field(
             "vocab_size",
             "BIGINT",

@@ -701,7 +701,7 @@ def _manifest_problem(m) -> str | None:
         ("config", dict),
         ("model", dict),
         ("dataset", dict),
-        ("unjudged", dict),
+        ("lacks", dict),
         ("sources", dict),
         ("argv", list),
     ):

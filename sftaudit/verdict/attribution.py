@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..checks.base import SEVERITY_RANK, Finding
 from ..checks.selection_metric import better
 from ..core.artifacts import SCHEMA_VERSION
+from ..schema.findings import SEVERITY_RANK, Finding
+from ..schema.verdict import ChainLink, CheckError, CheckpointVerdict, EvidenceCoverage, Keep, Verdict
 from .config import DEFAULT_ROLLBACK_MARGIN
 
 # Findings within this many steps of the first anomalous step form its chain (what fired around it).
@@ -53,115 +54,113 @@ def build_verdict(
     rollback_margin: int = DEFAULT_ROLLBACK_MARGIN,
     evidence: dict[str, Any] | None = None,
     selection: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> Verdict:
     """The run's verdict; "unjudged" (never pass) when the evidence says it cannot be judged. `selection` is the
     run's selection metric with its evaluations (`checks.selection_metric.run_selection_series`): what the kept
     checkpoint is chosen on."""
     # Findings a check already tied to a checkpoint (LOOP-09) are about that checkpoint alone
     # (scope "checkpoint"); the rest are about the run, up to the step they happened (scope "run").
-    about_checkpoint = [f for f in findings if f.checkpoint is not None]
-    about_run = attribute([f for f in findings if f.checkpoint is None], checkpoints)
-    scoped = [(f, "checkpoint") for f in about_checkpoint] + [(f, "run") for f in about_run]
-    scoped.sort(
-        key=lambda fs: (
-            fs[0].step is None,
-            fs[0].step or 0,
-            fs[0].code,
-            -SEVERITY_RANK[fs[0].severity],
-            fs[0].message,
-            fs[1],
-        )
-    )
-    finding_dicts = [{**f.to_dict(), "scope": scope} for f, scope in scoped]
+    about_checkpoint = [replace(f, scope="checkpoint") for f in findings if f.checkpoint is not None]
+    about_run = [replace(f, scope="run") for f in attribute([f for f in findings if f.checkpoint is None], checkpoints)]
+    scoped = about_checkpoint + about_run
+    scoped.sort(key=lambda f: (f.step is None, f.step or 0, f.code, -SEVERITY_RANK[f.severity], f.message, f.scope))
     # Only anomalies date the run: a configuration or a risk is not "where it went wrong".
     anomalous = [f.step for f in about_run if f.step is not None and f.severity != "info" and f.category == "anomaly"]
     first = min(anomalous) if anomalous else None
     chain = [
-        {"code": f.code, "severity": f.severity, "step": f.step, "message": f.message}
-        for f, _ in scoped
+        ChainLink(f.code, f.severity, f.step, f.message)
+        for f in scoped
         if first is not None and f.step is not None and abs(f.step - first) <= CHAIN_WINDOW
     ]
 
     per_checkpoint = []
     for c in sorted(checkpoints, key=lambda c: c["step"]):
-        upto = findings_up_to(finding_dicts, c["name"], c["step"])
-        own = [f for f in finding_dicts if f["checkpoint"] == c["name"]]
-        sound = not any(f["scope"] == "checkpoint" and f["severity"] != "info" for f in own)
+        upto = findings_up_to(scoped, c["name"], c["step"])
+        own = [f for f in scoped if f.checkpoint == c["name"]]
+        sound = not any(f.scope == "checkpoint" and f.severity != "info" for f in own) and not any(
+            c["name"] in unusable(f) for f in about_run
+        )
         on_disk = c.get("on_disk", True)
         per_checkpoint.append(
-            {
-                "name": c["name"],
-                "step": c["step"],
-                "path": c["path"],
-                "saves": c.get("saves", [c["step"]]),
-                "on_disk": on_disk,
-                "verdict": worst_of(upto),
-                "intact": sound and on_disk,
-                "sound": sound,
-                "findings": own,
-            }
+            CheckpointVerdict(
+                name=c["name"],
+                step=c["step"],
+                path=c["path"],
+                saves=c.get("saves", [c["step"]]),
+                on_disk=on_disk,
+                verdict=worst_of(upto),
+                intact=sound and on_disk,
+                sound=sound,
+                findings=own,
+            )
         )
 
     # A check that raised judged nothing: a verdict without it would pass what it exists to catch.
     reasons = [r for r in [(evidence or {}).get("cannot_judge")] if r]
     reasons += [f"check {e['code']} failed to run ({e['error']})" for e in check_errors or []]
-    if not reasons and (evidence or {}).get("too_little") and worst_of(finding_dicts) == "pass":
+    if not reasons and (evidence or {}).get("too_little") and worst_of(scoped) == "pass":
         reasons.append(evidence["too_little"])
     keep = kept_checkpoint(per_checkpoint, first, rollback_margin, selection, bool(reasons))
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "run": run,
-        "verdict": "unjudged" if reasons else worst_of(finding_dicts),
-        "cannot_judge": "; ".join(reasons) or None,
-        "evidence": evidence or {},
-        "first_anomalous_step": first,
-        "first_anomaly_chain": chain,
-        "rollback_checkpoint": rollback_checkpoint(per_checkpoint, first, rollback_margin),
-        "rollback_deleted": rollback_deleted(per_checkpoint, first, rollback_margin),
-        "rollback_margin": rollback_margin,
-        "keep_checkpoint": keep.pop("checkpoint"),
-        "keep": keep,
-        "checkpoints": per_checkpoint,
-        "findings": finding_dicts,
-        "check_errors": check_errors or [],
-    }
+    return Verdict(
+        schema_version=SCHEMA_VERSION,
+        run=run,
+        verdict="unjudged" if reasons else worst_of(scoped),
+        cannot_judge="; ".join(reasons) or None,
+        evidence=EvidenceCoverage.from_dict(evidence or {}),
+        first_anomalous_step=first,
+        first_anomaly_chain=chain,
+        rollback_checkpoint=rollback_checkpoint(per_checkpoint, first, rollback_margin),
+        rollback_deleted=rollback_deleted(per_checkpoint, first, rollback_margin),
+        rollback_margin=rollback_margin,
+        keep_checkpoint=keep.pop("checkpoint"),
+        keep=Keep.from_dict(keep),
+        checkpoints=per_checkpoint,
+        findings=scoped,
+        check_errors=[CheckError(**e) for e in check_errors or []],
+    )
 
 
-def findings_up_to(findings: list[dict[str, Any]], name: str, step: int) -> list[dict[str, Any]]:
+def unusable(finding: Finding) -> list[str]:
+    """The checkpoints a finding says cannot be used at all (evidence `not_intact`: a logs-only copy's), whatever
+    its severity."""
+    return list(finding.evidence.get("applies_to") or []) if finding.evidence.get("not_intact") else []
+
+
+def findings_up_to(findings: list[Finding], name: str, step: int) -> list[Finding]:
     """What a checkpoint's verdict rests on: run findings up to its step (or without a step) and
     the findings about that checkpoint itself. A run finding whose evidence names the checkpoints
     it `applies_to` (one warn for several checkpoints) counts for those alone."""
     return [
         f
         for f in findings
-        if (f["scope"] == "checkpoint" and f["checkpoint"] == name)
+        if (f.scope == "checkpoint" and f.checkpoint == name)
         or (
-            f["scope"] == "run"
-            and (f["step"] is None or f["step"] <= step)
-            and name in (f["evidence"] or {}).get("applies_to", [name])
+            f.scope == "run"
+            and (f.step is None or f.step <= step)
+            and name in (f.evidence or {}).get("applies_to", [name])
         )
     ]
 
 
-def rollback_checkpoint(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+def rollback_checkpoint(per_checkpoint: list[CheckpointVerdict], first: int | None, margin: int) -> str | None:
     """The last intact checkpoint (on disk, passes LOOP-09) saved at least `margin` (>= 1) steps
     before the first anomaly."""
     if first is None:
         return None
-    intact = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["intact"]]
-    return intact[-1]["name"] if intact else None
+    intact = [c for c in per_checkpoint if c.step <= first - max(margin, 1) and c.intact]
+    return intact[-1].name if intact else None
 
 
-def rollback_deleted(per_checkpoint: list[dict[str, Any]], first: int | None, margin: int) -> str | None:
+def rollback_deleted(per_checkpoint: list[CheckpointVerdict], first: int | None, margin: int) -> str | None:
     """The checkpoint that would have been the rollback target had it not been rotated out or deleted."""
     if first is None:
         return None
-    sound = [c for c in per_checkpoint if c["step"] <= first - max(margin, 1) and c["sound"]]
-    return sound[-1]["name"] if sound and not sound[-1]["on_disk"] else None
+    sound = [c for c in per_checkpoint if c.step <= first - max(margin, 1) and c.sound]
+    return sound[-1].name if sound and not sound[-1].on_disk else None
 
 
 def kept_checkpoint(
-    per_checkpoint: list[dict[str, Any]],
+    per_checkpoint: list[CheckpointVerdict],
     first: int | None,
     margin: int,
     selection: dict[str, Any] | None,
@@ -192,7 +191,7 @@ def kept_checkpoint(
     x = better(values, way)
     b = min(range(len(x)), key=lambda i: (x[i], steps[i]))
     # Saved: a checkpoint recorded at that step, or the one the run's own state names as its best (maybe since removed).
-    saved = {step for c in per_checkpoint for step in c.get("saves", [c["step"]])} | {s.get("best_saved_at")}
+    saved = {step for c in per_checkpoint for step in c.saves} | {s.get("best_saved_at")}
     last = max(s.get("last_step") or 0, steps[-1])
     keep["best"] = {"step": steps[b], "value": values[b]}
     keep["best_not_saved"] = None if steps[b] in saved else steps[b]
@@ -200,26 +199,26 @@ def kept_checkpoint(
     if unjudged:
         return keep | {"why": "the run could not be judged: no checkpoint is named to ship"}
     measured = dict(zip(steps, x))
-    evaluated = [c for c in per_checkpoint if c["step"] in measured]
-    eligible = [c for c in evaluated if c["intact"] and (first is None or c["step"] <= first - max(margin, 1))]
+    evaluated = [c for c in per_checkpoint if c.step in measured]
+    eligible = [c for c in evaluated if c.intact and (first is None or c.step <= first - max(margin, 1))]
     if not eligible:
         return keep | {"why": _none_kept(per_checkpoint, evaluated, first, margin, steps, s.get("best_saved_at"))}
-    top = min(eligible, key=lambda c: (measured[c["step"]], c["step"]))
+    top = min(eligible, key=lambda c: (measured[c.step], c.step))
     chosen = top
     if band is not None:
         # The earliest candidate from which every evaluation up to the best candidate stays within the band of it:
         # the first one after the last evaluation (up to the best) outside the band.
-        limit = measured[top["step"]] + band
-        outside = max((step for step, xi in zip(steps, x) if step <= top["step"] and xi > limit), default=-1)
-        chosen = min((c for c in eligible if outside < c["step"] <= top["step"]), key=lambda c: c["step"])
-    value = values[steps.index(chosen["step"])]
-    why = f"{metric} {value:.4g} at step {chosen['step']}: " + (
+        limit = measured[top.step] + band
+        outside = max((step for step, xi in zip(steps, x) if step <= top.step and xi > limit), default=-1)
+        chosen = min((c for c in eligible if outside < c.step <= top.step), key=lambda c: c.step)
+    value = values[steps.index(chosen.step)]
+    why = f"{metric} {value:.4g} at step {chosen.step}: " + (
         "the best of the checkpoints that can be shipped"
         if chosen is top
-        else f"as good as {top['name']} ({values[steps.index(top['step'])]:.4g}) within the eval's noise band "
+        else f"as good as {top.name} ({values[steps.index(top.step)]:.4g}) within the eval's noise band "
         f"({band:.3g}) at every evaluation in between, with less training"
     )
-    if measured[top["step"]] > x[b] + (band or 0):
+    if measured[top.step] > x[b] + (band or 0):
         where = (
             "was never saved"
             if keep["best_not_saved"] is not None
@@ -230,7 +229,7 @@ def kept_checkpoint(
         why += "; too few evaluations to tell the eval's noise: the values are taken as measured"
     if s.get("source") != "run":
         why += f" ({s.get('note')})"
-    return keep | {"checkpoint": chosen["name"], "step": chosen["step"], "value": value, "why": why}
+    return keep | {"checkpoint": chosen.name, "step": chosen.step, "value": value, "why": why}
 
 
 def _none_kept(per_checkpoint, evaluated, first, margin, steps, best_saved_at) -> str:
@@ -243,11 +242,11 @@ def _none_kept(per_checkpoint, evaluated, first, margin, steps, best_saved_at) -
         )
     if not evaluated:
         return (
-            f"no checkpoint was evaluated at its own step (saved at {_few(c['step'] for c in per_checkpoint)}, "
+            f"no checkpoint was evaluated at its own step (saved at {_few(c.step for c in per_checkpoint)}, "
             f"evaluated at {_few(steps)}): save and evaluate on the same steps"
         )
-    broken = [c["name"] for c in evaluated if not c["intact"]]
-    late = [c["name"] for c in evaluated if c["intact"] and first is not None and c["step"] > first - max(margin, 1)]
+    broken = [c.name for c in evaluated if not c.intact]
+    late = [c.name for c in evaluated if c.intact and first is not None and c.step > first - max(margin, 1)]
     parts = []
     if broken:
         parts.append(f"{len(broken)} not intact (not on disk, or failing LOOP-09: {_few(broken)})")
@@ -261,6 +260,6 @@ def _few(items, shown: int = 5) -> str:
     return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
-def worst_of(findings: list[dict[str, Any]]) -> str:
-    rank = max((SEVERITY_RANK[f["severity"]] for f in findings), default=0)
+def worst_of(findings: list[Finding]) -> str:
+    rank = max((SEVERITY_RANK[f.severity] for f in findings), default=0)
     return "pass" if rank == 0 else ("warn", "fail")[rank - 1]

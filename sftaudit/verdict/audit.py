@@ -20,6 +20,7 @@ from ..checks.selection_metric import run_selection_series
 from ..errors import InputError, UnsupportedVersion
 from ..imports import ensure_artifacts
 from ..readers.checkpoints import CheckpointError, inside_run
+from ..schema.verdict import CheckCoverage, RunResolution
 from ..store.ingest import ingest
 from ..store.rundb import (
     connect,
@@ -56,7 +57,7 @@ def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], 
         except ValueError as exc:
             raise InputError(str(exc)) from None
         try:
-            findings += check.run(ctx)
+            findings += [f for f in check.run(ctx) if f.rule not in config.disabled]
         except (CannotJudge, UnsupportedVersion) as exc:  # the others judge on
             ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
@@ -309,9 +310,10 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
 
 def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> str | None:
     """Why the check cannot judge this run (None: it can): evidence it needs was not recorded, or the
-    manifest says what was recorded does not carry what it judges (an imported run's `unjudged`)."""
-    # The manifest's reason comes first: "the tokenizer asks for remote code" says more than "not recorded".
-    said = (manifest.get("unjudged") or {}).get(check.code)
+    manifest says the run's source lacks what the check cannot judge without (an imported run's `lacks`)."""
+    # The source's words come first: "the tokenizer asks for remote code" says more than "not recorded".
+    lacks = manifest.get("lacks") or {}
+    said = next((lacks[kind] for kind in check.source_needs if lacks.get(kind)), None)
     if said:
         return said
     missing = [
@@ -510,9 +512,13 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         evidence,
         run_selection_series(con, manifest),
     )
-    verdict["checks"] = checks
+    typed = dataclasses.replace(verdict, checks=[CheckCoverage(**c) for c in checks])
     if resolution:  # an imported run: how finely its evidence places a step
-        verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
+        window = first_window(typed.to_dict())
+        typed = dataclasses.replace(
+            typed, resolution=RunResolution.from_dict({**resolution, "first_anomalous_window": window})
+        )
+    verdict = typed.to_dict()
     # With the config it was judged with, the version that judged it and what the database held: `audited`
     # reuses it only while all three are the same.
     con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON, config JSON, sftaudit VARCHAR, ingested VARCHAR)")
@@ -521,13 +527,12 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         [json.dumps(verdict), json.dumps(dataclasses.asdict(config)), __version__],
     )
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
-                   checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
+                   checkpoint VARCHAR, message VARCHAR, evidence JSON, rule VARCHAR)""")
     rows = [
-        (f["code"], f["severity"], f["step"], f["checkpoint"], f["message"], json.dumps(f["evidence"]))
-        for f in verdict["findings"]
+        (f.code, f.severity, f.step, f.checkpoint, f.message, json.dumps(f.evidence), f.rule) for f in typed.findings
     ]
     if rows:
-        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)", rows)
+        con.executemany("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
     _store_series(con, ctx.series)
     return verdict
 

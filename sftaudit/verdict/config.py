@@ -4,7 +4,7 @@
     max_tensors_listed = 50
 
     [audit]
-    disable = ["LOOP-06"]       # skip checks
+    disable = ["LOOP-06", "LOOP-05/periodic-spike"]   # skip checks, or single rules of a check
     strict = false              # warns block the gate too
 
     [verdict]
@@ -150,6 +150,7 @@ class AuditConfig:
         from ..checks import registered_checks  # the known codes and their option types
 
         known = {c.code: c.defaults for c in registered_checks()}
+        rule_ids = [f"{c.code}/{slug}" for c in registered_checks() for slug in c.rules]
         unknown = sorted(set(data) - _SECTIONS)
         if unknown:
             raise InputError(
@@ -160,10 +161,14 @@ class AuditConfig:
         verdict = _table(path, data, "verdict", {"rollback_margin", "max_missing_share"})
         ingest = _table(path, data, "ingest", {"max_record_bytes", "max_file_bytes"})
         disabled = _checked(f"config {path}: audit.disable", audit.get("disable", []), list)
-        for code in disabled:
-            if code not in known:
+        for name in disabled:
+            if not isinstance(name, str) or (name not in known and name not in rule_ids):
+                code = str(name).partition("/")[0]
                 raise InputError(
-                    f"config {path}: audit.disable names unknown check {code!r}; known: {', '.join(known)}"
+                    f"config {path}: audit.disable names unknown check {name!r}; known: {', '.join(known)}"
+                    if code not in known
+                    else f"config {path}: audit.disable names unknown rule {name!r}; {code}'s rules: "
+                    + ", ".join(r for r in rule_ids if r.startswith(code + "/"))
                 )
         margin = _checked(
             f"config {path}: verdict.rollback_margin", verdict.get("rollback_margin", DEFAULT_ROLLBACK_MARGIN), int

@@ -299,3 +299,64 @@ def test_a_released_trainer_checkpoint_resumes_exactly(tmp_path):
     assert {f["code"] for f in verdict["findings"] if f["severity"] == "fail"} == {"LOOP-20"}
     assert [c["name"] for c in verdict["checkpoints"]] == ["checkpoint-250"]
     assert [f for f in verdict["findings"] if f["code"] == "LOOP-09"] == []
+
+
+def _checkpointed_logs(run_dir: Path, with_weights: tuple[str, ...]) -> Path:
+    """An imported Trainer run saved at steps 10 and 20; only the checkpoints in `with_weights` hold weights."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from .logged_runs import falling, save_state, trainer_run
+
+    run = trainer_run(run_dir, falling(30))
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    for step in (10, 20):
+        save_state(run, f"checkpoint-{step}", [e for e in history if e["step"] <= step], 30)
+        if f"checkpoint-{step}" in with_weights:
+            save_file({"w": np.ones((4, 4), np.float32)}, str(run / f"checkpoint-{step}" / "model.safetensors"))
+    return run
+
+
+def test_a_logs_only_copy_is_judged_on_its_training_and_no_checkpoint_is_usable(tmp_path):
+    from sftaudit.commands.gate import Policy, gate
+
+    from .logged_runs import audited
+
+    run = _checkpointed_logs(tmp_path / "logs-only", ())
+    verdict = audited(run)
+    loop09 = [f for f in verdict["findings"] if f["code"] == "LOOP-09"]
+    [only] = loop09
+    assert (only["rule"], only["severity"], only["category"], only["scope"]) == (
+        "LOOP-09/logs-only",
+        "info",
+        "risk",
+        "run",
+    )
+    assert only["evidence"]["applies_to"] == ["checkpoint-10", "checkpoint-20"] and only["evidence"]["not_intact"]
+    assert "no checkpoint can be resumed, shipped or rolled back to" in only["message"]
+    assert verdict["verdict"] == "pass"  # the training is clean; the missing weights are a risk, not a warn
+    assert [(c["name"], c["intact"]) for c in verdict["checkpoints"]] == [
+        ("checkpoint-10", False),
+        ("checkpoint-20", False),
+    ]
+    assert verdict["rollback_checkpoint"] is None and verdict["keep_checkpoint"] is None
+    result = gate(run, "checkpoint-20", Policy.load(None))
+    assert not result.passed and [f["rule"] for f in result.blocking] == ["LOOP-09/logs-only"]
+    assert result.blocking[0]["severity"] == "fail"
+
+
+def test_a_checkpoint_that_lost_its_weights_while_another_kept_them_stays_a_warn(tmp_path):
+    from .logged_runs import audited
+
+    verdict = audited(_checkpointed_logs(tmp_path / "pruned", ("checkpoint-20",)))
+    bare = [
+        (f["rule"], f["severity"], f["scope"], f["checkpoint"]) for f in verdict["findings"] if f["severity"] != "info"
+    ]
+    assert bare == [("LOOP-09/no-weights", "warn", "checkpoint", "checkpoint-10")] and verdict["verdict"] == "warn"
+    assert [(c["name"], c["intact"]) for c in verdict["checkpoints"]] == [
+        ("checkpoint-10", False),
+        ("checkpoint-20", True),
+    ]
+    assert not any(f["rule"] == "LOOP-09/logs-only" for f in verdict["findings"])

@@ -64,7 +64,7 @@ def test_a_tokenizer_config_alone_is_not_used(tmp_path):
     assert "(id 2)" not in done.stdout
     from sftaudit.imports.trainer import imported_manifest
 
-    assert manifest_reason in imported_manifest(run)["unjudged"]["LOOP-02"]
+    assert manifest_reason in imported_manifest(run)["lacks"]["tokenizer"]
 
 
 # <repo>/../shared/realruns (a worktree under <repo>/../wt/NAME has it one level further up).

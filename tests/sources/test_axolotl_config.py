@@ -63,7 +63,7 @@ def test_the_config_is_the_plan_and_the_newest_checkpoint_the_log(tmp_path):
 
 def test_a_run_planned_past_its_last_checkpoint_says_its_end_is_unknown(tmp_path):
     (path,) = write_example(tmp_path, max_steps=12)
-    assert "after the last checkpoint (step 10)" in AxolotlConfig().read([path], tmp_path).lacks["LOOP-24"]
+    assert "after the last checkpoint (step 10)" in AxolotlConfig().read([path], tmp_path).lacks["log_end"]
 
 
 def test_the_model_card_holds_the_config_and_other_yaml_is_not_axolotls(tmp_path):

@@ -50,7 +50,7 @@ def test_the_mlflow_step_is_the_global_step_and_params_are_the_plan(tmp_path):
     (entries,) = log.segments
     assert [e["step"] for e in entries] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]
     assert entries[5] == {"step": 5, "eval_loss": 1.5}
-    assert log.plan == {"max_steps": 10, "learning_rate": 1e-4} and log.records == 21 and "LOOP-05" in log.lacks
+    assert log.plan == {"max_steps": 10, "learning_rate": 1e-4} and log.records == 21 and "grad_norm" in log.lacks
 
 
 def test_unreadable_lines_are_counted_and_a_torn_last_line_is_not(tmp_path):

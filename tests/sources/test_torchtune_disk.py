@@ -59,7 +59,7 @@ def test_lines_are_entries_and_the_config_is_the_plan(tmp_path):
     # The interpolation left as written is no number; max_steps_per_epoch is no planned length.
     plan = {"num_train_epochs": 1, "learning_rate": 1e-4, "warmup_steps": 2, "train_batch_size": 4, "logging_steps": 1}
     assert log.plan == plan and log.ignored == {"save_steps": "'${output_dir}'"}
-    assert set(log.lacks) == {"LOOP-05", "LOOP-24"}
+    assert set(log.lacks) == {"grad_norm", "planned_length"}
 
 
 def test_bad_lines_are_counted_and_logs_are_starts_in_time_order(tmp_path):

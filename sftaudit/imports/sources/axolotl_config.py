@@ -70,7 +70,7 @@ class AxolotlConfig(LogSource):
         log = TrainerState().read([state], run_dir) if state else None
         lacks = {}
         if log and step is not None and not (isinstance(plan.get("max_steps"), int) and step >= plan["max_steps"]):
-            lacks["LOOP-24"] = LOGS_LOST.format(step=step)
+            lacks["log_end"] = LOGS_LOST.format(step=step)
         return self.log(
             files[:1],
             run_dir,

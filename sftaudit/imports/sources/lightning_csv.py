@@ -78,7 +78,7 @@ class LightningCsvLog(LogSource):
             segments=segments,
             plan=plan,
             identity={"config": config, "model_config": None},
-            lacks={} if "grad_norm" in logged or not segments else {"LOOP-05": NO_GRAD_NORM},
+            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=records,
             ignored=ignored,

@@ -26,7 +26,7 @@ from ..source import LogSource, SourceLog
 
 TRAINER_LOG = "trainer_log.jsonl"
 NO_GRAD_NORM = {
-    "LOOP-05": "trainer_log.jsonl has no grad_norm (LLaMA-Factory keeps it in trainer_state.json only, "
+    "grad_norm": "trainer_log.jsonl has no grad_norm (LLaMA-Factory keeps it in trainer_state.json only, "
     "and this run has none)"
 }
 # A line longer than this is no line LogCallback wrote (a few hundred bytes each): skipped, unread.

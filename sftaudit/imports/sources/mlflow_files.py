@@ -85,7 +85,7 @@ def mlflow_log(
             "model_config": None,
             "runs": [{k: r[k] for k in ("run_id", "name", "status", "started")} for r in runs],
         },
-        lacks={} if "grad_norm" in logged or not segments else {"LOOP-05": NO_GRAD_NORM},
+        lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
         skipped=skipped,
         records=records,
         ignored=ignored,

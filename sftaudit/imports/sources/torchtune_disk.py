@@ -63,9 +63,9 @@ class TorchtuneDiskLog(LogSource):
         config = _config(sorted(files, key=_started)[-1], run_dir) if files else {}
         plan, ignored = numbers_only(_plan(config), PLAN_KEYS)
         logged = {k for seg in segments for e in seg for k in e}
-        lacks = {"LOOP-24": NO_PLANNED_LENGTH}
+        lacks = {"planned_length": NO_PLANNED_LENGTH}
         if segments and "grad_norm" not in logged:
-            lacks["LOOP-05"] = NO_GRAD_NORM
+            lacks["grad_norm"] = NO_GRAD_NORM
         return self.log(
             files,
             run_dir,

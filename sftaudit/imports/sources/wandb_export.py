@@ -62,7 +62,7 @@ class WandbHistoryExport(LogSource):
             files,
             run_dir,
             segments=[found] if found else [],
-            lacks={} if "grad_norm" in logged or not found else {"LOOP-05": NO_GRAD_NORM},
+            lacks={} if "grad_norm" in logged or not found else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=len(rows) + len(skipped),
         )

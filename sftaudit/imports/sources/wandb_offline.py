@@ -87,7 +87,7 @@ class WandbOfflineLog(LogSource):
                 "model_config": None,
                 "runs": [{k: r[k] for k in ("run_id", "project", "name", "started")} for r in runs],
             },
-            lacks={} if "grad_norm" in logged or not segments else {"LOOP-05": NO_GRAD_NORM},
+            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=count,
             ignored=ignored,
