@@ -11,6 +11,7 @@ module here plus its tests (`tests/test_outputs.py` keeps the registry complete)
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ def registered_formats() -> dict[str, Format]:
 
 def rendered(name: str, rendering: Rendering) -> str:
     """`rendering` in the format `name` (only that format's module is imported)."""
-    if name in NOT_FORMATS or not name.isidentifier():
+    module = f"{__name__}.{name}"
+    if name in NOT_FORMATS or not name.isidentifier() or importlib.util.find_spec(module) is None:
         raise KeyError(f"no output format {name!r}")
-    return importlib.import_module(f"{__name__}.{name}").FORMAT.render(rendering)
+    return importlib.import_module(module).FORMAT.render(rendering)
