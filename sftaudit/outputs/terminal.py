@@ -14,7 +14,7 @@ from .junit import line
 
 
 def render(r: Rendering) -> str:
-    return shown(_gate(r) if r.gate is not None else _audit(r), keep_newlines=True) + "\n"
+    return shown(_gate(r) if r.gate is not None else _summary(r), keep_newlines=True) + "\n"
 
 
 def _gate(r: Rendering) -> str:
@@ -25,7 +25,7 @@ def _gate(r: Rendering) -> str:
     return "\n".join(lines)
 
 
-def _audit(r: Rendering) -> str:
+def _summary(r: Rendering) -> str:
     verdict = r.verdict
     lines = [f"{shown(verdict['run'])}: {shown(verdict['verdict']).upper()}"]
     window = (verdict.get("resolution") or {}).get("first_anomalous_window")
