@@ -11,11 +11,10 @@ from urllib.parse import quote
 def relative(path: str | PurePosixPath) -> str:
     """A relative path (``/``-separated, as the verdict stores it) as a relative URI reference; a trailing
     ``/`` (a folder) is kept."""
-    text = str(path)
-    encoded = "/".join(quote(part, safe="") for part in text.split("/"))
-    return encoded
+    return "/".join(quote(part, safe="") for part in str(path).split("/"))
 
 
 def folder(path: str | Path) -> str:
     """An absolute ``file:`` URI of a local folder, ending in ``/`` (a base other URIs resolve against)."""
-    return Path(path).resolve().as_uri().rstrip("/") + "/"
+    uri = Path(path).resolve().as_uri()
+    return uri if uri.endswith("/") else uri + "/"
