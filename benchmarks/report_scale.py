@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from synthetic_run import write_synthetic_run  # noqa: E402  (benchmarks/synthetic_run.py)
 
-from sftaudit.outputs.report import write_report  # noqa: E402
+from sftaudit.commands.common import write_report  # noqa: E402
 from sftaudit.store.rundb import database_path  # noqa: E402
 from sftaudit.verdict.audit import audit, stored_verdict  # noqa: E402
 

@@ -66,6 +66,7 @@ def test_checks_never_render_and_the_report_only_presents():
     for path in (PACKAGE / "outputs").rglob("*.py"):
         source = path.read_text(encoding="utf-8")
         assert "run_checks" not in source and "audit(" not in source, path.name  # reads stored results only
+        assert "connect(" not in source and "stored_verdict" not in source, path.name  # given, never opened
         assert not {n for n in imports_of(path) if n.split(".")[0] in ("scipy", "torch")}, path.name
 
 

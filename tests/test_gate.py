@@ -3,6 +3,7 @@ JUnit with one testcase per check; the same bytes for the same input."""
 
 import shutil
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -95,15 +96,22 @@ def test_junit_shows_a_check_on_partial_evidence_as_skipped_with_its_reason():
     """A check that judged only part of what was recorded is no plain pass in CI: skipped with the reason,
     or failed (the reason beside the failure) when what it judged blocks."""
     from sftaudit.commands.gate import GateResult, Policy
+    from sftaudit.outputs import rendered
 
     finding = {"code": "LOOP-08", "severity": "fail", "step": 4, "checkpoint": "checkpoint-4", "message": "leaked"}
     checks = [
-        ("LOOP-06", "logits distribution stability", "partial", "2 of 6 probe steps were not judged"),
-        ("LOOP-07", "generation diversity", "ran", None),
-        ("LOOP-08", "eval metric drift", "partial", "1 evaluation(s) recorded"),
+        {
+            "code": "LOOP-06",
+            "name": "logits distribution stability",
+            "status": "partial",
+            "reason": "2 of 6 probe steps were not judged",
+        },
+        {"code": "LOOP-07", "name": "generation diversity", "status": "ran", "reason": None},
+        {"code": "LOOP-08", "name": "eval metric drift", "status": "partial", "reason": "1 evaluation(s) recorded"},
     ]
-    result = GateResult("run", {"name": "checkpoint-4", "step": 4}, Policy(), [finding], checks)
-    cases = {c.get("name").split()[0]: c for c in ET.fromstring(result.to_junit().split("\n", 1)[1]).iter("testcase")}
+    result = GateResult("run", {"name": "checkpoint-4", "step": 4}, Policy(), [finding], {"checks": checks})
+    junit = rendered("junit", result.rendering(Path("run")))
+    cases = {c.get("name").split()[0]: c for c in ET.fromstring(junit.split("\n", 1)[1]).iter("testcase")}
     skipped = cases["LOOP-06"].find("skipped")
     assert skipped is not None and skipped.get("message").startswith("partial evidence: 2 of 6 probe steps")
     assert list(cases["LOOP-07"]) == []  # ran on its whole evidence, nothing found: the one plain pass

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from sftaudit.cli import main
-from sftaudit.outputs.report import write_report
+from sftaudit.commands.common import write_report
 
 from .checks.logged_runs import falling, trainer_run
 from .selection_runs import audited, eval_run

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from sftaudit.core.terminal import shown
-from sftaudit.outputs.markdown import MAX_FINDINGS, TEXT_LIMIT, render, render_gate, text
+from sftaudit.outputs.escape.markdown import TEXT_LIMIT
+from sftaudit.outputs.escape.markdown import inline as text
+from sftaudit.outputs.markdown import MAX_FINDINGS, render, render_gate
 from tests.github_runs import HOSTILE, VERSIONS, failed_verdict, hostile_verdict
 
 GFM = MarkdownIt("commonmark").enable("table").enable("strikethrough")

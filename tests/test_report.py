@@ -20,7 +20,8 @@ from markupsafe import escape
 from sftaudit.checks import registered_checks
 from sftaudit.checks.base import EVIDENCE
 from sftaudit.cli import main
-from sftaudit.outputs.report import plotly_js, write_report
+from sftaudit.commands.common import write_report
+from sftaudit.outputs.report import plotly_js
 from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.outputs.report.tables import envelope
 from sftaudit.store.rundb import database_path

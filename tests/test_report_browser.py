@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS
 
-from sftaudit.outputs.report import write_report
+from sftaudit.commands.common import write_report
 from sftaudit.verdict.audit import audit
 from tests.conftest import NAN_STEP
 from tests.test_report import XSS_SCRIPT, plant, plant_unjudged, preflight_report, ranks_report

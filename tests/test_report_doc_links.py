@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS
 
+from sftaudit.commands.common import write_report
 from sftaudit.imports import import_run
-from sftaudit.outputs.report import write_report
 from sftaudit.outputs.report.evidence import check_page
 from sftaudit.verdict.audit import audit
 from tests.github_runs import failed_run

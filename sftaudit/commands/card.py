@@ -1,6 +1,6 @@
 """`sftaudit card RUN_DIR [--into README.md]`: the run's audit as a "Training audit" section of a model card.
 
-The section (`outputs.markdown`) holds the verdict, the checkpoints to keep and to roll back to, the findings
+The section (the `markdown` format) holds the verdict, the checkpoints to keep and to roll back to, the findings
 that matter, what could not be judged and the library versions the run's manifest records. It is printed, or
 `--into` writes it into a Hugging Face model card between `START` and `END`: the section between the markers
 is replaced, or appended when the card has none (a missing card is created); every other byte of the file,
@@ -24,11 +24,12 @@ CARD_LIMIT = 16 * 2**20  # bytes: a model card is a few KiB
 
 def run(args) -> int:
     from .._version import __version__
-    from ..outputs.markdown import render
+    from ..outputs import Rendering, rendered
     from .common import EXIT_PASS, manifest_versions, say
 
     verdict = audited_verdict(args.run_dir)
-    section = render(verdict, versions=manifest_versions(args.run_dir), audited_with=__version__)
+    r = Rendering(verdict, args.run_dir, versions=manifest_versions(args.run_dir), audited_with=__version__)
+    section = rendered("markdown", r)
     if args.into is None:
         say(section, end="")
     else:

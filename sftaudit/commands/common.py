@@ -1,6 +1,7 @@
 """What the commands share: exit codes, printing text built from the run's own strings, writing an output file,
-the default output folder, the verdict's terminal summary, the manifest's library versions, the GitHub Actions
-outputs of `--github`."""
+the default output folder, the verdict's terminal summary, the HTML report, the manifest's library versions, the
+GitHub Actions outputs of `--github`. Every output is a format of `sftaudit.outputs`, picked by name; what a
+format shows beyond the verdict is read here and handed in."""
 
 from __future__ import annotations
 
@@ -75,41 +76,36 @@ def exit_code(verdict: str, strict: bool) -> int:
     return EXIT_PASS
 
 
-def print_summary(verdict: dict, verdict_path: Path, report: Path | None, codes: tuple[str, ...] = ()) -> None:
-    """The verdict in a few lines; the checks not run are listed among `codes` (default: every check)."""
+def print_summary(verdict: dict, written: dict[str, Path], codes: tuple[str, ...] = ()) -> None:
+    """The verdict in a few lines (the `terminal` format); the checks not run are listed among `codes` (default:
+    every check); `written`: output name (verdict, report) -> where it was written."""
+    from ..outputs import Rendering, rendered
+
     if verdict.get("cannot_judge"):
         from ..verdict.audit import unjudged_reason
 
         error(unjudged_reason(verdict))
-    lines = [f"{shown(verdict['run'])}: {verdict['verdict'].upper()}"]
-    window = (verdict.get("resolution") or {}).get("first_anomalous_window")
-    if window:  # imported evidence: the step is only known to lie in a logging or checkpoint window
-        lines[0] += f"; first anomalous {window['kind']}: steps {window['first_step']}-{window['last_step']}"
-    elif verdict["first_anomalous_step"] is not None:
-        lines[0] += f"; first anomalous step {verdict['first_anomalous_step']}"
-    if verdict["rollback_checkpoint"]:
-        lines[0] += f"; roll back to {shown(verdict['rollback_checkpoint'])}"
-    for f in verdict["findings"]:
-        where = f"step {f['step']}" if f["step"] is not None else "run"
-        lines.append(f"  {f['code']} {f['severity']:<4} {where}: {shown(f['message'])}")
-    lines += [f"  {e['code']} could not run: {shown(e['error'])}" for e in verdict["check_errors"]]
-    evidence = verdict.get("evidence") or {}
-    lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]
-    lines += [
-        f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
-    ]
-    lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
-    not_run = [
-        c
-        for c in verdict.get("checks", [])
-        if c["status"] in ("not_run", "disabled") and (not codes or c["code"] in codes)
-    ]
-    if not_run:
-        lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
-    lines.append(f"verdict: {shown(verdict_path)}")
-    if report:
-        lines.append(f"report:  {shown(report)}")
-    say("\n".join(lines))
+    rendering = Rendering(verdict, Path(), codes=codes, written={k: v for k, v in written.items() if v})
+    print(rendered("terminal", rendering), end="")
+
+
+def write_report(run_dir: str | Path, out: Path) -> Path:
+    """OUT/report.html of the run's stored verdict and database (no check is re-run): read here, rendered by
+    the `report` format."""
+    from ..outputs import Rendering, rendered
+    from ..outputs.report import read
+    from ..store.rundb import connect
+    from ..verdict.audit import stored_verdict
+
+    verdict = stored_verdict(run_dir)
+    con = connect(run_dir, read_only=True)
+    try:
+        report_data = read(con, verdict)
+    finally:
+        con.close()
+    path = Path(out) / "report.html"
+    write(path, rendered("report", Rendering(verdict, Path(run_dir), report=report_data)), "--out")
+    return path
 
 
 def manifest_versions(run_dir: Path) -> dict[str, Any]:
@@ -126,17 +122,11 @@ def manifest_versions(run_dir: Path) -> dict[str, Any]:
 
 def with_github(show: Callable[[], None], verdict: dict, run_dir: Path, *, strict: bool = False, gate=None) -> None:
     """`--github`: `show` (the terminal summary, which quotes the run's own text) printed with workflow commands
-    off, then the annotations and the Markdown step summary of the audit, or of the gate (`gate`: its JSON)."""
-    from ..outputs import github
-    from ..outputs.markdown import render, render_gate
+    off, then the `github` format: the annotations and the Markdown step summary of the audit, or of the gate
+    (`gate`: its JSON)."""
+    from ..outputs import Rendering, github, rendered
 
     with github.commands_off():
         show()
-    versions = manifest_versions(run_dir)
-    markdown = (
-        render_gate(gate, verdict, versions=versions)
-        if gate is not None
-        else render(verdict, heading="sftaudit audit", versions=versions)
-    )
-    lines = github.annotations(verdict, run_dir, strict=strict, gate=gate)
-    github.publish(lines, markdown, os.environ.get("GITHUB_STEP_SUMMARY"))
+    r = Rendering(verdict, Path(run_dir), gate=gate, strict=strict, versions=manifest_versions(run_dir))
+    github.publish(rendered("github", r), github.step_summary(r), os.environ.get("GITHUB_STEP_SUMMARY"))

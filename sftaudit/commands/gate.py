@@ -18,9 +18,7 @@ Policy file (TOML)::
 
 from __future__ import annotations
 
-import json
 import tomllib
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,8 @@ from ..checks.resume_state import (
     missing_state,
     saved_checkpoints,
 )
-from ..core.terminal import json_safe, shown, xml_text
 from ..errors import InputError
+from ..outputs import Rendering, rendered
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..schema.findings import Finding
 from ..store.rundb import connect, load_manifest
@@ -111,7 +109,7 @@ class GateResult:
     checkpoint: dict[str, Any]
     policy: Policy
     findings: list[dict[str, Any]]
-    checks: list[tuple[str, str, str, str | None]]  # (code, name, status, reason), as the verdict's `checks`
+    verdict: dict[str, Any]  # the run's, whose `checks` say what each check judged
     blocking: list[dict[str, Any]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,8 +119,9 @@ class GateResult:
     def passed(self) -> bool:
         return not self.blocking
 
-    def to_json(self) -> str:
-        doc = {
+    def document(self) -> dict[str, Any]:
+        """The gate's result as `--json` writes it, and as every output format renders it."""
+        return {
             "run": self.run,
             "checkpoint": self.checkpoint,
             "result": "pass" if self.passed else "fail",
@@ -134,58 +133,9 @@ class GateResult:
             "blocking": self.blocking,
             "findings": self.findings,
         }
-        return json_safe(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False)) + "\n"
 
-    def to_junit(self) -> str:
-        """One testcase per check: a blocking finding is a failure; a check turned off, one that had
-        too little evidence to judge (`not_run`), or one that judged only part of the run's evidence
-        (`partial`) and found nothing blocking, is skipped with the reason: never a plain pass for what
-        was not seen. All text goes through `xml_text`: XML cannot hold control characters, and CI
-        pages should not show bidi controls raw."""
-        name = self.checkpoint["name"]
-        suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
-        counts = {"tests": 0, "failures": 0, "skipped": 0}
-        for code, title, status, reason in self.checks:
-            case = ET.SubElement(
-                suite, "testcase", {"classname": xml_text(f"sftaudit.{name}"), "name": xml_text(f"{code} {title}")}
-            )
-            counts["tests"] += 1
-            mine = [f for f in self.findings if f["code"] == code]
-            if status in ("disabled", "not_run"):
-                why = "disabled by configuration" if status == "disabled" else f"not run: {reason}"
-                ET.SubElement(case, "skipped", {"message": xml_text(why)})
-                counts["skipped"] += 1
-                continue
-            blocking = [f for f in mine if self.policy.blocks(f)]
-            partial = f"partial evidence: {reason}" if status == "partial" else None
-            if blocking:
-                counts["failures"] += 1
-                failure = ET.SubElement(
-                    case, "failure", {"type": blocking[0]["severity"], "message": xml_text(blocking[0]["message"])}
-                )
-                failure.text = xml_text("\n".join(_line(f) for f in blocking))
-            elif partial:
-                ET.SubElement(case, "skipped", {"message": xml_text(f"{partial}; nothing blocking in what was judged")})
-                counts["skipped"] += 1
-            others = [_line(f) for f in mine if not self.policy.blocks(f)] + ([partial] if partial and blocking else [])
-            if others:
-                ET.SubElement(case, "system-out").text = xml_text("\n".join(others))
-        for key in ("tests", "failures", "skipped"):
-            suite.set(key, str(counts[key]))
-        suite.set("errors", "0")
-        ET.indent(suite)
-        return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
-
-    def summary(self) -> str:
-        c = self.checkpoint
-        lines = [shown(f"{self.run} {c['name']} (step {c['step']}): {'PASS' if self.passed else 'FAIL'}")]
-        lines += [f"  blocks: {shown(_line(f))}" for f in self.blocking]
-        return "\n".join(lines)
-
-
-def _line(f: dict[str, Any]) -> str:
-    where = f"step {f['step']}" if f["step"] is not None else "run"
-    return f"{f['code']} {f['severity']} {where}: {f['message']}"
+    def rendering(self, run_dir: Path) -> Rendering:
+        return Rendering(self.verdict, Path(run_dir), gate=self.document())
 
 
 def gate(
@@ -218,7 +168,6 @@ def gate(
             f"cannot judge {target['name']}: it is no longer on disk at {run_dir / target['path']} "
             f"(rotated out or deleted)"
         )
-    checks = [(c["code"], c["name"], c["status"], c["reason"]) for c in verdict["checks"]]
     considered = findings_up_to([Finding.from_dict(f) for f in verdict["findings"]], target["name"], target["step"])
     if target["name"] in lacking and not any(
         f.code == CheckpointIntegrity.code and f.scope == "checkpoint" and "missing_state" in f.evidence
@@ -236,7 +185,7 @@ def gate(
         {k: target[k] for k in ("name", "step", "path")},
         policy,
         [f.to_dict() for f in considered],
-        checks,
+        verdict,
     )
 
 
@@ -292,28 +241,19 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
 
 def run(args) -> int:
     """The CLI: gate the checkpoint, write JUnit, JSON and SARIF where asked, print the summary."""
-    from .common import EXIT_FAIL, EXIT_PASS, say, write
+    from .common import EXIT_FAIL, EXIT_PASS, say, with_github, write
 
     config = AuditConfig.load(args.config)
     policy = Policy.load(args.policy, args.strict or config.strict)
     result = gate(
         args.run_dir, args.checkpoint, policy, config, data=args.data, source=args.source, log_file=args.log_file
     )
-    for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
-        if path:
-            write(path, text(), "--junit" if text == result.to_junit else "--json")
-    if args.sarif:
-        from ..outputs.sarif import to_sarif
-        from ..verdict.audit import stored_verdict
-
-        considered = {**stored_verdict(args.run_dir), "findings": result.findings}
-        write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
+    r = result.rendering(args.run_dir)
+    for option, name in (("junit", "junit"), ("json", "json"), ("sarif", "sarif")):
+        if getattr(args, option):
+            write(getattr(args, option), rendered(name, r), f"--{option}")
     if args.github:
-        from ..verdict.audit import stored_verdict
-        from .common import with_github
-
-        gated = json.loads(result.to_json())
-        with_github(lambda: say(result.summary()), stored_verdict(args.run_dir), args.run_dir, gate=gated)
+        with_github(lambda: say(rendered("terminal", r), end=""), result.verdict, args.run_dir, gate=r.gate)
     else:
-        say(result.summary())
+        say(rendered("terminal", r), end="")
     return EXIT_PASS if result.passed else EXIT_FAIL

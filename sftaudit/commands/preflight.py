@@ -210,6 +210,7 @@ def _insert(con, kind: str, table: pa.Table | pl.DataFrame) -> None:
 
 def run(args) -> int:
     """The CLI: preflight the dataset, write verdict.json and the dataset report, print the summary."""
+    from ..outputs import Rendering, rendered
     from .common import exit_code, out_dir, print_summary, write
 
     config = AuditConfig.load(args.config)
@@ -225,15 +226,13 @@ def run(args) -> int:
         config=config,
         progress=not args.quiet,
     )
-    write(out / "verdict.json", json.dumps(verdict, indent=2, sort_keys=True) + "\n", "--out")
-    report = None
+    written = {"verdict": out / "verdict.json", "report": None}
+    write(written["verdict"], rendered("json", Rendering(verdict, out)), "--out")
     if not args.no_report:
-        from ..outputs.report import write_report
+        from .common import write_report
 
-        report = write_report(out, out)
+        written["report"] = write_report(out, out)
     from ..checks import DATASET_CHECKS
 
-    print_summary(
-        verdict, out / "verdict.json", report, codes=DATASET_CHECKS
-    )  # the training checks are not its business
+    print_summary(verdict, written, codes=DATASET_CHECKS)  # the training checks are not its business
     return exit_code(verdict["verdict"], args.strict or config.strict)

@@ -3,11 +3,10 @@ when the run gained records since, or was never audited by this version)."""
 
 from __future__ import annotations
 
-from .common import EXIT_PASS, out_dir, say
+from .common import EXIT_PASS, out_dir, say, write_report
 
 
 def run(args) -> int:
-    from ..outputs.report import write_report
     from ..verdict.audit import audited
 
     with audited(args.run_dir, judge="if_stale") as done:

@@ -1,8 +1,8 @@
 """Text from a run folder (tensor names, sample ids, paths, messages quoting them) made harmless to show.
 
-A terminal obeys escape sequences (window title, screen clear), bidi controls reorder what a reader
-sees (U+202E), and XML 1.0 cannot hold most control characters at all. Every CLI print path, the
-JUnit file and the JSON outputs pass their text through here: such characters are shown as their
+A terminal obeys escape sequences (window title, screen clear) and bidi controls reorder what a reader
+sees (U+202E). Every CLI print path and the JSON outputs pass their text through here, and each output's
+own escaping (`sftaudit.outputs.escape`) starts from it: such characters are shown as their
 escapes (``\\x1b``, ``\\u202e``), so the text stays readable and nothing acts on it.
 """
 
@@ -20,7 +20,8 @@ def _unsafe(ch: str) -> bool:
     return unicodedata.category(ch) in _UNSAFE_CATEGORIES
 
 
-def _escape(ch: str) -> str:
+def escaped_char(ch: str) -> str:
+    """One character as the escape a reader sees: ``\\x1b``, ``\\u202e``, ``\\U000e0041``."""
     code = ord(ch)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
@@ -37,7 +38,7 @@ def shown(text: object, keep_newlines: bool = False) -> str:
         ch = m.group()
         if keep_newlines and ch == "\n":
             return ch
-        return _escape(ch) if _unsafe(ch) else ch
+        return escaped_char(ch) if _unsafe(ch) else ch
 
     return _CANDIDATES.sub(sub, text)
 
@@ -58,15 +59,6 @@ def json_safe(text: str) -> str:
         return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
     return _CANDIDATES.sub(sub, text)
-
-
-_XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-
-
-def xml_text(text: object) -> str:
-    """`text` with what XML 1.0 cannot hold (control characters, lone surrogates, U+FFFE/U+FFFF) and
-    what a reader of it should not see raw (bidi controls) written as escapes."""
-    return _XML_INVALID.sub(lambda m: _escape(m.group()), shown(text, keep_newlines=True))
 
 
 def safe_name(name: str) -> str:

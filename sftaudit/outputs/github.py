@@ -8,6 +8,7 @@ file (the run, not a line of code). Text is escaped as the runner decodes it (`d
 everywhere, and ``:`` and ``,`` in properties; control and bidi characters are first written as their visible
 escapes. `commands_off` stops the runner from obeying workflow commands in the run's own text while the CLI
 prints it. `summary` is the Markdown of `outputs.markdown` cut to what GitHub accepts for a step (1 MiB).
+The format renders the annotation lines; `step_summary` is the Markdown `publish` appends to the step's summary.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..core.terminal import shown
+from . import Format, Rendering
+from .markdown import render, render_gate
 
 ANNOTATIONS_PER_LEVEL = 10  # GitHub shows at most 10 error and 10 warning annotations per step
 SUMMARY_LIMIT = 1024 * 1024  # bytes: GitHub refuses a larger step summary
@@ -98,6 +101,22 @@ def summary(markdown: str, limit: int = SUMMARY_LIMIT) -> str:
     kept = encoded[:room].decode("utf-8", errors="ignore")
     kept = kept[: kept.rfind("\n") + 1] if "\n" in kept else ""
     return kept + TRUNCATED if len(TRUNCATED.encode("utf-8")) <= limit else ""
+
+
+def render_annotations(r: Rendering) -> str:
+    return annotations(r.verdict, r.run_dir, strict=r.strict, gate=r.gate)
+
+
+FORMAT = Format(
+    "GitHub Actions: an annotation per warn or fail finding, and the Markdown step summary", render_annotations
+)
+
+
+def step_summary(r: Rendering) -> str:
+    """The step summary's Markdown: the audit, or the gate's result above it."""
+    if r.gate is not None:
+        return render_gate(r.gate, r.verdict, versions=r.versions)
+    return render(r.verdict, heading="sftaudit audit", versions=r.versions)
 
 
 def publish(annotation_lines: str, markdown: str, summary_path: str | None, out: TextIO | None = None) -> None:

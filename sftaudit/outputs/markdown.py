@@ -7,22 +7,17 @@ the caller read from the run's manifest (the verdict does not carry them). `rend
 (`sftaudit gate --json`'s document) above it.
 
 Every string from the run (run and checkpoint names, messages quoting tensor names and paths, reasons) is
-untrusted and passes through `text`: control, bidi and format characters and line breaks are written as their
-visible escapes (``\\x1b``, ``\\u202e``, ``\\x0a``), as the CLI shows them; ``&``, ``<`` and ``>`` become
-entities (no raw HTML in any renderer); the ASCII punctuation that Markdown gives a meaning
-(``\\ ` * _ { } [ ] ( ) # + ! | ~ $``) is backslash-escaped (no link, image, emphasis, code, table cell or
-math); ``@`` becomes the fullwidth ``＠`` (no mention, no e-mail autolink); ``://`` and ``www.`` are defanged to
-``[:]//`` and ``www[.]`` (no URL autolink). Each string is cut to `TEXT_LIMIT` characters.
+untrusted and passes through `escape.markdown`: it renders as exactly what it says, on one line, in a table cell
+too (no link, image, HTML, mention, autolink or workflow command).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from ..core.terminal import shown
+from . import Format, Rendering
+from .escape.markdown import inline as text
 
-TEXT_LIMIT = 500  # characters of one run string (a message, a name, a reason) shown
 MAX_FINDINGS = 10
 MAX_CHECKPOINTS = 30
 MAX_NOTES = 20
@@ -34,19 +29,6 @@ LABELS = {
     "info": "ℹ️ INFO",
     "unjudged": "❔ COULD NOT JUDGE",
 }
-
-_DEFANG = re.compile(r"://|(?i:www)\.")
-_SPECIAL = re.compile(r"[\\`*_{}\[\]()#+!|~$&<>@]")
-_REPLACED = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "@": "＠"}
-
-
-def text(value: Any, limit: int = TEXT_LIMIT) -> str:
-    """`value` as Markdown inline text that renders as exactly what it says, on one line, in a table cell too."""
-    s = shown(value)  # no control, bidi or format character and no line break is left raw
-    if len(s) > limit:
-        s = s[: limit - 1] + "…"
-    s = _DEFANG.sub(lambda m: "[:]//" if m.group() == "://" else m.group()[:3] + "[.]", s)
-    return _SPECIAL.sub(lambda m: _REPLACED.get(m.group()) or "\\" + m.group(), s)
 
 
 def label(verdict: str) -> str:
@@ -249,3 +231,15 @@ def _versions(versions: dict[str, Any]) -> list[str]:
     for name, version in sorted(versions.items()):
         out.append(f"| {text(name)} | {text(version) if version else 'not recorded'} |")
     return out
+
+
+def render_rendering(r: Rendering) -> str:
+    """The model card's section (`sftaudit card`), or a gate's result above the run's audit."""
+    if r.gate is not None:
+        return render_gate(r.gate, r.verdict, versions=r.versions)
+    return render(r.verdict, versions=r.versions, audited_with=r.audited_with)
+
+
+FORMAT = Format(
+    'the verdict as a Markdown section (a model card\'s "Training audit", a CI step summary)', render_rendering
+)

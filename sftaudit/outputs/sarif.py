@@ -4,7 +4,14 @@ One rule per rule id of a registered check (id `LOOP-NN/slug`, the rule's one li
 its help, a link to the check's docs page); one result per warn/fail finding, under its rule id, `error` for fail and `warning` for warn,
 located at the artifact file the check read (the checkpoint folder for a checkpoint finding) with a
 logical location naming the step and tensor. Checks that did not run, or judged only part of the
-run's evidence, are the invocation's notifications (with the reason), never passing results.
+run's evidence, are the invocation's notifications (with the reason), never passing results. A gate's SARIF
+holds the findings up to its checkpoint.
+
+Run text is untrusted: code-scanning views render message text as Markdown, so every message passes through
+`escape.markdown` (SARIF's own embedded-link syntax is Markdown's: its brackets are escaped too; literal braces
+are doubled, as SARIF's placeholders ask); artifact URIs are percent-encoded (`escape.uri`: a folder named
+``run #1 %41?`` stays one path); names in logical locations and properties have their control and bidi
+characters written as escapes.
 """
 
 from __future__ import annotations
@@ -17,10 +24,14 @@ from .._version import __version__
 from ..checks import registered_checks
 from ..checks.base import alternatives
 from ..core.artifacts import ARTIFACT_DIR, GRAD_SERIES, SERIES_DIR
+from ..core.terminal import shown
+from . import Format, Rendering
+from .escape import markdown, uri
 from .report.evidence import check_doc, check_page
 
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 LEVELS = {"fail": "error", "warn": "warning"}
+MESSAGE_LIMIT = 4000  # characters of one run string in a message
 RUN_BASE = "RUN_DIR"  # results' file locations are relative to the audited run folder
 # The artifact a kind of evidence is read from (rank 0's folder; imported runs are written there too).
 EVIDENCE_FILES = {
@@ -44,25 +55,30 @@ def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     index = {r["id"]: i for i, r in enumerate(rules)}
     known = {c.code for c in checks}
     files = {c.code: _artifact(c) for c in checks}
-    results = [_result(f, index, files) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in known]
+    folders = {c["name"]: c["path"] for c in verdict.get("checkpoints") or [] if isinstance(c.get("path"), str)}
+    results = [
+        _result(f, index, files, folders) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in known
+    ]
     notes = [
         {
             "level": "error" if c["status"] == "error" else "note",
-            "message": {"text": f"{c['code']} {c['status'].replace('_', ' ')}: {c['reason']}"},
+            "message": {"text": f"{c['code']} {c['status'].replace('_', ' ')}: {message(c['reason'])}"},
             "descriptor": {"id": c["code"]},
         }
         for c in verdict.get("checks", [])
         if c["status"] in ("not_run", "partial", "error") and c["code"] in known
     ]
     if verdict.get("cannot_judge"):
-        notes.append({"level": "error", "message": {"text": f"the run cannot be judged: {verdict['cannot_judge']}"}})
+        notes.append(
+            {"level": "error", "message": {"text": f"the run cannot be judged: {message(verdict['cannot_judge'])}"}}
+        )
     return {
         "$schema": SARIF_SCHEMA,
         "version": "2.1.0",
         "runs": [
             {
                 "tool": {"driver": {"name": "sftaudit", "version": __version__, "rules": rules}},
-                "originalUriBaseIds": {RUN_BASE: {"uri": Path(run_dir).resolve().as_uri() + "/"}},
+                "originalUriBaseIds": {RUN_BASE: {"uri": uri.folder(run_dir)}},
                 "invocations": [
                     {"executionSuccessful": verdict["verdict"] != "unjudged", "toolExecutionNotifications": notes}
                 ],
@@ -70,17 +86,29 @@ def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
                 "properties": {
                     "verdict": verdict["verdict"],
                     "first_anomalous_step": verdict["first_anomalous_step"],
-                    "rollback_checkpoint": verdict["rollback_checkpoint"],
+                    "rollback_checkpoint": _name(verdict["rollback_checkpoint"]),
                 },
             }
         ],
     }
 
 
-def write_sarif(verdict: dict[str, Any], run_dir: str | Path, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(to_sarif(verdict, run_dir), indent=1, ensure_ascii=False), encoding="utf-8")
-    return path
+def render(r: Rendering) -> str:
+    """The audit's SARIF, or a gate's: the run's verdict with the findings up to the gated checkpoint."""
+    verdict = r.verdict if r.gate is None else {**r.verdict, "findings": r.gate["findings"]}
+    return json.dumps(to_sarif(verdict, r.run_dir), indent=1) + "\n"
+
+
+FORMAT = Format("SARIF 2.1.0 for code-scanning views: one rule per check, one result per warn or fail finding", render)
+
+
+def message(value: Any) -> str:
+    """Run text in a SARIF message: Markdown-escaped, braces doubled (a single one starts a placeholder)."""
+    return markdown.inline(value, MESSAGE_LIMIT).replace("\\{", "{{").replace("\\}", "}}")
+
+
+def _name(value: Any) -> Any:
+    return shown(value) if isinstance(value, str) else value
 
 
 def _rule(check, slug: str) -> dict[str, Any]:
@@ -104,18 +132,23 @@ def _artifact(check) -> str:
     return f"{ARTIFACT_DIR}/rank-0/{EVIDENCE_FILES.get(first, 'steps')}.jsonl"
 
 
-def _result(finding: dict[str, Any], index: dict[str, int], files: dict[str, str]) -> dict[str, Any]:
-    about_checkpoint = finding["scope"] == "checkpoint" and finding["checkpoint"]
-    uri = finding["checkpoint"] if about_checkpoint else files[finding["code"]]
+def _result(
+    finding: dict[str, Any], index: dict[str, int], files: dict[str, str], folders: dict[str, str]
+) -> dict[str, Any]:
+    checkpoint = finding["checkpoint"]
+    if finding["scope"] == "checkpoint" and checkpoint:  # the checkpoint's folder, as the verdict records it
+        where = uri.relative(folders.get(checkpoint, checkpoint).rstrip("/")) + "/"
+    else:
+        where = files[finding["code"]]
     logical = []
     if finding["step"] is not None:
         logical.append({"name": f"step {finding['step']}", "kind": "step"})
     tensor = _tensor(finding["evidence"])
     if tensor:
-        logical.append({"name": tensor, "fullyQualifiedName": tensor, "kind": "tensor"})
-    if finding["checkpoint"]:
-        logical.append({"name": finding["checkpoint"], "kind": "checkpoint"})
-    location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri, "uriBaseId": RUN_BASE}}}
+        logical.append({"name": shown(tensor), "fullyQualifiedName": shown(tensor), "kind": "tensor"})
+    if checkpoint:
+        logical.append({"name": shown(checkpoint), "kind": "checkpoint"})
+    location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": where, "uriBaseId": RUN_BASE}}}
     if logical:
         location["logicalLocations"] = logical
     rule = finding.get("rule") or finding["code"]  # a verdict stored before rule ids names the check alone
@@ -123,12 +156,12 @@ def _result(finding: dict[str, Any], index: dict[str, int], files: dict[str, str
         "ruleId": rule,
         **({"ruleIndex": index[rule]} if rule in index else {}),
         "level": LEVELS[finding["severity"]],
-        "message": {"text": finding["message"]},
+        "message": {"text": message(finding["message"])},
         "locations": [location],
         "properties": {
             "category": finding.get("category", "anomaly"),
             "step": finding["step"],
-            "checkpoint": finding["checkpoint"],
+            "checkpoint": _name(checkpoint),
         },
     }
 

@@ -78,5 +78,5 @@ def test_a_recorded_trainer_run_at_lr_0_3_is_judged_and_named(tmp_path, tokenize
     assert status(verdict, "LOOP-22") == ("ran", None)
     [finding] = findings(verdict, "LOOP-22")
     assert (finding["severity"], finding["category"]) == ("warn", "configuration")
-    assert finding["evidence"]["optimizer"].startswith("adamw") and not finding["evidence"]["optimizer_assumed"]
+    assert finding["evidence"]["optimizer"].lower().startswith("adamw") and not finding["evidence"]["optimizer_assumed"]
     assert "peak learning rate 0.3" in finding["message"]

@@ -104,10 +104,12 @@ def preflight(root: Path, tokenizer_dir: Path, *args: str) -> subprocess.Complet
     )
 
 
-def recorded_run(root: Path, name: str = "run", steps: int = 30, nan_step: int | None = None) -> Path:
+def recorded_run(
+    root: Path, name: str = "run", steps: int = 30, nan_step: int | None = None, tensor_names: list[str] | None = None
+) -> Path:
     """A run in the shim's artifact format, written by the shim's own writer without training: four tensors'
-    gradient norms (Parquet parts every 10 steps), one batch per step; from `nan_step` on, the loss and every
-    norm are NaN (LOOP-05 fails it there). The clean one passes."""
+    gradient norms (Parquet parts every 10 steps; `tensor_names` names them), one batch per step; from `nan_step`
+    on, the loss and every norm are NaN (LOOP-05 fails it there). The clean one passes."""
     import math
 
     from sftaudit.fixtures.recording import bare_manifest
@@ -117,7 +119,7 @@ def recorded_run(root: Path, name: str = "run", steps: int = 30, nan_step: int |
 
     run = root / name
     writer = JsonlWriter(rank_dir(run, 0), roll_steps=10)
-    names = [f"layer{i}.weight" for i in range(4)]
+    names = tensor_names or [f"layer{i}.weight" for i in range(4)]
     params = [{"name": n, "shape": [8, 8], "dtype": "torch.float32", "numel": 64, "requires_grad": True} for n in names]
     writer.write("manifest", bare_manifest("recorded", params, "Tiny") | {"config": {"max_steps": steps}})
     for s in range(1, steps + 1):

@@ -9,7 +9,8 @@ import xml.etree.ElementTree as ET
 
 from sftaudit.commands.replay import fill_template
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.core.terminal import json_safe, shown, xml_text
+from sftaudit.core.terminal import json_safe, shown
+from sftaudit.outputs.escape.xml import text as xml_text
 
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\u202e\x85"  # window title, screen clear, right-to-left override, C1 NEL
 RAW = ("\x1b", "\x07", "\u202e", "\x85")

@@ -1,9 +1,9 @@
 """The HTML audit report: one self-contained offline file rendered from the audited DuckDB file.
 
-The report only presents: it reads the stored verdict and tables, shapes them for
-display (downsampling that keeps every spike), and renders; it runs no check and
-computes no statistic. plotly.js (its cartesian partial bundle, vendor/README.md) is
-inlined once; every figure travels as JSON.
+The report only presents: `read` takes the stored verdict and a connection the command opened, reads the tables
+and shapes them for display (downsampling that keeps every spike); the format renders what was read. It runs no
+check and computes no statistic. plotly.js (its cartesian partial bundle, vendor/README.md) is inlined once;
+every figure travels as JSON. Every string a template prints is escaped by `escape.html`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import jinja2
 from ...checks import registered_checks
 from ...checks.base import SEVERITY_RANK
 from ...core.terminal import safe_name
-from ...store.rundb import connect, load_manifest
-from ...verdict.audit import stored_verdict
+from ...store.rundb import load_manifest
+from .. import Format, Rendering
+from ..escape import html
 from . import figures, tables
 from .dataset import dataset_context
 from .evidence import blocks, check_doc, check_page
@@ -29,6 +30,7 @@ _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("sftaudit.outputs", "templates"),
     autoescape=True,  # dataset text, token strings and file names are untrusted
     undefined=jinja2.StrictUndefined,
+    finalize=html.finalize,  # controls and bidi characters shown as their escapes, before autoescape
     trim_blocks=True,
     lstrip_blocks=True,
 )
@@ -121,24 +123,21 @@ def plotly_js() -> str:
     return (files(__package__) / "vendor" / "plotly-cartesian.min.js").read_text(encoding="utf-8")
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Render RUN_DIR's audited DuckDB file to OUT_DIR/report.html (no check is re-run)."""
-    verdict = stored_verdict(run_dir)
-    con = connect(run_dir, read_only=True)
-    try:
-        manifest = load_manifest(con)
-        if manifest.get("profile") == "preflight":  # a dataset, not a training run
-            template, context = "dataset.html.j2", _dataset(con, verdict, manifest)
-        else:
-            template, context = "report.html.j2", _context(con, verdict)
-    finally:
-        con.close()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    html = _ENV.get_template(template).render(plotly_js=plotly_js(), **context)
-    path = out_dir / "report.html"
-    path.write_text(html, encoding="utf-8")
-    return path
+def read(con, verdict: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of an audited run (or a preflighted dataset), read from its database: the
+    template and its context (`Rendering.report`)."""
+    manifest = load_manifest(con)
+    if manifest.get("profile") == "preflight":  # a dataset, not a training run
+        return {"template": "dataset.html.j2", "context": _dataset(con, verdict, manifest)}
+    return {"template": "report.html.j2", "context": _context(con, verdict)}
+
+
+def render(r: Rendering) -> str:
+    """The report of what `read` read (`Rendering.report`)."""
+    return _ENV.get_template(r.report["template"]).render(plotly_js=plotly_js(), **r.report["context"])
+
+
+FORMAT = Format("the HTML audit report: one self-contained offline file", render)
 
 
 def write_diff_report(result: dict[str, Any], out_dir: str | Path) -> Path:

@@ -1,13 +1,12 @@
 """plotly figures built from the report's tables, as plain JSON for the template to embed.
 
-Untrusted strings (tensor names, messages, codes) pass through `text` before they go
-into a figure: plotly renders a subset of HTML in labels and hover text, and an
-escaped string shows as the literal text.
+Untrusted strings (tensor names, messages, codes) pass through `escape.html.text` before they
+go into a figure: plotly renders a subset of HTML in labels and hover text, and an escaped
+string shows as the literal text, its control and bidi characters as their escapes.
 """
 
 from __future__ import annotations
 
-import html
 import json
 from typing import Any
 
@@ -16,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ...core.artifacts import GRAD_HIST_EDGES
+from ..escape.html import text
 
 SEVERITY_COLOURS = {"info": "#607d8b", "warn": "#ed6c02", "fail": "#c62828", "pass": "#2e7d32"}
 SEVERITY_SYMBOLS = {"info": "circle", "warn": "triangle-up", "fail": "x"}  # not colour alone
@@ -26,10 +26,6 @@ _BASE_LAYOUT = dict(
     hovermode="closest",
     legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0),
 )
-
-
-def text(value: Any) -> str:
-    return html.escape(str(value), quote=False)
 
 
 def as_json(fig: go.Figure) -> dict[str, Any]:
