@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 

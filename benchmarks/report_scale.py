@@ -28,6 +28,7 @@ from sftaudit.fixtures.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from synthetic_run import write_synthetic_run  # noqa: E402  (benchmarks/synthetic_run.py)
 
 from sftaudit.outputs.report import write_report  # noqa: E402
+from sftaudit.store.rundb import database_path  # noqa: E402
 from sftaudit.verdict.audit import audit, stored_verdict  # noqa: E402
 
 
@@ -94,7 +95,7 @@ def main() -> None:
         root = args.keep or Path(tmp)
         run_dir = root / f"synthetic-{args.steps}"
         t0 = time.perf_counter()
-        audited = args.keep and (run_dir / "sftaudit" / "audit.duckdb").is_file()  # --keep: reuse the audited run
+        audited = args.keep and run_dir.is_dir() and database_path(run_dir).is_file()  # --keep: reuse the audited run
         if not audited:
             write_synthetic_run(run_dir, steps=args.steps, tensors=args.tensors, seed=0)
         t1 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Command line: `sftaudit import|probe|ingest|audit|report|preflight|replay|gate|diff|golden|demo`: the
+"""Command line: `sftaudit import|probe|ingest|audit|report|card|preflight|replay|gate|diff|golden|demo`: the
 arguments of every subcommand; each one runs in its own module of `sftaudit.commands`.
 
 Exit codes everywhere: 0 pass (warn allowed unless --strict), 1 fail, 2 could not judge
@@ -20,6 +20,10 @@ from .errors import InputError, one_line
 DATA_HELP = (
     "a run trained without the shim: its training data (JSONL of {id, messages} rows or a datasets folder), "
     "rendered with the run's saved tokenizer as preflight does, so LOOP-01..04, 08 and 12 judge it"
+)
+GITHUB_HELP = (
+    "in GitHub Actions: print the findings as workflow annotations and append a Markdown summary to "
+    "$GITHUB_STEP_SUMMARY (when set)"
 )
 
 
@@ -91,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=_at_least(1), default=4, help="sampled generations per prompt")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("ingest", help="load a run's artifacts into its DuckDB file (incremental)")
+    s = sub.add_parser("ingest", help="load a run's artifacts into its database in sftaudit's cache (incremental)")
     s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--config", type=Path, help="TOML file whose [ingest] section sets the read limits")
 
@@ -99,15 +103,39 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument("--data", type=Path, help=DATA_HELP)
     s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
-    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+    s.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: reports/<run>/, or reports/<run>-<hash>/ when that one holds another run's)",
+    )
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 here (for code-scanning views)")
+    s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
-    s = sub.add_parser("report", help="rebuild report.html from the audited DuckDB file (no checks re-run)")
-    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
-    s.add_argument("--out", type=Path, help="output folder (default: reports/<run>/)")
+    s = sub.add_parser(
+        "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
+    )
+    s.add_argument("run_dir", type=Path)
+    s.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: reports/<run>/, or reports/<run>-<hash>/ when that one holds another run's)",
+    )
+
+    s = sub.add_parser(
+        "card",
+        help="the run's audit as a 'Training audit' section for a Hugging Face model card "
+        "(audits the run first if it has no stored verdict)",
+    )
+    s.add_argument("run_dir", type=Path)
+    s.add_argument(
+        "--into",
+        type=Path,
+        help="write it into this model card (README.md) between <!-- sftaudit:start --> and <!-- sftaudit:end -->, "
+        "appended when absent; the rest of the file is left byte for byte (default: print it)",
+    )
 
     s = sub.add_parser("preflight", help="checks LOOP-01..04 on a dataset + tokenizer + chat template, before training")
     s.add_argument("--data", type=Path, required=True, help="JSONL of chat rows ({id, messages}) or a datasets folder")
@@ -118,7 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-length", type=_at_least(1), help="truncate to this many tokens (default: the tokenizer's limit)"
     )
-    s.add_argument("--out", type=Path, help="output folder (default: reports/preflight-<data>/)")
+    s.add_argument(
+        "--out", type=Path, help="output folder (default: reports/preflight-<data>/, or -<hash> appended as for audit)"
+    )
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
     s.add_argument("--strict", action="store_true", help="warn findings fail too")
     s.add_argument("--no-report", action="store_true", help="write verdict.json only")
@@ -146,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--junit", type=Path, help="write JUnit XML here (one testcase per check)")
     s.add_argument("--json", type=Path, help="write the gate result as JSON here")
     s.add_argument("--sarif", type=Path, help="write SARIF 2.1.0 of the findings up to the checkpoint here")
+    s.add_argument("--github", action="store_true", help=GITHUB_HELP)
 
     s = sub.add_parser(
         "diff",
@@ -181,6 +212,7 @@ COMMAND_MODULES = {
     "ingest": "ingest",
     "audit": "audit",
     "report": "report",
+    "card": "card",
     "preflight": "preflight",
     "replay": "replay",
     "gate": "gate",
@@ -197,20 +229,24 @@ def main(argv: list[str] | None = None) -> int:
             args.log_file = args.run_dir if args.run_dir.is_file() else None
             args.run_dir = args.run_dir.parent if args.log_file is not None else args.run_dir
         command = importlib.import_module(f"{__package__}.commands.{COMMAND_MODULES[args.command]}")
-        if getattr(args, "run_dir", None) is None:
-            return command.run(args)
-        from .store.ingest import run_lock
-
-        with run_lock(args.run_dir):  # one command at a time on a run's database: a second one waits
-            return command.run(args)
+        return command.run(args)  # each takes the run's lock where it uses the run (`sftaudit.verdict.audit`)
     except InputError as exc:
-        error(str(exc))
+        _cannot_judge(args, str(exc))
         return EXIT_CANNOT_JUDGE
     except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
         if os.environ.get("SFTAUDIT_DEBUG"):
             raise
-        error(f"could not {args.command} {_subject(args)}: {_describe(exc)}")
+        _cannot_judge(args, f"could not {args.command} {_subject(args)}: {_describe(exc)}")
         return EXIT_CANNOT_JUDGE
+
+
+def _cannot_judge(args: argparse.Namespace, reason: str) -> None:
+    """The one line on stderr; in GitHub Actions (--github), an error annotation too."""
+    error(reason)
+    if getattr(args, "github", False):
+        from .outputs.github import command
+
+        print(command("error", reason, title=f"sftaudit {args.command}: could not judge"), flush=True)
 
 
 def _subject(args: argparse.Namespace) -> str:

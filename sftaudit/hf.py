@@ -61,6 +61,9 @@ class SFTAuditCallback(TrainerCallback):
         # and the plan a run that stopped early fell short of.
         options.setdefault("config", {"training_args": args.to_dict()})
         options.setdefault("max_steps", state.max_steps)
+        # Probes run at each save (on every rank: the schedule says when, not whichever rank saw the folder).
+        if getattr(args.save_strategy, "value", args.save_strategy) == "steps" and state.save_steps:
+            options.setdefault("save_every", int(state.save_steps))
         options.setdefault("optimizer", kwargs.get("optimizer"))
         options.setdefault("scheduler", lr_scheduler)
         self._state = state

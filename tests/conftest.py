@@ -10,7 +10,7 @@ import pytest
 import torch
 from sftaudit.fixtures.train import train_plain
 
-from .shared import shared_dir
+from .shared import invocation_dir, shared_dir
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs on two workers (pyproject): one thread each
     torch.set_num_threads(1)
@@ -22,6 +22,7 @@ NAN_STEP = 13
 TRAINING_FIXTURES = {
     # this file's
     "runs",
+    "nan_probed_run",
     "checkpoint_fault_run",
     "hf_checkpoint_fault_run",
     "trl_packing_run",
@@ -46,6 +47,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def database_cache(tmp_path_factory) -> Path:
+    """The run databases of this invocation (sftaudit keeps them in its cache, outside the runs): under its own
+    base temp, not the user's cache; the CLI subprocesses the tests start inherit it."""
+    from sftaudit.store.rundb import CACHE_ENV
+
+    folder = invocation_dir(tmp_path_factory) / "sftaudit-cache"
+    os.environ[CACHE_ENV] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +94,21 @@ def clean_run(runs) -> Path:
 @pytest.fixture(scope="session")
 def nan_run(runs) -> Path:
     return runs("nan", steps=20, faults={"nan_at": NAN_STEP})
+
+
+@pytest.fixture(scope="session")
+def nan_probed_run(runs) -> Path:
+    """Probes every 2 steps, generations and evaluations every 4, a NaN at step 7 (the probe at 8 is not
+    finite): checks left with too little, or partly unusable, evidence (LOOP-06/07/08)."""
+    return runs(
+        "nan_probed",
+        steps=8,
+        checkpoint_every=4,
+        probe_every=2,
+        generate_every=4,
+        eval_every=4,
+        faults={"nan_at": 7},
+    )
 
 
 # Checkpoint faults (issue 5), each on its own checkpoint of one plain run (checkpoint every 2 steps);

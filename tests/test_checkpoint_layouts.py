@@ -9,7 +9,7 @@ from sftaudit.fixtures import layouts
 from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
 
 from sftaudit.cli import main
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 RUN = dict(steps=12, checkpoint_every=4, profile="prod")

@@ -1,6 +1,7 @@
 """The command line: exit codes, one-line errors, outputs where promised."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,24 @@ def test_hostile_run_id_cannot_escape_the_reports_folder(clean_run, tmp_path):
     assert result.returncode == 0, result.stderr
     written = list((tmp_path / "reports").rglob("verdict.json"))
     assert len(written) == 1 and written[0].parent.parent == tmp_path / "reports"
+
+
+def test_a_second_run_of_the_same_folder_name_never_overwrites_the_first_ones_report(tmp_path, monkeypatch):
+    """a/run, then b/run: the first keeps reports/run/, the second gets reports/run-<hash of its path>/, and
+    each audit again writes where it wrote before."""
+    import numpy as np
+
+    from .checks.logged_runs import trainer_run
+
+    first = trainer_run(tmp_path / "a" / "run", loss=np.linspace(2.0, 1.0, 10))
+    second = trainer_run(tmp_path / "b" / "run", loss=np.linspace(2.0, 1.5, 10), lr=5.0)  # a fail, told apart
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", str(first), "--no-report"]) == 0
+    assert main(["audit", str(second), "--no-report"]) == 1
+    assert main(["audit", str(first), "--no-report"]) == 0
+    folders = sorted(p.name for p in (tmp_path / "reports").iterdir())
+    assert len(folders) == 2 and folders[0] == "run" and re.fullmatch(r"run-[0-9a-f]{8}", folders[1]), folders
+    verdicts = {name: json.loads((tmp_path / "reports" / name / "verdict.json").read_text()) for name in folders}
+    assert verdicts["run"]["verdict"] == "pass" and verdicts[folders[1]]["verdict"] == "fail"
+    owner = (tmp_path / "reports" / folders[1] / ".sftaudit-source").read_text().strip()
+    assert owner == str(second.resolve())

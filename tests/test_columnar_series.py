@@ -15,7 +15,8 @@ import numpy as np
 from sftaudit.checks.gradient_columns import ABSENT, GradientColumns
 from sftaudit.core.artifacts import SCHEMA_VERSION, journal_name, rank_dir, series_dir
 from sftaudit.shim.writer import JsonlWriter
-from sftaudit.store.ingest import DATABASE_FORMAT, connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import DATABASE_FORMAT, connect, database_path
 
 TENSORS = 6
 
@@ -248,7 +249,7 @@ def test_an_older_database_is_rebuilt_and_a_version_1_run_still_reads(tmp_path):
     )
     ingest(run)
     assert _rows(run) == [(s, i, v) for s in range(1, 6) for i, v in ((0, float(s)), (2, 0.5))]
-    con = duckdb.connect(str(run / "sftaudit" / "audit.duckdb"))
+    con = duckdb.connect(str(database_path(run)))
     con.execute("DROP TABLE sftaudit_meta")
     con.execute(
         "CREATE TABLE grad_pieces (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, tensor VARCHAR, norm DOUBLE)"

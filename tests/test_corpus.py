@@ -333,6 +333,16 @@ def test_pad_set_to_the_stop_marker_and_masked_by_id_fails_loop02(tmp_path, toke
     assert (
         verdict["verdict"] == "fail" and stop["severity"] == "fail" and stop["evidence"]["stop_marker"] == "<|im_end|>"
     )
+    # LOOP-04 names the same cause with the same count of the same markers (the assistant turns' ends).
+    untrained = next(f for f in verdict["findings"] if f["evidence"].get("kind") == "end_of_turn_untrained")
+    assert stop["evidence"]["eos_attended"] == untrained["evidence"]["markers_total"] > 0
+    assert f"all {untrained['evidence']['markers_total']} that end an assistant turn" in stop["message"]
+    # Its token strip counts the one masked marker: the newline after it may be trained either way.
+    from sftaudit.outputs.report.evidence import token_block
+
+    strip = token_block("tokens", untrained["evidence"]["tokens"])
+    expected = [t["expected"] for t in untrained["evidence"]["tokens"]]
+    assert "either" in expected and strip["mismatches"] == 1
 
 
 def test_phi35_eos_after_the_last_turn_is_no_pad_finding(tmp_path, tokenizers):
@@ -643,7 +653,7 @@ def test_full_sequence_loss_is_a_configuration_and_pad_eos_is_judged_on_its_own(
     )
     assert set(kinds["full_sequence_pad_masked"]) == {"full_sequence_loss", "end_of_turn_untrained"}
     untrained = kinds["full_sequence_pad_masked"]["end_of_turn_untrained"]
-    assert (untrained["severity"], untrained["category"]) == ("fail", "anomaly")
+    assert (untrained["severity"], untrained["category"]) == ("fail", "configuration")
     assert "the pad token is '<|eot_id|>'" in untrained["message"]
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # trains in a subprocess until it kills it

@@ -104,3 +104,36 @@ def test_the_cli_exits_0_same_1_diverged_2_cannot_compare(clean_run, twin, scale
     assert main(["diff", str(golden), str(twin), "--exact", "--tolerance", "0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "neither a run folder nor a golden file" in err[0] and "exclude each other" in err[1]
+
+
+@pytest.mark.slow  # trains two runs
+def test_a_pad_eos_run_diverges_where_its_audit_finds_it_and_the_pad_token_is_named(tmp_path, tokenizer_cache, capsys):
+    """The user's pair: a clean run and the same run with pad = eos (masked), in two folders both named `run`.
+    The loss differs from step 1 but within run-to-run noise; the audit finds the pad token at step 1: diff
+    says step 1 (as --exact does), names the pad token, and names each run by the path that tells them apart."""
+    from sftaudit.fixtures.train import train_plain
+
+    from sftaudit.cli import main
+
+    options = dict(steps=4, checkpoint_every=0, probe_every=0, generate_every=0, eval_every=0)
+    clean = train_plain(tmp_path / "clean" / "run", tokenizer_cache=tokenizer_cache, **options)
+    pad = train_plain(
+        tmp_path / "pad-eos" / "run", tokenizer_cache=tokenizer_cache, faults={"pad_is_eos": True}, **options
+    )
+    assert main(["diff", str(clean), str(pad), "--out", str(tmp_path / "html")]) == 1
+    out = capsys.readouterr().out
+    html = (tmp_path / "html" / "diff.html").read_text()
+    assert "<td>loss</td><td>within run-to-run noise</td><td>1</td>" in html and "<td>same</td>" not in html
+    assert out.startswith("pad-eos/run against clean/run: diverged at step 1 (LOOP-02 fail only in pad-eos/run"), out
+    assert "loss: differs from step 1, within run-to-run noise throughout" in out
+    assert "differs: tokenizer pad token: <|pad|> -> <|eot_id|>" in out and "fingerprint" not in out
+    assert "only in run" not in out and "only in pad-eos/run: LOOP-02 fail @1" in out
+    assert main(["diff", str(clean), str(pad), "--exact"]) == 1
+    assert capsys.readouterr().out.startswith("pad-eos/run against clean/run: diverged at step 1 (loss")
+
+
+def test_runs_of_one_name_are_told_apart_by_their_paths(tmp_path):
+    from sftaudit.commands.diff import distinguishing_names
+
+    assert distinguishing_names(tmp_path / "a" / "run", tmp_path / "b" / "run") == ("a/run", "b/run")
+    assert distinguishing_names(tmp_path / "x" / "a" / "run", tmp_path / "y" / "a" / "run") == ("x/a/run", "y/a/run")

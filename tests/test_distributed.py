@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # torchrun launches

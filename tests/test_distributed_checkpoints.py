@@ -10,7 +10,7 @@ from sftaudit.fixtures.distributed import process_group
 
 from sftaudit.cli import main
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, load_manifest
+from sftaudit.store.rundb import connect, load_manifest
 from sftaudit.verdict.audit import audit
 
 pytestmark = pytest.mark.slow  # torchrun launches

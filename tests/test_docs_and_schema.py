@@ -58,7 +58,6 @@ def test_warn_and_unjudged_verdicts_follow_the_schema(clean_run, tmp_path):
     # A run whose step records are gone cannot be judged: unjudged, never pass.
     stripped = Path(shutil.copytree(clean_run, tmp_path / "stripped"))
     (rank_dir(stripped, 0) / "steps.jsonl").write_text("")
-    (stripped / "sftaudit" / "audit.duckdb").unlink(missing_ok=True)
     unjudged = audit(stripped)
     assert unjudged["verdict"] == "unjudged" and unjudged["cannot_judge"]
     assert_valid(unjudged)

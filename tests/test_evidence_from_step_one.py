@@ -5,7 +5,8 @@ import pytest
 from sftaudit.fixtures.train import train_plain
 
 from sftaudit.cli import main
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir
@@ -40,15 +41,24 @@ def test_the_first_step_is_recorded_whole_and_the_schedule_after_it(pad_eos_defa
     assert con.execute("SELECT step, count(*) FROM samples GROUP BY step").fetchall() == [(1, 8)]  # all 8 rows
 
 
-def test_a_data_bug_from_step_1_is_dated_step_1_and_fails_the_first_checkpoint(pad_eos_default_profile):
+def test_a_configuration_bug_from_step_1_fails_every_checkpoint_and_gets_configuration_advice(
+    pad_eos_default_profile, capsys
+):
+    """pad = eos with the padding masked is the setup, seen from step 1: every checkpoint fails, but it dates
+    no anomaly, so replay names what to change and lists no batch to skip or checkpoint to roll back to."""
+    from sftaudit.commands.replay import replay, to_text
+
     verdict = audit(pad_eos_default_profile)
-    assert verdict["first_anomalous_step"] == 1
-    assert {f["code"] for f in verdict["findings"] if f["severity"] == "fail" and f["step"] == 1} >= {
-        "LOOP-02",
-        "LOOP-04",
-    }
+    at_1 = [f for f in verdict["findings"] if f["severity"] == "fail" and f["step"] == 1]
+    assert {f["code"] for f in at_1} >= {"LOOP-02", "LOOP-04"}
+    assert {f["category"] for f in at_1} == {"configuration"} and verdict["first_anomalous_step"] is None
     assert [c["verdict"] for c in verdict["checkpoints"]] == ["fail", "fail", "fail"]
     assert main(["gate", str(pad_eos_default_profile), "--checkpoint", "checkpoint-2"]) == 1
+    doc = replay(pad_eos_default_profile)
+    assert doc["batches"] == [] and doc["resume"] is None and doc["rollback_checkpoint"] is None
+    assert {f["code"] for f in doc["configuration"]} >= {"LOOP-02", "LOOP-04"}
+    text = to_text(doc)
+    assert "inspect or skip" not in text and "restart from scratch" not in text and "configuration to change" in text
 
 
 @pytest.mark.slow

@@ -89,3 +89,23 @@ def test_cannot_judge_exits_2_with_one_line(clean_run, tmp_path, capsys, case):
     assert gate(run, checkpoint, *extra) == 2
     err = capsys.readouterr().err
     assert err.startswith("sftaudit: error: ") and err.count("\n") == 1
+
+
+def test_junit_shows_a_check_on_partial_evidence_as_skipped_with_its_reason():
+    """A check that judged only part of what was recorded is no plain pass in CI: skipped with the reason,
+    or failed (the reason beside the failure) when what it judged blocks."""
+    from sftaudit.commands.gate import GateResult, Policy
+
+    finding = {"code": "LOOP-08", "severity": "fail", "step": 4, "checkpoint": "checkpoint-4", "message": "leaked"}
+    checks = [
+        ("LOOP-06", "logits distribution stability", "partial", "2 of 6 probe steps were not judged"),
+        ("LOOP-07", "generation diversity", "ran", None),
+        ("LOOP-08", "eval metric drift", "partial", "1 evaluation(s) recorded"),
+    ]
+    result = GateResult("run", {"name": "checkpoint-4", "step": 4}, Policy(), [finding], checks)
+    cases = {c.get("name").split()[0]: c for c in ET.fromstring(result.to_junit().split("\n", 1)[1]).iter("testcase")}
+    skipped = cases["LOOP-06"].find("skipped")
+    assert skipped is not None and skipped.get("message").startswith("partial evidence: 2 of 6 probe steps")
+    assert list(cases["LOOP-07"]) == []  # ran on its whole evidence, nothing found: the one plain pass
+    assert cases["LOOP-08"].find("failure") is not None and cases["LOOP-08"].find("skipped") is None
+    assert "partial evidence: 1 evaluation(s) recorded" in cases["LOOP-08"].find("system-out").text

@@ -6,7 +6,8 @@ import pytest
 from sftaudit.fixtures.train import train_hf
 
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .shared import shared_dir
@@ -57,6 +58,11 @@ def test_trainer_records_batches_sample_ids_and_pre_clip_norm(trainer_nan_run):
     # grad_norms are read at the end of backward, before the Trainer's clip; the post-clip ones beside them
     assert (manifest["grad_norm_source"], manifest["grad_norm_read"]) == ("pre_clip", "backward_end")
     assert manifest["config"]["training_args"]["max_steps"] == 12 and manifest["config"]["max_steps"] == 12
+    # The optimizer inside the Trainer's accelerate wrapper, which LOOP-22 judges the learning rate against;
+    # fp32 on CPU: no loss scaler, so no non-finite step can have been skipped.
+    assert (manifest["optimizer"]["class"], manifest["optimizer"]["wrappers"]) == ("AdamW", ["AcceleratedOptimizer"])
+    assert {g["initial_lr"] for g in manifest["optimizer"]["groups"]} == {3e-3}
+    assert manifest["loss_scaler"] == {"present": False, "skips_nonfinite_steps": False}
     assert con.execute("SELECT count(*) FROM events WHERE kind = 'close' AND step = 12").fetchone()[0] == 1
     state = json.loads(
         con.execute("SELECT training_state FROM checkpoints WHERE step = 5 AND event='saved'").fetchall()[0][0]
@@ -65,12 +71,25 @@ def test_trainer_records_batches_sample_ids_and_pre_clip_norm(trainer_nan_run):
 
 
 def test_trl_sft_trainer_clean_run(tmp_path, tokenizer_cache):
-    run = train_hf(tmp_path / "trl-clean", steps=6, save_steps=3, trl=True, tokenizer_cache=tokenizer_cache)
+    """Probed as a user's run is: on the interval, at each save (the Trainer's save_steps) and at the last step."""
+    run = train_hf(
+        tmp_path / "trl-clean",
+        steps=6,
+        save_steps=3,
+        trl=True,
+        tokenizer_cache=tokenizer_cache,
+        planned_probes=True,
+        probe_every=4,
+        generate_every=0,
+        eval_every=0,
+    )
     verdict = audit(run)
     assert verdict["verdict"] != "fail", verdict["findings"]
     con = connect(run, read_only=True)
     assert con.execute("SELECT count(*), min(loss) > 0 FROM steps").fetchall() == [(6, True)]
     assert [c["name"] for c in verdict["checkpoints"]] == ["checkpoint-3", "checkpoint-6"]
+    assert [s for (s,) in con.execute("SELECT DISTINCT step FROM probes ORDER BY step").fetchall()] == [3, 4, 6]
+    assert next(c for c in verdict["checks"] if c["code"] == "LOOP-22")["status"] == "ran"
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,8 @@ def test_a_resume_keeps_the_abandoned_branch_aside(window_run, tmp_path, seed):
     _shuffle_times(run, seed)
     done = import_run(run)
     assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10, 15] and done["other_runs"] == 0
-    from sftaudit.store.ingest import connect, ingest
+    from sftaudit.store.ingest import ingest
+    from sftaudit.store.rundb import connect
 
     ingest(run)
     con = connect(run, read_only=True)
@@ -199,11 +200,16 @@ def test_probe_runs_each_checkpoint_once_and_the_behaviour_checks_run_on_it(prob
     # Without the training data the leak cannot be seen: the eval set alone does not show it.
     assert main(["audit", str(run), "--out", str(tmp_path / "out"), "--no-report"]) == 0
     checks = {c["code"]: c for c in json.loads((tmp_path / "out" / "verdict.json").read_text())["checks"]}
+    # Two probed checkpoints are too few for a drift between probes or a streak of generations: said, not passed.
     for code in ("LOOP-06", "LOOP-07"):
-        assert checks[code]["status"] == "ran" and checks[code]["sources"] == ["post-hoc probes"], checks[code]
-    # LOOP-08 judges the eval metrics, but not contamination: no training samples without --data.
-    assert checks["LOOP-08"]["status"] == "partial" and checks["LOOP-08"]["sources"] == ["post-hoc probes"]
-    assert checks["LOOP-08"]["reason"] == "not recorded: rendered samples"
+        assert checks[code]["status"] == "not_run" and checks[code]["reason"].startswith("2 "), checks[code]
+    # LOOP-08: two evaluations are too few for the metrics' drift, and without --data there are no training
+    # samples to find the eval set in: nothing judged, and it says both.
+    assert checks["LOOP-08"]["status"] == "not_run"
+    assert (
+        checks["LOOP-08"]["reason"].startswith("2 evaluation(s) recorded")
+        and "training samples" in checks["LOOP-08"]["reason"]
+    )
     assert checks["LOOP-04"]["status"] == "not_run"
 
 
@@ -240,7 +246,8 @@ def test_an_eval_set_drawn_from_the_training_data_is_found_with_data(probed_run,
 def _imported_with_steps_41_to_47_abandoned(run):
     """Import and ingest a run logged at every step that crashed at step 47 and resumed from step 40: 67
     logged steps, the abandoned 41-47 kept aside. Returns a read-only connection to its DuckDB."""
-    from sftaudit.store.ingest import connect, ingest
+    from sftaudit.store.ingest import ingest
+    from sftaudit.store.rundb import connect
 
     done = import_run(run)
     assert done["steps"] == 67 and done["logging_steps"] == 1 and done["resumed_at"] == 41

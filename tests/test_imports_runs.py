@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sftaudit.imports import import_run
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 

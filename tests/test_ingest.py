@@ -1,9 +1,22 @@
-"""Incremental ingest, torn and corrupt lines."""
+"""Incremental ingest, torn and corrupt lines; the run database: where it lives and how it is opened."""
 
+import json
+import os
+import re
 import shutil
 
-from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sftaudit.core.artifacts import DATABASE_FILE, artifact_root, rank_dir, series_dir
+from sftaudit.errors import InputError
+from sftaudit.store.ingest import _readable, ingest
+from sftaudit.store.rundb import cache_root, connect, database_path, foreign_objects, validated_parts
+from tests.hostile.builders import recorded_run
 
 
 def copy_run(src, dst):
@@ -57,3 +70,110 @@ def test_a_database_ingested_by_an_older_sftaudit_gains_the_newer_fields(resumed
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'superseded_batches'"
         ).fetchall()
     }
+
+
+# The run database itself (`sftaudit.store.rundb`): sftaudit's own, in its cache, opened locked down.
+
+
+def test_the_database_lives_in_the_cache_keyed_by_the_run_folder(tmp_path):
+    run = recorded_run(tmp_path, "run")
+    ingest(run)
+    path = database_path(run)
+    assert path.is_file() and path.is_relative_to(cache_root()) and not (artifact_root(run) / DATABASE_FILE).exists()
+    assert json.loads((path.parent / "run.json").read_text())["run"] == os.path.realpath(run)
+    moved = run.rename(tmp_path / "moved")  # same inode, another path: another run to the cache
+    assert database_path(moved) != path and not database_path(moved).exists()
+    assert ingest(moved)["steps"] == 30
+
+
+def test_every_connection_is_locked_down(tmp_path):
+    run = recorded_run(tmp_path, "run")
+    ingest(run)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's")
+    con = connect(run, read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM grad_norms").fetchone() == (30 * 4,)  # the parts: readable
+        for sql in (
+            f"SELECT * FROM read_text('{outside}')",
+            f"ATTACH '{tmp_path / 'other.duckdb'}' AS other",
+            f"COPY (SELECT 1) TO '{tmp_path / 'out.csv'}'",
+            "INSTALL httpfs",
+        ):
+            with pytest.raises(duckdb.PermissionException):
+                con.execute(sql)
+        with pytest.raises(duckdb.InvalidInputException, match="locked"):
+            con.execute("SET enable_external_access = true")
+    finally:
+        con.close()
+    assert not (tmp_path / "other.duckdb").exists() and not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "CREATE MACRO isfinite(x) AS true",
+        "CREATE MACRO read_parquet(f) AS TABLE SELECT 1",
+        "CREATE VIEW steps_view AS SELECT * FROM steps",
+        "CREATE SEQUENCE counter",
+        "CREATE TYPE mood AS ENUM ('calm')",
+    ],
+)
+def test_a_database_holding_what_sftaudit_never_persists_is_rebuilt(tmp_path, planted):
+    run = recorded_run(tmp_path, "run", nan_step=13)
+    ingest(run)
+    con = duckdb.connect(str(database_path(run)))
+    con.execute(planted)
+    con.close()
+    with pytest.raises(InputError, match="which sftaudit never makes"):
+        connect(run, read_only=True)
+    assert ingest(run)["steps"] == 30  # rebuilt from the artifacts
+    con = connect(run, read_only=True)
+    try:
+        assert foreign_objects(con) == []
+        assert con.execute("SELECT count(*) FROM grad_norms WHERE NOT isfinite(norm)").fetchone() == (18 * 4,)
+    finally:
+        con.close()
+
+
+def test_empty_parts_are_validated_once_and_left_out_of_the_views(tmp_path):
+    run = recorded_run(tmp_path, "run")
+    empty = pa.table(
+        {"step": pa.array([], pa.int64()), "idx": pa.array([], pa.int32()), "norm": pa.array([], pa.float32())}
+    )
+    for i in range(3):
+        pq.write_table(empty, series_dir(run, 0, 0) / f"part-{900000000 + i:09d}.parquet")
+    ingest(run)
+    con = connect(run, read_only=True)
+    try:
+        listed = con.execute("SELECT count(*) FROM ingest_state WHERE records = 0 AND file LIKE '%part-9%'").fetchone()
+        assert listed == (3,) and validated_parts(con, run) == sorted(validated_parts(con, run))
+        assert len(validated_parts(con, run)) == 3  # the three real parts only
+    finally:
+        con.close()
+
+
+# Text rich in surrogates (Hypothesis leaves them out unless told), backslashes, quotes and `u`: whatever else.
+_TEXT = st.text(
+    alphabet=st.one_of(
+        st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, codec=None, exclude_categories=()),
+        st.sampled_from(["\\", '"', "u", "d", "8", "\U0001f600"]),
+        st.characters(),
+    ),
+    max_size=12,
+)
+
+
+@given(st.lists(_TEXT, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_a_lone_surrogate_is_kept_as_its_escape_and_nothing_else_changes(ids):
+    """Any strings, as JSON escapes them: read back they are what JSON says (a surrogate pair is its
+    character), each lone surrogate as the six characters of its escape; a line without one is unchanged."""
+    line = json.dumps({"sample_ids": ids}).encode()
+    decoded = json.loads(line)["sample_ids"]  # pairs joined; what is left of the surrogates is lone
+    lone = re.compile("[\ud800-\udfff]")
+    assert json.loads(_readable(line))["sample_ids"] == [
+        lone.sub(lambda m: f"\\u{ord(m.group()):04x}", s) for s in decoded
+    ]
+    if not any(lone.search(s) for s in decoded):
+        assert _readable(line) == line

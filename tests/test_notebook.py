@@ -13,7 +13,7 @@ import polars as pl
 
 import sftaudit
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 
 
 def test_frames_match_the_verdict_and_the_tables(nan_run, tmp_path):
@@ -44,7 +44,6 @@ def test_opening_a_run_while_it_trains_sees_the_new_steps(clean_run, tmp_path):
     full = rank_dir(clean_run, 0) / "steps.jsonl"
     lines = full.read_bytes().splitlines(keepends=True)
     run_dir = Path(shutil.copytree(clean_run, tmp_path / "growing"))
-    (run_dir / "sftaudit" / "audit.duckdb").unlink(missing_ok=True)
     grown = rank_dir(run_dir, 0) / "steps.jsonl"
     grown.write_bytes(b"".join(lines[:10]))
     run = sftaudit.open(run_dir)

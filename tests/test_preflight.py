@@ -162,3 +162,23 @@ def test_full_sequence_loss_is_one_warn_unless_declared(tmp_path, tokenizer_dir,
         str(tmp_path / "checks.toml"),
     )
     assert code == 0 and failing(verdict, "LOOP-04") == []
+
+
+def test_preflight_says_nothing_of_the_training_checks_and_names_what_a_config_switched_off(
+    tmp_path, tokenizer_dir, capsys
+):
+    """A user who gave no config reads no "switched off in the audit config" for the 21 training checks; the
+    verdict says why they did not run; a dataset check the user's config switches off is still named."""
+    data = write_jsonl(tmp_path / "clean.jsonl", load_dataset()[:ROWS])
+    code, verdict = run(tmp_path, data, tokenizer_dir, "--quiet")
+    out = capsys.readouterr().out
+    assert code == 0 and "not run" not in out and "switched off" not in out and "LOOP-05" not in out, out
+    training = [c for c in verdict["checks"] if c["code"] not in ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")]
+    assert training and {(c["status"], c["reason"].split(":")[0]) for c in training} == {
+        ("disabled", "judges training")
+    }
+    config = tmp_path / "checks.toml"
+    config.write_text('[audit]\ndisable = ["LOOP-03"]\n')
+    code, _ = run(tmp_path, data, tokenizer_dir, "--quiet", "--config", str(config))
+    out = capsys.readouterr().out
+    assert "not run: LOOP-03 (switched off in the audit config)\n" in out and "LOOP-05" not in out, out

@@ -22,7 +22,8 @@ from sftaudit.commands.preflight import preflight
 from sftaudit.core.artifacts import artifact_root
 from sftaudit.imports import import_run
 from sftaudit.schema.records import DATASET, IMPORT, PARAM_FIELDS, RECORDS, SERIES, SHIM
-from sftaudit.store.ingest import _PARAM_FIELDS, _PARAM_OPTIONAL, _manifest_problem, connect
+from sftaudit.store.ingest import _PARAM_FIELDS, _PARAM_OPTIONAL, _manifest_problem
+from sftaudit.store.rundb import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET_EVENTS = ("render_failed", "content_dropped")  # the events the dataset path writes in an imported run

@@ -5,7 +5,8 @@ import json
 import duckdb
 
 from sftaudit.core.artifacts import SCHEMA_VERSION, rank_dir, series_dir
-from sftaudit.store.ingest import connect, database_path, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, database_path
 
 
 def test_manifest_describes_model_tokenizer_and_dataset(clean_run):
@@ -14,7 +15,8 @@ def test_manifest_describes_model_tokenizer_and_dataset(clean_run):
     names = [p["name"] for p in manifest["params"]]
     assert "lm_head.weight" in names and names[0] == "model.embed_tokens.weight"
     tok = manifest["tokenizer"]
-    assert len(tok["fingerprint"]) == 16 and "generation" in tok["chat_template"]
+    assert tok["fingerprint"].startswith("v2:") and set(tok["identity"]) >= {"vocabulary", "special_tokens"}
+    assert "generation" in tok["chat_template"]
     assert tok["special_tokens"]["pad"]["id"] != tok["special_tokens"]["eos"]["id"]
     assert manifest["dataset"]["message_fields"] == ["content", "role"]
     assert len(manifest["probe_prompts"]) == 3 and manifest["eval_set"][0]["reference"]

@@ -14,7 +14,8 @@ from sftaudit.checks import Finding
 from sftaudit.cli import main
 from sftaudit.commands.replay import replay, resume_command
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, load_manifest
 from sftaudit.verdict.attribution import build_verdict
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig

@@ -23,7 +23,7 @@ from sftaudit.cli import main
 from sftaudit.outputs.report import plotly_js, write_report
 from sftaudit.outputs.report.evidence import DOCS_URL, blocks, check_doc, check_page
 from sftaudit.outputs.report.tables import envelope
-from sftaudit.store.ingest import database_path
+from sftaudit.store.rundb import database_path
 from sftaudit.verdict.audit import audit
 from tests.conftest import NAN_STEP
 
@@ -115,11 +115,10 @@ PLANTED_SERIES = [("LOOP-06", "top-5 spread", step, 0.02 + 0.01 * step, 0.08, Fa
 PLANTED_CHECK_ERROR = {"code": "LOOP-08", "error": f"ValueError: bad reference {XSS_SCRIPT}"}
 
 
-def plant(audited_run: Path, dest: Path) -> Path:
-    """A copy of an audited run's DuckDB file with the PLANTED findings added to its stored verdict."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
+def plant(run: Path, dest: Path) -> Path:
+    """A copy of a run, audited, with the PLANTED findings added to the verdict its database stores."""
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -144,8 +143,7 @@ def plant(audited_run: Path, dest: Path) -> Path:
             {"code": "LOOP-04", "step": NAN_STEP - 2, "message": "prompt trained"},
             {"code": "LOOP-05", "step": NAN_STEP, "message": XSS_SCRIPT},
         ]
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
         con.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?, ?)", PLANTED_SERIES)
     finally:
         con.close()
@@ -154,7 +152,6 @@ def plant(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def planted_report(nan_run, tmp_path_factory) -> Path:
-    audit(nan_run)
     run = plant(nan_run, tmp_path_factory.mktemp("planted") / "planted-run")
     return write_report(run, run.parent / "report")
 
@@ -179,8 +176,9 @@ def test_clean_report_is_one_offline_file_with_plotly_inlined_once(clean_report)
 def test_checks_without_data_degrade_to_a_note(clean_report):
     html = clean_report.read_text(encoding="utf-8")
     # The 30-step clean run records no generations or evals (dev profile: every 50 steps).
-    assert "no data recorded for this check: no LOOP-07 statistics were stored" in html
-    assert "no data recorded for this check: no LOOP-08 statistics were stored" in html
+    # Each says why, as its check's status does (LOOP-08 still judged the eval set against the training samples).
+    assert "no data recorded for this check: not run: not recorded: generations on the probe prompts." in html
+    assert "no data recorded for this check: partial evidence: not recorded: eval-set predictions." in html
     for check in registered_checks():
         if set(check.needs) & {"generations", "evals"}:
             assert f"not run: not recorded: {EVIDENCE[check.needs[0]]}" in html, check.code
@@ -226,11 +224,12 @@ def test_report_command_rebuilds_from_duckdb_without_rerunning_checks(planted_re
     assert "the the the" in html  # a planted finding: only in the stored verdict, no check produces it
 
 
-def test_report_command_on_an_unaudited_run_is_a_one_line_error(tmp_path, capsys):
+def test_report_command_on_a_folder_with_nothing_to_judge_is_a_one_line_error(tmp_path, capsys):
+    """`report` judges what this sftaudit has not judged yet: a folder without artifacts cannot be."""
     (tmp_path / "sftaudit").mkdir()
-    duckdb.connect(str(database_path(tmp_path))).close()
     assert main(["report", str(tmp_path)]) == 2
-    assert "not audited yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no sftaudit artifacts" in err and err.count("\n") == 1
 
 
 def test_envelope_keeps_every_spike_and_flagged_step():
@@ -342,13 +341,22 @@ def test_each_check_shows_its_purpose_and_links_its_page_with_the_description_co
         section = html[html.index(f'<section class="check" id="check-{check.code}">') :]
         section = section[: section.index("</section>")]
         doc = check_doc(check)
-        purpose = re.search(r'<p class="purpose">(.*?) <a class="page" href="([^"]+)">', section)
+        # The documentation link leads to the description in this file first (offline, the site is out of
+        # reach: a link to nowhere is never the only one), the online page second.
+        purpose = re.search(
+            r'<p class="purpose">(.*?) <a class="doc-link" href="#([^"]+)">([^<]+)</a> '
+            r'\(<a class="page" href="([^"]+)">online</a>\)</p>',
+            section,
+        )
         assert purpose and purpose.group(1) == escape(doc["summary"]), check.code
-        assert purpose.group(2) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
+        assert purpose.group(2) == f"doc-{check.code}" and purpose.group(3) == f"{check.code} documentation"
+        assert purpose.group(4) == check_page(check.code) == f"{DOCS_URL}/checks/{check.code}/"
         assert (root / "docs" / "checks" / f"{check.code}.md").is_file()  # the page the link names
         # The full description stays in the file for offline readers, closed until asked for.
         details = re.search(
-            r"<details class=\"check-doc\"( open)?><summary>.*?</summary>(.*?)</details>", section, re.S
+            r'<details class="check-doc" id="doc-%s"( open)?><summary>.*?</summary>(.*?)</details>' % check.code,
+            section,
+            re.S,
         )
         assert details and details.group(1) is None, check.code
         for name, text in doc["sections"]:
@@ -369,7 +377,7 @@ def test_checks_not_run_never_show_as_passing(clean_report):
 
 def test_checkpoint_strip_stays_readable_with_200_checkpoints(planted_report):
     from sftaudit.outputs.report import _ENV, _context, plotly_js, strip_context
-    from sftaudit.store.ingest import connect
+    from sftaudit.store.rundb import connect
     from sftaudit.verdict.audit import stored_verdict
 
     run = planted_report.parent.parent / "planted-run"
@@ -492,13 +500,12 @@ NO_RNG = {
 }
 
 
-def plant_unjudged(audited_run: Path, dest: Path) -> Path:
-    """A copy of the clean run's audited file as a run that could not be judged would store it: a check
+def plant_unjudged(run: Path, dest: Path) -> Path:
+    """A copy of the clean run, audited, its stored verdict as a run that could not be judged would store it: a check
     raised (LOOP-08), one ran on partial evidence (LOOP-07), its last save (checkpoint-30) never
     happened, so steps 21-30 were not saved; with a configuration and a risk finding at run scope."""
-    shutil.copytree(
-        database_path(audited_run).parent, dest / "sftaudit", ignore=shutil.ignore_patterns("*.jsonl", "tokenizer")
-    )
+    shutil.copytree(run, dest)
+    audit(dest)  # in its own place: its database describes these files, so `sftaudit report` keeps its verdict
     con = duckdb.connect(str(database_path(dest)))
     try:
         verdict = json.loads(con.execute("SELECT verdict FROM audit_verdict").fetchall()[0][0])
@@ -513,8 +520,7 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
                     if c["code"] == "LOOP-07"
                     else ("error", "ValueError: a planted failure")
                 )
-        con.execute("DELETE FROM audit_verdict")
-        con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
     finally:
         con.close()
     return dest
@@ -522,7 +528,6 @@ def plant_unjudged(audited_run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def unjudged_report(clean_run, tmp_path_factory) -> Path:
-    audit(clean_run)
     run = plant_unjudged(clean_run, tmp_path_factory.mktemp("unjudged") / "unjudged-run")
     return write_report(run, run.parent / "report")
 

@@ -308,3 +308,33 @@ def test_a_checks_description_is_closed_until_asked_for(passed):
     assert page.evaluate("document.documentElement.scrollHeight") > height
     section.locator("details.check-doc summary").click()  # closed again for the tests that share the page
     assert passed.requests == [passed.report.as_uri()]  # opening it fetched nothing
+
+
+def test_no_check_shows_a_tick_without_its_evidence(browser, nan_probed_run, tmp_path):
+    """As a reader sees the report of a run whose probes turned NaN, with one generation step and two
+    evaluations: a ✓ (tile or badge) only on a check that judged all of its evidence and found nothing; the
+    others say what they could not judge, in the tile's tooltip and beside the behaviour charts."""
+    verdict = audit(nan_probed_run)
+    opened = Opened(browser, write_report(nan_probed_run, tmp_path / "report"))
+    page = opened.page
+    tiles = page.evaluate(
+        """() => Array.from(document.querySelectorAll('.tiles .tile')).map(t =>
+               [t.querySelector('b').textContent, t.querySelector('.icon').textContent, t.title])"""
+    )
+    badges = page.evaluate(
+        """() => Array.from(document.querySelectorAll('section.check')).map(s =>
+               [s.id, s.querySelector('h3 .badge').textContent.trim()[0], s.innerText])"""
+    )
+    with_findings = {f["code"] for f in verdict["findings"]}
+    fully_judged = {c["code"] for c in verdict["checks"] if c["status"] == "ran"} - with_findings
+    assert {code for code, icon, _ in tiles if icon == "✓"} == fully_judged
+    assert {s.removeprefix("check-") for s, icon, _ in badges if icon == "✓"} == fully_judged
+    icons = {code: (icon, title) for code, icon, title in tiles}
+    assert icons["LOOP-06"][0] == "◐" and "1 of 4 probe steps (from step 8)" in icons["LOOP-06"][1]
+    assert icons["LOOP-07"][0] == "–" and icons["LOOP-08"][0] == "◐"
+    assert all("no data recorded" not in text for _, icon, text in badges if icon == "✓")
+    behaviour = page.locator("#behaviour ~ p.nodata-box, #behaviour ~ p.warnbox").all_inner_texts()
+    assert any(t.startswith("LOOP-07 not run: 1 generation step(s)") for t in behaviour)  # its values shown, unjudged
+    assert any(t.startswith("LOOP-06 partial evidence: 1 of 4 probe steps") for t in behaviour)
+    assert opened.errors == []
+    opened.page.close()

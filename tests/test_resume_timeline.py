@@ -4,7 +4,7 @@ import shutil
 
 from sftaudit.fixtures.train import train_plain
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .conftest import NAN_STEP

@@ -105,7 +105,7 @@ def test_batches_switched_off_from_the_start_cannot_be_judged(tmp_path, capsys):
     assert "rank 0's batches recording was switched off from the start (step 1: KeyError: 'input_ids')" in err
 
 
-def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path):
+def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path, capsys):
     class BrokenGenerate(Exception):
         pass
 
@@ -121,19 +121,19 @@ def test_a_component_lost_mid_run_is_judged_on_what_it_has(tmp_path):
 
         model.generate = generate
 
-    with pytest.warns(UserWarning) as caught:
-        run = record(
-            tmp_path / "partial",
-            steps=4,
-            break_model=generate_once,
-            probe_prompts=["hi"],
-            generate_every=2,
-            generations_per_prompt=2,
-            max_new_tokens=4,
-        )
-    assert [str(w.message) for w in caught if "sftaudit" in str(w.message)] == [
+    run = record(
+        tmp_path / "partial",
+        steps=4,
+        break_model=generate_once,
+        probe_prompts=["hi"],
+        generate_every=2,
+        generations_per_prompt=2,
+        max_new_tokens=4,
+    )
+    # One line on stderr, no Python warning with its source line (which reads like a crash).
+    assert [line for line in capsys.readouterr().err.splitlines() if "sftaudit" in line] == [
         "sftaudit: generations recording failed at step 4 and was switched off (BrokenGenerate: generation "
-        "exploded); further shim errors go to the run's events only"
+        "exploded); training goes on, further shim errors go to the run's events only"
     ]
     verdict = audit(run)
     assert verdict["verdict"] != "unjudged" and verdict["cannot_judge"] is None

@@ -42,10 +42,12 @@ def test_sarif_is_valid_and_matches_the_verdict(name, request, tmp_path):
     assert [r["level"] for r in results] == [{"fail": "error", "warn": "warning"}[f["severity"]] for f in flagged]
     for result in results:
         assert rules[result["ruleIndex"]]["id"] == result["ruleId"]
-    # Checks that did not run are notifications of the invocation, never passing results.
+    # Checks that did not run, or ran on part of the evidence, are notifications of the invocation (with
+    # the reason), never passing results.
     not_run = {c["code"] for c in verdict["checks"] if c["status"] == "not_run"}
+    partial = {c["code"] for c in verdict["checks"] if c["status"] == "partial"}
     notified = {n["descriptor"]["id"] for n in sarif_run["invocations"][0]["toolExecutionNotifications"]}
-    assert not_run and not_run == notified and not (not_run & {r["ruleId"] for r in results})
+    assert not_run and not_run | partial == notified and not (not_run & {r["ruleId"] for r in results})
 
 
 def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
@@ -86,3 +88,23 @@ def test_audit_and_gate_write_sarif(nan_run, tmp_path):
     assert_valid(gated)
     # The gate's SARIF holds what the checkpoint's verdict rests on: fewer results than the whole run's.
     assert len(gated["runs"][0]["results"]) < len(audited["runs"][0]["results"])
+
+
+def test_a_check_on_partial_evidence_is_a_notification_with_its_reason_never_a_pass():
+    verdict = {
+        "verdict": "pass",
+        "first_anomalous_step": None,
+        "rollback_checkpoint": None,
+        "findings": [],
+        "checks": [
+            {"code": "LOOP-06", "status": "partial", "reason": "2 of 6 probe steps (from step 40) were not judged"},
+            {"code": "LOOP-07", "status": "ran", "reason": None},
+        ],
+    }
+    doc = to_sarif(verdict, ".")
+    assert_valid(doc)
+    (note,) = doc["runs"][0]["invocations"][0]["toolExecutionNotifications"]
+    assert note["descriptor"]["id"] == "LOOP-06" and note["message"]["text"] == (
+        "LOOP-06 partial: 2 of 6 probe steps (from step 40) were not judged"
+    )
+    assert doc["runs"][0]["results"] == []

@@ -13,6 +13,9 @@ import re
 from .base import AuditContext, Check, Finding
 
 _MODULE = re.compile(r"loop\d\d_\w+")
+# The checks that judge a dataset with its tokenizer and template before any training (`sftaudit preflight`);
+# the others judge training.
+DATASET_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
 
 
 def registered_checks() -> list[type[Check]]:
@@ -32,4 +35,4 @@ def registered_checks() -> list[type[Check]]:
     return sorted(found, key=lambda c: c.code)
 
 
-__all__ = ["AuditContext", "Check", "Finding", "registered_checks"]
+__all__ = ["DATASET_CHECKS", "AuditContext", "Check", "Finding", "registered_checks"]

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import duckdb
 import polars as pl
 
-from ..store.ingest import first_row
+from ..store.rundb import first_row, has_rows
 
 SEVERITIES = ("info", "warn", "fail")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -79,6 +79,8 @@ class AuditContext:
     manifest: dict[str, Any]
     series: list[dict[str, Any]] = field(default_factory=list)
     not_judged: dict[str, str] = field(default_factory=dict)  # check code -> why it could not judge
+    # check code -> what of its evidence it could not judge (it judged the rest: the check ran on partial evidence)
+    partly_judged: dict[str, str] = field(default_factory=dict)
     resources: list[Any] = field(default_factory=list)  # what checks share and `close` releases (temporary files)
 
     def add_series(
@@ -123,7 +125,7 @@ class AuditContext:
         return first_row(self.con, sql, params)
 
     def has_rows(self, table: str) -> bool:
-        return self.row(f'SELECT 1 FROM "{table}" LIMIT 1') is not None  # not count(*): a view over every norm
+        return has_rows(self.con, table)
 
 
 def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:

@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..core.artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
-from ..store.ingest import first_row
+from ..store.rundb import first_row, has_table
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
@@ -60,9 +60,7 @@ class GradientColumns:
 
     def _write(self, con, root, n: int, k: int) -> None:
         """Every range of steps, in order, tensor-major: [tensors x steps of the range] one after another."""
-        reduced = first_row(
-            con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'grad_norms_reduced'"
-        )[0]
+        reduced = has_table(con, "grad_norms_reduced")
         ranges = _Ranges(self, n, k)
         # A sharded run (the whole tensors' norms are the reduction ingest stored) or a schema-1 run (the norms
         # are rows of a table): through the view, a range of steps at a time.
@@ -142,7 +140,7 @@ def _parts(con, root, steps: np.ndarray, k: int) -> Iterator[tuple[int, tuple]]:
         (int(seg), int(first), root / file)
         for file, seg, first in con.execute(
             "SELECT file, regexp_extract(file, '/seg=(\\d+)/', 1), regexp_extract(file, 'part-(\\d+)\\.parquet$', 1) "
-            "FROM ingest_state WHERE file LIKE ? ORDER BY file",
+            "FROM ingest_state WHERE file LIKE ? AND records > 0 ORDER BY file",  # an empty part adds nothing
             [f"{SERIES_DIR}/{GRAD_SERIES}/rank=0/seg=%/part-%.parquet"],
         ).fetchall()
     ]

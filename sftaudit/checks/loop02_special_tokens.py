@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 import numpy as np
 
+from ..core.artifacts import template_fingerprint
+from ..core.tokenizer import current_fingerprint, describe_tokenizer, load_tokenizer, refusal, tokenizer_changes
 from ..dataset.fields import template_fields
 from ..dataset.layout import matches, run_layout, sample_blocks
 from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
+from ..readers.checkpoints import CheckpointError, inside_run
 from .base import AuditContext, CannotJudge, Check, Finding
-from .recorded import first_manifest, recorded_samples, run_tokenizer
+from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
 _MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z_][\w-]*>|\[/?[A-Z_]{2,}\]")
@@ -37,19 +41,31 @@ class SpecialTokenAlignment(Check):
         Markers: the tokenizer's own special/added tokens found in the template's literal
         strings (jinja2 AST) plus marker-shaped literals, each encoded without extra
         specials, then searched (as its pieces) in the recorded rows. pad == stop: trained share
-        of the attended end-of-turn markers (derived from the template) in the recorded rows.
+        of the end-of-turn markers of the assistant turns (derived from the template) in the
+        recorded rows, counted as LOOP-04 counts them (once per marker, where the template trains it).
         Identity: per-batch tokenizer length, checkpoint and segment fingerprints against
-        the run's first manifest.
+        the run's first manifest. A fingerprint is of what the tokenizer is (vocabulary, merges,
+        added and special tokens, normaliser, pre-tokenizer, post-processor, decoder, chat
+        template), never the truncation or padding it was last called with (TRL leaves
+        truncation set while it tokenizes); fingerprints recorded before that are recomputed from
+        the tokenizer saved with the checkpoint. What changed is named from the tokenizer saved
+        with the checkpoint, else from the batch records (their tokenizer length and template).
     Threshold:
         Any split marker the samples contain, missing eos, untrained stop marker with pad ==
         stop, double or missing BOS, too few embedding rows, frozen untrained marker rows (norm below 5%
         of the median row norm) or changed tokenizer is a fail; a generation eos without the
         end-of-turn marker is a warn; a split marker only in unreached branches, or untrained
-        marker rows that are trainable, is info.
+        marker rows that are trainable, is info. An imported run whose tokenizer saved last differs from
+        every checkpoint's in its special tokens only (a pad token added at save, after training) is a
+        warn (risk), at run scope. The tokenizer's and template's setup (split markers, eos, pad ==
+        stop, BOS, embedding and marker rows, generation eos) is a configuration finding: it holds
+        from the first batch, and rolling back or skipping batches does not fix it; a tokenizer that
+        changes within the run is an anomaly at that step.
     Evidence:
         Each split marker with its pieces and ids; special-token ids; the doubled-BOS sample
         ids; each untrained marker's row norms and the medians; embedding rows and
-        tokenizer length; the step / checkpoint and both fingerprints or lengths.
+        tokenizer length; the step / checkpoint, both fingerprints or lengths, and the changes (each
+        special token's role before and after, the tokens added or removed, the template).
     """
 
     code = "LOOP-02"
@@ -68,8 +84,12 @@ class SpecialTokenAlignment(Check):
         described = start.get("tokenizer") or {}
         if not described:
             return []
-        findings = self._identity(ctx, described) + self._embedding(ctx, start, described) + self._untrained(ctx, start)
         tokenizer = run_tokenizer(ctx)
+        findings = (
+            self._identity(ctx, described, tokenizer)
+            + self._embedding(ctx, start, described)
+            + self._untrained(ctx, start)
+        )
         if tokenizer is not None:
             findings += (
                 self._markers(ctx, tokenizer)
@@ -118,6 +138,7 @@ class SpecialTokenAlignment(Check):
                         f"the template emits {len(markers)} marker(s) the tokenizer splits {where}, first "
                         f"{first['marker']!r} into {len(first['pieces'])} pieces {first['pieces']}; add them as special "
                         f"tokens (and resize the embeddings) or use the tokenizer's own markers",
+                        category="configuration",
                         split_markers=markers,
                         reached=severity == "fail",
                     )
@@ -134,31 +155,41 @@ class SpecialTokenAlignment(Check):
                     "fail",
                     "the tokenizer has no eos token, so generation cannot learn to stop; "
                     "set eos_token to the template's end-of-turn marker",
+                    category="configuration",
                 )
             ]
         layout = _turn_layout(tokenizer)
         stop = layout.turn_end[-1] if layout is not None and layout.turn_end else eos
         if pad is None or pad != stop or not ctx.has_rows("samples"):
             return []
-        attended, trained, step, sample = ctx.row(
-            """
-            SELECT count(*), count(*) FILTER (WHERE label <> -100), min(step), arg_min(sample_id, step)
-            FROM (SELECT step, sample_id, unnest(input_ids) AS id, unnest(labels) AS label,
-                         unnest(attention_mask) AS attended FROM samples)
-            WHERE id = ? AND attended = 1
-            """,
-            [stop],
-        )
+        if layout is not None and layout.turn_end and "assistant" in layout.headers:
+            # The assistant turns' markers, counted as LOOP-04 counts them: one count, one definition.
+            ends = end_of_turn_markers(recorded_samples(ctx, template_source(tokenizer.chat_template)), layout, pad)
+            attended, trained = ends["total"], ends["trained"]
+            step, sample = (ends["rows"][0][0], ends["rows"][0][1]) if ends["rows"] else (None, None)
+            what = "that end an assistant turn"
+        else:  # a template without turns: every attended stop token is one
+            attended, trained, step, sample = ctx.row(
+                """
+                SELECT count(*), count(*) FILTER (WHERE label <> -100), min(step), arg_min(sample_id, step)
+                FROM (SELECT step, sample_id, unnest(input_ids) AS id, unnest(labels) AS label,
+                             unnest(attention_mask) AS attended FROM samples)
+                WHERE id = ? AND attended = 1
+                """,
+                [stop],
+            )
+            what = "in the samples"
         if not attended or trained:
             return []
         marker = tokenizer.convert_ids_to_tokens(stop)
         return [
             self.finding(
                 "fail",
-                f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} real ones are masked with the "
-                f"padding, so the model never learns to stop; use a distinct pad token or mask padding by "
+                f"pad is the end-of-turn marker {marker!r} (id {stop}) and all {attended} {what} are masked "
+                f"with the padding, so the model never learns to stop; use a distinct pad token or mask padding by "
                 f"attention_mask",
                 step=step,
+                category="configuration",
                 sample_ids=[sample],
                 pad_id=pad,
                 eos_id=stop,
@@ -207,6 +238,7 @@ class SpecialTokenAlignment(Check):
                     if frozen
                     else "; they are trainable"
                 ),
+                category="configuration",
                 kind="untrained_markers",
                 markers=[{"id": i, "token": t, "embed_norm": e, "output_norm": o} for i, t, e, o in low],
                 embed_median=rows["embed_median"],
@@ -236,6 +268,7 @@ class SpecialTokenAlignment(Check):
                 f"the template ends each turn with {marker!r} (id {stop}) but generation stops on "
                 f"{tokenizer.convert_ids_to_tokens(sorted(stops))} (ids {sorted(stops)}), so the tuned model runs on past "
                 f"its answers; add {stop} to generation_config.eos_token_id (and the model config's eos_token_id)",
+                category="configuration",
                 kind="eos_differs_from_turn_end",
                 turn_end_id=stop,
                 turn_end=marker,
@@ -267,6 +300,7 @@ class SpecialTokenAlignment(Check):
                 f"{ids[0]}): the template writes BOS and the tokenizer adds another; tokenize the rendered text with "
                 f"add_special_tokens=False",
                 step=hits[0][0],
+                category="configuration",
                 kind="double_bos",
                 bos_id=bos,
                 sample_ids=ids[:50],
@@ -304,6 +338,7 @@ class SpecialTokenAlignment(Check):
                 f"trained on sequences it never sees; tokenize the template's render as it is (its BOS kept) with "
                 f"add_special_tokens=False",
                 step=hits[0][0],
+                category="configuration",
                 kind="bos_missing",
                 bos_id=bos,
                 first_token=found,
@@ -329,15 +364,16 @@ class SpecialTokenAlignment(Check):
                 "fail",
                 f"the embedding has {rows} rows but the tokenizer has {length} ids (largest recorded id {top}); "
                 f"resize the token embeddings to at least {need}",
+                category="configuration",
                 embedding_rows=rows,
                 tokenizer_length=length,
                 max_input_id=top,
             )
         ]
 
-    def _identity(self, ctx: AuditContext, described: dict) -> list[Finding]:
+    def _identity(self, ctx: AuditContext, described: dict, tokenizer: Any) -> list[Finding]:
         findings = []
-        length, fingerprint = described.get("length"), described.get("fingerprint")
+        length = described.get("length")
         changed = ctx.row(
             """
             SELECT step, tokenizer_length, sample_ids FROM batches
@@ -358,48 +394,158 @@ class SpecialTokenAlignment(Check):
                     sample_ids=list(ids),
                 )
             )
-        checkpoints = ctx.frame(
-            """
-            SELECT step, path, tokenizer_fingerprint FROM checkpoints
-            WHERE event = 'saved' AND tokenizer_fingerprint IS NOT NULL AND tokenizer_fingerprint <> ?
-            ORDER BY step
-            """,
-            [fingerprint],
+        return findings + self._saved_identity(ctx, described, tokenizer) + self._segment_identity(ctx, described)
+
+    def _saved_identity(self, ctx: AuditContext, described: dict, tokenizer: Any) -> list[Finding]:
+        """The tokenizer each checkpoint saved against the run's: what it is (vocabulary, merges, added and
+        special tokens, normaliser, template), never the truncation or padding it was last called with."""
+        fingerprint = described.get("fingerprint")
+        rows = ctx.con.execute(
+            "SELECT step, path, tokenizer_fingerprint FROM checkpoints WHERE event = 'saved' "
+            "AND tokenizer_fingerprint IS NOT NULL ORDER BY step"
+        ).fetchall()
+        differing = [r for r in rows if r[2] != fingerprint]
+        if not differing:
+            return []
+        reference = describe_tokenizer(tokenizer) if tokenizer is not None else described
+        saved: dict[str, dict | None] = {}  # recorded fingerprint -> a description of its saved tokenizer
+        changed = []
+        for step, path, recorded in differing:
+            if recorded not in saved:
+                saved[recorded] = _saved_description(ctx, path)
+            now = saved[recorded]
+            if not (current_fingerprint(recorded) and current_fingerprint(fingerprint)):
+                # Recorded before fingerprints left out truncation and padding: judged on the saved files.
+                if now is None or tokenizer is None:
+                    if current_fingerprint(recorded) or current_fingerprint(fingerprint):
+                        continue  # two kinds of fingerprint and no files to recompute them from: not comparable
+                elif now["fingerprint"] == reference["fingerprint"]:
+                    continue
+            changed.append((step, path, recorded, now))
+        if not changed:
+            return []
+        step, path, recorded, now = changed[0]
+        imported = bool(ctx.manifest.get("imported"))
+        # An import describes the tokenizer saved last: the checkpoints' are the earlier ones.
+        before, after = (now, reference) if imported else (reference, now)
+        changes = tokenizer_changes(before, after) if now is not None else _batch_changes(ctx, described, step)
+        what = "; ".join(c["text"] for c in changes) or (
+            "what changed cannot be told: the checkpoint saved no tokenizer files (save the tokenizer with each "
+            "checkpoint to have it named)"
+            if now is None
+            else "parts of it changed that its description does not name"
         )
-        if not checkpoints.is_empty():
-            step, path, now = checkpoints.row(0)
-            findings.append(
+        evidence = dict(
+            checkpoint_path=path,
+            fingerprint_start=fingerprint,
+            fingerprint_now=recorded,
+            checkpoints=[c[1] for c in changed],
+            changes=changes,
+        )
+        last = rows[-1][1]
+        if imported and len(changed) == len(rows) and changes and {c["part"] for c in changes} == {"special_tokens"}:
+            # Every checkpoint trained with one tokenizer; only the one saved after them has other special tokens.
+            roles = ", ".join(f"{c['role']} token {c['change']}" for c in changes)
+            return [
                 self.finding(
-                    "fail",
-                    f"the tokenizer saved with {path} (fingerprint {now}) is not the one the run started with "
-                    f"({fingerprint}); {checkpoints.height} checkpoint(s) affected, keep one tokenizer for the run",
-                    step=step,
-                    checkpoint_path=path,
-                    fingerprint_start=fingerprint,
-                    fingerprint_now=now,
-                    checkpoints=checkpoints["path"].to_list(),
+                    "warn",
+                    f"{roles} at save: the tokenizer saved after the last checkpoint ({last}) differs from the one "
+                    f"the run trained with only in its special tokens ({what}); the weights are not affected, but "
+                    f"batching with it (or training on) pads differently than this run did: ship the tokenizer the "
+                    f"run trained with, or set the special tokens before training",
+                    category="risk",
+                    kind="special_tokens_changed_at_save",
+                    **evidence,
                 )
-            )
-        segments = ctx.frame(
-            """
-            SELECT seg, manifest->>'$.tokenizer.fingerprint' AS fingerprint FROM manifest
-            WHERE rank = 0 AND manifest->>'$.tokenizer.fingerprint' <> ? ORDER BY seg
-            """,
-            [fingerprint],
+            ]
+        where = (
+            f"the tokenizer saved with {path} differs from the one saved last"
+            if imported
+            else f"the tokenizer saved with {path} is not the one the run started with"
         )
-        if not segments.is_empty():
-            seg, now = segments.row(0)
-            findings.append(
+        return [
+            self.finding(
+                "fail",
+                f"{where}: {what}; {len(changed)} checkpoint(s) affected, keep one tokenizer for the run",
+                step=step,
+                kind="tokenizer_changed",
+                **evidence,
+            )
+        ]
+
+    def _segment_identity(self, ctx: AuditContext, described: dict) -> list[Finding]:
+        """A resumed segment's tokenizer against the first segment's (descriptions from the manifests)."""
+        fingerprint = described.get("fingerprint")
+        for seg, text in ctx.con.execute(
+            "SELECT seg, manifest->'$.tokenizer' FROM manifest WHERE rank = 0 AND seg > 0 "
+            "AND manifest->>'$.tokenizer.fingerprint' <> ? ORDER BY seg",
+            [fingerprint],
+        ).fetchall():
+            now = json.loads(text) if text else {}
+            changes = tokenizer_changes(described, now)
+            comparable = current_fingerprint(now.get("fingerprint")) == current_fingerprint(fingerprint)
+            if not changes and not comparable:
+                continue  # fingerprints of two kinds, and nothing their descriptions show differs
+            what = "; ".join(c["text"] for c in changes) or "parts of it changed that its description does not name"
+            return [
                 self.finding(
                     "fail",
-                    f"the run resumed (segment {seg}) with a different tokenizer ({now}, started with {fingerprint}); "
-                    f"resume with the tokenizer saved in the checkpoint",
+                    f"the run resumed (segment {seg}) with a different tokenizer ({what}; fingerprint "
+                    f"{now.get('fingerprint')}, started with {fingerprint}); resume with the tokenizer saved in the "
+                    f"checkpoint",
                     segment=seg,
                     fingerprint_start=fingerprint,
-                    fingerprint_now=now,
+                    fingerprint_now=now.get("fingerprint"),
+                    changes=changes,
                 )
-            )
-        return findings
+            ]
+        return []
+
+
+def _batch_changes(ctx: AuditContext, described: dict, step: int) -> list[dict]:
+    """What the batch records up to `step` show changed (a checkpoint that saved no tokenizer files): the
+    tokenizer's length and the chat template each batch was made with."""
+    length, template = described.get("length"), template_fingerprint(described.get("chat_template"))
+    grown, grown_at, other_at = ctx.row(
+        """
+        SELECT max(tokenizer_length), min(step) FILTER (WHERE tokenizer_length <> ?),
+               min(step) FILTER (WHERE template_fingerprint <> ?)
+        FROM batches WHERE step <= ?
+        """,
+        [length, template, step],
+    )
+    changes = []
+    if grown_at is not None and length is not None:
+        changes.append(
+            {
+                "part": "vocabulary",
+                "change": "resized",
+                "text": f"the batches from step {grown_at} were made with {grown} ids, not {length}",
+            }
+        )
+    if other_at is not None:
+        changes.append(
+            {
+                "part": "chat_template",
+                "change": "changed",
+                "text": f"the batches from step {other_at} were rendered with another chat template",
+            }
+        )
+    return changes
+
+
+def _saved_description(ctx: AuditContext, path: str) -> dict | None:
+    """The tokenizer saved in a checkpoint folder, described; None when it saved none (or not one sftaudit loads)."""
+    try:
+        folder = inside_run(ctx.run_dir, path)
+    except CheckpointError:
+        return None
+    if not folder.is_dir() or refusal(folder) is not None:
+        return None
+    try:
+        return describe_tokenizer(load_tokenizer(folder))
+    except InputError:
+        return None
 
 
 def _turn_layout(tokenizer: Any) -> Any:

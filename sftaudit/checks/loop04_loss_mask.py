@@ -25,7 +25,7 @@ from ..dataset.layout import (
 from ..dataset.sandbox import has_generation_block, template_source
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding
-from .recorded import first_manifest, recorded_samples, run_tokenizer
+from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer
 
 _ADVICE = {
     "off_by_one": "the collator's prompt boundary is off by one; mask through the last token of the assistant header",
@@ -178,6 +178,8 @@ class LossMaskValidity(Check):
                 findings.append(self._mask_finding(kind, rows, counts[kind], first_evidence[kind]))
         if expected_total and abs(actual_total - expected_total) / expected_total > self.params["aggregate_tolerance"]:
             share = abs(actual_total - expected_total) / expected_total
+            # The count of what the other findings show: a configuration when each of them is one.
+            causes = {f.category for f in findings}
             findings.append(
                 self.finding(
                     "warn",
@@ -185,6 +187,7 @@ class LossMaskValidity(Check):
                     f"{expected_total} ({share:.2%} apart, above {self.params['aggregate_tolerance']:.1%}); "
                     f"see this check's other findings for the samples",
                     step=min((f.step for f in findings if f.step is not None), default=int(frame["step"].min())),
+                    category="configuration" if causes == {"configuration"} else "anomaly",
                     value=share,
                     threshold=self.params["aggregate_tolerance"],
                     expected_trained=expected_total,
@@ -213,29 +216,13 @@ class LossMaskValidity(Check):
         )
 
     def _end_of_turn(self, frame: Any, layout: Any, tokenizer: Any, last_turn_only: bool = False) -> dict[str, Any]:
-        """The judged assistant turns' end-of-turn markers in the recorded rows and how many are trained, with
-        the rows that mask one."""
-        out: dict[str, Any] = {"total": 0, "trained": 0, "rows": []}
-        for part, ids, labels, attention in sample_blocks(frame):
-            expected, _ = expected_labels(ids, attention, layout, tokenizer.pad_token_id, last_turn_only)
-            end = _marker_positions(ids, layout.turn_end) & (expected == TRAINED)
-            trained = end & (labels != IGNORE_INDEX)
-            out["total"] += int(end.sum())
-            out["trained"] += int(trained.sum())
-            masked = end & ~trained
-            steps, sample_ids = part["step"].to_list(), part["sample_id"].to_list()
-            for r in np.flatnonzero(masked.any(1)):
-                pos = int(np.argmax(masked[r]))
-                out["rows"].append((steps[r], sample_ids[r], pos))
-                if "evidence" not in out:
-                    out["evidence"] = self._side_by_side(
-                        tokenizer,
-                        ids[r],
-                        labels[r],
-                        expected[r],
-                        actual_labels(labels[r : r + 1], attention[r : r + 1])[0],
-                        pos,
-                    )
+        """The judged assistant turns' end-of-turn markers in the recorded rows and how many are trained (counted
+        as LOOP-02 counts them), with the rows that mask one and the first one's side-by-side."""
+        out = end_of_turn_markers(frame, layout, tokenizer.pad_token_id, last_turn_only)
+        if out["first"] is not None:
+            ids, labels, expected, attention, pos = out["first"]
+            actual = actual_labels(labels[None], attention[None])[0]
+            out["evidence"] = self._side_by_side(tokenizer, ids, labels, expected, actual, pos)
         return out
 
     def _end_of_turn_finding(
@@ -266,6 +253,7 @@ class LossMaskValidity(Check):
             f"(from step {step}, first {sample}): the model never learns to emit its stop token and runs on past "
             f"its answers at inference; {cause}",
             step=step,
+            category="configuration",  # the collator's or template's setup: no batch to skip fixes it
             kind="end_of_turn_untrained",
             marker=marker,
             markers_total=ends["total"],

@@ -33,16 +33,21 @@ class GradientNormAnomaly(Check):
 
     What it detects:
         Non-finite loss or gradients, per tensor, that reached the weights (a step the fp16 loss scaler
-        skipped is LOOP-25's info; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
+        skipped is LOOP-25's info, in a run whose manifest records a scaler that skips, or an older one that
+        does not say; so is a non-finite loss in a log without per-tensor norms); a parameter tensor whose gradient norm spikes (against its
         own history and against the other tensors at that step); the same tensor spiking at a
         fixed interval (one finding with the period); a global-norm spike no single tensor
-        explains; a parameter that receives gradients but whose weights never move between two
+        explains; a group of tensors whose gradients collapse to ~0 against their own history
+        while the rest of the model keeps its gradients (one layer's attention at 1e-14 after a
+        too-high learning rate); a parameter that receives gradients but whose weights never move between two
         saves (left out of the optimizer).
     Why it matters:
         One non-finite gradient poisons every weight it touches. A single layer whose gradient is
         suddenly an order of magnitude larger points at hardware (a faulty GPU with ECC errors) or a
         broken layer; periodic spikes at a fixed interval point at the framework (recompilation),
-        not the data; a tensor left out of the optimizer trains nothing while the loss looks fine.
+        not the data; a layer whose gradients collapsed stopped learning (a saturated softmax, dead
+        activations) while the loss still moves through the rest; a tensor left out of the optimizer
+        trains nothing while the loss looks fine.
     Statistic:
         Per tensor, y = log(L2 norm); its baseline is the median of y over the previous block of
         `window` steps (default: run length / 16, between 8 and 128 steps) and, as sigma, the median
@@ -52,18 +57,25 @@ class GradientNormAnomaly(Check):
         Across tensors, each tensor's log-ratio to its baseline is compared with
         the mean + `sigma_across` std of all tensors' log-ratios at that step (raw norms differ by
         orders of magnitude between embeddings and norms, so they are not compared directly).
-        Warmup (until the learning rate stops rising) is excluded. Weight movement: the shim
+        Warmup (until the learning rate stops rising) is excluded. The chart draws, per step, the
+        largest tensor's norm / its running median beside the typical tensor's (the geometric mean of
+        every tensor's ratio): a spike stands out from the typical tensor; both rising together is a
+        burst across the model (a hard batch), which the global norm's rule judges. Collapse: the same
+        own-history z and ratio, downwards, counted per step across tensors. Weight movement: the shim
         records float64 weight norms at start and at every save; an unchanged norm while the
         tensor's gradients were non-zero means the weights did not move.
     Threshold:
         Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
         (10x) and across-tensor z >= `sigma_across` (3): fail at its first step.
         At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
-        spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike). Non-finite
+        spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike). Collapse:
+        own-history z <= -`sigma_own` and norm at least `collapse_ratio` (1000x) below its running median for
+        `collapse_steps` (3) steps in a row, while fewer than half of the tensors collapsed at that step (a
+        model-wide fall is a loss at 0 or a learning rate at 0, judged elsewhere): fail at its first step. Non-finite
         gradients at a step the optimizer did not skip: fail. Weights
         unchanged between saves with non-zero gradients: fail.
     Evidence:
-        The tensors with norm, baseline median, effect size, z, p-value, steps flagged; the
+        The tensors with norm, baseline median, effect size (or fall), z, p-value, steps flagged; the
         histogram of log10|g| of the first tensor at that step when one was recorded; for frozen
         weights the saves compared and the gradient norms seen between them.
     """
@@ -80,11 +92,18 @@ class GradientNormAnomaly(Check):
         "window": None,
         "warmup_steps": None,
         "min_periodic_spikes": 4,
+        "collapse_ratio": 1000.0,
+        "collapse_steps": 3,
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         _, _, bad_norm, has_norm = nonfinite_logged(ctx)
         skipped = skipped_updates(bad_norm, has_norm)
+        scaler = ctx.manifest.get("loss_scaler")
+        if isinstance(scaler, dict) and scaler.get("skips_nonfinite_steps") is False:
+            # The shim saw no loss scaler (nor DeepSpeed's overflow check): nothing skipped a step, so finite
+            # gradients after a non-finite one do not make it a benign skip.
+            skipped = np.zeros_like(skipped)
         return (
             self._nonfinite_loss(ctx)
             + self._nonfinite_grads(ctx, skipped)
@@ -186,7 +205,7 @@ class GradientNormAnomaly(Check):
             else steps[warmup_end(np.nan_to_num(column(steps_frame, "lr")), skipped)]
         )
         judged = steps >= first_judged
-        cells, largest, across = self._own_history(columns, judged, window)
+        cells, largest, across, collapsed = self._own_history(columns, judged, window)
         tensor, cell_step, norm, median, log_ratio, z_own = cells
         # The cross-tensor rule at the cells that spiked on their own: against every tensor's log-ratio at that step.
         total, total_sq, count = across
@@ -195,15 +214,25 @@ class GradientNormAnomaly(Check):
             spread = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
             z_across = (log_ratio - mean[cell_step]) / np.where(spread[cell_step] > 0, spread[cell_step], np.nan)
             flagged = z_across >= self.params["sigma_across"]
+        # The largest tensor's excursion beside the typical tensor's: a spike is one tensor standing out from
+        # the others; both rising together is a burst across the model (a hard batch), the global norm's rule.
         ctx.add_series(
             self.code,
-            "largest gradient norm / own running median",
+            "largest tensor's gradient norm / its running median (a spike must also stand out from the typical tensor)",
             steps.tolist(),
             np.nan_to_num(np.exp(largest)).tolist(),
             self.params["min_ratio"],
         )
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            typical = np.exp(np.where(count > 0, mean, 0.0))
+        ctx.add_series(
+            self.code,
+            "typical tensor's gradient norm / its running median (rising with the largest: a model-wide burst)",
+            steps.tolist(),
+            np.nan_to_num(typical, nan=1.0).tolist(),
+        )
 
-        findings: list[Finding] = []
+        findings: list[Finding] = self._collapses(steps, names, collapsed, count)
         episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
         explained = np.zeros(steps.size, dtype=bool)  # steps a tensor-level finding accounts for
         explained[cell_step[flagged]] = True
@@ -298,26 +327,24 @@ class GradientNormAnomaly(Check):
     def _own_history(self, columns, judged: np.ndarray, window: int):
         """Each tensor against its own history, a block of tensors at a time: the cells (tensor, step row,
         norm, baseline log-median, log-ratio, z) that spiked on their own; per step, the largest judged
-        log-ratio; and the sum, sum of squares and count of every tensor's finite log-ratio (the
-        cross-tensor rule's mean and spread)."""
+        log-ratio; the sum, sum of squares and count of every tensor's finite log-ratio (the
+        cross-tensor rule's mean and spread); and the collapses: the cells (as above) where a tensor's
+        first run of collapsed steps starts, with the count of collapsed tensors per step."""
         n = judged.size
         largest = np.full(n, -np.inf)
-        total, total_sq, count = np.zeros(n), np.zeros(n), np.zeros(n)
-        cells = []
+        total, total_sq, count, down = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        cells, starts = [], []
         if n // window >= 1 and n > window:  # else no step has a previous block to be judged against
             unjudged = np.flatnonzero(~judged)
-            for found, block_largest, sums in columns.map(
+            for found, block_largest, sums, collapse in columns.map(
                 lambda first, norms: self._block(first, norms, unjudged, window)
             ):
                 cells.append(found)
+                starts.append(collapse[0])
                 largest = np.fmax(largest, block_largest)
                 total, total_sq, count = total + sums[0], total_sq + sums[1], count + sums[2]
-        if cells:
-            joined = tuple(np.concatenate(part) for part in zip(*cells))
-        else:
-            empty = np.zeros(0)
-            joined = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
-        return joined, largest, (total, total_sq, count)
+                down += collapse[1]
+        return _joined(cells), largest, (total, total_sq, count), (_joined(starts), down)
 
     def _block(self, first: int, norms: np.ndarray, unjudged: np.ndarray, window: int):
         """`_own_history` of one block of tensors (tensors x steps)."""
@@ -342,6 +369,7 @@ class GradientNormAnomaly(Check):
         z_own = z_own[:, :n]
         with np.errstate(invalid="ignore"):
             own = (z_own >= self.params["sigma_own"]) & (log_ratio >= np.log(self.params["min_ratio"]))
+            down = (z_own <= -self.params["sigma_own"]) & (log_ratio <= -np.log(self.params["collapse_ratio"]))
         tensor, row = np.nonzero(own)
         del own
         found = (
@@ -352,6 +380,22 @@ class GradientNormAnomaly(Check):
             log_ratio[tensor, row],
             z_own[tensor, row],
         )
+        # A collapse: the first run of `collapse_steps` steps in a row far below the tensor's own history.
+        some = np.flatnonzero(down.any(axis=1))  # the rare tensors with a collapsed step: the runs only of them
+        start = _first_run_start(down[some], self.params["collapse_steps"])
+        tensor, row = some[start >= 0], start[start >= 0]
+        collapse = (
+            (
+                tensor + first,
+                row,
+                norms[tensor, row],
+                med[tensor, row // window - 1],
+                log_ratio[tensor, row],
+                z_own[tensor, row],
+            ),
+            down.sum(axis=0),
+        )
+        del down
         # initial: a step no tensor of the block has a finite log-ratio at has nothing to reduce
         largest = np.fmax.reduce(log_ratio, axis=0, initial=-np.inf)
         finite = np.isfinite(log_ratio)
@@ -361,7 +405,52 @@ class GradientNormAnomaly(Check):
             np.square(log_ratio, out=z_own).sum(axis=0, dtype=np.float64),
             finite.sum(axis=0),
         )
-        return found, largest, sums
+        return found, largest, sums, collapse
+
+    def _collapses(self, steps: np.ndarray, names: list[str], collapsed, count: np.ndarray) -> list[Finding]:
+        """Tensors whose gradients fell to a small fraction of their own history for several steps in a row,
+        while most tensors did not: a part of the model that stopped learning."""
+        (tensor, row, norm, median, log_ratio, z_own), down = collapsed
+        # A group, not the whole model: fewer than half of the tensors with a gradient collapsed at that step
+        # (a model-wide fall is a loss near 0, LOOP-21's, or a learning rate at 0, LOOP-22's).
+        group = down[row] < 0.5 * count[row]
+        if not group.any():
+            return []
+        tensor, row, norm, median, log_ratio, z_own = (a[group] for a in (tensor, row, norm, median, log_ratio, z_own))
+        order = np.lexsort((log_ratio, row))  # the earliest first, the deepest fall first among them
+        first = int(steps[row[order[0]]])
+        listed = [
+            {
+                "tensor": names[tensor[i]],
+                "step": int(steps[row[i]]),
+                "norm": float(norm[i]),
+                "baseline_median": float(np.exp(median[i])),
+                "fall": float(np.exp(-log_ratio[i])),
+                "z_own": float(z_own[i]),
+            }
+            for i in order[: self.params["max_tensors_listed"]]
+        ]
+        top = listed[0]
+        at_first = int((row == row[order[0]]).sum())
+        return [
+            self.finding(
+                "fail",
+                f"the gradients of {at_first} tensor(s) collapsed at step {first} to {top['norm']:.2g}, "
+                f"{top['fall']:.2g}x below their own running median ({top['baseline_median']:.2g}), first "
+                f"{top['tensor']}, for {self.params['collapse_steps']}+ steps while most of the model kept its "
+                f"gradients"
+                + (f" ({len(order) - at_first} more tensor(s) later)" if len(order) > at_first else "")
+                + "; that part of the model stopped learning (a saturated softmax or dead activations, often after "
+                f"a too-high learning rate): resume from a checkpoint before step {first}, with a lower learning rate",
+                step=first,
+                kind="collapse",
+                tensors=listed,
+                tensor_count=int(len(order)),
+                collapsed_share=float(down[row[order[0]]] / count[row[order[0]]]),
+                threshold=self.params["collapse_ratio"],
+                value=top["fall"],
+            )
+        ]
 
     def _histogram(self, ctx: AuditContext, step: int, tensor: str) -> dict:
         row = ctx.row(
@@ -437,3 +526,22 @@ class GradientNormAnomaly(Check):
                     )
                 )
         return findings
+
+
+def _joined(parts: list[tuple]) -> tuple:
+    """Per-block cell tuples (tensor, step row, norm, log-median, log-ratio, z) joined into one."""
+    if parts:
+        return tuple(np.concatenate(part) for part in zip(*parts))
+    empty = np.zeros(0)
+    return (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
+
+
+def _first_run_start(mask: np.ndarray, length: int) -> np.ndarray:
+    """Per row of `mask` (tensors x steps): the step index starting its first run of `length` true steps, or -1."""
+    if mask.shape[1] < length or length < 1:
+        return np.full(len(mask), -1)
+    total = np.cumsum(mask, axis=1, dtype=np.int32)
+    window = total[:, length - 1 :].copy()
+    window[:, 1:] -= total[:, :-length]
+    hit = window >= length
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.rolling import previous_block_stats, robust_z, warmup_end
 
 
@@ -62,6 +62,9 @@ class LogitsStability(Check):
         a value far outside what this run's probes did just before. Entropy: mean over prompts
         against the median of the previous block. Warmup excluded.
     Threshold:
+        Fewer than 3 probe steps with finite distributions: not judged (a probe step whose
+        distribution is NaN, after a non-finite model, is left out and the check says it ran on
+        part of the probes).
         KL: z >= `sigma` (6), KL >= `min_ratio` (10) x its baseline median and KL >= `min_kl`
         (0.02 nats, below which top-k rounding dominates): warn. Spread: z >= `sigma` and spread >
         `max_top1_std` (0.08, an absolute value kept as a floor): warn. Entropy <
@@ -88,15 +91,30 @@ class LogitsStability(Check):
         rows = ctx.con.execute(
             "SELECT step, prompt, entropy, top_ids, top_probs FROM probes ORDER BY step, prompt"
         ).fetchall()
-        if not rows:
-            return []
+        recorded = sorted({r[0] for r in rows})
+        # A probe whose distribution is not finite (the model's outputs were NaN) says nothing of its drift.
+        rows = [
+            r
+            for r in rows
+            if r[2] is not None and np.isfinite(r[2]) and r[4] and np.isfinite(np.asarray(r[4], dtype=float)).all()
+        ]
         steps = np.array(sorted({r[0] for r in rows}))
         prompts = sorted({r[1] for r in rows})
         at = {(r[0], r[1]): r for r in rows}
         if any((s, p) not in at for s in steps for p in prompts):  # a probe step with a missing prompt: keep full ones
             steps = np.array([s for s in steps if all((s, p) in at for p in prompts)])
+        unjudged = sorted(set(recorded) - set(steps.tolist()))
         if steps.size < 3:
-            return []
+            raise CannotJudge(
+                f"{len(recorded)} probe step(s) recorded"
+                + (f", {steps.size} of them with finite distributions" if unjudged else "")
+                + ": a drift between probes needs 3 (probe more often, or at each checkpoint with `sftaudit probe`)"
+            )
+        if unjudged:
+            ctx.partly_judged[self.code] = (
+                f"{len(unjudged)} of {len(recorded)} probe steps (from step {unjudged[0]}) were not judged: their "
+                f"next-token distributions are not finite (the model's outputs were NaN or infinite there)"
+            )
         entropy = np.array([[at[s, p][2] for p in prompts] for s in steps]).mean(axis=1)
         top1 = np.array([[at[s, p][4][0] for p in prompts] for s in steps])
         kl = np.array(

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.rolling import runs_of
 from .stats.text import join_ngram, tokenize
 
@@ -31,7 +31,8 @@ class GenerationDiversity(Check):
         (n = 2, 3) that repeat an earlier n-gram of the same generation, averaged over generations.
     Threshold:
         distinct-1 < `min_distinct_1` (0.35) at `consecutive` (3) generation steps in
-        a row: warn at the first of them, recommending learning-rate decay.
+        a row: warn at the first of them, recommending learning-rate decay. Fewer generation steps
+        than `consecutive`: not judged.
     Evidence:
         distinct-1/2 and repetition-2/3 at the steps of the streak, the most repeated n-grams.
     """
@@ -58,9 +59,14 @@ class GenerationDiversity(Check):
                 np.nan_to_num(stats[:, j]).tolist(),
                 self.params["min_distinct_1"] if j == 0 else None,
             )
+        k = self.params["consecutive"]
+        if steps.size < k:  # its values are shown; a streak cannot be told from them
+            raise CannotJudge(
+                f"{steps.size} generation step(s) recorded: a streak of low diversity needs {k} (generate more often, "
+                f"or at each checkpoint with `sftaudit probe`)"
+            )
         with np.errstate(invalid="ignore"):
             low = stats[:, 0] < self.params["min_distinct_1"]
-        k = self.params["consecutive"]
         hits = runs_of(low, k)
         if not hits.size:
             return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.artifacts import TOKENIZER_DIR, artifact_root
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.text import SharedTokenizer, tokenize
 
 
@@ -54,7 +54,9 @@ class EvalMetricDrift(Check):
         warn at the window's last step. A falling trend with Kendall p < `trend_p` (0.01) over at
         least 6 evals: warn. Containment >= `near_duplicate` (0.85): warn
         per run, fail when the leaked share of the eval set is >= `max_leaked_share` (5%), at the
-        first step a leaked sample was trained.
+        first step a leaked sample was trained. Fewer than `window` evaluations, or no eval set
+        and training samples to compare: that part is not judged (the check ran on partial
+        evidence; neither: not judged).
     Evidence:
         The window's metric values and r; leaked eval ids with the training sample ids, their
         containment and the step they were trained.
@@ -75,7 +77,22 @@ class EvalMetricDrift(Check):
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        return self._metrics(ctx) + self._contamination(ctx)
+        findings = self._metrics(ctx) + self._contamination(ctx)
+        # What the run's evidence left unjudged: the drift needs `window` evaluations, contamination an eval
+        # set and the training samples.
+        evals = ctx.scalar("SELECT count(DISTINCT step) FROM evals") if ctx.has_rows("evals") else 0
+        drift = (
+            None
+            if evals >= self.params["window"]
+            else f"{evals} evaluation(s) recorded: the agreement of ROUGE-L and BLEU-4 needs {self.params['window']}, "
+            f"their trend 6"
+        )
+        contamination = None if self._contamination_judged(ctx) else "no eval set and training samples to compare"
+        if drift and contamination and not findings:
+            raise CannotJudge(f"{drift}; {contamination}")
+        if drift or contamination:
+            ctx.partly_judged[self.code] = drift or contamination
+        return findings
 
     def _metrics(self, ctx: AuditContext) -> list[Finding]:
         from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
@@ -144,10 +161,15 @@ class EvalMetricDrift(Check):
                     )
         return findings
 
+    @staticmethod
+    def _contamination_judged(ctx: AuditContext) -> bool:
+        tokenizer_file = artifact_root(ctx.run_dir) / TOKENIZER_DIR / "tokenizer.json"
+        return bool(ctx.manifest.get("eval_set")) and tokenizer_file.is_file() and ctx.has_rows("samples")
+
     def _contamination(self, ctx: AuditContext) -> list[Finding]:
         eval_set = ctx.manifest.get("eval_set") or []
         tokenizer_file = artifact_root(ctx.run_dir) / TOKENIZER_DIR / "tokenizer.json"
-        if not eval_set or not tokenizer_file.is_file() or not ctx.has_rows("samples"):
+        if not self._contamination_judged(ctx):
             return []
         from tokenizers import Tokenizer  # the run's own tokenizer decodes the recorded rows
 

@@ -18,7 +18,9 @@ class LossNormalisation(Check):
         a NaN step hidden by the Trainer's `logging_nan_inf_filter`), at any scale: also when the
         backpropagated objective carries the same error (transformers 4.47 with a model whose forward
         takes no `**kwargs`, such as GPT-2, divides no loss by the accumulation steps: logged loss and
-        gradients are both GA x the token mean). A first loss far above
+        gradients are both GA x the token mean). The backpropagated objective a multiple of the trained loss
+        while the log shows the trained one (transformers 4.46 with such a model: the curve looks right, the
+        gradients are GA x a large batch's). A first loss far above
         ln(vocabulary), the loss of a uniform guess (a broken head or a loss scaled by mistake).
     Why it matters:
         With a mis-normalised objective, gradient accumulation is no longer a large batch: short
@@ -42,12 +44,15 @@ class LossNormalisation(Check):
         loss, the token mean of the model's own per-micro-batch losses over the window (sum of model
         loss x the tokens it divides by / the window's target tokens; over all ranks when the loss is
         a token mean across ranks, else the mean of the ranks'), at the same step; the backpropagated
-        objective (sum of model loss x w) is set beside it. First loss: the token-mean loss of the
-        first recorded step against ln(vocabulary size).
+        objective (sum of model loss x w) is set beside it, and judged against the trained loss on its own at
+        every recorded step. First loss: the token-mean loss of the first recorded step against ln(vocabulary
+        size).
     Threshold:
         Largest |relative weight error| in a step > `max_weight_error` (1%): fail at the first such
         step. Logged loss differs from the recorded one by more than `max_logged_error` (2%, above
-        the Trainer's 4-decimal rounding): fail; a non-finite recorded loss logged as finite: fail.
+        the Trainer's 4-decimal rounding): fail; a non-finite recorded loss logged as finite: fail. The
+        objective more than `max_objective_scale` (1.5) times the trained loss, or less than 1/1.5 of it, where
+        the logged loss did not already show the same scale: fail at the first such step.
         First loss > `first_loss_factor` (2) x ln(vocabulary): warn. No model loss recorded (a custom
         loss), or no micro-batch weight and no logged loss to compare: not run, saying why.
     Evidence:
@@ -63,6 +68,7 @@ class LossNormalisation(Check):
         "max_weight_error": 0.01,
         "max_logged_error": 0.02,
         "first_loss_factor": 2.0,
+        "max_objective_scale": 1.5,
         "samples_listed": 5,
         "token_mean_across_ranks": None,
     }  # None: as the run's config says
@@ -85,7 +91,9 @@ class LossNormalisation(Check):
                 "visible; pass labels to the model to have it checked"
             )
         self._judged = False
+        self._objective_named = False
         findings = self._weights(ctx, micro) + self._logged(ctx, micro)
+        findings += [] if self._objective_named else self._objective(ctx)
         if not self._judged:
             raise CannotJudge(
                 "no micro-batch's loss weight was recorded (the model's loss never reached backward: the training "
@@ -181,21 +189,7 @@ class LossNormalisation(Check):
         logged = ctx.frame("SELECT step, value FROM metrics WHERE rank = 0 AND name = 'loss' ORDER BY step")
         if logged.height == 0:
             return []
-        # Per rank and step: the token mean of the model's losses (the loss that was trained, whatever share of
-        # it each backward got) and the backpropagated objective; a step counts when every micro-batch has both.
-        across = self._across_ranks(ctx)
-        trained = "sum(token_sum) / nullif(sum(n), 0)" if across else "avg(token_sum / nullif(n, 0))"
-        recorded = ctx.frame(
-            f"""
-            SELECT step, {trained} AS trained, avg(objective) AS objective,
-                   bool_and(complete) AS complete, bool_and(weighted) AS weighted
-            FROM (SELECT rank, step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) AS token_sum,
-                         sum(list_sum(target_tokens)) AS n, sum(model_loss * loss_weight) AS objective,
-                         count(model_loss) = count(*) AS complete, count(loss_weight) = count(*) AS weighted
-                  FROM batches WHERE target_tokens IS NOT NULL GROUP BY rank, step)
-            GROUP BY step ORDER BY step  -- under DDP the Trainer logs the mean of the ranks' losses
-            """
-        )
+        recorded = self._recorded(ctx)
         # Only steps logged one step after the previous log: the Trainer's value is then that one step's.
         steps = logged["step"].to_numpy()
         single = np.diff(np.concatenate([[steps[0] - 1], steps])) == 1
@@ -251,6 +245,7 @@ class LossNormalisation(Check):
         )
         # The backpropagated objective off by the same factor: the gradients are scaled too, not only the log.
         scaled_too = np.isfinite(objective_ratio) and abs(objective_ratio / r - 1) <= self.params["max_logged_error"]
+        self._objective_named = bool(scaled_too)
         fix = (
             f"the backpropagated objective is {objective_ratio:.3g}x it too, so the gradients are scaled and a "
             f"gradient-accumulation window weighs micro-batches, not tokens (as transformers 4.47 does with a "
@@ -276,6 +271,77 @@ class LossNormalisation(Check):
             )
         )
         return findings
+
+    def _recorded(self, ctx: AuditContext):
+        """Per step: the token mean of the model's losses (the loss that was trained, whatever share of it each
+        backward got) and the backpropagated objective (sum of model loss x its weight in backward); whether every
+        micro-batch had a loss (complete) and a weight (weighted)."""
+        across = self._across_ranks(ctx)
+        trained = "sum(token_sum) / nullif(sum(n), 0)" if across else "avg(token_sum / nullif(n, 0))"
+        return ctx.frame(
+            f"""
+            SELECT step, {trained} AS trained, avg(objective) AS objective,
+                   bool_and(complete) AS complete, bool_and(weighted) AS weighted
+            FROM (SELECT rank, step, sum(model_loss * coalesce(num_items, list_sum(target_tokens))) AS token_sum,
+                         sum(list_sum(target_tokens)) AS n, sum(model_loss * loss_weight) AS objective,
+                         count(model_loss) = count(*) AS complete, count(loss_weight) = count(*) AS weighted
+                  FROM batches WHERE target_tokens IS NOT NULL GROUP BY rank, step)
+            GROUP BY step ORDER BY step  -- under DDP the Trainer logs the mean of the ranks' losses
+            """
+        )
+
+    # ------------------------------------------------------------------ backpropagated objective
+
+    def _objective(self, ctx: AuditContext) -> list[Finding]:
+        """The objective backpropagated a multiple of the loss trained, whatever the log shows: transformers 4.46
+        logs a model without **kwargs at the micro-batch mean while each backward gets the whole micro-batch
+        mean (GA x the token mean; the log looks right, the gradients are GA x a large batch's)."""
+        recorded = self._recorded(ctx).filter("complete", "weighted")
+        if recorded.height == 0:
+            return []
+        steps = recorded["step"].to_numpy()
+        trained = recorded["trained"].to_numpy().astype(float)
+        objective = recorded["objective"].to_numpy().astype(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = objective / trained
+        limit = self.params["max_objective_scale"]
+        off = np.isfinite(ratio) & (np.abs(trained) > 1e-6) & ((ratio > limit) | (ratio < 1 / limit))
+        if not off.any():
+            return []
+        j = int(np.flatnonzero(off)[0])
+        step, r = int(steps[j]), float(ratio[j])
+        accum = ctx.scalar("SELECT max(micro_batches) FROM steps WHERE rank = 0 AND step = ?", [step])
+        multiple = round(r) if r >= 1.5 and abs(r - round(r)) < 0.05 else None
+        logged = ctx.scalar("SELECT value FROM metrics WHERE rank = 0 AND name = 'loss' AND step = ?", [step])
+        shown = (
+            f" = {multiple} x the trained loss {trained[j]:.4g}"
+            + (" (the gradient-accumulation steps)" if multiple == accum else "")
+            if multiple
+            else f", {r:.3g}x the trained loss {trained[j]:.4g}"
+        )
+        log = (
+            f"; the logged loss ({logged:.4g}) shows the trained one, so the loss curve looks right"
+            if logged is not None and abs(logged - trained[j]) <= self.params["max_logged_error"] * abs(trained[j])
+            else ""
+        )
+        return [
+            self.finding(
+                "fail",
+                f"the backpropagated objective at step {step} is {objective[j]:.4g}{shown} ({int(off.sum())} step(s))"
+                f"{log}: the gradients are {r:.3g}x a large batch's (and clipping and the logged grad_norm with "
+                f"them); each micro-batch's loss was not divided by the accumulation steps (as transformers 4.46 "
+                f"does with a model whose forward takes no **kwargs, e.g. GPT-2): upgrade transformers, or divide "
+                f"each micro-batch's loss by the accumulation steps",
+                step=step,
+                objective=float(objective[j]),
+                recorded=float(trained[j]),
+                logged=logged,
+                objective_ratio=r,
+                value=r,
+                threshold=limit,
+                steps_affected=int(off.sum()),
+            )
+        ]
 
     def _across_ranks(self, ctx: AuditContext) -> bool:
         """Whether the run's loss is a token mean across ranks (declared in this check's config or the run's)."""

@@ -18,7 +18,7 @@ from ..readers.optimizer_state import (
     map_names,
     read_adam_state,
 )
-from ..store.ingest import recorded_checkpoints
+from ..store.rundb import recorded_checkpoints
 from .base import AuditContext, Check, Finding
 
 

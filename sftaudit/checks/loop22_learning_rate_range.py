@@ -28,23 +28,61 @@ ADAM_LIKE = (
 )
 SGD_LIKE = ("sgd", "lomo", "adagrad")
 TRAINER_DEFAULT = "adamw_torch"
+# Classes that wrap the optimizer that steps and say nothing of its family: accelerate's (every Trainer and TRL
+# run, on transformers 4.45 as on 5), DeepSpeed's ZeRO and mixed-precision wrappers, torch's
+# ZeroRedundancyOptimizer, Lightning's, the Trainer's layer-wise placeholder.
+WRAPPERS = (
+    "acceleratedoptimizer",
+    "deepspeedoptimizerwrapper",
+    "deepspeedzerooptimizer",
+    "zeroredundancyoptimizer",
+    "fp16_optimizer",
+    "bf16_optimizer",
+    "fp16_unfusedoptimizer",
+    "lightningoptimizer",
+    "layerwisedummyoptimizer",
+)
+
+
+def is_wrapper(name: str) -> bool:
+    n = name.lower()
+    return any(n.startswith(w) for w in WRAPPERS)
 
 
 def optimizer_name(manifest: dict) -> tuple[str | None, bool]:
-    """The optimizer the run used, and whether it is assumed (an import: the Trainer's default, AdamW)."""
+    """The optimizer the run stepped with, read through its wrappers, and whether it is assumed (an import: the
+    Trainer's default, AdamW). The manifest's `optimizer` names its class (and, recorded through the wrappers,
+    the class of the one inside: any `...class` key, nested or not); a wrapper's name is passed over for the
+    wrapped class, else for the run's configured `optim`."""
     c = run_config(manifest)
-    opt = manifest.get("optimizer")
+    recorded = _recorded_classes(manifest.get("optimizer"))
     for value in (
-        (opt.get("class") if isinstance(opt, dict) else opt),
+        *[n for n in recorded if not is_wrapper(n)],
         c.get("optim"),
         c.get("optimizer"),
         c.get("optimizer_class"),
     ):
-        if isinstance(value, str) and value:
+        if isinstance(value, str) and value and not is_wrapper(value):
             return value, False
-    if manifest.get("imported"):
+    # Not on disk (an import), or hidden in a wrapper the run did not see into: the Trainer's default, as the
+    # same run's logs are judged (a recorded run never judges less than its logs).
+    if manifest.get("imported") or (recorded and all(is_wrapper(n) for n in recorded)):
         return TRAINER_DEFAULT, True
     return None, False
+
+
+def _recorded_classes(optimizer) -> list[str]:
+    """The class names the manifest's `optimizer` records, the innermost last: a string, or a dict whose keys
+    ending in `class` name one (nested dicts: the optimizers it wraps)."""
+    if isinstance(optimizer, str):
+        return [optimizer]
+    if not isinstance(optimizer, dict):
+        return []
+    names = [v for k, v in optimizer.items() if isinstance(v, str) and v and k.endswith("class")]
+    for value in optimizer.values():
+        if isinstance(value, dict):
+            names += _recorded_classes(value)
+    return names[::-1]
 
 
 def optimizer_family(name: str) -> str | None:
@@ -69,11 +107,16 @@ class LearningRateRange(Check):
     Statistic:
         The largest logged learning rate against the optimizer family's limit: Adam-style (AdamW, Adafactor,
         Lion, LAMB, RMSprop, 8-bit and paged variants) 0.1; SGD-style (SGD, LOMO, Adagrad) 10. The optimizer is
-        the manifest's (the Trainer's `optim`); an imported run's is not on disk and is taken to be the
-        Trainer's default, AdamW (the message says so).
+        the manifest's, read through its wrappers (accelerate's AcceleratedOptimizer, which every Trainer and TRL
+        run records, DeepSpeed's and torch's ZeRO, Lightning's): the wrapped class where recorded, else the
+        Trainer's `optim`; an imported run's is not on disk and is taken to be the Trainer's default, AdamW (the
+        message says so), as is a recorded run's that names only a wrapper (a hand-written accelerate loop
+        without a config): a recorded run is judged on no less than its own logs would be.
     Threshold:
         Peak above the limit: warn; above 10x the limit: fail. Every logged learning rate <= 0: fail. No
-        learning rate logged, or an optimizer of no known family: not judged.
+        learning rate logged, or an optimizer of no known family: not judged. The finding is a configuration
+        (the cause, stated once at run scope, with what to change); when the rate wrecks the run, the loss-curve
+        checks date the anomaly (the loss jump) and fail the run, and this finding names its cause.
     Evidence:
         The peak learning rate and its step, the optimizer and whether it was assumed, its family's limit.
     """
@@ -113,7 +156,14 @@ class LearningRateRange(Check):
         peak = float(lr[i])
         if peak <= limit:
             return []
-        which = f"{name} (the Trainer's default: the optimizer is not on disk)" if assumed else name
+        wrapped = _recorded_classes(ctx.manifest.get("optimizer"))
+        which = (
+            name
+            if not assumed
+            else f"{name} (the Trainer's default: the optimizer is not on disk)"
+            if ctx.manifest.get("imported")
+            else f"{name} (the Trainer's default: the run recorded only its wrapper, {wrapped[0]})"
+        )
         return [
             self.finding(
                 "fail" if peak > 10 * limit else "warn",

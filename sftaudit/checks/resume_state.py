@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..readers.inspection import ALWAYS_NEEDED, STATE_KEYS, Inspection, inspect_checkpoint
-from ..store.ingest import recorded_checkpoints
+from ..store.rundb import recorded_checkpoints
 from .base import AuditContext
 
 

@@ -1,10 +1,14 @@
 """What the commands share: exit codes, printing text built from the run's own strings, writing an output file,
-the default output folder, importing a folder trained without the shim, the verdict's terminal summary."""
+the default output folder, the verdict's terminal summary, the manifest's library versions, the GitHub Actions
+outputs of `--github`."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..core.terminal import safe_name, shown
 from ..errors import InputError, one_line
@@ -39,15 +43,28 @@ def read(path: Path) -> str:
     return read_small_text(path, "file", limit=256 * 2**20)
 
 
-def prepare(args) -> None:
-    """A Trainer output trained without the shim is imported first (or re-imported: it may have grown)."""
-    from ..imports import ensure_artifacts
-
-    ensure_artifacts(args.run_dir, args.data, source=args.source, file=args.log_file)
+# In a default output folder: the resolved path of the run (or dataset) its outputs were written for.
+OWNER_FILE = ".sftaudit-source"
 
 
-def out_dir(args, run: str) -> Path:
-    return args.out or DEFAULT_REPORTS / safe_name(run)
+def out_dir(args, run: str, source: str | Path) -> Path:
+    """`--out` as given; else reports/<run>/, which belongs to the first run (or dataset) written there: a
+    second one whose folder has the same name (a/run and b/run) gets reports/<run>-<8 hex digits of its
+    resolved path>/, so no audit overwrites another run's report."""
+    if args.out:
+        return args.out
+    import hashlib
+
+    resolved = str(Path(source).resolve())
+    target = DEFAULT_REPORTS / safe_name(run)
+    try:
+        owner = (target / OWNER_FILE).read_text(encoding="utf-8").strip() if (target / OWNER_FILE).is_file() else None
+    except (OSError, UnicodeDecodeError):
+        owner = None
+    if owner is not None and owner != resolved:
+        target = DEFAULT_REPORTS / f"{safe_name(run)}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+    write(target / OWNER_FILE, resolved + "\n", "output folder")  # a folder from before, unmarked, is claimed
+    return target
 
 
 def exit_code(verdict: str, strict: bool) -> int:
@@ -58,7 +75,8 @@ def exit_code(verdict: str, strict: bool) -> int:
     return EXIT_PASS
 
 
-def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> None:
+def print_summary(verdict: dict, verdict_path: Path, report: Path | None, codes: tuple[str, ...] = ()) -> None:
+    """The verdict in a few lines; the checks not run are listed among `codes` (default: every check)."""
     if verdict.get("cannot_judge"):
         from ..verdict.audit import unjudged_reason
 
@@ -81,10 +99,44 @@ def print_summary(verdict: dict, verdict_path: Path, report: Path | None) -> Non
         f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
     ]
     lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
-    not_run = [c for c in verdict.get("checks", []) if c["status"] in ("not_run", "disabled")]
+    not_run = [
+        c
+        for c in verdict.get("checks", [])
+        if c["status"] in ("not_run", "disabled") and (not codes or c["code"] in codes)
+    ]
     if not_run:
         lines.append("  not run: " + "; ".join(f"{c['code']} ({shown(c['reason'])})" for c in not_run))
     lines.append(f"verdict: {shown(verdict_path)}")
     if report:
         lines.append(f"report:  {shown(report)}")
     say("\n".join(lines))
+
+
+def manifest_versions(run_dir: Path) -> dict[str, Any]:
+    """The library versions the run's manifest records (the verdict does not carry them)."""
+    from ..store.rundb import connect, load_manifest
+
+    con = connect(run_dir, read_only=True)
+    try:
+        versions = load_manifest(con).get("versions")
+    finally:
+        con.close()
+    return versions if isinstance(versions, dict) else {}
+
+
+def with_github(show: Callable[[], None], verdict: dict, run_dir: Path, *, strict: bool = False, gate=None) -> None:
+    """`--github`: `show` (the terminal summary, which quotes the run's own text) printed with workflow commands
+    off, then the annotations and the Markdown step summary of the audit, or of the gate (`gate`: its JSON)."""
+    from ..outputs import github
+    from ..outputs.markdown import render, render_gate
+
+    with github.commands_off():
+        show()
+    versions = manifest_versions(run_dir)
+    markdown = (
+        render_gate(gate, verdict, versions=versions)
+        if gate is not None
+        else render(verdict, heading="sftaudit audit", versions=versions)
+    )
+    lines = github.annotations(verdict, run_dir, strict=strict, gate=gate)
+    github.publish(lines, markdown, os.environ.get("GITHUB_STEP_SUMMARY"))

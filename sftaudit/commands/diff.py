@@ -36,44 +36,43 @@ CONSTANT_RTOL = 1e-6
 
 def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) -> dict[str, Any]:
     """What `compare` reads from a run (recorded or imported)."""
-    from ..imports import ensure_artifacts
-    from ..store.ingest import connect, ingest, load_manifest
-    from ..verdict.audit import audit
+    from ..store.rundb import connect, load_manifest
+    from ..verdict.audit import audited
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: no such run directory")
     if stride < 1:
         raise InputError(f"--stride must be 1 or more, not {stride}")
-    ensure_artifacts(run_dir)
-    ingest(run_dir)
-    verdict = audit(run_dir) if with_findings else None
-    con = connect(run_dir, read_only=True)
-    try:
-        manifest = load_manifest(con)
-        steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()
-        grads = con.sql(f"""SELECT tensor, list(step ORDER BY step) AS steps, list(norm ORDER BY step) AS norms
-                            FROM grad_norms WHERE rank = 0 AND step % {int(stride)} = 0
-                            GROUP BY tensor, idx ORDER BY idx""").fetchall()
-        probes = con.sql("""SELECT step, prompt, top_ids[1] AS top_id, top_probs[1] AS top_prob FROM probes
-                            ORDER BY step, prompt""").fetchall()
-        order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
-                           GROUP BY step ORDER BY step""").fetchall()
-        templates = [
-            t
-            for (t,) in con.sql(
-                "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
-            ).fetchall()
-        ]
-        digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
-                             GROUP BY path ORDER BY path""").fetchall()
-    finally:
-        con.close()
+    with audited(run_dir, judge="always" if with_findings else "never") as done:  # the reads see what was judged
+        verdict = done.verdict if with_findings else None
+        con = connect(run_dir, read_only=True)
+        try:
+            manifest = load_manifest(con)
+            steps = con.sql("SELECT step, loss, lr, grad_norm FROM steps WHERE rank = 0 ORDER BY step").fetchnumpy()
+            grads = con.sql(f"""SELECT tensor, list(step ORDER BY step) AS steps, list(norm ORDER BY step) AS norms
+                                FROM grad_norms WHERE rank = 0 AND step % {int(stride)} = 0
+                                GROUP BY tensor, idx ORDER BY idx""").fetchall()
+            probes = con.sql("""SELECT step, prompt, top_ids[1] AS top_id, top_probs[1] AS top_prob FROM probes
+                                ORDER BY step, prompt""").fetchall()
+            order = con.sql("""SELECT step, list(sample_ids ORDER BY micro) FROM batches WHERE rank = 0
+                               GROUP BY step ORDER BY step""").fetchall()
+            templates = [
+                t
+                for (t,) in con.sql(
+                    "SELECT DISTINCT template_fingerprint FROM batches WHERE template_fingerprint IS NOT NULL ORDER BY 1"
+                ).fetchall()
+            ]
+            digests = con.sql("""SELECT path, any_value(sha256) FROM checkpoints WHERE event = 'hashed'
+                                 GROUP BY path ORDER BY path""").fetchall()
+        finally:
+            con.close()
     tokenizer = manifest.get("tokenizer") or {}
     from ..core.artifacts import template_fingerprint
 
     return {
         "run": manifest.get("run_id") or run_dir.name,
+        "source": str(run_dir),
         "stride": stride,
         "steps": {k: [_plain(v) for v in steps[k].tolist()] for k in ("step", "loss", "lr", "grad_norm")},
         "tensors": {name: {"steps": s, "norms": [_plain(v) for v in n]} for name, s, n in grads},
@@ -84,6 +83,12 @@ def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) ->
             "chat_template": template_fingerprint(tokenizer.get("chat_template")),
             "templates_trained": templates,
         },
+        # What the tokenizer is, to name what differs (the template by its fingerprint).
+        "tokenizer": {
+            **{k: tokenizer.get(k) for k in ("class", "length", "special_tokens", "added_tokens", "identity")},
+            "chat_template": template_fingerprint(tokenizer.get("chat_template")),
+        },
+        "first_anomalous_step": None if verdict is None else verdict["first_anomalous_step"],
         "config": _without_location(manifest.get("config") or {}, run_dir),
         "versions": manifest.get("versions") or {},
         "checkpoints": {path: json.loads(sha) if isinstance(sha, str) else sha for path, sha in digests},
@@ -122,6 +127,7 @@ def load(source: str | Path) -> dict[str, Any]:
             f"{source}: not a golden file of version {GOLDEN_VERSION}; "
             f"write it again with `sftaudit golden RUN --out {source.name}`"
         )
+    golden["source"] = str(source)
     golden["findings"] = (
         [tuple(f) for f in golden.get("findings") or []] if golden.get("findings") is not None else None
     )
@@ -139,20 +145,25 @@ def compare(
     common, ia, ib = np.intersect1d(steps_a, steps_b, return_indices=True)
     if not common.size:
         raise InputError(f"{a['run']} and {b['run']} share no recorded step: nothing to compare")
-    judge = _judge(tolerance, exact)
-    series = {}
+    judge, bitwise = _judge(tolerance, exact), _judge(None, True)
+    series, differs_from = {}, {}
     for key, log in (("loss", False), ("lr", False), ("grad_norm", True)):
         x, y = (np.array(p["steps"][key], dtype=float)[i] for p, i in ((a, ia), (b, ib)))
         if np.isnan(x).all() and np.isnan(y).all():
             continue
         series[key] = _first(common, judge(x, y, log))
+        differs_from[key] = _first(common, bitwise(x, y, log))  # any difference at all, beside the judged one
     tensors = _tensor_divergence(a, b, judge)
     probes = _probe_divergence(a, b, judge)
     if probes is not None:
-        series["probes"] = probes
+        series["probes"], differs_from["probes"] = probes, _probe_divergence(a, b, bitwise)
     firsts = [s for s in [*series.values(), *(t["step"] for t in tensors)] if s is not None]
-    first = min(firsts) if firsts else None
     moved = sorted((t for t in tensors if t["step"] is not None), key=lambda t: (t["step"], -t["gap"]))
+    only_in = _findings_only_in(a, b)
+    # The audits' word counts as the series' does: a run whose audit finds something at a step the other's does
+    # not has diverged there, however small the gap in the series.
+    found = [f["step"] for side in (only_in or {}).values() for f in side if f["step"] is not None]
+    first = min(firsts + found, default=None)
     return {
         "a": a["run"],
         "b": b["run"],
@@ -160,12 +171,30 @@ def compare(
         "tolerance": tolerance,
         "steps_compared": int(common.size),
         "first_divergent_step": first,
+        "diverged_by": _diverged_by(first, series, tensors, only_in, a["run"], b["run"]),
+        "first_anomalous_step": {"a": a.get("first_anomalous_step"), "b": b.get("first_anomalous_step")},
         "series": series,
+        "series_differ_from": differs_from,
         "tensors": [t["tensor"] for t in moved if t["step"] == first][:TENSORS_LISTED]
         or [t["tensor"] for t in moved][:TENSORS_LISTED],
         "differences": _differences(a, b, steps_a, steps_b),
-        "findings_only_in": _findings_only_in(a, b),
+        "findings_only_in": only_in,
     }
+
+
+def _diverged_by(first, series, tensors, only_in, name_a: str, name_b: str) -> list[str]:
+    """What sets the first divergent step: the series, tensors and findings that diverge there."""
+    if first is None:
+        return []
+    out = [name.replace("_", " ") for name, step in series.items() if step == first]
+    moved = [t["tensor"] for t in tensors if t["step"] == first]
+    if moved:
+        out.append(f"{len(moved)} tensor(s)' gradient norms")
+    for side, name in (("a", name_a), ("b", name_b)):
+        out += [
+            f"{f['code']} {f['severity']} only in {name}" for f in (only_in or {}).get(side) or [] if f["step"] == first
+        ]
+    return out
 
 
 def _judge(tolerance: float | None, exact: bool):
@@ -239,7 +268,8 @@ def _differences(a, b, steps_a, steps_b) -> list[dict[str, Any]]:
     out = []
     if steps_a.size != steps_b.size or (steps_a.size and (steps_a[-1] != steps_b[-1])):
         out.append({"what": "steps recorded", "a": _span(steps_a), "b": _span(steps_b)})
-    for key in ("tokenizer", "chat_template", "templates_trained"):
+    out += _tokenizer_differences(a, b)
+    for key in ("chat_template", "templates_trained"):
         if a["fingerprints"].get(key) != b["fingerprints"].get(key):
             out.append(
                 {
@@ -269,6 +299,29 @@ def _differences(a, b, steps_a, steps_b) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def _tokenizer_differences(a, b) -> list[dict[str, Any]]:
+    """What differs between the two runs' tokenizers, by name (the pad token, added tokens, the template), not
+    by fingerprint; the fingerprints when that is all the profiles hold (a golden file written before)."""
+    from ..core.tokenizer import current_fingerprint, tokenizer_changes
+
+    fa, fb = a["fingerprints"].get("tokenizer"), b["fingerprints"].get("tokenizer")
+    ta, tb = a.get("tokenizer"), b.get("tokenizer")
+    if ta and tb:
+        out = []
+        for c in tokenizer_changes(ta, tb):
+            if c["part"] == "chat_template":
+                continue  # the chat template fingerprint's row says it
+            if c["part"] == "special_tokens":
+                out.append({"what": f"tokenizer {c['role']} token", "a": c["before"], "b": c["after"]})
+            else:
+                out.append({"what": f"tokenizer {c['part'].replace('_', ' ')}", "a": "", "b": c["text"]})
+        if out or current_fingerprint(fa) != current_fingerprint(fb):
+            return out  # fingerprints of two kinds are not compared
+    if fa != fb:
+        return [{"what": "tokenizer fingerprint", "a": fa, "b": fb}]
+    return []
 
 
 def _dict_diff(what: str, x: dict, y: dict, prefix: str = "") -> list[dict[str, Any]]:
@@ -304,6 +357,19 @@ def _without_location(value: Any, run_dir: Path) -> Any:
     return value
 
 
+MODE_WORDS = {"exact": "any difference", "tolerance": "the tolerance", "noise": "run-to-run noise"}
+
+
+def distinguishing_names(a: str | Path, b: str | Path) -> tuple[str, str]:
+    """Two paths named by their shortest trailing parts that differ (`a/run` and `b/run`, not `run` twice)."""
+    pa, pb = Path(a).resolve().parts, Path(b).resolve().parts
+    for k in range(1, max(len(pa), len(pb)) + 1):
+        na, nb = "/".join(pa[-k:]), "/".join(pb[-k:])
+        if na != nb:
+            return na, nb
+    return str(a), str(b)
+
+
 def _span(steps: np.ndarray) -> str:
     return f"{steps.size} steps ({int(steps[0])}-{int(steps[-1])})" if steps.size else "no steps"
 
@@ -324,7 +390,10 @@ def run(args) -> int:
 
     if args.exact and args.tolerance is not None:
         raise InputError("--exact and --tolerance exclude each other: give one")
-    result = compare(load(args.run_a), load(args.run_b), tolerance=args.tolerance, exact=args.exact)
+    a, b = load(args.run_a), load(args.run_b)
+    if a["run"] == b["run"]:  # two folders of one name (both `run`): named by the part of their paths that differs
+        a["run"], b["run"] = distinguishing_names(a.get("source", str(args.run_a)), b.get("source", str(args.run_b)))
+    result = compare(a, b, tolerance=args.tolerance, exact=args.exact)
     if args.out:
         from ..outputs.report import write_diff_report
 
@@ -337,7 +406,10 @@ def run(args) -> int:
             "tolerance",
             "steps_compared",
             "first_divergent_step",
+            "diverged_by",
+            "first_anomalous_step",
             "series",
+            "series_differ_from",
             "tensors",
             "differences",
             "findings_only_in",
@@ -348,12 +420,24 @@ def run(args) -> int:
         say(
             f"{result['b']} against {result['a']}: "
             + (
-                f"diverged at step {first}"
+                f"diverged at step {first} ({', '.join(result['diverged_by'])})"
                 if first is not None
                 else f"no divergence over {result['steps_compared']} steps"
             )
-            + f" ({result['mode']})"
+            + f" [{MODE_WORDS[result['mode']]}]"
         )
+        anomalous = result["first_anomalous_step"]
+        if anomalous["a"] != anomalous["b"]:
+            say(
+                "  first anomalous step (the audits): "
+                + ", ".join(f"{result[side]} {anomalous[side] or 'none'}" for side in ("a", "b"))
+            )
+        for name, step in result["series"].items():
+            since = result["series_differ_from"].get(name)
+            if since is not None and step != since:
+                words = MODE_WORDS[result["mode"]]
+                judged = f"beyond {words} from step {step}" if step is not None else f"within {words} throughout"
+                say(f"  {name}: differs from step {since}, {judged}")
         if result["tensors"]:
             say("  tensors that moved first: " + ", ".join(result["tensors"]))
         for d in result["differences"]:

@@ -37,9 +37,9 @@ from ..checks.resume_state import (
 from ..core.terminal import json_safe, shown, xml_text
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
-from ..store.ingest import connect, load_manifest, run_lock
+from ..store.rundb import connect, load_manifest
 from ..verdict.attribution import findings_up_to
-from ..verdict.audit import audit, unjudged_reason
+from ..verdict.audit import audited, unjudged_reason
 from ..verdict.config import AuditConfig, read_small_text
 
 
@@ -136,9 +136,11 @@ class GateResult:
         return json_safe(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False)) + "\n"
 
     def to_junit(self) -> str:
-        """One testcase per check: a blocking finding is a failure; a check turned off, or one that had
-        too little evidence to judge (`not_run`), is skipped with the reason. All text goes through
-        `xml_text`: XML cannot hold control characters, and CI pages should not show bidi controls raw."""
+        """One testcase per check: a blocking finding is a failure; a check turned off, one that had
+        too little evidence to judge (`not_run`), or one that judged only part of the run's evidence
+        (`partial`) and found nothing blocking, is skipped with the reason: never a plain pass for what
+        was not seen. All text goes through `xml_text`: XML cannot hold control characters, and CI
+        pages should not show bidi controls raw."""
         name = self.checkpoint["name"]
         suite = ET.Element("testsuite", {"name": xml_text(f"sftaudit gate {self.run} {name}")})
         counts = {"tests": 0, "failures": 0, "skipped": 0}
@@ -154,15 +156,19 @@ class GateResult:
                 counts["skipped"] += 1
                 continue
             blocking = [f for f in mine if self.policy.blocks(f)]
+            partial = f"partial evidence: {reason}" if status == "partial" else None
             if blocking:
                 counts["failures"] += 1
                 failure = ET.SubElement(
                     case, "failure", {"type": blocking[0]["severity"], "message": xml_text(blocking[0]["message"])}
                 )
                 failure.text = xml_text("\n".join(_line(f) for f in blocking))
-            others = [f for f in mine if not self.policy.blocks(f)]
+            elif partial:
+                ET.SubElement(case, "skipped", {"message": xml_text(f"{partial}; nothing blocking in what was judged")})
+                counts["skipped"] += 1
+            others = [_line(f) for f in mine if not self.policy.blocks(f)] + ([partial] if partial and blocking else [])
             if others:
-                ET.SubElement(case, "system-out").text = xml_text("\n".join(_line(f) for f in others))
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(others))
         for key in ("tests", "failures", "skipped"):
             suite.set(key, str(counts[key]))
         suite.set("errors", "0")
@@ -181,12 +187,22 @@ def _line(f: dict[str, Any]) -> str:
     return f"{f['code']} {f['severity']} {where}: {f['message']}"
 
 
-def gate(run_dir: str | Path, checkpoint: str, policy: Policy, config: AuditConfig | None = None) -> GateResult:
+def gate(
+    run_dir: str | Path,
+    checkpoint: str,
+    policy: Policy,
+    config: AuditConfig | None = None,
+    data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
+) -> GateResult:
     """Audit the run and judge one checkpoint; InputError when it cannot be judged."""
     config = config or AuditConfig()
     run_dir = Path(run_dir)
-    with run_lock(run_dir):  # the audit and the inspection of its checkpoints see one state of the run
-        verdict = audit(run_dir, config)
+    with audited(
+        run_dir, config, data=data, source=source, log_file=log_file
+    ) as done:  # the audit and the inspection of its checkpoints: one state
+        verdict = done.verdict
         lacking = resume_state_lacking(run_dir, config) if policy.require_resume_state else {}
     if verdict.get("cannot_judge"):  # a check that raised is among the reasons (build_verdict)
         raise InputError(unjudged_reason(verdict))
@@ -274,11 +290,13 @@ def resolve_checkpoint(run_dir: Path, checkpoints: list[dict[str, Any]], wanted:
 
 def run(args) -> int:
     """The CLI: gate the checkpoint, write JUnit, JSON and SARIF where asked, print the summary."""
-    from .common import EXIT_FAIL, EXIT_PASS, prepare, say, write
+    from .common import EXIT_FAIL, EXIT_PASS, say, write
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    result = gate(args.run_dir, args.checkpoint, Policy.load(args.policy, args.strict or config.strict), config)
+    policy = Policy.load(args.policy, args.strict or config.strict)
+    result = gate(
+        args.run_dir, args.checkpoint, policy, config, data=args.data, source=args.source, log_file=args.log_file
+    )
     for path, text in ((args.junit, result.to_junit), (args.json, result.to_json)):
         if path:
             write(path, text(), "--junit" if text == result.to_junit else "--json")
@@ -288,5 +306,12 @@ def run(args) -> int:
 
         considered = {**stored_verdict(args.run_dir), "findings": result.findings}
         write(args.sarif, json.dumps(to_sarif(considered, args.run_dir), indent=1) + "\n", "--sarif")
-    say(result.summary())
+    if args.github:
+        from ..verdict.audit import stored_verdict
+        from .common import with_github
+
+        gated = json.loads(result.to_json())
+        with_github(lambda: say(result.summary()), stored_verdict(args.run_dir), args.run_dir, gate=gated)
+    else:
+        say(result.summary())
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -7,8 +7,10 @@ from .common import EXIT_PASS, say
 
 def run(args) -> int:
     from ..imports import import_run
+    from ..store.rundb import inside_run_folder, run_lock
 
-    done = import_run(args.run_dir, args.data, progress=True, source=args.source, file=args.log_file)
+    with run_lock(inside_run_folder(args.run_dir)):  # not while an audit of the run reads its artifacts
+        done = import_run(args.run_dir, args.data, progress=True, source=args.source, file=args.log_file)
     resumed = f", resumed at step {done['resumed_at']}" if done["resumed_at"] is not None else ""
     say(
         f"{args.run_dir}: imported {done['steps']} logged steps (logging_steps={done['logging_steps']}), "

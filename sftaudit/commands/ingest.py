@@ -1,4 +1,4 @@
-"""`sftaudit ingest RUN_DIR`: load a run's artifacts into its DuckDB file (incremental)."""
+"""`sftaudit ingest RUN_DIR`: load a run's artifacts into its database (incremental)."""
 
 from __future__ import annotations
 

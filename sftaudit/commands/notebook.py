@@ -7,8 +7,9 @@
     run.sql("SELECT tensor, max(norm) FROM grad_norms GROUP BY tensor")
     run.plot("timeline")                          # the report's figures, as plotly objects
 
-Every read first ingests what the run appended since (a run still training shows its new steps);
-the run's own files are only read. The verdict is re-audited when something new was ingested.
+Every read first ingests what the run appended since (a run still training shows its new steps), through the
+audit's one entry point (`sftaudit.verdict.audit.audited`); the run's own files are only read. The verdict is
+judged again when something new was ingested (or this sftaudit never judged it).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from typing import Any
 import polars as pl
 
 from ..errors import InputError
-from ..imports import ensure_artifacts
-from ..store.ingest import connect, ingest
-from ..verdict.audit import audit, stored_verdict
+from ..store.rundb import connect, inside_run_folder
+from ..verdict.audit import audited
 from ..verdict.config import AuditConfig
 
 
@@ -32,39 +32,35 @@ class AuditedRun:
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
             raise InputError(f"{run_dir}: no such run directory")
-        self.config = config or AuditConfig()
-        self._imported = ensure_artifacts(self.run_dir)
-        self._stale = True
+        inside_run_folder(self.run_dir)  # a link out of the run is refused before anything is written
+        self.config = config  # None: the config the stored verdict was judged with (else the defaults)
+        self.refresh()
 
     def __repr__(self) -> str:
         return f"sftaudit.open({str(self.run_dir)!r})"
 
     def refresh(self) -> dict[str, int]:
-        """Ingest what was appended since the last read; returns the new records per kind."""
-        if self._imported:  # an imported run is re-read from the trainer's files, which may have grown
-            ensure_artifacts(self.run_dir)
-        added = ingest(self.run_dir)
-        self._stale = self._stale or any(added.values()) or self._imported
-        return added
+        """Import again (a run trained without the shim) and ingest what was appended since the last read;
+        returns the new records per kind."""
+        with audited(self.run_dir, self.config, judge="never") as done:
+            return done.added
 
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         """Any query over the run's tables (steps, grad_norms, batches, samples, probes, generations,
-        evals, metrics, checkpoints, events, findings, series, ...), as a polars frame."""
-        self.refresh()
-        con = connect(self.run_dir, read_only=True)
-        try:
-            return con.sql(query, params=params or None).pl()
-        finally:
-            con.close()
+        evals, metrics, checkpoints, events, findings, series, ...), as a polars frame. The database is
+        opened as sftaudit opens it: the run's own files only, no other file, extension or setting."""
+        with audited(self.run_dir, self.config, judge="never"):
+            con = connect(self.run_dir, read_only=True)
+            try:
+                return con.sql(query, params=params or None).pl()
+            finally:
+                con.close()
 
     @property
     def verdict(self) -> dict[str, Any]:
         """The verdict (as verdict.json has it), audited again when new records arrived."""
-        self.refresh()
-        if self._stale:
-            audit(self.run_dir, self.config)
-            self._stale = False
-        return stored_verdict(self.run_dir)
+        with audited(self.run_dir, self.config, judge="if_stale") as done:
+            return done.verdict
 
     @property
     def steps(self) -> pl.DataFrame:
@@ -93,8 +89,12 @@ class AuditedRun:
     @property
     def findings(self) -> pl.DataFrame:
         """The verdict's findings, one row each (evidence as a JSON string)."""
-        self.verdict  # noqa: B018 - audits first when the stored findings are stale
-        return self.sql("SELECT * FROM findings ORDER BY step NULLS LAST, code")
+        with audited(self.run_dir, self.config, judge="if_stale"):  # audits first when the stored ones are stale
+            con = connect(self.run_dir, read_only=True)
+            try:
+                return con.sql("SELECT * FROM findings ORDER BY step NULLS LAST, code").pl()
+            finally:
+                con.close()
 
     def plot(self, name: str | None = None):
         """The report's figures as plotly Figures: all of them by name, or the one named
@@ -103,12 +103,12 @@ class AuditedRun:
 
         from ..outputs.report import report_figures
 
-        verdict = self.verdict
-        con = connect(self.run_dir, read_only=True)
-        try:
-            figures = {k: go.Figure(v) for k, v in report_figures(con, verdict).items()}
-        finally:
-            con.close()
+        with audited(self.run_dir, self.config, judge="if_stale") as done:
+            con = connect(self.run_dir, read_only=True)
+            try:
+                figures = {k: go.Figure(v) for k, v in report_figures(con, done.verdict).items()}
+            finally:
+                con.close()
         if name is None:
             return figures
         if name not in figures:

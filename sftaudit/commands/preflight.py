@@ -19,7 +19,6 @@ import polars as pl
 import pyarrow as pa
 
 from ..core.artifacts import (
-    DATABASE_FILE,
     SCHEMA_VERSION,
     TOKENIZER_DIR,
     artifact_root,
@@ -39,7 +38,8 @@ from ..errors import InputError, one_line
 from ..schema.records import DATASET, RECORDS
 from ..verdict.config import AuditConfig
 
-PREFLIGHT_CHECKS = ("LOOP-01", "LOOP-02", "LOOP-03", "LOOP-04")
+# Not run on a dataset, and not because a config switched them off: the verdict says why.
+TRAINING_ONLY = "judges training: preflight runs the dataset checks (LOOP-01..04) before any training"
 
 
 def preflight(
@@ -55,9 +55,9 @@ def preflight(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Render, tokenize, collate and check every sample; returns the verdict (stored under `out`)."""
-    from ..checks import registered_checks
-    from ..store.ingest import connect, create_tables
-    from ..verdict.audit import judge
+    from ..checks import DATASET_CHECKS, registered_checks
+    from ..store.rundb import connect, create_tables, remove_database
+    from ..verdict.audit import judge_database
 
     try:
         tokenizer = load_saved_tokenizer(tokenizer_dir)
@@ -83,7 +83,7 @@ def preflight(
     out = Path(out)
     root = artifact_root(out)
     root.mkdir(parents=True, exist_ok=True)
-    (root / DATABASE_FILE).unlink(missing_ok=True)
+    remove_database(out)  # the output folder's database (in sftaudit's cache) holds this preflight alone
     tokenizer.save_pretrained(str(root / TOKENIZER_DIR))
     remember_tokenizer(root / TOKENIZER_DIR, tokenizer)
     manifest = {
@@ -109,14 +109,18 @@ def preflight(
         "preview": dataset_preview(tokenizer, source, layout_or_none(tokenizer), rendered, ids, batches),
     }
     config = config or AuditConfig()
-    config.disabled = sorted(
-        set(config.disabled) | {c.code for c in registered_checks() if c.code not in PREFLIGHT_CHECKS}
-    )
+    training = {c.code for c in registered_checks() if c.code not in DATASET_CHECKS}
+    config.disabled = sorted(set(config.disabled) | training)
     con = connect(out)
     try:
         create_tables(con)
         _store(con, manifest, batches, failures, len(tokenizer), template_fingerprint(source))
-        return judge(con, out, config)
+        verdict = judge_database(con, out, config)
+        for check in verdict["checks"]:
+            if check["code"] in training:
+                check["reason"] = TRAINING_ONLY
+        con.execute("UPDATE audit_verdict SET verdict = ?", [json.dumps(verdict)])
+        return verdict
     finally:
         con.close()
 
@@ -209,7 +213,7 @@ def run(args) -> int:
     from .common import exit_code, out_dir, print_summary, write
 
     config = AuditConfig.load(args.config)
-    out = out_dir(args, f"preflight-{args.data.stem}")
+    out = out_dir(args, f"preflight-{args.data.stem}", args.data)
     verdict = preflight(
         args.data,
         args.tokenizer,
@@ -227,5 +231,9 @@ def run(args) -> int:
         from ..outputs.report import write_report
 
         report = write_report(out, out)
-    print_summary(verdict, out / "verdict.json", report)
+    from ..checks import DATASET_CHECKS
+
+    print_summary(
+        verdict, out / "verdict.json", report, codes=DATASET_CHECKS
+    )  # the training checks are not its business
     return exit_code(verdict["verdict"], args.strict or config.strict)

@@ -10,6 +10,13 @@ from .common import EXIT_PASS, read, say
 
 
 def run(args) -> int:
+    from ..store.rundb import inside_run_folder, run_lock
+
+    with run_lock(inside_run_folder(args.run_dir)):  # not while an audit of the run reads its artifacts
+        return _probe(args)
+
+
+def _probe(args) -> int:
     from ..imports import ensure_artifacts
 
     prompts = [line.strip() for line in read(args.prompts).splitlines() if line.strip()]

@@ -18,20 +18,28 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..store.ingest import connect, load_manifest, run_lock
-from ..verdict.audit import audit
+from ..store.rundb import connect, load_manifest
+from ..verdict.audit import audited
 from ..verdict.config import AuditConfig
 
 DEFAULT_WINDOW = 10
 
 
-def replay(run_dir: str | Path, config: AuditConfig | None = None, window: int = DEFAULT_WINDOW) -> dict[str, Any]:
-    with run_lock(run_dir):  # the audit and the read of its batches see one state of the database
-        return _replay(Path(run_dir), config, window)
+def replay(
+    run_dir: str | Path,
+    config: AuditConfig | None = None,
+    window: int = DEFAULT_WINDOW,
+    data: str | Path | None = None,
+    source: str | None = None,
+    log_file: str | Path | None = None,
+) -> dict[str, Any]:
+    with audited(
+        run_dir, config, data=data, source=source, log_file=log_file
+    ) as done:  # the audit and the read of its batches see one state
+        return _replay(Path(run_dir), done.verdict, window)
 
 
-def _replay(run_dir: Path, config: AuditConfig | None, window: int) -> dict[str, Any]:
-    verdict = audit(run_dir, config or AuditConfig())
+def _replay(run_dir: Path, verdict: dict[str, Any], window: int) -> dict[str, Any]:
     first = verdict["first_anomalous_step"]
     out: dict[str, Any] = {
         "run": verdict["run"],
@@ -193,11 +201,10 @@ def to_text(doc: dict[str, Any]) -> str:
 def run(args) -> int:
     """The CLI: audit, then print the replay (text, or JSON with --json)."""
     from ..core.terminal import json_safe
-    from .common import exit_code, prepare, say
+    from .common import exit_code, say
 
     config = AuditConfig.load(args.config)
-    prepare(args)
-    doc = replay(args.run_dir, config)
+    doc = replay(args.run_dir, config, data=args.data, source=args.source, log_file=args.log_file)
     if args.json:
         print(json_safe(to_json(doc)), end="")
     else:

@@ -15,18 +15,61 @@ from typing import Any
 from ..errors import InputError, one_line
 from .safe_io import read_text
 
+# What a tokenizer IS, part by part: the pieces of its tokenizer.json that map text to ids and back, its
+# special-token roles and its chat template. Never its runtime truncation or padding state: TRL and the
+# collators set those while tokenizing (truncation max_length 128 where the saved file says null), so a
+# tokenizer saved mid-run would otherwise differ from the one the run started with.
+IDENTITY_PARTS = (
+    "vocabulary",
+    "merges",
+    "model",
+    "added_tokens",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+    "special_tokens",
+    "chat_template",
+)
+# Fingerprints of this kind start with it; those recorded before it (16 hex digits of the whole backend,
+# its truncation and padding state included) have no prefix and are recomputed from the saved files.
+FINGERPRINT_KIND = "v2:"
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Hash of everything that changes token ids: vocabulary, merges, normalizer, specials, template."""
-    h = hashlib.sha256()
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
+    """A short hash of each part of what the tokenizer is (IDENTITY_PARTS): two tokenizers that tokenize,
+    decode and template alike have equal parts, whatever truncation or padding they were last called with."""
+    parts: dict[str, Any] = dict.fromkeys(IDENTITY_PARTS)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True).encode())
-    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
-    return h.hexdigest()[:16]
+        spec = json.loads(backend.to_str())
+        model = dict(spec.get("model") or {})
+        parts["vocabulary"], parts["merges"], parts["model"] = (
+            model.pop("vocab", None),
+            model.pop("merges", None),
+            model,
+        )
+        for key in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder"):
+            parts[key] = spec.get(key)
+    else:  # a slow tokenizer: its vocabulary is what it exposes
+        parts["vocabulary"] = sorted(tokenizer.get_vocab().items())
+    parts["special_tokens"] = _special_tokens(tokenizer)
+    parts["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return {name: _digest(value) for name, value in parts.items()}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """One hash of the tokenizer's identity (`tokenizer_identity`), prefixed with FINGERPRINT_KIND."""
+    return FINGERPRINT_KIND + _digest(tokenizer_identity(tokenizer))
+
+
+def current_fingerprint(fingerprint: Any) -> bool:
+    """Whether a recorded fingerprint is of this kind (comparable with `tokenizer_fingerprint`'s)."""
+    return isinstance(fingerprint, str) and fingerprint.startswith(FINGERPRINT_KIND)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def _special_tokens(tokenizer: Any) -> dict[str, Any]:
@@ -39,9 +82,11 @@ def _special_tokens(tokenizer: Any) -> dict[str, Any]:
 
 def describe_tokenizer(tokenizer: Any) -> dict[str, Any]:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    identity = tokenizer_identity(tokenizer)
     return {
         "class": type(tokenizer).__name__,
-        "fingerprint": tokenizer_fingerprint(tokenizer),
+        "fingerprint": FINGERPRINT_KIND + _digest(identity),
+        "identity": identity,
         "length": len(tokenizer),
         "special_tokens": _special_tokens(tokenizer),
         "added_tokens": [
@@ -51,6 +96,82 @@ def describe_tokenizer(tokenizer: Any) -> dict[str, Any]:
         "truncation_side": getattr(tokenizer, "truncation_side", None),
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
+
+
+# How each identity part is named to a reader (the special tokens, added tokens and template are named
+# token by token from the descriptions instead).
+_PART_NAMES = {
+    "vocabulary": "the vocabulary",
+    "merges": "the merges",
+    "model": "the tokenization model's settings",
+    "normalizer": "the normaliser",
+    "pre_tokenizer": "the pre-tokenizer",
+    "post_processor": "the post-processor (the tokens it adds around a text)",
+    "decoder": "the decoder",
+    "added_tokens": "the added tokens' settings",
+}
+SHOWN_TOKENS = 5  # added or removed tokens named in a change; the rest are counted
+
+
+def tokenizer_changes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """What differs between two described tokenizers (`describe_tokenizer`, or an older description without
+    `identity`), as changes a reader acts on: {part, text, and for a special token role/before/after, for added
+    tokens the tokens}. Empty when nothing that is compared differs."""
+    changes: list[dict[str, Any]] = []
+    specials_a, specials_b = before.get("special_tokens") or {}, after.get("special_tokens") or {}
+    for role in ("bos", "eos", "pad", "unk"):
+        a, b = specials_a.get(role) or {}, specials_b.get(role) or {}
+        if (a.get("token"), a.get("id")) != (b.get("token"), b.get("id")):
+            verb = "added" if a.get("token") is None else "removed" if b.get("token") is None else "changed"
+            changes.append(
+                {
+                    "part": "special_tokens",
+                    "role": role,
+                    "change": verb,
+                    "before": a.get("token"),
+                    "after": b.get("token"),
+                    "text": f"{role} token {verb}: {_token(a)} -> {_token(b)}",
+                }
+            )
+    added_a = {t.get("content"): t.get("id") for t in before.get("added_tokens") or [] if isinstance(t, dict)}
+    added_b = {t.get("content"): t.get("id") for t in after.get("added_tokens") or [] if isinstance(t, dict)}
+    for verb, tokens in (
+        ("added", [t for t in added_b if t not in added_a]),
+        ("removed", [t for t in added_a if t not in added_b]),
+    ):
+        if tokens:
+            shown = ", ".join(repr(t) for t in tokens[:SHOWN_TOKENS]) + (
+                f" and {len(tokens) - SHOWN_TOKENS} more" if len(tokens) > SHOWN_TOKENS else ""
+            )
+            changes.append(
+                {
+                    "part": "added_tokens",
+                    "change": verb,
+                    "tokens": tokens[:50],
+                    "count": len(tokens),
+                    "text": f"{len(tokens)} token(s) {verb}: {shown}",
+                }
+            )
+    if (before.get("chat_template") or None) != (after.get("chat_template") or None):
+        changes.append({"part": "chat_template", "change": "changed", "text": "the chat template changed"})
+    length_a, length_b = before.get("length"), after.get("length")
+    moved = sum(c.get("count", 0) * (1 if c["change"] == "added" else -1) for c in changes if "count" in c)
+    if length_a is not None and length_b is not None and length_b - length_a != moved:
+        changes.append(
+            {"part": "vocabulary", "change": "resized", "text": f"the vocabulary: {length_a} -> {length_b} ids"}
+        )
+    parts_a, parts_b = before.get("identity") or {}, after.get("identity") or {}
+    named = {c["part"] for c in changes}
+    for part, name in _PART_NAMES.items():
+        if part in parts_a and part in parts_b and parts_a[part] != parts_b[part] and part not in named:
+            changes.append({"part": part, "change": "changed", "text": f"{name} changed"})
+    return changes
+
+
+def _token(special: dict[str, Any]) -> str:
+    if special.get("token") is None:
+        return "none"
+    return f"{special['token']!r}" + (f" (id {special['id']})" if special.get("id") is not None else "")
 
 
 # ---------------------------------------------------------------------------- loading a saved tokenizer

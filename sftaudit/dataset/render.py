@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..errors import UnsupportedVersion
 from .sandbox import GENERATION_TAG, TemplateBudget, compiled_template, render_budgeted
 
 
@@ -53,7 +54,7 @@ class Renderer:
                     raise TypeError(f"Chat messages should be dicts, but got {type(message).__name__}")
             chat, context = alias(chat), {"tools": None, "documents": None, **plain(self.kwargs)}
         if chat is None:
-            from transformers.utils.chat_template_utils import render_jinja_template
+            render_jinja_template = _public_renderer()
 
             (text,), spans = render_jinja_template(
                 [_without_none(messages)],
@@ -71,6 +72,22 @@ class Renderer:
                 )
             return text, [tuple(s) for s in spans]
         return render_budgeted(self.compiled, messages=chat, add_generation_prompt=add_generation_prompt, **context), []
+
+
+def _public_renderer() -> Any:
+    """transformers' `render_jinja_template` (4.45 has it, or the private helpers above); older releases
+    render chat templates inside the tokenizer only."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        import transformers
+
+        raise UnsupportedVersion(
+            f"transformers {transformers.__version__} is older than 4.45, the oldest sftaudit supports: it cannot "
+            f"render the chat template as the tokenizer does; upgrade it (pip install 'transformers>=4.45') to "
+            f"judge the chat template, its special tokens and the loss mask"
+        ) from None
+    return render_jinja_template
 
 
 @functools.cache

@@ -1,1 +1,1 @@
-"""What the verdict is rendered into: the HTML report, SARIF."""
+"""What the verdict is rendered into: the HTML report, SARIF, Markdown, GitHub Actions annotations."""

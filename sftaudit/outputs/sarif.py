@@ -3,8 +3,8 @@
 One rule per registered check (id `LOOP-NN`, its name, its docstring's summary and "What it detects",
 a link to its docs page); one result per warn/fail finding, `error` for fail and `warning` for warn,
 located at the artifact file the check read (the checkpoint folder for a checkpoint finding) with a
-logical location naming the step and tensor. Checks that did not run are the invocation's
-notifications, never passing results.
+logical location naming the step and tensor. Checks that did not run, or judged only part of the
+run's evidence, are the invocation's notifications (with the reason), never passing results.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
             "descriptor": {"id": c["code"], "index": index[c["code"]]},
         }
         for c in verdict.get("checks", [])
-        if c["status"] in ("not_run", "error") and c["code"] in index
+        if c["status"] in ("not_run", "partial", "error") and c["code"] in index
     ]
     if verdict.get("cannot_judge"):
         notes.append({"level": "error", "message": {"text": f"the run cannot be judged: {verdict['cannot_judge']}"}})

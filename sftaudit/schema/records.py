@@ -1,7 +1,7 @@
 """The artifact records, declared once: every record kind, each field's type, whether every record
 carries it, who writes it, and what it means.
 
-Ingest derives its columns from this (`sftaudit.store.ingest.RECORD_COLUMNS`), the shim's writer its file
+Ingest derives its columns from this (`sftaudit.store.rundb.RECORD_COLUMNS`), the shim's writer its file
 names (`sftaudit.core.artifacts.RECORD_KINDS`), the dataset path its batch and sample columns, and
 ``docs/artifacts.md`` its tables (``scripts/gen_artifact_docs.py``); tests/test_record_schema.py
 records real runs and fails on a key a writer emits that is not declared here, or a required one
@@ -93,6 +93,14 @@ MANIFEST = RecordKind(
             (SHIM, IMPORT),
             True,
         ),
+        Field(
+            "unsupported_versions",
+            "JSON",
+            "the recording's libraries older than sftaudit supports: name -> `installed`, `oldest_supported` "
+            "(empty: none)",
+            (SHIM,),
+            True,
+        ),
         Field("instance_id", "VARCHAR", "a random id of this recorder (one per process and segment)", (SHIM,), True),
         Field("argv", "VARCHAR[]", "the command that ran, for `sftaudit replay`'s resume command", (SHIM,), True),
         Field(
@@ -137,7 +145,10 @@ MANIFEST = RecordKind(
         Field(
             "tokenizer",
             "JSON",
-            "`fingerprint`, `class`, `length`, `special_tokens` {bos,eos,pad,unk: {token,id}}, "
+            "`fingerprint` (`v2:` and a hash of `identity`), `identity` (a hash per part of what the tokenizer is: "
+            "vocabulary, merges, model, added_tokens, normalizer, pre_tokenizer, post_processor, decoder, "
+            "special_tokens, chat_template; never its truncation or padding state), `class`, `length`, "
+            "`special_tokens` {bos,eos,pad,unk: {token,id}}, "
             "`added_tokens`, `padding_side`, `truncation_side`, `chat_template` (null or empty: none given)",
             ALL,
             True,
@@ -176,7 +187,24 @@ MANIFEST = RecordKind(
             (SHIM,),
             True,
         ),
-        Field("optimizer", "JSON", "when given: `class`", (SHIM,)),
+        Field(
+            "optimizer",
+            "JSON",
+            "when given: the optimizer that updates the weights, read through its wrappers: `class`, `module`, "
+            "`wrappers` (the wrappers' classes, outermost first: accelerate's `AcceleratedOptimizer`, DeepSpeed's "
+            "ZeRO optimizers), `groups` (per parameter group: `lr`, `initial_lr`, `betas`, `eps`, `weight_decay`, "
+            "... as the group has them, `params`, `numel`)",
+            (SHIM,),
+        ),
+        Field(
+            "loss_scaler",
+            "JSON",
+            "whether a step with non-finite gradients can have been skipped: `present`, `skips_nonfinite_steps`, "
+            "and for a scaler found `class`, `source` (`recorder`: given as `grad_scaler`; `accelerate`: its "
+            "optimizer wrapper's, the Trainer's fp16; `deepspeed`: its optimizer's overflow check), `enabled` "
+            "(absent: not known, as in older recordings)",
+            (SHIM,),
+        ),
         Field("imported", "BOOLEAN", "true: written by `sftaudit import`", (IMPORT,), True),
         Field(
             "source",
@@ -530,7 +558,13 @@ CHECKPOINTS = RecordKind(
             "`saved`: an outline of the training state saved with it (scalars kept, tensors as {type, shape, dtype})",
             (SHIM, IMPORT),
         ),
-        Field("tokenizer_fingerprint", "VARCHAR", "`saved`: the tokenizer's fingerprint", (SHIM, IMPORT)),
+        Field(
+            "tokenizer_fingerprint",
+            "VARCHAR",
+            "`saved`: the tokenizer's fingerprint (as the manifest's `tokenizer.fingerprint`; one without the `v2:` "
+            "prefix was recorded with the tokenizer's truncation and padding state)",
+            (SHIM, IMPORT),
+        ),
         Field("param_norms", "DOUBLE[]", "`saved`: float64 per-tensor weight norms of this rank's pieces"),
         Field(
             "param_fingerprints",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import re
 from typing import Any
 
 import torch
@@ -104,6 +105,79 @@ def marker_rows(model: torch.nn.Module, tokenizer: Any) -> dict | None:
     }
 
 
+# What the optimizer sits inside: accelerate's AcceleratedOptimizer (the Trainer's, also around FSDP's),
+# DeepSpeed's ZeRO and bf16 optimizers, ... each keep the optimizer that updates the weights as `.optimizer`.
+MAX_WRAPPERS = 8
+MAX_GROUPS = 256
+# Group hyperparameters kept in the manifest (tensors read once, at start); the parameters are counted.
+GROUP_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "amsgrad", "foreach", "fused")
+
+
+def optimizer_chain(optimizer: Any) -> list[Any]:
+    """The optimizer and each optimizer inside it, outermost first; the last updates the weights."""
+    chain = [optimizer]
+    while len(chain) <= MAX_WRAPPERS:
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or any(inner is o for o in chain) or not hasattr(inner, "param_groups"):
+            break
+        chain.append(inner)
+    return chain
+
+
+def describe_optimizer(optimizer: Any) -> dict[str, Any]:
+    """The optimizer that updates the weights, read through its wrappers: its class (what LOOP-22 judges the
+    learning rate against), the wrappers' classes, and per parameter group its hyperparameters and size.
+    `initial_lr` is the group's configured learning rate when a scheduler is attached (a warmup may have set
+    `lr` to 0 already)."""
+    chain = optimizer_chain(optimizer)
+    inner = chain[-1]
+    groups = []
+    for group in getattr(inner, "param_groups", [])[:MAX_GROUPS]:
+        params = [p for p in group.get("params", []) if isinstance(p, torch.Tensor)]
+        entry = {k: _plain_number(group[k]) for k in GROUP_KEYS if k in group}
+        groups.append({**entry, "params": len(params), "numel": sum(p.numel() for p in params)})
+    return {
+        "class": type(inner).__name__,
+        "module": type(inner).__module__,
+        "wrappers": [type(o).__name__ for o in chain[:-1]],
+        "groups": groups,
+    }
+
+
+def describe_loss_scaler(optimizer: Any, grad_scaler: Any = None) -> dict[str, Any]:
+    """Whether anything in this run skips an optimizer step whose gradients are non-finite, and what: only
+    then can a step with non-finite gradients and finite ones after it be a benign skip. A GradScaler given
+    to the recorder, or held by accelerate's optimizer wrapper (`scaler`: the Trainer's fp16), skips when it
+    is enabled; DeepSpeed's ZeRO and bf16 optimizers skip every step they find an overflow in (`overflow`)."""
+    scaler, source = grad_scaler, "recorder"
+    for o in optimizer_chain(optimizer) if optimizer is not None and scaler is None else []:
+        if getattr(o, "scaler", None) is not None:
+            scaler, source = o.scaler, "accelerate"
+            break
+        if hasattr(o, "overflow") and hasattr(o, "loss_scaler"):
+            scaler, source = o.loss_scaler, "deepspeed"
+            break
+    if scaler is None:
+        return {"present": False, "skips_nonfinite_steps": False}
+    enabled = source == "deepspeed" or not hasattr(scaler, "is_enabled") or bool(scaler.is_enabled())
+    return {
+        "present": True,
+        "class": type(scaler).__name__,
+        "source": source,
+        "enabled": enabled,
+        "skips_nonfinite_steps": enabled,
+    }
+
+
+def _plain_number(value: Any) -> Any:
+    """A group hyperparameter as JSON: tensors (a capturable optimizer's lr) as numbers, tuples as lists."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (list, tuple)):
+        return [_plain_number(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the training libraries installed, from their package metadata (importing them here
     would cost seconds), so two runs in one environment record the same, whatever each imported."""
@@ -114,6 +188,26 @@ def library_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return found
+
+
+# The oldest releases sftaudit supports (pyproject's floors): older ones lack what the shim hooks into
+# (transformers 4.44 calls no on_pre_optimizer_step: no learning rate, no post-clip norms) or what the
+# analyzer renders chat templates with.
+OLDEST_SUPPORTED = {"transformers": "4.45", "trl": "0.11"}
+
+
+def unsupported_versions(versions: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The installed libraries older than sftaudit supports: name -> {installed, oldest_supported}."""
+    return {
+        name: {"installed": versions[name], "oldest_supported": oldest}
+        for name, oldest in OLDEST_SUPPORTED.items()
+        if name in versions and _release(versions[name]) < _release(oldest)
+    }
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """A version's leading numbers (4.45.2 -> (4, 45, 2); 0.11.0.dev0 -> (0, 11, 0))."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def describe_dataset(dataset: Any, limit: int = 1000) -> dict[str, Any]:

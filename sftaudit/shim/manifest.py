@@ -15,7 +15,17 @@ import torch
 from .._version import __version__
 from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root
 from ..core.tokenizer import describe_tokenizer
-from .describe import describe_dataset, describe_model, describe_scheduler, jsonable, library_versions, marker_rows
+from .describe import (
+    describe_dataset,
+    describe_loss_scaler,
+    describe_model,
+    describe_optimizer,
+    describe_scheduler,
+    jsonable,
+    library_versions,
+    marker_rows,
+    unsupported_versions,
+)
 from .weights import param_norms
 
 
@@ -23,6 +33,7 @@ def segment_manifest(recorder: Any, run_id: str | None, config: dict, dataset: A
     """The manifest record of a `Recorder`'s segment: the run, its model and parameters, versions, tokenizer,
     dataset."""
     norms_at_backward_end = recorder._grads.at_backward_end
+    versions = {"sftaudit": __version__, "torch": torch.__version__, **library_versions()}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "run_id": run_id or recorder.run_dir.resolve().name,
@@ -32,7 +43,8 @@ def segment_manifest(recorder: Any, run_id: str | None, config: dict, dataset: A
         "profile": recorder.profile,
         "schedule": recorder.schedule.__dict__,
         "started": time.time(),
-        "versions": {"sftaudit": __version__, "torch": torch.__version__, **library_versions()},
+        "versions": versions,
+        "unsupported_versions": unsupported_versions(versions),
         "instance_id": uuid.uuid4().hex,
         "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
         "model": describe_model(recorder.model),
@@ -67,6 +79,10 @@ def segment_manifest(recorder: Any, run_id: str | None, config: dict, dataset: A
         manifest["param_norms"] = param_norms(recorder._pieces)
         if scheduler is not None:
             manifest["scheduler"] = describe_scheduler(scheduler, config.get("max_steps"))
-        if recorder.optimizer is not None:  # LOOP-22 judges the learning rate against the optimizer's family
-            manifest["optimizer"] = {"class": type(recorder.optimizer).__name__}
+    with recorder._guard("manifest_optimizer"):
+        stepping = recorder.engine_optimizer or recorder.optimizer
+        if stepping is not None:  # LOOP-22 judges the learning rate against the optimizer's family
+            manifest["optimizer"] = describe_optimizer(stepping)
+        # Whether a step with non-finite gradients can have been skipped rather than applied.
+        manifest["loss_scaler"] = describe_loss_scaler(stepping, recorder.grad_scaler)
     return manifest

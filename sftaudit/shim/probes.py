@@ -60,18 +60,25 @@ class Probes:
             "generations": s.generate_every if s.generations_per_prompt and probe_inputs else 0,
             "evals": s.eval_every if eval_inputs else 0,
         }
+        self._ran: dict[str, int] = {}  # probe -> the last step it ran at
 
-    def run(self, step: int) -> None:
-        """The probes due at `step`, each under its own guard."""
+    def run(self, step: int, every_probe: bool = False) -> None:
+        """The probes due at `step` (every one switched on, with `every_probe`: the run's end, a save), each
+        under its own guard, none twice at one step."""
         due = [
             name
             for name, every in self._every.items()
-            if every and step % every == 0 and name not in self._sink.disabled and self._shares[name][1] is not None
+            if every
+            and (every_probe or step % every == 0)
+            and self._ran.get(name) != step
+            and name not in self._sink.disabled
+            and self._shares[name][1] is not None
         ]
         if not due:
             return
         with self._probe_mode():
             for name in due:
+                self._ran[name] = step
                 with self._sink.guard(name, step):
                     for record in PROBES[name](self, step, *self._shares[name]):
                         self._sink.write(name, record)

@@ -9,6 +9,11 @@ the 3% budget: it is the default. A logits probe (06) of ten forward passes woul
 fit there; ours is one batched forward, so preprod keeps it at a low rate. ``prod``
 keeps the cheapest set at a lower frequency. Overheads per
 profile are measured by ``benchmarks/shim_overhead.py``.
+
+A profile's probe intervals suit long runs. Given the run's planned length (`max_steps`), the probes,
+generations and evals a profile switches on run at least `PROBES_PER_RUN` times over it: an 80-step run
+under preprod probes every 10 steps, not never (an interval given as a keyword option stands as given).
+The recorder also runs them at the run's last planned step and at each checkpoint save.
 """
 
 from __future__ import annotations
@@ -69,11 +74,29 @@ PROFILES: dict[str, Schedule] = {
 DEFAULT_PROFILE = "preprod"
 
 
-def resolve_schedule(profile: str, overrides: dict) -> Schedule:
+# Enough points over a run for the checks that read them (LOOP-08's rolling window of 5 evals, LOOP-06's
+# block of 4 probes before the one it judges, LOOP-07's 3 generation steps in a row), few enough that a
+# short run's probes stay a small share of it.
+PROBES_PER_RUN = 8
+PROBE_INTERVALS = ("probe_every", "generate_every", "eval_every")
+
+
+def resolve_schedule(profile: str, overrides: dict, max_steps: int | None = None) -> Schedule:
+    """The profile's schedule with the keyword overrides; with the planned length, each probe interval the
+    profile sets (not one given) shortened so the probe runs at least PROBES_PER_RUN times."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
     known = {f.name for f in fields(Schedule)}
     unknown = set(overrides) - known
     if unknown:
         raise ValueError(f"unknown schedule options {sorted(unknown)}; known: {sorted(known)}")
-    return replace(PROFILES[profile], **overrides)
+    schedule = replace(PROFILES[profile], **overrides)
+    if not max_steps or max_steps <= 0:
+        return schedule
+    most = max(1, int(max_steps) // PROBES_PER_RUN)
+    shorter = {
+        name: min(getattr(schedule, name), most)
+        for name in PROBE_INTERVALS
+        if name not in overrides and getattr(schedule, name) > 0
+    }
+    return replace(schedule, **shorter)

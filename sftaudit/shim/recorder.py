@@ -45,7 +45,7 @@ from .manifest import segment_manifest
 from .pieces import local_pieces
 from .probes import Probes
 from .profiles import DEFAULT_PROFILE, resolve_schedule
-from .sink import Sink
+from .sink import Sink, notice
 from .weights import optimizer_step, param_fingerprints, param_norms
 
 
@@ -73,7 +73,16 @@ class Recorder:
         scheduler: the LR scheduler (optional): its class and state go to the manifest, so LOOP-14
             can rebuild the configured schedule and compare it with the LR recorded at every step.
         max_steps: the run's planned length in optimizer steps (stored as the config's ``max_steps``): a run
-            whose records end before it without a ``close`` event stopped early.
+            whose records end before it without a ``close`` event stopped early. The profile's probe intervals
+            are shortened to fit it (see `profiles`), and every probe runs at its last step.
+        save_every: the loop's checkpoint interval in steps, when it saves on one: every probe runs at each
+            save, on every rank alike. A single-process run also probes at each `on_checkpoint`.
+        probe_milestones: False keeps the probes to their intervals: none at the last planned step or at
+            saves (for a run that saves often and whose probes are dear).
+        grad_scaler: the loop's `torch.amp.GradScaler`, when it has one (fp16): a step it skipped for
+            non-finite gradients is then told apart from one whose non-finite update reached the weights.
+            Without it, and with none inside the optimizer (accelerate's or DeepSpeed's), the manifest says the
+            run had no loss scaler.
     """
 
     def __init__(
@@ -96,13 +105,21 @@ class Recorder:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         max_steps: int | None = None,
+        save_every: int | None = None,
+        probe_milestones: bool = True,
+        grad_scaler: Any = None,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
+        # A DeepSpeed engine's own optimizer (ZeRO's, around the one given): what steps, and skips on overflow.
+        self.engine_optimizer = getattr(model, "optimizer", None) if type(model).__name__ == "DeepSpeedEngine" else None
         model = unwrap_model(model)  # DDP's `module.`, torch.compile's `_orig_mod.`: names as checkpoints have them
         self.model = model
         self.tokenizer = tokenizer
-        self.schedule = resolve_schedule(profile, schedule)
+        self.schedule = resolve_schedule(profile, schedule, max_steps)
+        self.max_steps = int(max_steps) if max_steps else None
+        self.save_every = int(save_every) if probe_milestones and save_every and save_every > 0 else None
+        self.probe_milestones = probe_milestones
         self.profile = profile
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.accumulation_steps = max(1, int(accumulation_steps))
@@ -111,6 +128,7 @@ class Recorder:
         self.probe_prompts = list(probe_prompts)
         self.eval_set = [dict(item) for item in eval_set]
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
         self._segment_started = False
         self._first_step: int | None = None  # the segment's first step: its rows are kept whole whatever the schedule
         self._sink = Sink(rank_dir(self.run_dir, self.rank), self.rank, lambda: self._step)
@@ -127,7 +145,15 @@ class Recorder:
         config = dict(config or {})
         if max_steps is not None:
             config["max_steps"] = int(max_steps)
-        self._write("manifest", segment_manifest(self, run_id, config, dataset, scheduler))
+        manifest = segment_manifest(self, run_id, config, dataset, scheduler)
+        self._write("manifest", manifest)
+        if self.rank == 0:  # said once, at start: what is recorded then is whatever the old release allows
+            for name, v in manifest["unsupported_versions"].items():
+                notice(
+                    f"{name} {v['installed']} is older than {v['oldest_supported']}, the oldest sftaudit supports: "
+                    f"recording goes on with what it allows, and the audit names what it cannot judge; upgrade "
+                    f"{name} to record and judge the whole run"
+                )
         self._write("events", {"kind": "start", "time": time.time()})
         self.probes = Probes(
             model,
@@ -210,7 +236,8 @@ class Recorder:
                 self._begin_step(step)
                 self._finish_step(step, lr)
         self._reset_step()
-        self.probes.run(step)
+        at_end = self.probe_milestones and step == self.max_steps
+        self.probes.run(step, every_probe=at_end or bool(self.save_every and step % self.save_every == 0))
 
     def on_checkpoint(self, step: int, path: str | Path, training_state: Mapping[str, Any] | None = None) -> None:
         """After the loop saved a checkpoint: where, which files, the training state's outline."""
@@ -233,6 +260,10 @@ class Recorder:
             self._write("checkpoints", record)
             self._sink.sync()
             self._sink.hash_later(step, record["path"], files, [f["name"] for f in record["files"]])
+        # What the saved model does, beside its files. With more ranks, only on the schedule (`save_every`):
+        # a loop may call this on one rank only, and a probe of sharded weights needs all of them.
+        if self.probe_milestones and self.world_size == 1 and not self.probes.active:
+            self.probes.run(step, every_probe=True)
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Scalar metrics from the loop or trainer logs (eval_loss, the trainer's grad_norm, ...)."""

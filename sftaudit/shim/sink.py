@@ -7,10 +7,10 @@ recording off. Checkpoint files are hashed in background threads.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,11 +53,9 @@ class Sink:
             pass
         if self.rank == 0 and len(self.disabled - {"writer"}) == 1:
             # One line for the run: later failures (other components, other ranks) are in the events.
-            warnings.warn(
-                f"sftaudit: {component} recording failed at step {step} and was switched off "
-                f"({type(exc).__name__}: {exc}); further shim errors go to the run's events "
-                f"only",
-                stacklevel=3,
+            notice(
+                f"{component} recording failed at step {step} and was switched off ({type(exc).__name__}: "
+                f"{exc}); training goes on, further shim errors go to the run's events only"
             )
 
     def write(self, kind: str, record: dict) -> None:
@@ -67,7 +65,7 @@ class Sink:
             self._writer.write(kind, {"seg": self.segment, **record})
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop training either
             self.disabled.add("writer")
-            warnings.warn(f"sftaudit: writing artifacts failed; recording stopped: {exc}", stacklevel=3)
+            notice(f"writing artifacts failed; recording stopped, training goes on: {exc}")
 
     def sync(self) -> None:
         self._writer.sync()
@@ -100,6 +98,19 @@ class Sink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+NOTICE_CHARS = 400
+
+
+def notice(text: str) -> None:
+    """What the shim must tell the person watching training: one line on stderr, prefixed ``sftaudit:`` (a
+    Python warning prints its source line under it, which reads like a crash). Never raises."""
+    line = " ".join(str(text).split())
+    try:
+        print(f"sftaudit: {line[:NOTICE_CHARS]}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closed stderr must not stop training
+        pass
 
 
 class _Guard:

@@ -1,10 +1,5 @@
-"""Artifacts -> DuckDB. Incremental: each file's ingested byte offset is remembered, so a
-second ingest of a growing run reads only what was appended since.
-
-The database lives at ``RUN_DIR/sftaudit/audit.duckdb``. Its tables mirror the record
-kinds of `sftaudit.core.artifacts` (one row per record, plus a ``rank`` column), except the per-tensor
-gradient norms and the manifest's parameter list, which becomes ``params`` (with each parameter's
-layout on the rank: see `sftaudit.shim.pieces`).
+"""Artifacts -> the run database (`sftaudit.store.rundb`). Incremental: each file's ingested byte offset is
+remembered, so a second ingest of a growing run reads only what was appended since.
 
 The gradient norms are not copied: ``grad_pieces(rank, seg, step, idx, tensor, norm)`` is a view
 (made by `connect`, on every connection) over the run's Parquet parts where they lie, plus two
@@ -26,252 +21,58 @@ segments' records of steps >= s (the stretch the resume abandoned) move to
 norms that is a filter: ``segment_cutoffs`` holds each segment's first abandoned step, and
 ``superseded_grad_pieces`` is the view of what it leaves out.
 
-A database made by an earlier sftaudit (its ``sftaudit_meta`` format differs or is missing) is
-rebuilt from the artifacts on the next ingest.
+A database that no longer describes the artifacts on disk (a file replaced, shortened or rewritten, rows
+deleted), or that another sftaudit made (its ``sftaudit_meta`` format differs or is missing), is rebuilt
+from the artifacts.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
 import stat
-import sys
 import tempfile
-import time
-from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import duckdb
 
 from ..core.artifacts import (
-    DATABASE_FILE,
     GRAD_SERIES,
     RECORD_KINDS,
+    ROLL_VALUES,
     SCHEMA_VERSION,
     SERIES_DIR,
     artifact_root,
     part_name,
     read_journal,
 )
-from ..core.terminal import shown
-from ..errors import InputError, one_line
-from ..schema.records import RECORDS
+from ..errors import InputError
+from .rundb import (
+    DATABASE_FORMAT,
+    RECORD_COLUMNS,
+    STAGING_DIR,
+    connect,
+    create_tables,
+    database_format,
+    database_path,
+    first_row,
+    gradient_views,
+    has_table,
+    remove_database,
+    run_lock,
+    validated_parts,
+)
 
 # Bounded reads (configurable in the audit config's [ingest] section): one record (line) and one file.
 DEFAULT_MAX_RECORD_BYTES = 64 * 2**20  # a full sample row of a long context is a few MB
 DEFAULT_MAX_FILE_BYTES = 16 * 2**30
 HEAD_BYTES = 4096  # an artifact is the file ingested before if its first block is unchanged
-LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 _COPY_BLOCK = 8 * 2**20
-# The database's own layout: a database of another format is rebuilt from the artifacts.
-# 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
-# 3: each part's steps listed at ingest (grad_part_steps).
-DATABASE_FORMAT = 3
-
-# Column types of each record kind (the JSON field names), from the declaration in sftaudit/schema/records.py;
-# the manifest has its own table.
-RECORD_COLUMNS: dict[str, dict[str, str]] = {
-    kind: {f.name: f.type for f in spec.fields} for kind, spec in RECORDS.items() if kind != "manifest"
-}
-
-_SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT);
-ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS lines BIGINT;
-ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS device BIGINT;
-ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS inode BIGINT;
-ALTER TABLE ingest_state ADD COLUMN IF NOT EXISTS head VARCHAR;
-CREATE TABLE IF NOT EXISTS manifest (rank INTEGER, seg INTEGER, run_id VARCHAR, schema_version INTEGER,
-    profile VARCHAR, world_size INTEGER, started DOUBLE, grad_norm_source VARCHAR, manifest JSON);
-CREATE TABLE IF NOT EXISTS params (rank INTEGER, seg INTEGER, idx INTEGER, name VARCHAR, shape INTEGER[],
-    dtype VARCHAR, numel BIGINT, requires_grad BOOLEAN, tied_to VARCHAR);
-ALTER TABLE params ADD COLUMN IF NOT EXISTS kind VARCHAR;
-ALTER TABLE params ADD COLUMN IF NOT EXISTS start BIGINT;
-ALTER TABLE params ADD COLUMN IF NOT EXISTS stop BIGINT;
-ALTER TABLE params ADD COLUMN IF NOT EXISTS local_numel BIGINT;
-ALTER TABLE params ADD COLUMN IF NOT EXISTS replica INTEGER;
-CREATE TABLE IF NOT EXISTS grad_rows (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
-CREATE TABLE IF NOT EXISTS grad_journal (rank INTEGER, seg INTEGER, step BIGINT, idx INTEGER, norm DOUBLE);
-CREATE TABLE IF NOT EXISTS segment_cutoffs (rank INTEGER, seg INTEGER, cutoff BIGINT);
-CREATE TABLE IF NOT EXISTS grad_part_steps (rank INTEGER, seg INTEGER, step BIGINT);
-CREATE TABLE IF NOT EXISTS sftaudit_meta (key VARCHAR PRIMARY KEY, value VARCHAR);
-"""
-
-
-def first_row(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple | None:
-    """The first row of a query, or None (results are always drained: DuckDB refuses half-read ones)."""
-    rows = con.execute(sql, params or []).fetchall()
-    return rows[0] if rows else None
-
-
-def database_path(run_dir: str | Path) -> Path:
-    return artifact_root(run_dir) / DATABASE_FILE
-
-
-def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    path = database_path(run_dir)
-    if read_only and not path.exists():
-        raise InputError(f"{run_dir}: not ingested yet (run `sftaudit ingest {run_dir}`)")
-    try:
-        con = duckdb.connect(str(path), read_only=read_only)
-    except duckdb.Error as exc:
-        if "lock" in str(exc).lower():
-            raise InputError(
-                f"{path}: the database is open in another program; close it (or wait for it) and run again"
-            ) from None
-        raise InputError(
-            f"{path}: not a readable sftaudit database ({one_line(exc)}); delete it and "
-            f"run `sftaudit ingest {run_dir}` to rebuild it from the artifacts"
-        ) from None
-    if _format(con) == DATABASE_FORMAT:
-        gradient_views(con, run_dir)
-    return con
-
-
-def _format(con: duckdb.DuckDBPyConnection) -> int | None:
-    if not first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'sftaudit_meta'")[0]:
-        return None
-    row = first_row(con, "SELECT value FROM sftaudit_meta WHERE key = 'database_format'")
-    return int(row[0]) if row and str(row[0]).isdigit() else None
-
-
-def _sql_text(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def gradient_views(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> None:
-    """The gradient-norm views of this connection (temporary, so a moved run folder still reads):
-    ``grad_pieces`` (each rank's own pieces on the timeline), ``grad_norms`` (the whole tensors: the
-    pieces themselves, or the reduction ingest stored for a sharded run), ``grad_cells`` and
-    ``grad_piece_cells`` (grad_norms and grad_pieces without the tensor names: cheaper to scan),
-    ``grad_piece_steps`` (the steps with any norm recorded, per rank and segment: the parts' steps listed at
-    ingest, whatever tensor index their rows name) and, after a resume, the ``superseded_`` twins. The Parquet parts are read where they lie, out of core."""
-    root = artifact_root(run_dir).resolve()
-    parts = [
-        root / f
-        for (f,) in con.execute(
-            "SELECT file FROM ingest_state WHERE file LIKE ? ORDER BY file", [f"{SERIES_DIR}/%"]
-        ).fetchall()
-    ]
-    sources = [
-        "SELECT rank, seg, step, idx, norm FROM grad_rows",
-        "SELECT rank, seg, step, idx, norm FROM grad_journal",
-    ]
-    if parts:
-        files = "[" + ", ".join(_sql_text(str(f)) for f in parts) + "]"
-        sources.insert(
-            0,
-            f"SELECT rank, seg, step, idx, norm::DOUBLE AS norm FROM read_parquet({files}, "
-            "hive_partitioning = true, hive_types = {'rank': INTEGER, 'seg': INTEGER})",
-        )
-    series = " UNION ALL ".join(sources)
-    named = (
-        f"SELECT g.rank, g.seg, g.step, g.idx, p.name AS tensor, g.norm FROM ({series}) g "
-        "JOIN params p ON p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx"
-    )
-    resumed = bool(first_row(con, "SELECT count(*) FROM segment_cutoffs")[0])
-    cut = "LEFT JOIN segment_cutoffs c ON c.rank = g.rank AND c.seg = g.seg"
-    kept = " WHERE c.cutoff IS NULL OR g.step < c.cutoff"
-    con.execute(f"CREATE OR REPLACE TEMP VIEW grad_pieces AS {named} {cut + kept if resumed else ''}")
-    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    reduced = "grad_norms_reduced" in tables
-    con.execute(
-        "CREATE OR REPLACE TEMP VIEW grad_norms AS SELECT * FROM "
-        + ("grad_norms_reduced" if reduced else "grad_pieces")
-    )
-    # grad_norms without the tensor names, for the checks that scan every norm: the join with params costs
-    # as much as reading the parts. The same rows: an index the manifest lists (every segment of every rank
-    # lists 0..n-1, so one range test does it when they agree on n).
-    counts = con.execute("SELECT DISTINCT count(*) FROM params WHERE idx IS NOT NULL GROUP BY rank, seg").fetchall()
-    listed = (
-        f"g.idx >= 0 AND g.idx < {int(counts[0][0])}"
-        if len(counts) == 1
-        else "EXISTS (SELECT 1 FROM params p WHERE p.rank = g.rank AND p.seg = g.seg AND p.idx = g.idx)"
-    )
-
-    def cells(source: str) -> str:
-        return (
-            f"SELECT g.rank, g.seg, g.step, g.idx, g.norm FROM ({source}) g {cut if resumed else ''} WHERE {listed}"
-            + (" AND (c.cutoff IS NULL OR g.step < c.cutoff)" if resumed else "")
-        )
-
-    con.execute("CREATE OR REPLACE TEMP VIEW grad_piece_cells AS " + cells(series))
-    # The steps with a norm recorded, per rank and segment: the parts' steps were listed at ingest (a
-    # distinct over every norm costs seconds per 10^8 of them).
-    con.execute(
-        "CREATE OR REPLACE TEMP VIEW grad_piece_steps AS SELECT g.rank, g.seg, g.step FROM ("
-        "SELECT rank, seg, step FROM grad_part_steps UNION ALL SELECT DISTINCT rank, seg, step FROM grad_rows "
-        f"UNION ALL SELECT DISTINCT rank, seg, step FROM grad_journal) g {cut if resumed else ''}"
-        + (" WHERE c.cutoff IS NULL OR g.step < c.cutoff" if resumed else "")
-    )
-    # The cells not in Parquet parts (journal tails, schema-1 rows): a reader of the parts themselves adds these.
-    con.execute("CREATE OR REPLACE TEMP VIEW grad_tail_cells AS " + cells(" UNION ALL ".join(sources[-2:])))
-    con.execute(
-        "CREATE OR REPLACE TEMP VIEW grad_cells AS SELECT rank, seg, step, idx, norm FROM "
-        + ("grad_norms_reduced" if reduced else "grad_piece_cells")
-    )
-    if resumed:
-        con.execute(f"CREATE OR REPLACE TEMP VIEW superseded_grad_pieces AS {named} {cut} WHERE g.step >= c.cutoff")
-        con.execute(
-            "CREATE OR REPLACE TEMP VIEW superseded_grad_norms AS SELECT * FROM "
-            + (
-                "superseded_grad_norms_reduced"
-                if "superseded_grad_norms_reduced" in tables
-                else "superseded_grad_pieces"
-            )
-        )
-
-
-_held: dict[str, list] = {}  # artifact folder -> [descriptor, depth]: the lock is re-entrant within a process
-
-
-@contextmanager
-def run_lock(run_dir: str | Path, timeout: float = LOCK_TIMEOUT):
-    """Hold the run's lock while its database is used: a second audit of the same run waits for the
-    first, with a message, instead of failing on DuckDB's own file lock. The lock is taken on the
-    artifact folder itself (flock on its descriptor), so nothing is written into the run folder;
-    a run without one is used unlocked (nothing there to guard)."""
-    root = artifact_root(run_dir)
-    key = str(root.resolve()) if root.is_dir() else None
-    if key is not None and key not in _held:
-        fd = _acquire(key, run_dir, timeout)
-        if fd is not None:
-            _held[key] = [fd, 0]
-    entry = _held.get(key)
-    if entry:
-        entry[1] += 1
-    try:
-        yield
-    finally:
-        if entry:
-            entry[1] -= 1
-            if not entry[1]:
-                os.close(_held.pop(key)[0])  # closing the descriptor releases the lock
-
-
-def _acquire(key: str, run_dir: str | Path, timeout: float) -> int | None:
-    try:
-        fd = os.open(key, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    deadline, told = time.monotonic() + timeout, False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise InputError(
-                    f"{run_dir}: another sftaudit has used this run's database for over {timeout:.0f} s "
-                    f"(it holds a lock on {key}); wait for it to finish, or stop it, and run again"
-                ) from None
-            if not told:
-                print(f"sftaudit: waiting for another sftaudit using {shown(str(run_dir))} to finish", file=sys.stderr)
-                told = True
-            time.sleep(0.2)
+# Rows a gradient-norm part may hold: the shim rolls a part every ROLL_VALUES norms (plus the step that crosses
+# it); one claiming many more is no part of ours (a decompression bomb: its footer is read, never its rows).
+MAX_PART_ROWS = 64 * ROLL_VALUES
 
 
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -291,66 +92,53 @@ def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
     return ranks
 
 
-def create_tables(con: duckdb.DuckDBPyConnection) -> None:
-    """The ingest schema (also filled directly by `preflight`, which has no artifacts)."""
-    con.execute(_SCHEMA_SQL)
-    con.execute("INSERT OR REPLACE INTO sftaudit_meta VALUES ('database_format', ?)", [str(DATABASE_FORMAT)])
-    for kind, columns in RECORD_COLUMNS.items():
-        stored = {k: v for k, v in columns.items() if not (kind == "steps" and k == "grad_norms")}
-        cols = ", ".join(f'"{k}" {v}' for k, v in stored.items())
-        con.execute(f'CREATE TABLE IF NOT EXISTS "{kind}" (rank INTEGER, {cols})')
-        for k, v in stored.items():  # a database ingested by an older sftaudit gains the newer fields
-            con.execute(f'ALTER TABLE "{kind}" ADD COLUMN IF NOT EXISTS "{k}" {v}')
-
-
 def ingest(
     run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> dict[str, int]:
-    """Load new records into the run's DuckDB file; returns the number of new records per kind.
+    """Load new records into the run's database; returns the number of new records per kind.
     A database that no longer matches the artifacts (a file replaced, shortened or rewritten, rows
     deleted) is rebuilt from scratch: offsets are only trusted for the files they were taken on."""
     ranks = rank_folders(run_dir)
-    limits = (max_record_bytes, max_file_bytes)
+    files = _RunFiles(run_dir, max_record_bytes, max_file_bytes)
     with run_lock(run_dir):
         con = connect(run_dir)
         try:
-            if _stale(con, run_dir, limits):
+            if _stale(con, files):
                 con.close()
-                for leftover in (database_path(run_dir), Path(f"{database_path(run_dir)}.wal")):
-                    leftover.unlink(missing_ok=True)
+                remove_database(run_dir)
                 con = connect(run_dir)
-            return _ingest_all(con, run_dir, ranks, limits)
+            return _ingest_all(con, files, ranks)
         finally:
             con.close()
 
 
-def _ingest_all(
-    con: duckdb.DuckDBPyConnection, run_dir: str | Path, ranks: list[tuple[int, Path]], limits: tuple[int, int]
-) -> dict[str, int]:
+def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tuple[int, Path]]) -> dict[str, int]:
+    run_dir = files.run_dir
     con.begin()  # all or nothing: offsets only move with the rows they stand for
     create_tables(con)
     added = {kind: 0 for kind in RECORD_KINDS}
     for rank, folder in ranks:
         for kind in RECORD_KINDS:
-            added[kind] += _ingest_file(con, run_dir, rank, kind, folder / f"{kind}.jsonl", limits)
+            added[kind] += _ingest_file(con, files, rank, kind, folder / f"{kind}.jsonl")
     if not first_row(con, "SELECT count(*) FROM manifest")[0]:
         raise InputError(
             f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
             f"the shim writes it when recording starts: record the run again"
         )
-    _ingest_series(con, run_dir, limits)
+    _ingest_series(con, files)
     _supersede_abandoned_steps(con)
-    gradient_views(con, run_dir)
+    parts = validated_parts(con, run_dir)
+    gradient_views(con, parts)
     _reduce_gradients(con, "grad_pieces", "grad_norms_reduced")
-    if first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'superseded_grad_pieces'")[0]:
+    if has_table(con, "superseded_grad_pieces"):
         _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms_reduced")
-    gradient_views(con, run_dir)
+    gradient_views(con, parts)
     _reduced_step_totals(con)
     con.commit()
     return added
 
 
-def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> bool:
+def _stale(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> bool:
     """Whether the database describes other files than the artifacts now on disk, or lost rows."""
     tables = {
         t
@@ -360,16 +148,16 @@ def _stale(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[in
     }
     if not tables:
         return False
-    if _format(con) != DATABASE_FORMAT:
+    if database_format(con) != DATABASE_FORMAT:
         return True  # made by another sftaudit (or not by sftaudit): rebuilt from the artifacts
-    root = artifact_root(run_dir)
+    root = str(artifact_root(files.run_dir))
     for key, offset, records, inode, device, head in con.execute(
         'SELECT file, "offset", records, inode, device, head FROM ingest_state'
     ).fetchall():
-        path = root / key
+        path = os.path.join(root, key)
         if not os.path.lexists(path):
             return True
-        fd, st = _open_artifact(path, run_dir, limits[1])
+        fd, st = files.open(path)
         try:
             grown = st.st_size != offset if key.startswith(f"{SERIES_DIR}/") else st.st_size < offset  # parts are final
             if (st.st_ino, st.st_dev) != (inode, device) or grown or _head(fd, offset) != head:
@@ -396,27 +184,43 @@ def _stored_rows(con: duckdb.DuckDBPyConnection, tables: set[str], rank: int, ki
     )
 
 
-def _open_artifact(path: Path, run_dir: str | Path, max_file_bytes: int) -> tuple[int, os.stat_result]:
-    """An artifact opened for reading: a regular file inside the run folder (a symlink may point
-    within it), no larger than the limit; InputError otherwise. Never blocks (a FIFO, a device)."""
-    real, inside = os.path.realpath(path), os.path.realpath(run_dir)
-    if os.path.commonpath([real, inside]) != inside:
-        raise InputError(f"{path}: a link to {real}, outside the run folder; artifacts must be files inside it")
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise InputError(f"{path}: cannot open ({exc.strerror}); check its permissions") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise InputError(f"{path}: not a regular file (a FIFO, device or folder); artifacts must be plain files")
-    if st.st_size > max_file_bytes:
-        os.close(fd)
-        raise InputError(
-            f"{path}: {st.st_size} bytes, over the {max_file_bytes}-byte limit per artifact file; "
-            f"raise [ingest] max_file_bytes in the config if the run is really that large"
-        )
-    return fd, st
+class _RunFiles:
+    """The run's artifacts, each opened as a regular file inside the run folder (a symlink may point within
+    it), no larger than the limit; InputError otherwise. A folder is resolved once per ingest: thousands of
+    parts in one folder cost one resolution, not thousands."""
+
+    def __init__(self, run_dir: str | Path, max_record_bytes: int, max_file_bytes: int):
+        self.run_dir, self.inside = run_dir, os.path.realpath(run_dir)
+        self.max_record_bytes, self.max_file_bytes = max_record_bytes, max_file_bytes
+        self._folders: dict[str, str] = {}
+
+    def real(self, path: str | Path) -> str:
+        folder, name = os.path.split(os.fspath(path))
+        if folder not in self._folders:
+            self._folders[folder] = os.path.realpath(folder)
+        real = os.path.join(self._folders[folder], name)
+        return os.path.realpath(real) if os.path.islink(real) else real
+
+    def open(self, path: str | Path) -> tuple[int, os.stat_result]:
+        """The artifact opened for reading, and its status. Never blocks (a FIFO, a device)."""
+        real = self.real(path)
+        if os.path.commonpath([real, self.inside]) != self.inside:
+            raise InputError(f"{path}: a link to {real}, outside the run folder; artifacts must be files inside it")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise InputError(f"{path}: cannot open ({exc.strerror}); check its permissions") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise InputError(f"{path}: not a regular file (a FIFO, device or folder); artifacts must be plain files")
+        if st.st_size > self.max_file_bytes:
+            os.close(fd)
+            raise InputError(
+                f"{path}: {st.st_size} bytes, over the {self.max_file_bytes}-byte limit per artifact file; "
+                f"raise [ingest] max_file_bytes in the config if the run is really that large"
+            )
+        return fd, st
 
 
 def _head(fd: int, offset: int) -> str:
@@ -529,51 +333,58 @@ _JOURNAL = re.compile(r"journal-(\d{9,18})\.bin")
 _PART_COLUMNS = {"step": "INT64", "idx": "INT32", "norm": "FLOAT"}
 
 
-def _series_folders(run_dir: str | Path) -> list[tuple[int, int, Path]]:
-    """(rank, segment, folder) of the gradient-norm series (other names there are not ours: ignored)."""
+def _series_listing(run_dir: str | Path) -> list[tuple[int, int, Path, list[str], list[Path]]]:
+    """(rank, segment, folder, part names, journals) of the gradient-norm series, listed once per ingest
+    (other names there are not ours: ignored; a folder that is a link is not followed)."""
     out = []
     for by_rank in (artifact_root(run_dir) / SERIES_DIR / GRAD_SERIES).glob("rank=*"):
         r = re.fullmatch(r"rank=(\d{1,6})", by_rank.name)
-        if r and by_rank.is_dir() and not by_rank.is_symlink():
-            out += [
-                (int(r.group(1)), int(g.group(1)), folder)
-                for folder in by_rank.glob("seg=*")
-                if (g := re.fullmatch(r"seg=(\d{1,6})", folder.name)) and folder.is_dir() and not folder.is_symlink()
-            ]
+        if not (r and by_rank.is_dir() and not by_rank.is_symlink()):
+            continue
+        for folder in by_rank.glob("seg=*"):
+            g = re.fullmatch(r"seg=(\d{1,6})", folder.name)
+            if not (g and folder.is_dir() and not folder.is_symlink()):
+                continue
+            # The journals first: one may turn into a part meanwhile, which the parts' listing then holds.
+            journals = [folder / n for n in sorted(os.listdir(folder)) if _JOURNAL.fullmatch(n)]
+            parts = [n for n in sorted(os.listdir(folder)) if _PART.fullmatch(n)]
+            out.append((int(r.group(1)), int(g.group(1)), folder, parts, journals))
     return sorted(out)
 
 
-def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: tuple[int, int]) -> None:
+def _ingest_series(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> None:
     """New Parquet parts are validated and listed (they are read in place, never copied); the journal
     tails are read again whole (small: a journal becomes a part every few thousand steps)."""
-    root = artifact_root(run_dir)
+    import numpy as np
+    import pyarrow as pa
+
+    root = artifact_root(files.run_dir)
     known = {
-        f for (f,) in con.execute("SELECT file FROM ingest_state WHERE file LIKE ?", [f"{SERIES_DIR}/%"]).fetchall()
+        f
+        for (f,) in con.execute(
+            "SELECT file FROM ingest_state WHERE starts_with(file, ?)", [f"{SERIES_DIR}/"]
+        ).fetchall()
     }
     con.execute("DELETE FROM grad_journal")
-    tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     recorded = " UNION ALL ".join(
-        f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if t in tables
+        f"SELECT rank, seg, step FROM {t}" for t in ("steps", "superseded_steps") if has_table(con, t)
     )
-    part_steps: list = []  # (rank, seg, steps) of each new part, inserted at once
-    for rank, seg, folder in _series_folders(run_dir):
-        journals = sorted(folder.glob("journal-*.bin"))  # listed first: one may turn into a part meanwhile
-        parts = {q.name for q in folder.glob("part-*.parquet") if _PART.fullmatch(q.name)}
-        for name in sorted(parts):
-            key = str((folder / name).relative_to(root))
+    validated: list[tuple] = []  # (rank, seg, steps, ingest_state row) of each new part, inserted at once
+    for rank, seg, folder, parts, journals in _series_listing(files.run_dir):
+        prefix = folder.relative_to(root).as_posix()
+        for name in parts:
+            key = f"{prefix}/{name}"
             if key not in known:
-                _add_part(con, run_dir, folder / name, key, limits, rank, seg, part_steps)
+                validated.append((rank, seg, *_part(files, folder / name, key)))
         # A journal's last step may lack its steps record (killed between the two): it is left out.
         last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
         for journal in journals:
             m = _JOURNAL.fullmatch(journal.name)
-            if not m or part_name(int(m.group(1))) in parts or last is None:
+            if part_name(int(m.group(1))) in parts or last is None:
                 continue  # a part holds it (killed between the part's rename and the journal's delete)
-            columns = _read_journal(journal, run_dir, limits)
+            columns = _read_journal(journal, files)
             keep = columns["step"] <= last
             if keep.any():
-                import pyarrow as pa  # only a run with a journal tail needs it
-
                 con.register(
                     "journal_rows",
                     pa.table(
@@ -582,27 +393,45 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, run_dir: str | Path, limits: 
                 )
                 con.execute("INSERT INTO grad_journal SELECT ?, ?, step, idx, norm FROM journal_rows", [rank, seg])
                 con.unregister("journal_rows")
-    if part_steps:
-        import numpy as np
-        import pyarrow as pa
+    if not validated:
+        return
+    steps = [v[2] for v in validated]
+    con.register(
+        "part_steps",
+        pa.table(
+            {
+                "rank": np.concatenate([np.full(len(st), v[0], np.int32) for v, st in zip(validated, steps)]),
+                "seg": np.concatenate([np.full(len(st), v[1], np.int32) for v, st in zip(validated, steps)]),
+                "step": np.concatenate(steps),
+            }
+        ),
+    )
+    con.execute("INSERT INTO grad_part_steps SELECT rank, seg, step FROM part_steps")
+    con.unregister("part_steps")
+    state = list(zip(*(v[3] for v in validated)))
+    con.register(
+        "part_state",
+        pa.table(
+            {
+                "file": pa.array(state[0], pa.string()),
+                "offset": pa.array(state[1], pa.int64()),
+                "records": pa.array(state[2], pa.int64()),
+                "device": pa.array(state[3], pa.int64()),
+                "inode": pa.array(state[4], pa.int64()),
+                "head": pa.array(state[5], pa.string()),
+            }
+        ),
+    )
+    con.execute(
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
+        'SELECT file, "offset", records, 0, records, device, inode, head FROM part_state'
+    )
+    con.unregister("part_state")
 
-        con.register(
-            "part_steps",
-            pa.table(
-                {
-                    "rank": np.concatenate([np.full(len(st), r, np.int32) for r, _, st in part_steps]),
-                    "seg": np.concatenate([np.full(len(st), g, np.int32) for _, g, st in part_steps]),
-                    "step": np.concatenate([st for _, _, st in part_steps]),
-                }
-            ),
-        )
-        con.execute("INSERT INTO grad_part_steps SELECT rank, seg, step FROM part_steps")
-        con.unregister("part_steps")
 
-
-def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> dict:
+def _read_journal(path: Path, files: _RunFiles) -> dict:
     try:
-        fd, st = _open_artifact(path, run_dir, limits[1])
+        fd, st = files.open(path)
     except InputError:
         if not os.path.lexists(path):  # it became a part since it was listed: that part is read next time
             return read_journal(b"")
@@ -613,67 +442,71 @@ def _read_journal(path: Path, run_dir: str | Path, limits: tuple[int, int]) -> d
         os.close(fd)
 
 
-def _add_part(
-    con: duckdb.DuckDBPyConnection,
-    run_dir: str | Path,
-    path: Path,
-    key: str,
-    limits: tuple[int, int],
-    rank: int,
-    seg: int,
-    listed: list,
-) -> None:
-    """A part is listed for the views once its header, footer and schema are what the shim writes; its
-    (rank, seg, steps) are added to `listed`."""
-    fd, st = _open_artifact(path, run_dir, limits[1])
-    try:
-        framed = st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"
-        head = _head(fd, st.st_size)
-    finally:
-        os.close(fd)
-    again = "the shim writes these parts: delete the file to audit the rest, or record the run again"
-    if not framed:
-        raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
-    try:
-        columns = dict(con.execute("SELECT name, type FROM parquet_schema(?)", [os.path.realpath(path)]).fetchall())
-        rows = first_row(con, "SELECT sum(num_rows) FROM parquet_file_metadata(?)", [os.path.realpath(path)])[0]
-    except duckdb.Error as exc:
-        raise InputError(f"{path}: not a readable Parquet part ({one_line(exc)[:200]}); {again}") from None
-    wrong = [f"{k} {columns.get(k, 'missing')}" for k, v in _PART_COLUMNS.items() if columns.get(k) != v]
-    if wrong:
-        raise InputError(
-            f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
-            f"found {', '.join(wrong)}); {again}"
-        )
+def _part(files: _RunFiles, path: Path, key: str) -> tuple:
+    """A new part, read from one descriptor: its header, footer and schema must be what the shim writes, and
+    its rows no more than it writes. Returns (its distinct steps, its ingest_state row)."""
     import numpy as np  # only a run with a columnar series needs these
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    step = pq.read_table(os.path.realpath(path), columns=["step"], use_threads=False).column("step").to_numpy()
-    # The shim writes a part in step order: its distinct steps in one pass (any order: a sort).
-    ordered = not (step[1:] < step[:-1]).any()
-    step = step[np.r_[True, step[1:] != step[:-1]]] if ordered and step.size else np.unique(step)
-    listed.append((rank, seg, step))
-    con.execute(
-        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
-        "VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
-        [key, st.st_size, rows or 0, rows or 0, st.st_dev, st.st_ino, head],
-    )
+    again = "the shim writes these parts: delete the file to audit the rest, or record the run again"
+    fd, st = files.open(path)
+    try:
+        if not (st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"):
+            raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
+        head = _head(fd, st.st_size)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            try:
+                part = pq.ParquetFile(f)
+                rows = part.metadata.num_rows
+                columns = {
+                    part.schema.column(i).name: part.schema.column(i).physical_type for i in range(len(part.schema))
+                }
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise InputError(f"{path}: not a readable Parquet part ({_arrow_error(exc)}); {again}") from None
+            wrong = [f"{k} {columns.get(k, 'missing')}" for k, v in _PART_COLUMNS.items() if columns.get(k) != v]
+            if wrong:
+                raise InputError(
+                    f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
+                    f"found {', '.join(wrong)}); {again}"
+                )
+            if not 0 <= rows <= MAX_PART_ROWS:
+                raise InputError(
+                    f"{path}: claims {rows} rows, more than the {MAX_PART_ROWS} a part of the shim holds "
+                    f"(a decompression bomb, or not the shim's); {again}"
+                )
+            try:
+                step = part.read(columns=["step"], use_threads=False).column("step").to_numpy() if rows else None
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise InputError(f"{path}: not a readable Parquet part ({_arrow_error(exc)}); {again}") from None
+    finally:
+        os.close(fd)
+    if step is None:
+        step = np.zeros(0, dtype=np.int64)
+    elif (step[1:] >= step[:-1]).all():  # the shim writes a part in step order: its distinct steps in one pass
+        step = step[np.r_[True, step[1:] != step[:-1]]]
+    else:
+        step = np.unique(step)
+    return step, (key, st.st_size, rows, st.st_dev, st.st_ino, head)
 
 
-def _ingest_file(
-    con: duckdb.DuckDBPyConnection, run_dir: str | Path, rank: int, kind: str, path: Path, limits: tuple[int, int]
-) -> int:
+def _arrow_error(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
+def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, kind: str, path: Path) -> int:
     if not os.path.lexists(path):
         return 0
     key = str(path.relative_to(path.parent.parent))
     row = first_row(con, 'SELECT "offset", records, bad_lines, lines FROM ingest_state WHERE file = ?', [key])
     offset, records, bad, lines = row if row else (0, 0, 0, 0)
-    fd, st = _open_artifact(path, run_dir, limits[1])
+    fd, st = files.open(path)
     try:
-        fd_tmp, tmp = tempfile.mkstemp(suffix=".jsonl")
+        # A copy of the new lines in the cache's staging folder: the one folder DuckDB may read besides the parts.
+        fd_tmp, tmp = tempfile.mkstemp(suffix=".jsonl", dir=database_path(files.run_dir).parent / STAGING_DIR)
         try:
             with os.fdopen(fd_tmp, "wb") as out:
-                end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, limits[0], out)
+                end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, files.max_record_bytes, out)
             if copied:
                 new = (
                     _ingest_manifests(con, rank, tmp, path, lines)
@@ -698,10 +531,10 @@ def _ingest_file(
 
 
 def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int]:
-    """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks.
-    Returns (offset after the last complete line, lines copied, lines refused: blank or over
-    `max_record` bytes). A torn last line waits for its newline, unless it is already over the
-    limit: no record is that long, so it is refused too and read past."""
+    """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks (a lone
+    surrogate escaped as text: `_readable`). Returns (offset after the last complete line, lines copied,
+    lines refused: blank or over `max_record` bytes). A torn last line waits for its newline, unless it is
+    already over the limit: no record is that long, so it is refused too and read past."""
     pos, start, current, oversize = offset, offset, bytearray(), False
     copied = refused = 0
     while pos < size:
@@ -722,7 +555,7 @@ def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) 
             if oversize or not current.strip():  # the shim writes no blank line: one is a record lost
                 refused += 1
             else:
-                out.write(bytes(current) + b"\n")
+                out.write(_readable(bytes(current)) + b"\n")
                 copied += 1
             current, oversize, at = bytearray(), False, nl + 1
             start = pos + at
@@ -731,6 +564,22 @@ def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) 
         refused += 1
         start = size
     return start, copied, refused
+
+
+# A JSON escape: a surrogate pair, a lone surrogate, or any other (`\\` included, so a pair of backslashes
+# is never read as the start of an escape).
+_ESCAPE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\(u[dD][89a-fA-F][0-9a-fA-F]{2})|\\."
+)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _readable(line: bytes) -> bytes:
+    """A line whose strings hold a lone surrogate (``\\ud800``: no character, so DuckDB refuses the whole
+    record) with each such escape kept as text (the six characters ``\\ud800``); other lines as they are."""
+    if not _SURROGATE.search(line):
+        return line
+    return _ESCAPE.sub(lambda m: b"\\\\" + m.group(1) if m.group(1) else m.group(0), line)
 
 
 _NUMBER = "('BIGINT', 'UBIGINT', 'DOUBLE')"
@@ -819,9 +668,11 @@ def _manifest_problem(m) -> str | None:
     """Why a manifest record cannot be read (None: it can)."""
     if not isinstance(m, dict):
         return "a manifest record must be a JSON object"
-    for name, kind in (("schema_version", "an integer"), ("seg", "an integer"), ("world_size", "an integer")):
+    if "schema_version" in m and not _int32(m["schema_version"]):  # null too: it says which reader reads the rest
+        return f"schema_version must be an integer (32-bit), not {json.dumps(m['schema_version'])[:40]}"
+    for name in ("seg", "world_size"):
         if name in m and m[name] is not None and not _int32(m[name]):
-            return f"{name} must be {kind} (32-bit), not {str(m[name])[:40]!r}"
+            return f"{name} must be an integer (32-bit), not {str(m[name])[:40]!r}"
     for name in ("run_id", "profile", "grad_norm_source"):
         if m.get(name) is not None and not isinstance(m[name], str):
             return f"{name} must be a string, not {str(m[name])[:40]!r}"
@@ -926,62 +777,3 @@ def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path:
                 )
             n += 1
     return n
-
-
-def load_manifest(con: duckdb.DuckDBPyConnection, rank: int = 0) -> dict:
-    """The latest manifest of a rank (the current segment's view of the run)."""
-    row = first_row(con, "SELECT manifest FROM manifest WHERE rank = ? ORDER BY seg DESC LIMIT 1", [rank])
-    if row is None:
-        raise InputError(f"no manifest for rank {rank}")
-    return json.loads(row[0])
-
-
-def recorded_checkpoints(con: duckdb.DuckDBPyConnection) -> list[dict]:
-    """Rank 0's checkpoints, one per path (a checkpoint's identity is its path relative to the run
-    directory), in order of their last save: name (shortest unique path suffix), step of the last
-    save (the one on disk), every step it was saved at, that save's segment and recorded hashes."""
-    rows = con.execute(
-        """WITH saved AS (SELECT * FROM checkpoints WHERE event = 'saved' AND rank = 0),
-                saves AS (SELECT path, list(step ORDER BY seg, step) AS saves FROM saved GROUP BY path),
-                last AS (SELECT path, step, seg FROM saved
-                         QUALIFY row_number() OVER (PARTITION BY path ORDER BY seg DESC, step DESC) = 1),
-                hashed AS (SELECT path, step, seg, any_value(sha256) AS sha256 FROM checkpoints
-                           WHERE event = 'hashed' AND rank = 0 GROUP BY path, step, seg)
-           SELECT l.path, l.step, l.seg, s.saves, h.sha256 FROM last l JOIN saves s USING (path)
-           LEFT JOIN hashed h ON h.path = l.path AND h.step = l.step AND h.seg = l.seg
-           ORDER BY l.step, l.path"""
-    ).fetchall()
-    names = checkpoint_names([r[0] for r in rows])
-    return [
-        {
-            "name": names[path],
-            "path": path,
-            "step": step,
-            "seg": seg,
-            "saves": saves,
-            "sha256": json.loads(sha) if sha else {},
-        }
-        for path, step, seg, saves, sha in rows
-    ]
-
-
-def checkpoint_names(paths: list[str]) -> dict[str, str]:
-    """Display names: the shortest path suffix that tells the checkpoints apart, without the file
-    name they all share (``checkpoints/step-20/model.safetensors`` -> ``step-20``)."""
-    parts = {p: PurePosixPath(p.replace("\\", "/")).parts or (p,) for p in paths}
-    shared = 0  # trailing components every checkpoint has in common (model.safetensors)
-    if len(parts) > 1:
-        while (
-            all(len(q) > shared + 1 for q in parts.values())
-            and len({q[len(q) - shared - 1] for q in parts.values()}) == 1
-        ):
-            shared += 1
-    trimmed = {p: q[: len(q) - shared] for p, q in parts.items()}
-    names = {}
-    for p, q in trimmed.items():
-        for k in range(1, len(q) + 1):
-            suffix = q[-k:]
-            if sum(1 for other in trimmed.values() if other[-k:] == suffix) == 1:
-                break
-        names[p] = "/".join(suffix)
-    return names

@@ -1,17 +1,35 @@
-"""The analyzer pipeline: ingest -> checks -> attribution/verdict -> stored in DuckDB."""
+"""The analyzer pipeline: import -> ingest -> checks -> attribution/verdict -> stored in the run database.
+
+`audit` (and `audited`, the same under a ``with``) is its one entry point: every command that judges a run
+(audit, replay, gate, report, diff) and the notebook API go through it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from .._version import __version__
 from ..checks import AuditContext, Finding, registered_checks
 from ..checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from ..checks.selection_metric import run_selection_series
-from ..errors import InputError
+from ..errors import InputError, UnsupportedVersion
+from ..imports import ensure_artifacts
 from ..readers.checkpoints import CheckpointError, inside_run
-from ..store.ingest import connect, first_row, ingest, load_manifest, recorded_checkpoints, run_lock
+from ..store.ingest import ingest
+from ..store.rundb import (
+    connect,
+    first_row,
+    has_table,
+    inside_run_folder,
+    load_manifest,
+    recorded_checkpoints,
+    run_lock,
+)
 from .attribution import build_verdict
 from .config import DEFAULT_MAX_MISSING_SHARE, AuditConfig
 from .resolution import at_logging_resolution, first_window
@@ -39,7 +57,7 @@ def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], 
             raise InputError(str(exc)) from None
         try:
             findings += check.run(ctx)
-        except CannotJudge as exc:
+        except (CannotJudge, UnsupportedVersion) as exc:  # the others judge on
             ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
             errors.append({"code": check_cls.code, "error": f"{type(exc).__name__}: {exc}"})
@@ -309,9 +327,10 @@ def check_coverage(
     check_errors: list[dict[str, str]],
     evidence: dict[str, Any] | None,
     not_judged: dict[str, str],
+    partly_judged: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, or what it
-    judges more finely with was not recorded), "not_run"
+    """Per registered check: "ran", "partial" (a component it reads stopped mid-run, what it
+    judges more finely with was not recorded, or the check judged only part of what was: `partly_judged`), "not_run"
     (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
     "error"; with the reason and
     the evidence it ran on."""
@@ -338,6 +357,8 @@ def check_coverage(
             )
         elif lacking:
             status, reason = "partial", "not recorded: " + ", ".join(EVIDENCE[t] for t in lacking)
+        elif check.code in (partly_judged or {}):
+            status, reason = "partial", partly_judged[check.code]
         else:
             status, reason = "ran", None
         out.append(
@@ -355,20 +376,113 @@ def check_coverage(
     return out
 
 
-def audit(run_dir: str | Path, config: AuditConfig | None = None) -> dict[str, Any]:
-    """Ingest what is new, run the checks, store findings + verdict in DuckDB; return the verdict."""
-    run_dir = Path(run_dir)
-    config = config or AuditConfig()
+@dataclasses.dataclass(frozen=True)
+class Audited:
+    """What `audited` yields: the verdict (None only when asked not to judge a run never judged) and the
+    records new to the database, per kind."""
+
+    verdict: dict[str, Any] | None
+    added: dict[str, int]
+
+
+@contextmanager
+def audited(
+    run_dir: str | Path,
+    config: AuditConfig | None = None,
+    *,
+    data: str | Path | None = None,
+    judge: Literal["always", "if_stale", "never"] = "always",
+    source: str | None = None,
+    log_file: str | Path | None = None,
+) -> Iterator[Audited]:
+    """The pipeline under the run's lock, held until the ``with`` ends (so what the caller then reads with
+    `connect(run_dir, read_only=True)` is what was judged): a Trainer output trained without the shim is
+    imported (again: it may have grown; `data` is its training data; `source` names the kind of log to read and
+    `log_file` the log given as the run's path, as `imports.import_run` takes them), what is new is ingested, and the run
+    is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless the database
+    changed since it was judged, another version judged it, or another config (`config` None: the stored
+    verdict's own); "never", import and ingest only (the stored verdict, if any)."""
+    run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
-        ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
-        con = connect(run_dir)
-        try:
-            return judge(con, run_dir, config)
-        finally:
-            con.close()
+        ensure_artifacts(run_dir, data, source=source, file=log_file)
+        if config is None:  # its limits are ingest's too
+            config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
+        added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
+        stored = _stored(run_dir) if judge != "always" else None
+        if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
+            con = connect(run_dir)
+            try:
+                verdict = judge_database(con, run_dir, config)
+            finally:
+                con.close()
+        else:
+            verdict = stored["verdict"] if stored else None
+        yield Audited(verdict, added)
 
 
-def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
+def audit(
+    run_dir: str | Path,
+    config: AuditConfig | None = None,
+    *,
+    data: str | Path | None = None,
+    judge: Literal["always", "if_stale", "never"] = "always",
+    source: str | None = None,
+    log_file: str | Path | None = None,
+) -> dict[str, Any]:
+    """Import (a run trained without the shim), ingest what is new, run the checks, store findings + verdict in
+    the run database; return the verdict (`audited`)."""
+    with audited(run_dir, config, data=data, judge=judge, source=source, log_file=log_file) as done:
+        return done.verdict
+
+
+# What the database holds of the artifacts (every file's identity and how far it was read): a verdict judged
+# on other contents is stale, whoever ingested them since.
+_INGESTED = """SELECT md5(coalesce(string_agg(concat_ws(':', file, "offset", records, device, inode, head), ','
+               ORDER BY file), '')) FROM ingest_state"""
+
+
+def _stored(run_dir: Path) -> dict[str, Any] | None:
+    """The stored verdict, the config it was judged with, the sftaudit version that judged it, what the
+    database held then and holds now; None when there is no database or no verdict in it."""
+    try:
+        con = connect(run_dir, read_only=True)
+    except InputError:
+        return None
+    try:
+        if not has_table(con, "audit_verdict"):
+            return None
+        row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
+        now = first_row(con, _INGESTED)[0]
+    finally:
+        con.close()
+    if row is None:
+        return None
+    verdict, config, version, ingested = row
+    return {
+        "verdict": json.loads(verdict),
+        "config": json.loads(config) if config else None,
+        "version": version,
+        "ingested": ingested,
+        "now": now,
+    }
+
+
+def _judged_with(stored: dict[str, Any] | None) -> AuditConfig:
+    """The config a stored verdict was judged with (the defaults for what it does not name)."""
+    names = {f.name for f in dataclasses.fields(AuditConfig)}
+    return AuditConfig(**{k: v for k, v in ((stored or {}).get("config") or {}).items() if k in names})
+
+
+def _stale(stored: dict[str, Any] | None, config: AuditConfig) -> bool:
+    return (
+        stored is None
+        or stored["ingested"] != stored["now"]
+        or stored["version"] != __version__
+        or stored["config"] != json.loads(json.dumps(dataclasses.asdict(config)))
+    )
+
+
+def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     """Run the checks on an ingested database, store findings + verdict + series in it."""
     manifest = load_manifest(con)
     ctx = AuditContext(con, run_dir, manifest)
@@ -380,7 +494,7 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         if manifest.get("profile") == "preflight"
         else evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
     )
-    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged)
+    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged, ctx.partly_judged)
     if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
         evidence["cannot_judge"] = (
             "no check could run on what was recorded ("
@@ -399,8 +513,13 @@ def judge(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     verdict["checks"] = checks
     if resolution:  # an imported run: how finely its evidence places a step
         verdict["resolution"] = {**resolution, "first_anomalous_window": first_window(verdict)}
-    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON)")
-    con.execute("INSERT INTO audit_verdict VALUES (?)", [json.dumps(verdict)])
+    # With the config it was judged with, the version that judged it and what the database held: `audited`
+    # reuses it only while all three are the same.
+    con.execute("CREATE OR REPLACE TABLE audit_verdict (verdict JSON, config JSON, sftaudit VARCHAR, ingested VARCHAR)")
+    con.execute(
+        f"INSERT INTO audit_verdict SELECT ?, ?, ?, ({_INGESTED})",
+        [json.dumps(verdict), json.dumps(dataclasses.asdict(config)), __version__],
+    )
     con.execute("""CREATE OR REPLACE TABLE findings (code VARCHAR, severity VARCHAR, step BIGINT,
                    checkpoint VARCHAR, message VARCHAR, evidence JSON)""")
     rows = [
@@ -424,19 +543,12 @@ def _store_series(con, series: list[dict[str, Any]]) -> None:
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
+    """The verdict this sftaudit stored for the run (by `audit`, or `preflight` for its output folder)."""
     with run_lock(run_dir):
-        con = connect(run_dir, read_only=True)
-        try:
-            row = first_row(con, "SELECT verdict FROM audit_verdict") if _has_table(con, "audit_verdict") else None
-        finally:
-            con.close()
-    if row is None:
+        stored = _stored(Path(run_dir))
+    if stored is None:
         raise InputError(f"{run_dir}: not audited yet (run `sftaudit audit {run_dir}`)")
-    return json.loads(row[0])
-
-
-def _has_table(con, name: str) -> bool:
-    return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
+    return stored["verdict"]
 
 
 def unjudged_reason(verdict: dict) -> str:

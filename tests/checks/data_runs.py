@@ -2,7 +2,7 @@
 
 Faults that do not interfere share a run, each starting at its own step."""
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 QUIET = dict(probe_every=0, generate_every=0, eval_every=0)
@@ -14,13 +14,20 @@ DATA_RUNS = {
         **QUIET,
         faults={"assistant_masked_at": 2, "prompt_off_by_one_at": 3, "padding_trained_at": 4, "pads_attended_at": 5},
     ),
-    # template and tokenizer identity: empty answer at 2, lopsided batches from 3, second template
-    # from 4, tokenizer gains tokens at 5; checkpoints at 3 (before) and 6 (after)
+    # template and tokenizer identity: tokenized with truncation from 1 (the same tokenizer), empty answer
+    # at 2, lopsided batches from 3, second template from 4, tokenizer gains tokens at 5; checkpoints at 3
+    # (before) and 6 (after)
     "data_template": dict(
         steps=6,
         checkpoint_every=3,
         **QUIET,
-        faults={"empty_assistant_at": 2, "length_variance_at": 3, "second_template_at": 4, "tokenizer_swap_at": 5},
+        faults={
+            "truncated_tokenize_from": 1,
+            "empty_assistant_at": 2,
+            "length_variance_at": 3,
+            "second_template_at": 4,
+            "tokenizer_swap_at": 5,
+        },
     ),
     # from the start: capitalised message keys, a marker that splits, pad == eos with pads masked,
     # generation stopping on the base model's eos, the end-of-turn marker's rows zero and frozen

@@ -3,7 +3,7 @@ session through the real shim; names and options must stay identical wherever a 
 
 from sftaudit.fixtures.faults.dynamics import DEFAULT_SCALED_TENSOR  # noqa: F401 - re-exported for the tests
 
-SCALE_STEP, SPIKE_START, SPIKE_EVERY, LR_JUMP_STEP, LEAK_STEP = 12, 10, 5, 15, 7
+SCALE_STEP, SPIKE_START, SPIKE_EVERY, LR_JUMP_STEP, LEAK_STEP, COLLAPSE_STEP = 12, 10, 5, 15, 7, 18
 MEAN_OF_MEANS_STEP, STALE_STEP, PACKED_STEP = 5, 5, 3
 FROZEN_TENSOR = "model.layers.0.mlp.up_proj.weight"
 QUIET = dict(checkpoint_every=0, probe_every=0)
@@ -13,6 +13,8 @@ RUNS = {
     "periodic": dict(steps=25, faults={"grad_spike_every": {"step": SPIKE_EVERY, "start": SPIKE_START}}, **QUIET),
     "frozen": dict(steps=20, faults={"frozen_param": FROZEN_TENSOR}, checkpoint_every=10, probe_every=0),
     "lr_jump": dict(steps=22, faults={"lr_jump_at": LR_JUMP_STEP}, **QUIET),
+    # From step COLLAPSE_STEP the second layer's attention input vanishes: its gradients collapse by 1e6 and more.
+    "collapse": dict(steps=26, faults={"attention_input_vanishes_from": COLLAPSE_STEP}, **QUIET),
     "eval_leak": dict(steps=10, faults={"eval_leak_at": LEAK_STEP}, **QUIET),
     "template": dict(
         steps=20,
@@ -60,10 +62,10 @@ def of(verdict, code, severities=("warn", "fail")):
     return [f for f in verdict["findings"] if f["code"] == code and f["severity"] in severities]
 
 
-def recorded_series_run(run_dir, lr, loss, norms, names):
+def recorded_series_run(run_dir, lr, loss, norms, names, manifest_keys=None):
     """A run's step records (lr, loss, per-tensor gradient norms) written as the shim writes them: for
     statistics regressions on series recorded by longer real runs (the false-alarm sweep) than the suite
-    can afford to train."""
+    can afford to train. `manifest_keys` are added to its manifest."""
     import json
 
     import numpy as np
@@ -76,7 +78,7 @@ def recorded_series_run(run_dir, lr, loss, norms, names):
     params = [
         {"name": n, "shape": [64, 64], "dtype": "torch.float32", "numel": 4096, "requires_grad": True} for n in names
     ]
-    manifest = bare_manifest("series", params, "Recorded")
+    manifest = {**bare_manifest("series", params, "Recorded"), **(manifest_keys or {})}
     (folder / "manifest.jsonl").write_text(json.dumps(manifest) + "\n")
     norms = np.asarray(norms, dtype=float)
     with open(folder / "steps.jsonl", "w") as f:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from sftaudit.checks import gradient_columns
 from sftaudit.checks.stats.rolling import MAD_TO_SIGMA, block_stats
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

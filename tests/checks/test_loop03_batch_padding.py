@@ -4,7 +4,7 @@ the info."""
 import numpy as np
 
 from sftaudit.checks.loop03_batch_padding import _grouped_padded_tokens
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 
 from .data_runs import audited, clean_data_findings, findings
 

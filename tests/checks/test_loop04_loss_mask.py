@@ -7,7 +7,7 @@ import pytest
 from sftaudit.fixtures import build_tokenizer, collate, load_dataset
 from sftaudit.fixtures.faults.data import SPLIT_MARKER
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 
 from ..torchless import PRELUDE
 from .data_runs import audited, batch_ids, clean_data_findings, findings
@@ -78,7 +78,7 @@ def test_attended_padding_is_confused_with_prompt(runs):
 def test_pad_equal_to_eos_masks_every_end_of_turn(runs):
     run_dir, verdict = audited(runs, "data_tokens")
     f = by_kind(verdict)["end_of_turn_untrained"]
-    assert (f["severity"], f["step"], f["category"]) == ("fail", 1, "anomaly")
+    assert (f["severity"], f["step"], f["category"]) == ("fail", 1, "configuration")  # the setup: no batch to skip
     assert f["evidence"]["markers_trained"] == 0 < f["evidence"]["markers_total"]
     assert "the pad token is '<|eot_id|>'" in f["message"]
     # Oracle: the rows in which the correct collator (HF's generation mask) trains an end-of-turn token.

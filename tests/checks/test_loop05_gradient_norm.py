@@ -2,13 +2,14 @@
 
 import numpy as np
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit
 from .dynamics_runs import (
+    COLLAPSE_STEP,
     DEFAULT_SCALED_TENSOR,
     FROZEN_TENSOR,
     SCALE_STEP,
@@ -221,3 +222,47 @@ def test_a_step_the_fp16_scaler_skipped_is_no_spike_and_no_non_finite_fail(tmp_p
     applied[40:] = np.nan
     [finding] = loop05(audit(recorded_series_run(tmp_path / "applied", lr, [1.0] * steps, applied, names)))
     assert (finding["severity"], finding["step"]) == ("fail", 41) and finding["evidence"]["tensor_count"] == 4
+    # The same series in a run whose manifest says nothing could skip a step (no GradScaler): not a skip.
+    no_scaler = {"loss_scaler": {"present": False, "skips_nonfinite_steps": False}}
+    unscaled = recorded_series_run(tmp_path / "unscaled", lr_held, [1.0] * steps, skipped, names, no_scaler)
+    [finding] = loop05(audit(unscaled))
+    assert (finding["severity"], finding["step"]) == ("fail", 33) and "non-finite" in finding["message"]
+    scaled = {"loss_scaler": {"present": True, "skips_nonfinite_steps": True, "class": "GradScaler"}}
+    assert loop05(audit(recorded_series_run(tmp_path / "scaled", lr_held, [1.0] * steps, skipped, names, scaled))) == []
+
+
+def test_gradients_collapsing_in_one_layer_fail_at_the_step_and_the_clean_run_stays_silent(runs, clean_run):
+    """One layer's attention gradients fall to 1e-6..1e-12 of their history while the rest of the model trains:
+    a fail at the first collapsed step naming that layer's tensors; nothing of the kind on the clean run."""
+    verdict = audit(run(runs, "collapse"))
+    [collapse] = [f for f in loop05(verdict) if f["evidence"].get("kind") == "collapse"]
+    assert (collapse["severity"], collapse["step"]) == ("fail", COLLAPSE_STEP)
+    tensors = {t["tensor"] for t in collapse["evidence"]["tensors"]}
+    assert {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkvo"} <= tensors
+    assert all(t.startswith("model.layers.1.") for t in tensors)
+    assert min(t["fall"] for t in collapse["evidence"]["tensors"]) >= 1e4
+    assert collapse["evidence"]["collapsed_share"] < 0.5, collapse["message"]
+    assert [f for f in loop05(cached_audit(clean_run)) if f["evidence"].get("kind") == "collapse"] == []
+
+
+def test_an_excursion_of_the_largest_tensor_without_a_finding_shows_why_on_the_chart(clean_run):
+    """The clean run's burst at step 11 (most tensors 10-50x their running median, a hard batch): the largest
+    tensor crosses 10x with no finding, and the chart's second line shows the typical tensor rising with it
+    (a model-wide burst, not one layer standing out), so no crossing is left unexplained."""
+    verdict = audit(clean_run)
+    con = connect(clean_run, read_only=True)
+    try:
+        series = {
+            name.split(" ")[0]: dict(zip(steps, values))
+            for name, steps, values in con.execute(
+                "SELECT name, list(step ORDER BY step), list(value ORDER BY step) FROM series "
+                "WHERE code = 'LOOP-05' GROUP BY name"
+            ).fetchall()
+        }
+    finally:
+        con.close()
+    largest, typical = series["largest"], series["typical"]
+    flagged = {f["step"] for f in loop05(verdict)}
+    crossed = [s for s, v in largest.items() if v >= 10 and s not in flagged]
+    assert crossed, "the clean run has no burst to explain"
+    assert all(typical[s] >= 3 for s in crossed), {s: (largest[s], typical[s]) for s in crossed}

@@ -39,3 +39,18 @@ def test_kl_is_judged_against_the_runs_own_probe_history():
     jumped = np.append(learning, 4.0)
     z, ratio = own_history(jumped, 4)
     assert z[-1] >= 6 and ratio[-1] >= 10
+
+
+def test_probes_that_are_too_few_or_not_finite_are_never_a_pass(nan_probed_run, nan_run):
+    """LOOP-06 on the probes the run left: 3 finite of 4 is partial evidence (the NaN probe named), 1 finite of
+    2 is too little to judge; LOOP-07 on one generation step and LOOP-08 on two evaluations say so too."""
+    verdict = audit(nan_probed_run)
+    checks = {c["code"]: c for c in verdict["checks"]}
+    assert checks["LOOP-06"]["status"] == "partial"
+    assert checks["LOOP-06"]["reason"].startswith("1 of 4 probe steps (from step 8) were not judged")
+    assert (
+        checks["LOOP-07"]["status"] == "not_run" and "a streak of low diversity needs 3" in checks["LOOP-07"]["reason"]
+    )
+    assert checks["LOOP-08"]["status"] == "partial" and checks["LOOP-08"]["reason"].startswith("2 evaluation(s)")
+    few = {c["code"]: c for c in audit(nan_run)["checks"]}["LOOP-06"]
+    assert few["status"] == "not_run" and few["reason"].startswith("2 probe step(s) recorded, 1 of them with finite")

@@ -2,7 +2,7 @@
 
 from sftaudit.checks.loop07_generation_diversity import GenerationDiversity
 from sftaudit.checks.stats.text import join_ngram, tokenize
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import of, run

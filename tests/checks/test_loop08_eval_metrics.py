@@ -4,7 +4,7 @@ import pytest
 from rouge_score import rouge_scorer
 
 from sftaudit.checks.loop08_eval_metrics import rouge_l_and_bleu_4
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import LEAK_STEP, of, run

@@ -12,7 +12,8 @@ from sftaudit.fixtures.faults.checkpoints import DROPPED_KEY, LEFT_OUT_TENSOR, N
 
 from sftaudit.checks import AuditContext
 from sftaudit.checks.loop09_checkpoint_integrity import CheckpointIntegrity
-from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, load_manifest
 from sftaudit.verdict.audit import audit
 
 from ..conftest import HF_CHECKPOINT_FAULTS

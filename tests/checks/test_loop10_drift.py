@@ -3,7 +3,7 @@ family); clean runs stay silent."""
 
 import numpy as np
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 

@@ -11,7 +11,7 @@ import pytest
 
 from sftaudit.checks.loop11_resume_continuity import epoch_starts, numbered_occurrences
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from ..shared import cached_audit, shared_dir

@@ -4,7 +4,8 @@ logging filter hides (Z18) are found at their step; correctly normalised runs st
 import numpy as np
 import pytest
 
-from sftaudit.store.ingest import connect, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from ..conftest import NAN_STEP
@@ -163,6 +164,23 @@ def test_a_loss_not_divided_by_accumulation_is_found_though_logged_and_trained_a
     assert evidence["ratio"] == pytest.approx(GA, rel=0.1) and evidence["objective_scaled"]
     assert evidence["objective_ratio"] == pytest.approx(evidence["ratio"], rel=0.02)
     assert "gradients are scaled" in logged["message"] and "GPT-2" in logged["message"]
+
+
+@pytest.mark.slow
+def test_an_objective_ga_times_the_loss_is_found_though_the_log_shows_the_loss(tmp_path_factory, tokenizer_cache):
+    """Planted: transformers 4.46 with a model whose forward takes no **kwargs: each backward gets its whole
+    micro-batch mean (the objective is GA x the trained loss), while the log shows their mean, the trained loss.
+    The log agrees, so only the objective names the scale."""
+    faults = {"ga_loss_not_divided": True, "logged_loss_over_accumulation": True}
+    verdict = audit(_hf(tmp_path_factory, tokenizer_cache, "hf-ga-446", faults=faults))
+    assert not [f for f in of(verdict, "LOOP-13") if "logged training loss" in f["message"]]
+    objective = next(f for f in of(verdict, "LOOP-13") if "backpropagated objective" in f["message"])
+    assert (objective["severity"], objective["step"]) == ("fail", 1)
+    assert objective["evidence"]["objective_ratio"] == pytest.approx(GA, rel=0.02)
+    assert (
+        f"= {GA} x the trained loss" in objective["message"] and "gradient-accumulation steps" in objective["message"]
+    )
+    assert "transformers 4.46" in objective["message"] and "looks right" in objective["message"]
 
 
 @pytest.mark.slow

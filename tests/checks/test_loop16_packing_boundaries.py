@@ -1,7 +1,7 @@
 """LOOP-16: three samples packed per row with positions running on under plain causal attention (Z16)
 fail at the first packed step; unpacked rows (one BOS each) raise nothing."""
 
-from sftaudit.store.ingest import connect
+from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import PACKED_STEP, of, recorded_loop, run

@@ -9,7 +9,8 @@ import pytest
 from sftaudit.checks.base import AuditContext
 from sftaudit.checks.loop17_cross_rank import CrossRankConsistency
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import connect, ingest, load_manifest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, load_manifest
 from sftaudit.verdict.audit import audit
 
 # run -> (code, step, what the message must name)

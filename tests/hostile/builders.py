@@ -102,3 +102,60 @@ def preflight(root: Path, tokenizer_dir: Path, *args: str) -> subprocess.Complet
         timeout=AUDIT_BOUND_S,
         stdin=subprocess.DEVNULL,
     )
+
+
+def recorded_run(root: Path, name: str = "run", steps: int = 30, nan_step: int | None = None) -> Path:
+    """A run in the shim's artifact format, written by the shim's own writer without training: four tensors'
+    gradient norms (Parquet parts every 10 steps), one batch per step; from `nan_step` on, the loss and every
+    norm are NaN (LOOP-05 fails it there). The clean one passes."""
+    import math
+
+    from sftaudit.fixtures.recording import bare_manifest
+
+    from sftaudit.core.artifacts import rank_dir
+    from sftaudit.shim.writer import JsonlWriter
+
+    run = root / name
+    writer = JsonlWriter(rank_dir(run, 0), roll_steps=10)
+    names = [f"layer{i}.weight" for i in range(4)]
+    params = [{"name": n, "shape": [8, 8], "dtype": "torch.float32", "numel": 64, "requires_grad": True} for n in names]
+    writer.write("manifest", bare_manifest("recorded", params, "Tiny") | {"config": {"max_steps": steps}})
+    for s in range(1, steps + 1):
+        broken = nan_step is not None and s >= nan_step
+        norms = [math.nan if broken else 1.0 + 0.01 * ((s * (i + 3)) % 7) for i in range(4)]
+        writer.write(
+            "batches",
+            {
+                "seg": 0,
+                "step": s,
+                "micro": 0,
+                "rows": 2,
+                "seq_len": 8,
+                "sample_ids": [f"s{s}-{r}" for r in range(2)],
+                "lengths": [8, 6],
+                "label_tokens": [4, 3],
+                "padding_trained": [0, 0],
+                "left_padded_rows": 0,
+                "tokenizer_length": 100,
+                "template_fingerprint": None,
+                "target_tokens": [3, 2],
+            },
+        )
+        writer.write(
+            "steps",
+            {
+                "seg": 0,
+                "step": s,
+                "time": float(s),
+                "dt": 0.1,
+                "loss": math.nan if broken else 2.0 - s / (2 * steps) + 0.01 * (s % 3),
+                "lr": 1e-4,
+                "grad_norm": math.sqrt(sum(n * n for n in norms)),
+                "grad_norms": norms,
+                "nonfinite_grads": {names[0]: 64} if broken else {},
+                "micro_batches": 1,
+                "tokens": 14,
+            },
+        )
+    writer.close()
+    return run

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sftaudit.errors import InputError
-from sftaudit.store.ingest import artifact_root, run_lock
+from sftaudit.store.rundb import database_dir, run_lock
 
 
 def start(*args):
@@ -39,6 +39,7 @@ def test_concurrent_audits_gate_and_replay_of_one_run_all_finish(nan_run, tmp_pa
 def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(clean_run, run, ignore=shutil.ignore_patterns("audit.duckdb*", "checkpoint-*"))
+    database_dir(run).mkdir(parents=True)  # the run's folder in sftaudit's cache: the lock is taken on it
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -47,7 +48,7 @@ def test_a_lock_held_too_long_is_one_clear_line(clean_run, tmp_path):
                 "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
                 "print('held', flush=True); time.sleep(60)"
             ),
-            str(artifact_root(run)),
+            str(database_dir(run)),
         ],
         stdout=subprocess.PIPE,
         text=True,

@@ -12,7 +12,8 @@ import pytest
 
 from sftaudit.core.artifacts import rank_dir
 from sftaudit.errors import InputError
-from sftaudit.store.ingest import database_path, ingest
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect, database_path
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
@@ -64,11 +65,14 @@ def test_rows_deleted_from_the_database_are_rebuilt(nan_run, tmp_path):
     assert verdict["verdict"] == "fail" and verdict["first_anomalous_step"] == 13
 
 
-def test_a_database_that_is_not_duckdb_is_refused_with_what_to_do(clean_run, tmp_path):
+def test_a_database_that_is_not_duckdb_is_rebuilt(clean_run, tmp_path):
+    """The run's database is sftaudit's own, in its cache: one that is no DuckDB file is made again."""
     run = copy_run(clean_run, tmp_path / "run")
+    database_path(run).parent.mkdir(parents=True)
     database_path(run).write_bytes(b"not a database" * 100)
-    with pytest.raises(InputError, match="delete it and run `sftaudit ingest"):
-        ingest(run)
+    with pytest.raises(InputError, match="is no DuckDB database; run `sftaudit ingest"):
+        connect(run, read_only=True)
+    assert ingest(run)["steps"] == 30
 
 
 def run_cli(*args, timeout=300):  # a hang guard: a loaded machine takes a minute to start the CLI

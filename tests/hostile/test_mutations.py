@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from sftaudit.cli import main
 from sftaudit.core.artifacts import rank_dir
-from sftaudit.store.ingest import RECORD_COLUMNS
+from sftaudit.store.rundb import RECORD_COLUMNS
 
 FILES = ("steps", "batches", "samples", "grad_hists", "probes", "checkpoints", "events", "manifest")
 OPS = ("truncate", "flip", "drop", "duplicate", "retype")

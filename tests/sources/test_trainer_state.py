@@ -73,7 +73,10 @@ def test_a_stream_read_equals_the_whole_file_read(tmp_path, monkeypatch):
     history = [{"loss": float("nan") if s == 3 else 1.0 / s, "step": s, "grad_norm": float("inf")} for s in range(1, 9)]
     path = _state_file(tmp_path / "trainer_state.json", history, best_metric=12345.678, stateful_callbacks={"a": [1]})
     log = TrainerState().read([path], tmp_path)
-    assert json.dumps(log.segments[0], sort_keys=True) == json.dumps(history, sort_keys=True) and log.fields["best_metric"] == 12345.678
+    assert (
+        json.dumps(log.segments[0], sort_keys=True) == json.dumps(history, sort_keys=True)
+        and log.fields["best_metric"] == 12345.678
+    )
     assert log.fields["stateful_callbacks"] == {"a": [1]} and log.plan["max_steps"] == 100
 
 

@@ -19,7 +19,7 @@ import jinja2
 from ...checks import registered_checks
 from ...checks.base import SEVERITY_RANK
 from ...core.terminal import safe_name
-from ...store.ingest import connect, load_manifest
+from ...store.rundb import connect, load_manifest
 from ...verdict.audit import stored_verdict
 from . import figures, tables
 from .dataset import dataset_context
@@ -240,6 +240,7 @@ def _context(con, verdict: dict[str, Any]) -> dict[str, Any]:
                 "div": series_divs.get(code),
                 "points": series_values.get(code, []),
                 "check_anchor": anchor(code),
+                "why": next((c["why"] for c in checks if c["code"] == code), None),
             }
             for pid, title, code, about in BEHAVIOUR_PANELS
         ],

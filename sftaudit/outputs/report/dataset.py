@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...checks import DATASET_CHECKS
 from ...checks.base import SEVERITY_RANK
 from . import figures, tables
 from .evidence import token_block
@@ -37,7 +38,7 @@ def dataset_context(
         ),
         None,
     )
-    applicable = [c for c in checks if c["coverage"] != "disabled"]
+    applicable = [c for c in checks if c["code"] in DATASET_CHECKS]  # a dataset check a config switched off shows OFF
     return {
         "dataset": manifest.get("dataset") or {},
         "setup": manifest.get("preflight") or {},
@@ -48,7 +49,7 @@ def dataset_context(
         "padding": padding,
         "figures": figs,
         "checks": applicable,
-        "training_checks": [c for c in checks if c["coverage"] == "disabled"],
+        "training_checks": [c for c in checks if c["code"] not in DATASET_CHECKS],
         "groups": [
             {"check": c, "findings": sorted(c["findings"], key=lambda f: -SEVERITY_RANK[f["severity"]])}
             for c in applicable

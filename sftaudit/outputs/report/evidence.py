@@ -14,14 +14,17 @@ import re
 from typing import Any
 
 from ...checks.base import DOC_SECTIONS
+from ...dataset.layout import CATEGORY_NAMES
+from ...dataset.layout import EITHER as EITHER_ID
 
 NUMBER_KEYS = ("value", "threshold", "p_value", "effect_size")
 TOKEN_CLASSES = ("trained", "masked", "padding")
+EITHER = CATEGORY_NAMES[EITHER_ID]  # a position the template allows trained or masked
 ROWS_SHOWN = 20
 _VISIBLE = str.maketrans({"\n": "↵", "\t": "⇥", "\r": "␍"})
 # Where the documentation site (mkdocs.yml: docs/checks/LOOP-NN.md is one page per check) is
 # published; pyproject.toml's [project.urls] Documentation names the same place.
-DOCS_URL = "https://sftaudit.readthedocs.io/en/latest"
+DOCS_URL = "https://sftaudit.github.io/sftaudit"
 
 
 def check_page(code: str) -> str:
@@ -105,7 +108,9 @@ def _is_token_list(value: Any) -> bool:
 
 
 def token_block(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
-    """A loss-mask strip: each token coloured by its class, outlined where the template expects another."""
+    """A loss-mask strip: each token coloured by its class, outlined where the template expects another. A
+    position the template allows either way (`either`: whitespace after an end-of-turn marker) is no mismatch,
+    so the count is the one the check made."""
     shown = []
     for t in tokens:
         actual, expected = str(t.get("actual")), str(t.get("expected", t.get("actual")))
@@ -114,7 +119,7 @@ def token_block(key: str, tokens: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "text": token.translate(_VISIBLE) or "∅",
                 "actual": actual if actual in TOKEN_CLASSES else "unknown",
-                "mismatch": actual != expected,
+                "mismatch": actual != expected and expected != EITHER,
                 "title": f"pos {t.get('pos')}: {token!r} id {t.get('input_id')} label {t.get('label')}; "
                 f"{actual}" + (f", expected {expected}" if actual != expected else ""),
             }

@@ -14,17 +14,12 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from ...store.ingest import first_row
+from ...store.rundb import first_row, has_rows, has_table
 
 # Below this many points a series is drawn as recorded; above, as an envelope of this many buckets
 # (about one per pixel of a chart as wide as the page: more are invisible and slow the page down).
 ENVELOPE_BUCKETS = 1000
 HEATMAP_BUCKETS = 250
-
-
-# The tables the shim fills for a check: when empty, the check had nothing to judge.
-def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(first_row(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name])[0])
 
 
 def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
@@ -40,10 +35,6 @@ def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
 
 def row_count(con: duckdb.DuckDBPyConnection, table: str) -> int:
     return first_row(con, f'SELECT count(*) FROM "{table}"')[0] if has_table(con, table) else 0
-
-
-def has_rows(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    return has_table(con, table) and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
 
 
 def envelope(
