@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "report", help="rebuild report.html from the stored verdict (the checks run again only if the run grew)"
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument(
         "--out",
         type=Path,
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the run's audit as a 'Training audit' section for a Hugging Face model card "
         "(audits the run first if it has no stored verdict)",
     )
-    s.add_argument("run_dir", type=Path)
+    s.add_argument("run_dir", type=_run_path, help=RUN_HELP)
     s.add_argument(
         "--into",
         type=Path,

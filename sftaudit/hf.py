@@ -17,6 +17,14 @@ the ZeRO optimizer's step instead, pre-clip (not run here: accelerate selects
 DeepSpeed only with GPUs). A collator may add
 ``sample_ids`` to the batch: the pre-hook records and removes them before the
 model sees them (set ``remove_unused_columns=False`` so the ids reach the collator).
+
+With ``guard="stop"`` (or ``"raise"``) the recorder's guard (`sftaudit.shim.guard`) decides at the step's
+``on_optimizer_step``; the callback's ``on_step_end``, which runs after the Trainer's own flow callback and before
+the Trainer logs, evaluates and saves, then sets ``control.should_training_stop`` and, for a step at or after the
+first bad one, turns ``control.should_save`` off (again at ``on_epoch_end``, which the Trainer calls once more on
+its way out): the step-30 checkpoint of a run that went NaN at step 30 is never written, so it never rotates the
+last good one out of ``save_total_limit``. With ``"raise"``, ``on_train_end`` raises `TrainingHalted`: the
+``trainer.train()`` call does not return as if training had completed.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .shim.guard import TrainingHalted
 from .shim.pieces.deepspeed import read_before_step, zero_optimizer
 from .shim.recorder import Recorder
 
@@ -36,7 +45,7 @@ class SFTAuditCallback(TrainerCallback):
     """``trainer.add_callback(SFTAuditCallback(run_dir))``; run_dir defaults to ``args.output_dir``.
 
     Keyword options are passed to `sftaudit.shim.Recorder` (profile, probe_prompts, eval_set,
-    dataset, schedule overrides).
+    dataset, schedule overrides, ``guard="stop"`` or ``"raise"``, stop_check_seconds).
     """
 
     def __init__(self, run_dir: str | Path | None = None, **recorder_options: Any):
@@ -91,7 +100,20 @@ class SFTAuditCallback(TrainerCallback):
             handle.remove()
         self._handles = []
         if self.recorder is not None:
-            self.recorder.close()
+            self.recorder.close()  # guard="raise" on a halted run: TrainingHalted, out of trainer.train()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.recorder is not None and self.recorder.should_stop:
+            control.should_training_stop = True
+            self._no_poisoned_save(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.recorder is not None:
+            self._no_poisoned_save(state, control)
+
+    def _no_poisoned_save(self, state, control) -> None:
+        if self.recorder.poisoned(state.global_step):
+            control.should_save = False
 
     # -- per step
 
@@ -160,4 +182,4 @@ def _trainer_state_outline(path: Path, state: Any) -> dict[str, Any]:
     }
 
 
-__all__: Sequence[str] = ["SFTAuditCallback"]
+__all__: Sequence[str] = ["SFTAuditCallback", "TrainingHalted"]

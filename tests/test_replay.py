@@ -94,7 +94,9 @@ def test_a_trainer_run_resumes_through_resume_from_checkpoint(hf_checkpoint_faul
     finally:
         con.close()
     resume = resume_command(manifest, "run/checkpoint-5")
-    assert resume["command"] == shlex.join([*manifest["argv"], "--resume_from_checkpoint", "run/checkpoint-5"])
+    typed = manifest["orig_argv"]  # the command line as typed, interpreter and its flags included
+    assert typed[0].endswith("python") and typed[1:3] == ["-u", "-c"]
+    assert resume["command"] == shlex.join([*typed, "--resume_from_checkpoint", "run/checkpoint-5"])
     assert resume["trainer"] == "trainer.train(resume_from_checkpoint='run/checkpoint-5')"
 
 

@@ -30,13 +30,13 @@ from ..core.artifacts import GRAD_SERIES as GRAD_NORMS
 from ..core.artifacts import SERIES_DIR, artifact_root
 from ..core.safe_io import read_bytes, regular_file
 from ..errors import InputError
+from .loop05_gradient_norm import LOG_SIGMA_FLOOR, SIGMA_BLOCKS, GradientNormAnomaly
+from .stats.rolling import MAD_TO_SIGMA, WINDOW_MAX, WINDOW_MIN, WINDOW_SHARE
 
-# LOOP-05's defaults and constants (tests/test_second_engine.py holds them equal to the check's).
-WINDOW_MIN, WINDOW_MAX, WINDOW_SHARE = 8, 128, 16
-SIGMA_BLOCKS = 4
-MAD_TO_SIGMA = 1.4826
-LOG_SIGMA_FLOOR = math.log(1.2)
-SIGMA_OWN, MIN_RATIO, SIGMA_ACROSS = 6.0, 10.0, 3.0
+# LOOP-05's rule, taken from the check itself: the same window, blocks, floor and default thresholds.
+SIGMA_OWN, MIN_RATIO, SIGMA_ACROSS = (
+    GradientNormAnomaly.defaults[k] for k in ("sigma_own", "min_ratio", "sigma_across")
+)
 
 # One row per (rank, idx) in every engine, in this order and of these types.
 COLUMNS = {

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..imports.logs import LFS_HINT, is_lfs_pointer
+from ..core.safe_io import LFS_HINT, is_lfs_pointer
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..readers.optimizer_state import (
     OPTIMIZER_FILE,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from .base import AuditContext, CannotJudge, Check, Finding
 from .stats.rolling import positive, run_config
 
@@ -22,16 +24,17 @@ class StoppedEarly(Check):
         Planned length: the manifest's `max_steps` (the Trainer's, LLaMA-Factory's `total_steps`), else
         `num_train_epochs` x steps per epoch (from the logged `epoch`). Last step: the highest step of any
         record. Tolerance: one logging interval (`logging_steps`, else the smallest gap between logged steps).
-        A shim run that closed cleanly (a `close` event) ended on purpose (an early stop); so did an imported run
+        A shim run that closed cleanly (a `close` event) ended on purpose (an early stop), unless its close says the
+        shim's guard stopped it (`halted`: a non-finite loss or gradient, or a stop request); so did an imported run
         whose newest trainer state says the Trainer was told to stop (`should_training_stop`: early stopping, a
         callback). An imported run whose only log is a checkpoint's trainer state (the import's
         `log_ends_at_checkpoint` note) may have gone on after it: that is said, not a crash.
     Threshold:
         Planned - last > tolerance: warn (info when the shim recorded a clean close, or the Trainer was told to
-        stop). No planned length recorded: not judged.
+        stop; warn again when the guard stopped it). No planned length recorded: not judged.
     Evidence:
         The last step, the planned length and where it came from, the share done, whether the run closed; what
-        stopped it, or the checkpoint the log ends with.
+        stopped it (the guard's `halted` record), or the checkpoint the log ends with.
     """
 
     code = "LOOP-24"
@@ -73,6 +76,19 @@ class StoppedEarly(Check):
             "closed": closed,
             "resolution": self._where(last),
         }
+        halted = self._halted(ctx) if closed else None
+        if halted:
+            kept = f"; {halted['kept_from']} was kept as {halted['kept']}" if halted.get("kept") else ""
+            return [
+                self.finding(
+                    "warn",
+                    f"sftaudit's guard stopped the run at step {last:,} of {planned:,} planned ({share:.0%}): "
+                    f"{halted.get('reason')}{kept}; it did not complete: fix the cause and resume from a checkpoint "
+                    "before the first bad step",
+                    halted=halted,
+                    **evidence,
+                )
+            ]
         if closed:
             return [
                 self.finding(
@@ -137,6 +153,16 @@ class StoppedEarly(Check):
                 **evidence,
             )
         ]
+
+    @staticmethod
+    def _halted(ctx: AuditContext) -> dict | None:
+        """Why the guard stopped the run, from the latest close record (a resumed run's own close decides)."""
+        row = ctx.row("SELECT halted FROM events WHERE rank = 0 AND kind = 'close' ORDER BY seg DESC LIMIT 1")
+        try:
+            halted = json.loads(row[0]) if row and row[0] else None
+        except (TypeError, ValueError):
+            return None
+        return halted if isinstance(halted, dict) else None
 
     @staticmethod
     def _where(last: int) -> dict:

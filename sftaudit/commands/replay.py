@@ -6,8 +6,11 @@ to `window` steps after the anomaly, the run's configuration findings (what to c
 batches to skip), the sample ids of every batch from the rollback
 checkpoint to the anomaly (to inspect or skip), the rollback checkpoint, and the command
 to resume from it: the training loop's own ``resume_command`` (recorder config, a template
-with ``{checkpoint}``) or, for a Trainer run, the recorded command line with
-``--resume_from_checkpoint PATH`` and the equivalent ``trainer.train(resume_from_checkpoint=PATH)``.
+with ``{checkpoint}``) or, for a Trainer run, the recorded command line (as typed, with its
+interpreter) with ``--resume_from_checkpoint PATH`` and the equivalent
+``trainer.train(resume_from_checkpoint=PATH)``. A checkpoint the shim's guard kept out of the
+trainer's rotation is resumed from its kept copy (``RUN_DIR/sftaudit/kept/<name>``). Everything
+printed for a shell is shell-quoted: paths with spaces, quotes or ``$`` paste as one word.
 """
 
 from __future__ import annotations
@@ -75,7 +78,12 @@ def _replay(run_dir: Path, verdict: dict[str, Any], window: int) -> dict[str, An
         out["rollback_checkpoint"] = {k: rollback[k] for k in ("name", "step", "path")}
         path = str(run_dir / rollback["path"])
         skip = [b["step"] for b in out["batches"]]
-        out["resume"] = {"resume_from_checkpoint": path, "skip_steps": skip, **resume_command(manifest, path, skip)}
+        out["resume"] = {
+            "resume_from_checkpoint": path,
+            "skip_steps": skip,
+            "skip_sample_ids": [i for b in out["batches"] for i in b["sample_ids"] or []],
+            **resume_command(manifest, path, skip),
+        }
     return out
 
 
@@ -127,12 +135,29 @@ def resume_command(manifest: dict[str, Any], path: str, skip_steps: list[int] = 
     if isinstance(config.get("resume_command"), str):
         return {"command": fill_template(config["resume_command"], path, list(skip_steps)), "trainer": None}
     if "training_args" in config:
-        argv = manifest.get("argv")
+        argv = _command_line(manifest)
         return {
             "command": shlex.join([*argv, "--resume_from_checkpoint", path]) if argv else None,
             "trainer": f"trainer.train(resume_from_checkpoint={path!r})",
         }
     return {"command": None, "trainer": None}
+
+
+def _command_line(manifest: dict[str, Any]) -> list[str]:
+    """The recorded command line without a ``--resume_from_checkpoint`` it already had: as typed (with the
+    interpreter: ``python -m pkg.train ...``) for one process; the script and its arguments for several ranks,
+    whose launcher (torchrun, accelerate launch) the ranks do not see."""
+    typed = manifest.get("orig_argv") if (manifest.get("world_size") or 1) == 1 else None
+    argv = [str(a) for a in (typed or manifest.get("argv") or [])]
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = True
+        elif not arg.startswith("--resume_from_checkpoint="):
+            out.append(arg)
+    return out
 
 
 # A path this plain may stand inside a quoted argument (a Python string in `python -c '...'`) as is.
@@ -187,15 +212,25 @@ def to_text(doc: dict[str, Any]) -> str:
             f"roll back to {rb['name']} (step {rb['step']}; rollback margin {doc['rollback_margin']}){deleted}"
         )
     lines += keep_line(doc)
-    lines.append("batches up to the anomaly (inspect or skip):")
-    lines += [f"  step {b['step']}: {' '.join(b['sample_ids'])}" for b in doc["batches"]]
+    lines.append("batches up to the anomaly (inspect or skip; sample ids shell-quoted):")
+    lines += [f"  step {b['step']}: {' '.join(map(shlex.quote, b['sample_ids'] or []))}" for b in doc["batches"]]
     if doc["resume"]:
         r = doc["resume"]
         lines.append("resume:")
         lines += [f"  {r[k]}" for k in ("command", "trainer") if r[k]]
         if not (r["command"] or r["trainer"]):
             lines.append(f"  restore everything from {shlex.quote(r['resume_from_checkpoint'])} in your loop")
+        if r["skip_steps"]:
+            lines.append(
+                f"  and skip the data of steps {_steps(r['skip_steps'])} ({len(r['skip_sample_ids'])} sample(s), listed "
+                "above): drop those ids from the dataset, or those batches from the loop"
+            )
     return "\n".join(lines)
+
+
+def _steps(steps: list[int]) -> str:
+    contiguous = steps == list(range(steps[0], steps[-1] + 1))
+    return f"{steps[0]}-{steps[-1]}" if contiguous and len(steps) > 1 else ", ".join(map(str, steps))
 
 
 def run(args) -> int:

@@ -4,6 +4,8 @@ Everything the shim records lives under ``RUN_DIR/sftaudit/``::
 
     RUN_DIR/sftaudit/
       tokenizer/              the run's tokenizer (save_pretrained), written once by rank 0
+      stop-request.json       a request to stop the run, read by the shim's guard (`StopRequest`)
+      kept/<checkpoint>/      a checkpoint the guard kept out of the trainer's rotation (hard links)
       rank-<r>/               one folder per rank; each file is newline-delimited JSON,
         manifest.jsonl          append-only and flushed after every record
         steps.jsonl
@@ -47,19 +49,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import re
 import struct
+import tempfile
+import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..schema.records import RECORDS
+from .safe_io import read_bytes
+from .terminal import shown
 
 SCHEMA_VERSION = 2  # 2: per-tensor gradient norms in the columnar series, not in steps.jsonl
 ARTIFACT_DIR = "sftaudit"
 TOKENIZER_DIR = "tokenizer"
 DATABASE_FILE = "audit.duckdb"
 SERIES_DIR = "series"
+KEPT_DIR = "kept"  # RUN_DIR/sftaudit/kept/<checkpoint name>/: checkpoints the guard kept out of rotation
 GRAD_SERIES = "grad_norms"
 # A part is written every ROLL_STEPS steps or ROLL_VALUES values, whichever comes first.
 ROLL_STEPS = 10_000
@@ -160,3 +171,105 @@ def read_journal(data: bytes) -> dict[str, np.ndarray]:
         "norm_post_clip": np.concatenate(posts).astype(np.float32),
         "post_recorded": np.concatenate(recorded),
     }
+
+
+# ---------------------------------------------------------------------------------------------- stop request
+# How `sftaudit watch`, or a person, asks a running shim whose guard is on to stop. The run folder is the only
+# channel between the halves: the analyzer writes this file, the shim's guard reads it.
+STOP_REQUEST_FILE = "stop-request.json"
+STOP_REQUEST_MAX_BYTES = 64 * 1024  # a request is a few hundred bytes: anything larger is not one
+STOP_REASON_CHARS = 400
+_CODE = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """``RUN_DIR/sftaudit/stop-request.json``: one JSON object, written whole (a temporary file renamed over it)::
+
+        {"reason": "LOOP-05 fail at step 30: non-finite gradients", "step": 30, "code": "LOOP-05",
+         "requested_at": 1764662400.0}
+
+    reason: one line, said on the training's stderr and kept in the close record (at most 400 characters, control
+        characters escaped). step: the first anomalous step the request is about, or null (a plain "stop"): no
+        checkpoint is saved at or after it, and the last one saved before it is kept out of rotation. code: the
+        finding's code (``LOOP-05``), or null. requested_at: when (seconds since 1970): a request older than the
+        recorder's start is left from an earlier segment of the run and ignored.
+    An empty file (``touch RUN_DIR/sftaudit/stop-request.json``) is a request too: reason "stop requested", no step,
+    requested_at its modification time. A request stays in place once acted on (the close record says so); a
+    resumed run ignores it as older than its own start."""
+
+    reason: str
+    step: int | None = None
+    code: str | None = None
+    requested_at: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "step": self.step, "code": self.code, "requested_at": self.requested_at}
+
+
+def stop_request_path(run_dir: str | Path) -> Path:
+    return artifact_root(run_dir) / STOP_REQUEST_FILE
+
+
+def write_stop_request(
+    run_dir: str | Path,
+    reason: str,
+    *,
+    step: int | None = None,
+    code: str | None = None,
+    requested_at: float | None = None,
+) -> Path:
+    """Ask the run's guard to stop: the request written whole (a reader never sees half of it). Returns its path."""
+    request = _valid_request(
+        {
+            "reason": reason,
+            "step": step,
+            "code": code,
+            "requested_at": time.time() if requested_at is None else requested_at,
+        }
+    )
+    path = stop_request_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".stop-request-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(request.to_json(), f, ensure_ascii=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_stop_request(run_dir: str | Path) -> StopRequest | None:
+    """The run's stop request; None when there is none. A file that is not one raises, saying why: `safe_io.UnsafeFile`
+    (not a regular file inside the run folder, or over 64 KiB) or ValueError (not the object `StopRequest` describes)."""
+    path = stop_request_path(run_dir)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    data = read_bytes(path, artifact_root(run_dir), STOP_REQUEST_MAX_BYTES)
+    if not data.strip():
+        return StopRequest("stop requested", requested_at=st.st_mtime)
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    return _valid_request(doc)
+
+
+def _valid_request(doc: object) -> StopRequest:
+    if not isinstance(doc, dict):
+        raise ValueError("a stop request is a JSON object")
+    reason, step, code, at = doc.get("reason"), doc.get("step"), doc.get("code"), doc.get("requested_at")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("a stop request's reason must be a non-empty string")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError("a stop request's step must be a non-negative integer or null")
+    if code is not None and (not isinstance(code, str) or not _CODE.fullmatch(code)):
+        raise ValueError("a stop request's code must be a finding code such as LOOP-05, or null")
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+        raise ValueError("a stop request's requested_at must be a number (seconds since 1970)")
+    reason = shown(" ".join(reason.split()))[:STOP_REASON_CHARS]
+    return StopRequest(reason, step, code, float(at))

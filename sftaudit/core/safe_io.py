@@ -90,3 +90,20 @@ def head(path: str | Path, n: int, root: str | Path | None = None) -> bytes:
     """The first `n` bytes of a regular file."""
     with open_regular(path, root) as f:
         return f.read(n)
+
+
+# The first line of every Git LFS pointer file (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md); a
+# pointer is three short lines (version, oid, size), under 1024 bytes by the spec.
+LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
+LFS_POINTER_MAX_BYTES = 1024
+LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
+
+
+def is_lfs_pointer(path: str | Path, root: str | Path | None = None) -> bool:
+    """Whether the file is a Git LFS pointer where data should be (a clone made without git-lfs): a small regular
+    file (inside `root` when given) that starts as a pointer does; nothing else is read, and anything else is none."""
+    try:
+        with open_regular(Path(path).absolute(), root, LFS_POINTER_MAX_BYTES) as f:
+            return f.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX
+    except (OSError, InputError):
+        return False

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, open_regular, read_bytes
+from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, read_bytes
 
 # Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
 # `train/...` and `eval/...` tags written back into a log history). The Trainer's own name wins when both are there.
@@ -24,10 +24,6 @@ ALIASES = {
     "train/epoch": "epoch",
     "eval/loss": "eval_loss",
 }
-LFS_POINTER_HEAD = b"version https://git-lfs.github.com/spec/v1"
-# A pointer is three short lines (spec: version, oid, size; rarely an extension line or two).
-LFS_POINTER_MAX_BYTES = 1024
-LFS_HINT = "Git LFS pointer, not the data: run `git lfs pull`"
 # A training log larger than this is refused unread: a per-step log of 10^7 steps is a few GB.
 MAX_LOG_BYTES = 16 * 2**30
 
@@ -101,16 +97,6 @@ def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> 
         return json.loads(read_bytes(path.absolute(), root, max_bytes))
     except (OSError, UnsafeFile, ValueError, RecursionError):
         return None
-
-
-def is_lfs_pointer(path: Path, root: Path | None = None) -> bool:
-    """Whether the file is a Git LFS pointer (a clone without git-lfs, or before `git lfs pull`); a file that is not
-    a regular one inside `root` is none, unread."""
-    try:
-        with open_regular(path.absolute(), root, LFS_POINTER_MAX_BYTES) as f:
-            return f.read(len(LFS_POINTER_HEAD)) == LFS_POINTER_HEAD
-    except (OSError, UnsafeFile):
-        return False
 
 
 def latest_history(segments: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .logs import LFS_HINT
+from ..core.safe_io import LFS_HINT
 
 # The stable keys, in the order the notes are listed.
 KEYS = (

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
-from ..core.safe_io import UnsafeFile, open_regular, regular_file
+from ..core.safe_io import LFS_HINT, UnsafeFile, is_lfs_pointer, open_regular, regular_file
 from ..errors import InputError
 from .dataset import (
     DATASET_KINDS,
@@ -47,7 +47,7 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import LFS_HINT, is_lfs_pointer, latest_history, logging_interval, read_json
+from .logs import latest_history, logging_interval, read_json
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.safe_io import open_regular
+from ..core.safe_io import is_lfs_pointer, open_regular
 from ..errors import InputError, one_line
 
 # The safetensors library's own cap on the header; anything larger is hostile or broken.
@@ -153,20 +153,6 @@ class MissingWeights(CheckpointError):
 
 class LfsPointer(CheckpointError):
     """A Git LFS pointer file where the weights should be (a clone made without git-lfs)."""
-
-
-# The first line of every Git LFS pointer file (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
-LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
-_LFS_POINTER_MAX_BYTES = 1024  # the spec: pointer files are under 1024 bytes
-
-
-def is_lfs_pointer(path: Path) -> bool:
-    """A small regular file that starts as a Git LFS pointer does (nothing else is read)."""
-    try:
-        with open_regular(path, max_bytes=_LFS_POINTER_MAX_BYTES) as f:
-            return f.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX
-    except (InputError, OSError):
-        return False
 
 
 def lfs_pointer(path: Path) -> None:

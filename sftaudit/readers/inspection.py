@@ -23,7 +23,7 @@ from typing import Any
 import duckdb
 
 from ..core.hashing import file_sha256
-from ..core.safe_io import kind_of
+from ..core.safe_io import is_lfs_pointer, kind_of
 from .checkpoints import (
     TRAINER_GLOBALS,
     CheckpointError,
@@ -31,7 +31,6 @@ from .checkpoints import (
     PickleContents,
     UnreadablePickle,
     inside_run,
-    is_lfs_pointer,
     read_pickle,
 )
 from .layouts import (

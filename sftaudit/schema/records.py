@@ -104,6 +104,12 @@ MANIFEST = RecordKind(
         Field("instance_id", "VARCHAR", "a random id of this recorder (one per process and segment)", (SHIM,), True),
         Field("argv", "VARCHAR[]", "the command that ran, for `sftaudit replay`'s resume command", (SHIM,), True),
         Field(
+            "orig_argv",
+            "VARCHAR[]",
+            "the command line as typed: the interpreter and its options (`python -m pkg.train`) before argv's "
+            "arguments (Python's `sys.orig_argv`); `sftaudit replay` resumes with it",
+        ),
+        Field(
             "model",
             "JSON",
             "`class`, `config`, `tie_word_embeddings`, `generation_eos`, `attn_implementation`, `dropout`",
@@ -545,7 +551,9 @@ CHECKPOINTS = RecordKind(
         Field(
             "event",
             "VARCHAR",
-            "`saved` (at the save), then `hashed` (when its files are hashed; the shim only)",
+            "`saved` (at the save), then `hashed` (when its files are hashed; the shim only); `kept` (the shim's "
+            "guard, when it stopped the run: the last checkpoint before the first bad step, copied out of the "
+            "trainer's rotation)",
             (SHIM, IMPORT),
             True,
         ),
@@ -576,6 +584,11 @@ CHECKPOINTS = RecordKind(
             "time", "DOUBLE", "`saved`: when (seconds since 1970; an imported run: the folder's mtime)", (SHIM, IMPORT)
         ),
         Field("sha256", "JSON", "`hashed`: {file: hex digest}"),
+        Field(
+            "kept_path",
+            "VARCHAR",
+            "`kept`: where the guard kept it, relative to RUN_DIR (`sftaudit/kept/<name>`: hard links to its files)",
+        ),
     ),
 )
 
@@ -589,7 +602,9 @@ EVENTS = RecordKind(
             "VARCHAR",
             "`start`, `segment_start` (at a segment's first batch), `close` (the loop ended; none "
             "when the process was killed), `shim_error`, `probe_disabled`, `grad_hists_not_recorded` (a suspicious "
-            "step whose gradients the optimizer step freed or changed before its histograms); the dataset path: "
+            "step whose gradients the optimizer step freed or changed before its histograms), `halted` (the guard "
+            "stopped the run), `stop_request_ignored` (a stop request older than the segment, or not one); the "
+            "dataset path: "
             "`render_failed`, `content_dropped`",
             ALL,
             True,
@@ -600,10 +615,19 @@ EVENTS = RecordKind(
         Field(
             "error",
             "VARCHAR",
-            "what went wrong (`close`: the exception that ended the loop, if one did)",
+            "what went wrong (`close`: the exception that ended the loop, if one did; `stop_request_ignored`: why)",
             (SHIM, DATASET),
         ),
         Field("traceback", "VARCHAR", "`shim_error`: the traceback", (SHIM,)),
+        Field(
+            "halted",
+            "JSON",
+            "`halted`, and `close` of a run the guard stopped (never a complete run): {source (`nonfinite_loss`, "
+            "`nonfinite_grad`, `skipped_steps`, `stop_request`), reason, step (where it stopped), anomaly_step (the "
+            "first bad step, or null), code (a stop request's finding code), kept and kept_from (the kept copy of "
+            "the last checkpoint before anomaly_step, and that checkpoint, relative to RUN_DIR)}",
+            (SHIM,),
+        ),
         Field("sample_id", "VARCHAR", "the dataset path: the sample that failed", (DATASET,)),
         Field("param_norms", "DOUBLE[]", "`segment_start`: float64 per-tensor weight norms", (SHIM,)),
         Field(

@@ -149,14 +149,7 @@ def describe_loss_scaler(optimizer: Any, grad_scaler: Any = None) -> dict[str, A
     then can a step with non-finite gradients and finite ones after it be a benign skip. A GradScaler given
     to the recorder, or held by accelerate's optimizer wrapper (`scaler`: the Trainer's fp16), skips when it
     is enabled; DeepSpeed's ZeRO and bf16 optimizers skip every step they find an overflow in (`overflow`)."""
-    scaler, source = grad_scaler, "recorder"
-    for o in optimizer_chain(optimizer) if optimizer is not None and scaler is None else []:
-        if getattr(o, "scaler", None) is not None:
-            scaler, source = o.scaler, "accelerate"
-            break
-        if hasattr(o, "overflow") and hasattr(o, "loss_scaler"):
-            scaler, source = o.loss_scaler, "deepspeed"
-            break
+    scaler, source = find_loss_scaler(optimizer, grad_scaler)
     if scaler is None:
         return {"present": False, "skips_nonfinite_steps": False}
     enabled = source == "deepspeed" or not hasattr(scaler, "is_enabled") or bool(scaler.is_enabled())
@@ -167,6 +160,18 @@ def describe_loss_scaler(optimizer: Any, grad_scaler: Any = None) -> dict[str, A
         "enabled": enabled,
         "skips_nonfinite_steps": enabled,
     }
+
+
+def find_loss_scaler(optimizer: Any, grad_scaler: Any = None) -> tuple[Any, str | None]:
+    """(the run's loss scaler, where it was found: "recorder", "accelerate" or "deepspeed"), or (None, None)."""
+    if grad_scaler is not None:
+        return grad_scaler, "recorder"
+    for o in optimizer_chain(optimizer) if optimizer is not None else []:
+        if getattr(o, "scaler", None) is not None:
+            return o.scaler, "accelerate"
+        if hasattr(o, "overflow") and hasattr(o, "loss_scaler"):
+            return o.loss_scaler, "deepspeed"
+    return None, None
 
 
 def _plain_number(value: Any) -> Any:

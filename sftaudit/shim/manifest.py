@@ -47,6 +47,7 @@ def segment_manifest(recorder: Any, run_id: str | None, config: dict, dataset: A
         "unsupported_versions": unsupported_versions(versions),
         "instance_id": uuid.uuid4().hex,
         "argv": list(sys.argv),  # the command that ran, for `sftaudit replay`'s resume command
+        "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),  # with the interpreter: `python -m pkg.train ...`
         "model": describe_model(recorder.model),
         "params": recorder._pieces.params,  # with each parameter's layout on this rank (see `pieces`)
         "framework": recorder._pieces.framework,

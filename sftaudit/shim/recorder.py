@@ -7,6 +7,7 @@ Call order in a plain PyTorch loop (one optimizer step = `step`)::
     rec.on_backward(step, loss)     # after backward, before clipping and optimizer.step()
     optimizer.step()
     rec.on_step_end(step, lr=...)   # after optimizer.step(), before zero_grad()
+    if rec.should_stop: break       # the guard stopped the run (guard="stop"): save nothing more
     rec.on_checkpoint(step, path, training_state=...)  # after the loop saved one
 
 Cost model: everything a step needs on the host (loss, per-tensor gradient norms,
@@ -19,7 +20,8 @@ that records the exception as a `shim_error` event and switches that component
 off; checkpoint files are hashed in a background thread.
 
 Its parts, beside it: `sink` (guarded writes), `batches` (batch statistics), `gradients`
-(norms, histograms), `probes`, and the run description (`describe`, `weights`).
+(norms, histograms), `probes`, the run description (`describe`, `weights`), and the `guard` that
+stops a run going wrong (off by default).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from ..core.tokenizer import tokenizer_fingerprint
 from .batches import Batches, attention_inputs
 from .describe import (
     describe_state,
+    find_loss_scaler,
     unwrap_model,
 )
 from .gradients import Gradients
+from .guard import DEFAULT_CHECK_SECONDS, Guard, Halt, TrainingHalted
 from .manifest import segment_manifest
 from .pieces import local_pieces
 from .probes import Probes
@@ -83,6 +87,13 @@ class Recorder:
             non-finite gradients is then told apart from one whose non-finite update reached the weights.
             Without it, and with none inside the optimizer (accelerate's or DeepSpeed's), the manifest says the
             run had no loss scaler.
+        guard: "off" (the default: record only), "stop" or "raise": stop the run at a step whose loss or gradient
+            norm is non-finite (under a loss scaler: a streak of skipped steps that drove its scale below 1), or
+            when a stop request appears in the run folder (`sftaudit.core.artifacts.StopRequest`): `should_stop`
+            turns true, no checkpoint is due from the first bad step on (`poisoned`), the last one saved before it
+            is kept under ``RUN_DIR/sftaudit/kept/``, and the close record says why; "raise" also raises
+            `TrainingHalted` when the recorder closes. See `sftaudit.shim.guard`.
+        stop_check_seconds: how often, at most, the guard looks for a stop request (one ``os.stat`` at a step end).
     """
 
     def __init__(
@@ -108,6 +119,8 @@ class Recorder:
         save_every: int | None = None,
         probe_milestones: bool = True,
         grad_scaler: Any = None,
+        guard: str = "off",
+        stop_check_seconds: float = DEFAULT_CHECK_SECONDS,
         **schedule: int,
     ):
         self.run_dir = Path(run_dir)
@@ -147,6 +160,19 @@ class Recorder:
             config["max_steps"] = int(max_steps)
         manifest = segment_manifest(self, run_id, config, dataset, scheduler)
         self._write("manifest", manifest)
+        self._halt_guard = Guard(
+            guard,
+            self.run_dir,
+            rank_dir(self.run_dir, self.rank),
+            self._sink,
+            self.rank,
+            self.world_size,
+            find_loss_scaler(self.engine_optimizer or self.optimizer, grad_scaler)[0],
+            bool((manifest.get("loss_scaler") or {}).get("skips_nonfinite_steps")),
+            stop_check_seconds,
+            lambda path: self._relative(Path(path)),
+        )
+        self._decided = False  # the guard decided on the step's transfer
         if self.rank == 0:  # said once, at start: what is recorded then is whatever the old release allows
             for name, v in manifest["unsupported_versions"].items():
                 notice(
@@ -228,16 +254,40 @@ class Recorder:
             self._grads.read(step)
 
     def on_step_end(self, step: int, lr: float | None = None) -> None:
-        """After optimizer.step(): one host transfer, then the step's records and scheduled probes."""
+        """After optimizer.step(): one host transfer, then the step's records, the guard's decision and the
+        scheduled probes."""
         if self.probes.active:
             return
+        guard_parts = self._halt_guard.parts(self._grads.norms, self._losses) if self._halt_guard.active else []
+        self._decided = False
         if "steps" not in self.disabled:
             with self._guard("steps"):
                 self._begin_step(step)
-                self._finish_step(step, lr)
+                self._finish_step(step, lr, guard_parts)
+        if guard_parts and not self._decided:  # no step record: the guard's own values, on their own
+            self._decide(
+                step,
+                None,
+                None,
+                {("guard", k): v for (k, _), v in zip(guard_parts, _to_host([t for _, t in guard_parts]))},
+            )
         self._reset_step()
         at_end = self.probe_milestones and step == self.max_steps
         self.probes.run(step, every_probe=at_end or bool(self.save_every and step % self.save_every == 0))
+
+    @property
+    def should_stop(self) -> bool:
+        """The guard stopped the run: end the loop now, saving no checkpoint (see `Recorder`'s ``guard``)."""
+        return self._halt_guard.halt is not None
+
+    @property
+    def halted(self) -> Halt | None:
+        """Why and where the guard stopped the run (None while it has not)."""
+        return self._halt_guard.halt
+
+    def poisoned(self, step: int) -> bool:
+        """A checkpoint at `step` would hold what the guard stopped the run for: do not save it."""
+        return self._halt_guard.poisoned(step)
 
     def on_checkpoint(self, step: int, path: str | Path, training_state: Mapping[str, Any] | None = None) -> None:
         """After the loop saved a checkpoint: where, which files, the training state's outline."""
@@ -275,8 +325,9 @@ class Recorder:
                     self._write("metrics", {"step": step, "name": name, "value": float(value)})
 
     def close(self, error: BaseException | None = None) -> None:
-        """The segment ended: a ``close`` event with its last recorded step (and the exception that ended
-        the loop, when one did). A run killed outright leaves none."""
+        """The segment ended: a ``close`` event with its last recorded step (the exception that ended the loop,
+        when one did; why the guard stopped it, when it did). A run killed outright leaves none. With
+        ``guard="raise"``, a run the guard stopped raises `TrainingHalted` here (unless `error` is already on its way)."""
         if self._closed:
             return
         self._closed = True
@@ -285,8 +336,13 @@ class Recorder:
         record = {"kind": "close", "step": self._last_step, "time": time.time()}
         if error is not None:
             record["error"] = f"{type(error).__name__}: {error}"
+        halt = self._halt_guard.halt
+        if halt is not None:
+            record["halted"] = halt.record()
         self._write("events", record)
         self._sink.close()
+        if halt is not None and error is None and self._halt_guard.mode == "raise":
+            raise TrainingHalted(halt)
 
     def __enter__(self) -> Recorder:
         return self
@@ -335,10 +391,11 @@ class Recorder:
             self._reset_step()
             self._step = step
 
-    def _finish_step(self, step: int, lr: float | None) -> None:
+    def _finish_step(self, step: int, lr: float | None, guard_parts: list[tuple[str, torch.Tensor]]) -> None:
         parts: list[tuple[Any, Any, torch.Tensor]] = []  # (owner, key, tensor) in pack order
         parts.extend(("loss", i, t) for i, t in enumerate(self._losses))  # averaged on the host
         parts.extend(("step", key, t) for key, t in self._grads.parts())
+        parts.extend(("guard", key, t) for key, t in guard_parts)
         for m in self._micro:
             parts.extend((m["micro"], key, t) for key, t in m["parts"].items())
         host = _to_host([t for _, _, t in parts])
@@ -367,6 +424,14 @@ class Recorder:
         )
         self._last_step = step
         self._grads.after_step(step, values, grad_fields)
+        if self._halt_guard.active:
+            self._decide(step, loss, grad_fields["grad_norm"], values)
+
+    def _decide(self, step: int, loss: float | None, grad_norm: float | None, values: dict) -> None:
+        self._decided = True
+        if "guard" not in self.disabled:
+            with self._guard("guard"):
+                self._halt_guard.after_step(step, loss, grad_norm, values)
 
     def _relative(self, path: Path) -> str:
         try:

@@ -47,7 +47,8 @@ LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 # 2: gradient norms read in place (views over the series), not copied into grad_pieces/grad_norms tables.
 # 3: each part's steps listed at ingest (grad_part_steps).
 # 4: kept in sftaudit's cache, outside the run folder; the stored verdict with what it was judged on.
-DATABASE_FORMAT = 4
+# 5: checkpoints carry the guard's kept copy (kept_path).
+DATABASE_FORMAT = 5
 STAGING_DIR = "staging"  # ingest's copies of new artifact lines, read by DuckDB's JSON reader
 # Characters DuckDB's file readers take for a glob pattern (a path holding them is escaped, `_literal`).
 _GLOB = "*?["
@@ -451,30 +452,42 @@ def load_manifest(con: duckdb.DuckDBPyConnection, rank: int = 0) -> dict:
 def recorded_checkpoints(con: duckdb.DuckDBPyConnection) -> list[dict]:
     """Rank 0's checkpoints, one per path (a checkpoint's identity is its path relative to the run
     directory), in order of their last save: name (shortest unique path suffix), step of the last
-    save (the one on disk), every step it was saved at, that save's segment and recorded hashes."""
+    save (the one on disk), every step it was saved at, that save's segment and recorded hashes.
+    A checkpoint the shim's guard kept out of the trainer's rotation (a `kept` record after its last
+    save) is where the kept copy is: `path` is the copy's (its hashes rebased onto it), `kept_from` the
+    path it was saved at."""
     rows = con.execute(
         """WITH saved AS (SELECT * FROM checkpoints WHERE event = 'saved' AND rank = 0),
                 saves AS (SELECT path, list(step ORDER BY seg, step) AS saves FROM saved GROUP BY path),
                 last AS (SELECT path, step, seg FROM saved
                          QUALIFY row_number() OVER (PARTITION BY path ORDER BY seg DESC, step DESC) = 1),
                 hashed AS (SELECT path, step, seg, any_value(sha256) AS sha256 FROM checkpoints
-                           WHERE event = 'hashed' AND rank = 0 GROUP BY path, step, seg)
-           SELECT l.path, l.step, l.seg, s.saves, h.sha256 FROM last l JOIN saves s USING (path)
+                           WHERE event = 'hashed' AND rank = 0 GROUP BY path, step, seg),
+                kept AS (SELECT path, step, seg, kept_path FROM checkpoints
+                         WHERE event = 'kept' AND rank = 0 AND kept_path IS NOT NULL
+                         QUALIFY row_number() OVER (PARTITION BY path ORDER BY seg DESC) = 1)
+           SELECT l.path, l.step, l.seg, s.saves, h.sha256, k.kept_path FROM last l JOIN saves s USING (path)
            LEFT JOIN hashed h ON h.path = l.path AND h.step = l.step AND h.seg = l.seg
+           LEFT JOIN kept k ON k.path = l.path AND k.step = l.step AND k.seg >= l.seg
            ORDER BY l.step, l.path"""
     ).fetchall()
-    names = checkpoint_names([r[0] for r in rows])
-    return [
-        {
-            "name": names[path],
-            "path": path,
-            "step": step,
-            "seg": seg,
-            "saves": saves,
-            "sha256": json.loads(sha) if sha else {},
-        }
-        for path, step, seg, saves, sha in rows
-    ]
+    out = []
+    for saved_at, step, seg, saves, sha, kept in rows:
+        sha256 = json.loads(sha) if sha else {}
+        if kept:
+            sha256 = {kept + name[len(saved_at) :]: d for name, d in sha256.items() if name.startswith(saved_at)}
+        out.append(
+            {
+                "path": kept or saved_at,
+                "kept_from": saved_at if kept else None,
+                "step": step,
+                "seg": seg,
+                "saves": saves,
+                "sha256": sha256,
+            }
+        )
+    names = checkpoint_names([c["path"] for c in out])
+    return [{"name": names[c["path"]], **c} for c in out]
 
 
 def checkpoint_names(paths: list[str]) -> dict[str, str]:

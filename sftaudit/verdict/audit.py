@@ -391,17 +391,17 @@ def audited(
     config: AuditConfig | None = None,
     *,
     data: str | Path | None = None,
-    judge: Literal["always", "if_stale", "never"] = "always",
     source: str | None = None,
     log_file: str | Path | None = None,
+    judge: Literal["always", "if_stale", "never"] = "always",
 ) -> Iterator[Audited]:
     """The pipeline under the run's lock, held until the ``with`` ends (so what the caller then reads with
     `connect(run_dir, read_only=True)` is what was judged): a Trainer output trained without the shim is
-    imported (again: it may have grown; `data` is its training data; `source` names the kind of log to read and
-    `log_file` the log given as the run's path, as `imports.import_run` takes them), what is new is ingested, and the run
+    imported (again: it may have grown; `data` is its training data), what is new is ingested, and the run
     is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless the database
     changed since it was judged, another version judged it, or another config (`config` None: the stored
-    verdict's own); "never", import and ingest only (the stored verdict, if any)."""
+    verdict's own); "never", import and ingest only (the stored verdict, if any). `source`, `log_file`: the kind of training log and the
+    log file named on the command line (a run trained without the shim: `sftaudit.imports.import_run`)."""
     run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
         ensure_artifacts(run_dir, data, source=source, file=log_file)
@@ -425,13 +425,13 @@ def audit(
     config: AuditConfig | None = None,
     *,
     data: str | Path | None = None,
-    judge: Literal["always", "if_stale", "never"] = "always",
     source: str | None = None,
     log_file: str | Path | None = None,
+    judge: Literal["always", "if_stale", "never"] = "always",
 ) -> dict[str, Any]:
     """Import (a run trained without the shim), ingest what is new, run the checks, store findings + verdict in
     the run database; return the verdict (`audited`)."""
-    with audited(run_dir, config, data=data, judge=judge, source=source, log_file=log_file) as done:
+    with audited(run_dir, config, data=data, source=source, log_file=log_file, judge=judge) as done:
         return done.verdict
 
 

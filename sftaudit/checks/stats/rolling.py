@@ -15,9 +15,13 @@ import numpy as np
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal data
 
 
-def adaptive_window(n_steps: int, lo: int = 8, hi: int = 128) -> int:
-    """History length for a run: 1/16 of it, at least `lo` steps (short runs), at most `hi` (OLMo-core's 128)."""
-    return int(min(hi, max(lo, n_steps // 16)))
+# A run's history window: 1/16 of it, at least 8 steps (short runs), at most 128 (OLMo-core's).
+WINDOW_MIN, WINDOW_MAX, WINDOW_SHARE = 8, 128, 16
+
+
+def adaptive_window(n_steps: int, lo: int = WINDOW_MIN, hi: int = WINDOW_MAX) -> int:
+    """History length for a run: 1/`WINDOW_SHARE` of it, at least `lo` steps, at most `hi`."""
+    return int(min(hi, max(lo, n_steps // WINDOW_SHARE)))
 
 
 def warmup_end(lr: np.ndarray, skipped: np.ndarray | None = None) -> int:

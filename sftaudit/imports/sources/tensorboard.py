@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ...core.safe_io import open_regular
-from ..logs import MAX_LOG_BYTES, is_lfs_pointer, normalised
+from ...core.safe_io import is_lfs_pointer, open_regular
+from ..logs import MAX_LOG_BYTES, normalised
 from ..source import PLAN_KEYS, LogSource, SourceLog, numbers_only
 
 EVENTS_GLOB = "events.out.tfevents.*"
