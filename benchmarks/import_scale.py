@@ -18,6 +18,10 @@ checkpoints' states beside it (``trl-3ckpt``: at N/3, 2N/3 and N); each timed as
 (user + system), wall seconds and peak resident memory (the child's own, from wait4), median over the repeats.
 
     .venv/bin/python benchmarks/import_scale.py --cli [--sizes 1000000] [--repeats 1]
+
+With ``--cli --phases``, each audit is also split into its stages, in one process: the import (`ensure_artifacts`),
+the ingest into the run database and the judging (the checks and the verdict), CPU seconds each, so the share of
+each in the total is seen.
 """
 
 from __future__ import annotations
@@ -150,7 +154,36 @@ def measured(args: list[str]) -> tuple[float, float, float, int]:
     return usage.ru_utime + usage.ru_stime, wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
 
 
-def cli(sizes: list[int], repeats: int) -> None:
+# The stages of an audit timed one after the other in a child process (CPU seconds of each, the peak memory).
+PHASES = """
+import json, resource, sys, time
+from pathlib import Path
+from sftaudit.imports import ensure_artifacts
+from sftaudit.store.ingest import ingest
+from sftaudit.store.rundb import connect
+from sftaudit.verdict.audit import judge_database
+from sftaudit.verdict.config import AuditConfig
+run, out = Path(sys.argv[1]), {}
+for name, stage in [("import", lambda: ensure_artifacts(run)), ("ingest", lambda: ingest(run)),
+                    ("judge", lambda: judge_database(connect(run), run, AuditConfig()))]:
+    start = time.process_time()
+    stage()
+    out[name] = time.process_time() - start
+out["peak MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def phases(shape: str, n: int, run_dir: Path) -> dict[str, float]:
+    """The stages of a first audit of a fresh run of `shape` (its database not made yet)."""
+    write_trl(shape, n, run_dir)
+    done = subprocess.run(
+        [sys.executable, "-c", PHASES, str(run_dir)], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def cli(sizes: list[int], repeats: int, split: bool = False) -> None:
     print(
         f"{'shape':<10} {'entries':>9} {'state MB':>9} {'command':<7} {'CPU s':>7} {'wall s':>7} {'peak MB':>8} {'exit':>4}"
     )
@@ -170,6 +203,14 @@ def cli(sizes: list[int], repeats: int) -> None:
                         f"{runs[-1][3]:>4}",
                         flush=True,
                     )
+                if split:
+                    stages = phases(shape, n, Path(tmp) / "staged")
+                    print(
+                        f"{shape:<10} {n:>9,} stages: "
+                        + ", ".join(f"{k} {v:.2f} s" for k, v in stages.items() if k != "peak MB")
+                        + f" (CPU); peak {stages['peak MB']:.0f} MB",
+                        flush=True,
+                    )
 
 
 def main() -> int:
@@ -178,9 +219,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--cli", action="store_true", help="time `sftaudit import` and `audit` on TRL-shaped states")
+    parser.add_argument(
+        "--phases", action="store_true", help="with --cli: the audit's import, ingest and judging apart"
+    )
     args = parser.parse_args()
     if args.cli:
-        cli(args.sizes, args.repeats)
+        cli(args.sizes, args.repeats, args.phases)
         return 0
     print(f"{'shape':<11} {'entries':>9} {'median s':>9} {'range s':>15} {'us/entry':>9} {'ratio':>6}")
     for shape in args.shapes:

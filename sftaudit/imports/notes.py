@@ -80,7 +80,6 @@ def skipped_records(skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         note(
             "skipped_records",
-            "ignored_values",
             f"{s['lines']:,} of the {s['of']:,} records of {s['file']} could not be read and were skipped",
             **s,
         )

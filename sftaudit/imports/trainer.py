@@ -332,8 +332,8 @@ def import_run(
         records["events"].append({"seg": seg, "kind": "start", "time": state["mtime"]})
     write(run_dir, records, {"steps": steps, "metrics": metrics})
     return {
-        "steps": steps.num_rows,
-        "metrics": metrics.num_rows,
+        "steps": steps.height,
+        "metrics": metrics.height,
         "checkpoints": len(checkpoints),
         "logging_steps": _logging_steps(newest),
         "resumed_at": starts[0] if starts else None,

@@ -21,69 +21,49 @@ SERIES = ("steps", "metrics")
 
 
 def series(logged: list[tuple[int, dict[str, Any]]]):
-    """The ``steps`` and ``metrics`` records of the logged entries, each given with its segment, as Arrow tables:
-    a step per training log (an entry with a loss that is not the end-of-training summary: its loss, learning rate
-    and gradient norm, None where not a number), a metric per number an entry holds under any key but ``step``
-    (records of one name keep the entries' order)."""
-    import pyarrow as pa
+    """The ``steps`` and ``metrics`` records of the logged entries, each given with its segment, as polars frames
+    built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
+    small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
+    learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
+    ``step`` (records of one name keep the entries' order)."""
+    import polars as pl
 
-    segs = pa.array([seg for seg, _ in logged], pa.int32())
     entries = [e for _, e in logged]
-    step_ids = pa.array([e["step"] for e in entries], pa.int64())
     names = sorted(set().union(*entries) - {"step"}) if entries else []
-    names_array = pa.array(names, pa.string())
-    parts = []
-    for index, name in enumerate(names):
-        values = pa.array([v if type(v) is float else None for v in (e.get(name) for e in entries)], pa.float64())
-        valid = values.is_valid()
-        count = len(values) - values.null_count
-        parts.append(
-            pa.table(
-                {
-                    "seg": segs.filter(valid),
-                    "step": step_ids.filter(valid),
-                    # the name once, each record its index (a million records of eight names hold eight strings)
-                    "name": pa.DictionaryArray.from_arrays(pa.repeat(pa.scalar(index, pa.int32()), count), names_array),
-                    "value": values.filter(valid),
-                }
-            )
-        )
-    metrics = pa.concat_tables(parts) if parts else _empty_metrics()
+    # the name once, each record its index (a million records of eight names hold eight strings)
+    kind = pl.Enum(names)
+    logs = pl.DataFrame(
+        [
+            pl.Series("seg", [seg for seg, _ in logged], pl.Int32),
+            pl.Series("step", [e["step"] for e in entries], pl.Int64),
+        ]
+    )
+    parts = [
+        logs.with_columns(
+            name=pl.lit(name, kind),
+            value=pl.Series(
+                [v if type(v) is float else None for v in (e.get(name) for e in entries)], dtype=pl.Float64
+            ),
+        ).drop_nulls("value")
+        for name in names
+    ]
+    metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
     summary, last = SUMMARY_KEYS
-    training = pa.array(["loss" in e and summary not in e and last not in e for e in entries], pa.bool_())
-    chosen = [e for e, keep in zip(entries, training.to_pylist()) if keep]
+    training = pl.Series([("loss" in e and summary not in e and last not in e) for e in entries], dtype=pl.Boolean)
+    chosen = [e for e, keep in zip(entries, training) if keep]
 
     def column(key: str):
-        return pa.array([v if type(v) is float else number(v) for v in (e.get(key) for e in chosen)], pa.float64())
+        return pl.Series([v if type(v) is float else number(v) for v in (e.get(key) for e in chosen)], dtype=pl.Float64)
 
-    steps = pa.table(
-        {
-            "seg": segs.filter(training),
-            "step": step_ids.filter(training),
-            "loss": column("loss"),
-            "lr": column("learning_rate"),
-            "grad_norm": column("grad_norm"),
-        }
+    steps = logs.filter(training).with_columns(
+        loss=column("loss"), lr=column("learning_rate"), grad_norm=column("grad_norm")
     )
     return steps, metrics
 
 
-def _empty_metrics():
-    import pyarrow as pa
-
-    return pa.table(
-        {
-            "seg": pa.array([], pa.int32()),
-            "step": pa.array([], pa.int64()),
-            "name": pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string())),
-            "value": pa.array([], pa.float64()),
-        }
-    )
-
-
 def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[str, Any]) -> None:
     """Replace an earlier import's files (and its database: ingest is incremental by file offset) with `records`
-    (lists of records) and `tables` (Arrow tables of records); the records `sftaudit probe` added are kept."""
+    (lists of records) and `tables` (frames of records); the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
     for kind in [*records, *tables]:
         (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay

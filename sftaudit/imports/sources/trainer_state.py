@@ -152,7 +152,7 @@ class _Stream:
                 if separator == "}":
                     break
                 if separator != ",":
-                    self.fail("no comma between fields")
+                    self.fail("no comma between fields" if separator else "the file is cut short")
         if self.peek() != "":
             self.fail("more after the state's end")
         if read.start is None:
@@ -190,7 +190,7 @@ class _Stream:
             if separator == "]":
                 return
             if separator != ",":
-                self.fail("no comma between log entries")
+                self.fail("no comma between log entries" if separator else "the file is cut short")
 
     def copied(self, read: _Read) -> bool:
         """Whether this file's log is the reference's first entries, byte for byte: then they are taken from it and
