@@ -97,3 +97,10 @@ def test_docs_site_builds_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_golden_schema_is_generated_from_its_declaration():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_golden_schema.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr

@@ -1,1 +1,2 @@
-"""The published contracts: the artifact records (`records`) and verdict.json (``verdict.schema.json``)."""
+"""The published contracts: the artifact records (`records`), verdict.json (``verdict.schema.json``) and the golden
+file `diff` compares against (`golden`, ``golden.schema.json``)."""
