@@ -40,9 +40,10 @@ def check_page(check) -> str:
         lines += ["Judged more finely with (without it the check is `partial`):", ""]
         lines += [f"- {EVIDENCE[t]}" for t in check.uses] + [""]
     if check.defaults:
-        lines += ["## Options", "", "| option | default |", "| --- | --- |"]
+        lines += ["## Options", "", "| option | default | range |", "| --- | --- | --- |"]
         lines += [
-            f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} |"
+            f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} "
+            f"| {check.options[k].range_words()} |"
             for k, v in check.defaults.items()
         ]
         settable = [(k, v) for k, v in check.defaults.items() if v is not None]

@@ -7,7 +7,7 @@ from ..dataset.fields import template_fields
 from ..dataset.layout import empty_turns, run_layout, sample_blocks
 from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 # Roles whose empty turn is a fail (an empty system prompt is merely suspicious).
@@ -48,7 +48,7 @@ class PromptTemplateConsistency(Check):
     code = "LOOP-01"
     name = "prompt-template consistency"
     needs = ("chat_template",)
-    defaults = {"max_samples_listed": 50}
+    defaults = {"max_samples_listed": count(50)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         start = first_manifest(ctx)

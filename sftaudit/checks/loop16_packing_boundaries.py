@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 
 # Attention implementations that turn position_ids restarts or cu_seq_lens into per-sample (varlen) attention.
 VARLEN_FROM_POSITIONS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
@@ -46,7 +46,7 @@ class PackingBoundaries(Check):
     code = "LOOP-16"
     name = "packing boundaries"
     needs = ("batches",)
-    defaults = {"rows_listed": 5}
+    defaults = {"rows_listed": count(5)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if not ctx.has_rows("batches"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, count, positive
 from .stats.rolling import (
     MAD_TO_SIGMA,
     adaptive_window,
@@ -50,7 +50,7 @@ class LossDivergence(Check):
     code = "LOOP-19"
     name = "loss divergence"
     needs = ("steps",)
-    defaults = {"sigma": 6.0, "diverge_steps": 5, "window": None}
+    defaults = {"sigma": positive(6.0), "diverge_steps": count(5), "window": count(None, low=2)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count
 from .stats.rolling import column, loss_family, positive, step_frame
 
 # Logged numbers that are parts of the loss, not other metrics (a multi-head or auxiliary loss sums them).
@@ -67,7 +67,7 @@ class ChanceLevelLoss(Check):
     code = "LOOP-20"
     name = "loss at chance"
     needs = ("steps",)
-    defaults = {"tolerance": 0.02, "min_steps": 100}
+    defaults = {"tolerance": at_least(0.02, 0), "min_steps": count(100)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         vocab, source = vocab_size(ctx.manifest)

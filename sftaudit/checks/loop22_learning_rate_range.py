@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, positive
 from .stats.rolling import column, run_config, step_frame
 
 # The largest learning rate a fine-tune uses with each optimizer family, generously: Adam-style updates are
@@ -124,7 +124,7 @@ class LearningRateRange(Check):
     code = "LOOP-22"
     name = "learning-rate range"
     needs = ("steps",)
-    defaults = {"adam_limit": FAMILY_LIMITS["adam"], "sgd_limit": FAMILY_LIMITS["sgd"]}
+    defaults = {"adam_limit": positive(FAMILY_LIMITS["adam"]), "sgd_limit": positive(FAMILY_LIMITS["sgd"])}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         frame = step_frame(ctx, "lr")

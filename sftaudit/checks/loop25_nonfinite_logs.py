@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 from .stats.rolling import column, nonfinite_logged, skipped_updates, step_frame
 
 
@@ -48,7 +48,7 @@ class NonFiniteLogs(Check):
     code = "LOOP-25"
     name = "non-finite logged values"
     needs = ("steps",)
-    defaults = {"skip_streak": 5, "start_skips": 16}
+    defaults = {"skip_streak": count(5), "start_skips": count(16, low=0)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         steps, bad_loss, bad_norm, has_norm = nonfinite_logged(ctx)
