@@ -70,9 +70,12 @@ DEFAULT_MAX_RECORD_BYTES = 64 * 2**20  # a full sample row of a long context is 
 DEFAULT_MAX_FILE_BYTES = 16 * 2**30
 HEAD_BYTES = 4096  # an artifact is the file ingested before if its first block is unchanged
 _COPY_BLOCK = 8 * 2**20
-# Rows a gradient-norm part may hold: the shim rolls a part every ROLL_VALUES norms (plus the step that crosses
-# it); one claiming many more is no part of ours (a decompression bomb: its footer is read, never its rows).
+# Rows a gradient-norm part may hold: the shim rolls a part every ROLL_VALUES norms, plus the step that crosses it
+# (one norm per tensor the manifest lists; MAX_PART_ROWS where it lists none). One claiming more is no part of ours
+# (a decompression bomb: its footer is read, never its rows).
 MAX_PART_ROWS = 64 * ROLL_VALUES
+# The bytes a part's rows take uncompressed (step, idx, norm, norm_post_clip: 20), with room for page overhead.
+PART_ROW_BYTES, PART_SLACK_BYTES = 64, 2**16
 
 
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -375,7 +378,7 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> None:
         for name in parts:
             key = f"{prefix}/{name}"
             if key not in known:
-                validated.append((rank, seg, *_part(files, folder / name, key)))
+                validated.append((rank, seg, *_part(files, folder / name, key, _max_part_rows(con, rank, seg))))
         # A journal's last step may lack its steps record (killed between the two): it is left out.
         last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
         for journal in journals:
@@ -442,7 +445,12 @@ def _read_journal(path: Path, files: _RunFiles) -> dict:
         os.close(fd)
 
 
-def _part(files: _RunFiles, path: Path, key: str) -> tuple:
+def _max_part_rows(con: duckdb.DuckDBPyConnection, rank: int, seg: int) -> int:
+    tensors = first_row(con, "SELECT count(*) FROM params WHERE rank = ? AND seg = ?", [rank, seg])[0]
+    return min(ROLL_VALUES + tensors, MAX_PART_ROWS) if tensors else MAX_PART_ROWS
+
+
+def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS) -> tuple:
     """A new part, read from one descriptor: its header, footer and schema must be what the shim writes, and
     its rows no more than it writes. Returns (its distinct steps, its ingest_state row)."""
     import numpy as np  # only a run with a columnar series needs these
@@ -470,10 +478,16 @@ def _part(files: _RunFiles, path: Path, key: str) -> tuple:
                     f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
                     f"found {', '.join(wrong)}); {again}"
                 )
-            if not 0 <= rows <= MAX_PART_ROWS:
+            if not 0 <= rows <= max_rows:
                 raise InputError(
-                    f"{path}: claims {rows} rows, more than the {MAX_PART_ROWS} a part of the shim holds "
+                    f"{path}: claims {rows} rows, more than the {max_rows} a part of the shim holds "
                     f"(a decompression bomb, or not the shim's); {again}"
+                )
+            unpacked = sum(part.metadata.row_group(i).total_byte_size for i in range(part.metadata.num_row_groups))
+            if not 0 <= unpacked <= rows * PART_ROW_BYTES + PART_SLACK_BYTES:
+                raise InputError(
+                    f"{path}: claims {unpacked} bytes uncompressed for {rows} rows, more than a part of the shim "
+                    f"holds (a decompression bomb, or not the shim's); {again}"
                 )
             try:
                 step = part.read(columns=["step"], use_threads=False).column("step").to_numpy() if rows else None
@@ -668,8 +682,9 @@ def _manifest_problem(m) -> str | None:
     """Why a manifest record cannot be read (None: it can)."""
     if not isinstance(m, dict):
         return "a manifest record must be a JSON object"
-    if "schema_version" in m and not _int32(m["schema_version"]):  # null too: it says which reader reads the rest
-        return f"schema_version must be an integer (32-bit), not {json.dumps(m['schema_version'])[:40]}"
+    if "schema_version" in m and not (_int32(m["schema_version"]) and m["schema_version"] >= 1):  # null too: it
+        # says which reader reads the rest
+        return f"schema_version must be an integer (32-bit) >= 1, not {json.dumps(m['schema_version'])[:40]}"
     for name in ("seg", "world_size"):
         if name in m and m[name] is not None and not _int32(m[name]):
             return f"{name} must be an integer (32-bit), not {str(m[name])[:40]!r}"
@@ -707,7 +722,20 @@ def _manifest_problem(m) -> str | None:
     ):
         if m.get(name) is not None and not isinstance(m[name], kind):
             return f"{name} must be a JSON {'object' if kind is dict else 'list'}, not {type(m[name]).__name__}"
+    for name in _PLAN_FIELDS:  # the checks take the run's plan from these
+        value = (m.get("config") or {}).get(name)
+        if value is not None and not _plan_number(value):
+            return f"config.{name} must be a finite number of steps, not {json.dumps(value)[:40]}"
     return None
+
+
+# The run's plan in a manifest's config, which LOOP-14 and LOOP-24 read (the Trainer's names).
+_PLAN_FIELDS = ("max_steps", "logging_steps", "save_steps", "eval_steps", "warmup_steps", "num_train_epochs")
+
+
+def _plan_number(value) -> bool:
+    """A number of steps (or epochs) a run can plan: finite, within a 64-bit integer; -1 is the Trainer's "none"."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 2**63
 
 
 def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path: Path, before: int) -> int:

@@ -70,6 +70,17 @@ def read_small_text(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES) 
         raise InputError(f"{what} {path}: not UTF-8 text (byte {exc.start})") from None
 
 
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A small TOML file given on the command line (config, policy); InputError in one line when it is not TOML,
+    or nested deeper than the parser's recursion limit."""
+    try:
+        return tomllib.loads(read_small_text(path, what))
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{what} {path}: not TOML ({exc})") from None
+    except RecursionError:
+        raise InputError(f"{what} {path}: not TOML this sftaudit reads (nested too deeply)") from None
+
+
 def _type_name(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}[kind]
 
@@ -142,11 +153,7 @@ class AuditConfig:
     def load(cls, path: str | Path | None) -> AuditConfig:
         if path is None:
             return cls()
-        try:
-            data = tomllib.loads(read_small_text(path, "config"))
-        except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"config {path}: not TOML ({exc})") from None
-        return cls.from_dict(data, path)
+        return cls.from_dict(read_toml(path, "config"), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: Any = "<dict>") -> AuditConfig:
