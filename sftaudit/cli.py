@@ -282,5 +282,6 @@ def _describe(exc: BaseException, command: str = "") -> str:
         return f"cannot read or write{where} ({exc.strerror or one_line(exc)}); check that path"
     return f"{one_line(exc) or 'an unexpected error'}; {report}"
 
+
 if __name__ == "__main__":
     sys.exit(main())

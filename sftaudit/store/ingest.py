@@ -512,15 +512,21 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, ki
     if not os.path.lexists(path):
         return 0
     key = str(path.relative_to(path.parent.parent))
-    row = first_row(con, 'SELECT "offset", records, bad_lines, lines FROM ingest_state WHERE file = ?', [key])
-    offset, records, bad, lines = row if row else (0, 0, 0, 0)
+    row = first_row(
+        con,
+        'SELECT "offset", records, bad_lines, lines, coalesce(mended_lines, 0) FROM ingest_state WHERE file = ?',
+        [key],
+    )
+    offset, records, bad, lines, mended = row if row else (0, 0, 0, 0, 0)
     fd, st = files.open(path)
     try:
         # A copy of the new lines in the cache's staging folder: the one folder DuckDB may read besides the parts.
         fd_tmp, tmp = tempfile.mkstemp(suffix=".jsonl", dir=database_path(files.run_dir).parent / STAGING_DIR)
         try:
             with os.fdopen(fd_tmp, "wb") as out:
-                end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, files.max_record_bytes, out)
+                end, copied, refused, mended_now = _copy_complete_lines(
+                    fd, offset, st.st_size, files.max_record_bytes, out
+                )
             if copied:
                 new = (
                     _ingest_manifests(con, rank, tmp, path, lines)
@@ -537,20 +543,30 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, ki
     if end == offset and row:
         return 0
     con.execute(
-        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [key, end, records + new, bad + copied - new + refused, lines + copied + refused, st.st_dev, st.st_ino, head],
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head, '
+        "mended_lines) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            key,
+            end,
+            records + new,
+            bad + copied - new + refused,
+            lines + copied + refused,
+            st.st_dev,
+            st.st_ino,
+            head,
+            mended + mended_now,
+        ],
     )
     return new
 
 
-def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int]:
+def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int, int]:
     """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks (a lone
-    surrogate escaped as text: `_readable`). Returns (offset after the last complete line, lines copied,
-    lines refused: blank or over `max_record` bytes). A torn last line waits for its newline, unless it is
+    surrogate escaped as text, bytes that are not UTF-8 replaced: `_readable`). Returns (offset after the last
+    complete line, lines copied, lines refused: blank or over `max_record` bytes, lines copied mended). A torn last line waits for its newline, unless it is
     already over the limit: no record is that long, so it is refused too and read past."""
     pos, start, current, oversize = offset, offset, bytearray(), False
-    copied = refused = 0
+    copied = refused = mended = 0
     while pos < size:
         block = os.pread(fd, min(_COPY_BLOCK, size - pos), pos)
         if not block:
@@ -569,15 +585,17 @@ def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) 
             if oversize or not current.strip():  # the shim writes no blank line: one is a record lost
                 refused += 1
             else:
-                out.write(_readable(bytes(current)) + b"\n")
+                line = _readable(bytes(current))
+                out.write(line + b"\n")
                 copied += 1
+                mended += line != current
             current, oversize, at = bytearray(), False, nl + 1
             start = pos + at
         pos += len(block)
     if oversize:
         refused += 1
         start = size
-    return start, copied, refused
+    return start, copied, refused, mended
 
 
 # A JSON escape: a surrogate pair, a lone surrogate, or any other (`\\` included, so a pair of backslashes
@@ -590,7 +608,14 @@ _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def _readable(line: bytes) -> bytes:
     """A line whose strings hold a lone surrogate (``\\ud800``: no character, so DuckDB refuses the whole
-    record) with each such escape kept as text (the six characters ``\\ud800``); other lines as they are."""
+    record) with each such escape kept as text (the six characters ``\\ud800``), and bytes that are not UTF-8
+    (a surrogate written raw) replaced by U+FFFD: the record is kept, only the text that no reader can hold is
+    changed. Other lines as they are."""
+    if not line.isascii():
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            line = line.decode("utf-8", "replace").encode("utf-8")
     if not _SURROGATE.search(line):
         return line
     return _ESCAPE.sub(lambda m: b"\\\\" + m.group(1) if m.group(1) else m.group(0), line)
