@@ -138,3 +138,28 @@ def test_a_gradient_part_that_decompresses_to_far_more_than_the_shim_writes_is_r
             writer.write_table(block)
     assert part.stat().st_size < 2**20
     _one_line(audit(run, "--no-report"), part.name, "claims 4194304 rows", "decompression bomb")
+
+
+@pytest.mark.parametrize(
+    "eval_text, said",
+    [
+        (None, "no saved tokenizer to render the probe prompts with"),
+        ('{"messages": ' + DEEP + "}\n", "nested too deeply"),
+    ],
+    ids=["no-tokenizer", "deep-eval-set"],
+)
+def test_probe_refuses_what_it_cannot_use_in_one_line(tmp_path, eval_text, said):
+    run = trainer_run(tmp_path)
+    (tmp_path / "prompts.txt").write_text("hello\n")
+    extra = []
+    if eval_text is not None:
+        (tmp_path / "eval.jsonl").write_text(eval_text)
+        extra = ["--eval", str(tmp_path / "eval.jsonl")]
+    done = subprocess.run(
+        [sys.executable, "-m", "sftaudit.cli", "probe", str(run), "--prompts", str(tmp_path / "prompts.txt"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=AUDIT_BOUND_S,
+        cwd=tmp_path,
+    )
+    _one_line(done, said)
