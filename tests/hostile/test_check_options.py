@@ -75,3 +75,17 @@ def test_options_at_the_edges_of_their_ranges_judge_without_a_check_raising(tmp_
         assert done.returncode in (0, 1), done.stderr
         verdict = json.loads((run.parent / "reports" / run.name / "verdict.json").read_text())
         assert not verdict["check_errors"], verdict["check_errors"]
+
+
+def test_sftaudit_open_reads_a_config_as_the_cli_does(tmp_path):
+    """A path or a dict is validated as --config is (one line naming the key); anything else is refused."""
+    import sftaudit
+
+    run = trainer_run(tmp_path)
+    with pytest.raises(InputError, match=r'checks."LOOP-10".window must be an integer >= 2, not 0'):
+        sftaudit.open(run, config={"checks": {"LOOP-10": {"window": 0}}})
+    (tmp_path / "deep.toml").write_text("[audit]\ndisable = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(InputError, match="nested too deeply"):
+        sftaudit.open(run, config=tmp_path / "deep.toml")
+    with pytest.raises(InputError, match="not int"):
+        sftaudit.open(run, config=5)
