@@ -73,6 +73,15 @@ class PromptTemplateConsistency(Check):
                     error=str(exc),
                 )
             ]
+        except InputError as exc:  # the template does not parse (a syntax error, nesting past the parser's limit)
+            return [
+                self.finding(
+                    "fail",
+                    f"{exc}: no tokenizer can render the run's chat template; fix or replace it before training",
+                    kind="template_unparsable",
+                    error=str(exc),
+                )
+            ]
 
     def _fields(self, source: str, dataset: dict) -> list[Finding]:
         fields = template_fields(source)

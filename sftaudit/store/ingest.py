@@ -128,6 +128,7 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
             f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
             f"the shim writes it when recording starts: record the run again"
         )
+    _refuse_repeated_steps(con)
     _ingest_series(con, files)
     _supersede_abandoned_steps(con)
     parts = validated_parts(con, run_dir)
@@ -139,6 +140,24 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
     _reduced_step_totals(con)
     con.commit()
     return added
+
+
+def _refuse_repeated_steps(con: duckdb.DuckDBPyConnection) -> None:
+    """The shim writes each step once per segment (a resume starts a new one): a step recorded twice in one
+    segment is artifacts copied into themselves, and no check could tell which record to judge."""
+    if first_row(con, "SELECT bool_or(coalesce(manifest->>'$.imported' = 'true', false)) FROM manifest")[0]:
+        return  # an importer writes the steps its logs hold, merged
+    repeated = first_row(
+        con,
+        """SELECT rank, seg, min(step), count(*) FROM (SELECT rank, seg, step FROM steps
+               GROUP BY ALL HAVING count(*) > 1) GROUP BY ALL ORDER BY rank, seg LIMIT 1""",
+    )
+    if repeated is not None and repeated[0] is not None:
+        rank, seg, step, n = repeated
+        raise InputError(
+            f"rank-{rank}/steps.jsonl records {n} step(s) more than once in segment {seg} (first step {step}); "
+            f"the shim writes each step once per segment: repair or re-record the artifacts"
+        )
 
 
 def _stale(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> bool:
@@ -747,6 +766,11 @@ def _manifest_problem(m) -> str | None:
     ):
         if m.get(name) is not None and not isinstance(m[name], kind):
             return f"{name} must be a JSON {'object' if kind is dict else 'list'}, not {type(m[name]).__name__}"
+    special = (m.get("tokenizer") or {}).get("special_tokens")
+    if special is not None and not (
+        isinstance(special, dict) and all(v is None or isinstance(v, dict) for v in special.values())
+    ):
+        return "tokenizer.special_tokens must map each role (bos, eos, pad...) to an object"
     for name in _PLAN_FIELDS:  # the checks take the run's plan from these
         value = (m.get("config") or {}).get(name)
         if value is not None and not _plan_number(value):

@@ -163,3 +163,27 @@ def test_probe_refuses_what_it_cannot_use_in_one_line(tmp_path, eval_text, said)
         cwd=tmp_path,
     )
     _one_line(done, said)
+
+
+def test_steps_recorded_twice_in_one_segment_are_refused_in_one_line(tmp_path):
+    """Artifacts copied into themselves: LOOP-05 and LOOP-10 raised on the repeated steps before."""
+    run = recorded_run(tmp_path)
+    path = next(run.rglob("steps.jsonl"))
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + lines[:10]) + "\n")
+    _one_line(audit(run, "--no-report"), "steps.jsonl records 10 step(s) more than once in segment 0 (first step 1)")
+
+
+def test_a_manifest_whose_special_tokens_are_no_table_is_refused_in_one_line(tmp_path):
+    run = recorded_run(tmp_path)
+    _manifest(run, lambda m: m.update(tokenizer={"special_tokens": 5}))
+    _one_line(audit(run, "--no-report"), "tokenizer.special_tokens must map each role")
+
+
+def test_a_chat_template_nested_past_the_parser_fails_loop01(tmp_path):
+    run = recorded_run(tmp_path)
+    _manifest(run, lambda m: m.update(tokenizer={"chat_template": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"}))
+    done = audit(run, "--no-report")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "LOOP-01 fail run: chat template does not parse: nested too deeply" in done.stdout
+    assert "could not run" not in done.stdout
