@@ -48,9 +48,10 @@ def check_page(check) -> str:
     lines += ["| rule id | fires on |", "| --- | --- |"]
     lines += [f"| `{check.code}/{slug}` | {text} |" for slug, text in check.rules.items()] + [""]
     if check.defaults:
-        lines += ["## Options", "", "| option | default |", "| --- | --- |"]
+        lines += ["## Options", "", "| option | default | range |", "| --- | --- | --- |"]
         lines += [
-            f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} |"
+            f"| `{k}` | {'none (chosen from the run)' if v is None else f'`{json.dumps(v)}`'} "
+            f"| {check.options[k].range_words()} |"
             for k, v in check.defaults.items()
         ]
         settable = [(k, v) for k, v in check.defaults.items() if v is not None]

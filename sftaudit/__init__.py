@@ -11,8 +11,9 @@ __all__ = ["__version__", "open"]
 
 
 def open(run_dir, config=None):  # noqa: A001 - sftaudit.open(RUN_DIR), as a notebook calls it
-    """A run's audit database as polars frames (`sftaudit.commands.notebook.AuditedRun`); the analyzer is
-    imported here, on first use, so `import sftaudit` stays light for the shim."""
+    """A run's audit database as polars frames (`sftaudit.commands.notebook.AuditedRun`); `config` is a TOML
+    file's path (as `--config`), its tables as a dict, or an AuditConfig. The analyzer is imported here, on first
+    use, so `import sftaudit` stays light for the shim."""
     from .commands.notebook import AuditedRun
 
     return AuditedRun(run_dir, config)

@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - could not judge: one line, never a traceback
         if os.environ.get("SFTAUDIT_DEBUG"):
             raise
-        _cannot_judge(args, f"could not {args.command} {_subject(args)}: {_describe(exc)}")
+        _cannot_judge(args, f"could not {args.command} {_subject(args)}: {_describe(exc, args.command)}")
         return EXIT_CANNOT_JUDGE
 
 
@@ -326,11 +326,22 @@ def _subject(args: argparse.Namespace) -> str:
     return "its input"
 
 
-def _describe(exc: BaseException) -> str:
+# What a command that ran out of memory can lower: only the commands that read a config's [ingest] limits
+# (audit, replay, gate, ingest) have them.
+_INGEST_LIMITS = "lower the [ingest] limits (max_record_bytes, max_file_bytes) in the file given with --config"
+MEMORY_ADVICE = {
+    **dict.fromkeys(("ingest", "audit", "replay", "gate"), _INGEST_LIMITS),
+    "golden": "keep fewer per-tensor norms (a larger --stride)",
+    "preflight": "check a sample of the dataset (a smaller --data file) or a shorter --max-length",
+}
+
+
+def _describe(exc: BaseException, command: str = "") -> str:
     """What went wrong, in words, and what to do (the last resort: a failure no input check foresaw)."""
     report = "if the input looks sound, this is a bug in sftaudit (SFTAUDIT_DEBUG=1 shows where)"
-    if isinstance(exc, MemoryError):
-        return f"ran out of memory reading it; free memory or lower the [ingest] limits of the config; {report}"
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryException":  # Python's, or DuckDB's
+        lower = MEMORY_ADVICE.get(command)
+        return "ran out of memory reading it; free memory" + (f", or {lower}" if lower else "")
     if isinstance(exc, RecursionError):
         return f"it is nested too deeply to read; {report}"
     if isinstance(exc, UnicodeError):

@@ -118,3 +118,10 @@ def test_the_verdict_types_never_need_pydantic():
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_golden_schema_is_generated_from_its_declaration():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_golden_schema.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr

@@ -10,6 +10,7 @@ peft = pytest.importorskip("peft")
 
 from sftaudit.fixtures import build_model, build_tokenizer  # noqa: E402
 
+from sftaudit.errors import InputError  # noqa: E402
 from sftaudit.shim.posthoc import _load_model  # noqa: E402
 
 
@@ -44,5 +45,5 @@ def test_a_pickled_adapter_is_refused(adapter_checkpoint, tmp_path):
         (adapter_checkpoint / "checkpoint-10" / "adapter_config.json").read_bytes()
     )
     (pickled / "adapter_model.bin").write_bytes(b"not to be unpickled")
-    with pytest.raises(ValueError, match="adapter_model.safetensors"):
+    with pytest.raises(InputError, match="adapter_model.safetensors"):
         _load_model(pickled, adapter_checkpoint / "base")

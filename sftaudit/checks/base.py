@@ -112,12 +112,68 @@ class CannotJudge(Exception):
     learning rate logged): the check is `not_run` with this reason, never "ran"."""
 
 
+@dataclass(frozen=True)
+class Option:
+    """A check option: its default and the range a config may set it in, declared once where the check declares
+    it (`defaults = {"window": Option(None, low=2, kind=int)}`). `low`/`high` bound a number (included, or
+    excluded when `*_open`); `kind` is the type a value must have (the default's own when there is one)."""
+
+    default: Any
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    kind: type | None = None
+
+    @property
+    def value_type(self) -> type | None:
+        return self.kind or (None if self.default is None else type(self.default))
+
+    def range_words(self) -> str:
+        """The range in words: ">= 1", "> 0", "between 0 and 1"."""
+        if self.low is not None and self.high is not None:
+            ends = "" if not (self.low_open or self.high_open) else " (ends excluded)"
+            return f"between {self.low:g} and {self.high:g}{ends}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"{'<' if self.high_open else '<='} {self.high:g}" if self.high is not None else ""
+
+    def in_range(self, value: float) -> bool:
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return low_ok and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+
+
+def count(default: int | None, low: int = 1) -> Option:
+    """A whole number of steps, items or evaluations, at least `low`."""
+    return Option(default, low=low, kind=int)
+
+
+def positive(default: float | None) -> Option:
+    """A number above 0 (a multiple of a spread, a limit)."""
+    return Option(default, low=0, low_open=True, kind=float)
+
+
+def at_least(default: float, low: float) -> Option:
+    return Option(default, low=low, kind=float if isinstance(default, float) else int)
+
+
+def share(default: float) -> Option:
+    """A fraction between 0 and 1, ends included."""
+    return Option(default, low=0, high=1, kind=float)
+
+
+def probability(default: float) -> Option:
+    """A significance level or rate strictly between 0 and 1."""
+    return Option(default, low=0, high=1, low_open=True, high_open=True, kind=float)
+
+
 class Check:
     """Base class: subclasses set `code`, `name`, `defaults` and implement `run`.
 
     The class docstring documents the check in the fixed sections of DOC_SECTIONS
-    (the report and the generated docs pages quote it). `defaults` are the default thresholds; a
-    config overrides them per check code. `needs` names the EVIDENCE tables without
+    (the report and the generated docs pages quote it). `defaults` are the default thresholds, each
+    a plain value or an `Option` with the range a config may set it in; a config overrides them per
+    check code. `needs` names the EVIDENCE tables without
     which the check cannot judge anything (a tuple among them: any one of those will do);
     `uses`, the evidence it judges more finely with (without it the check runs on partial
     evidence). `rules` declares what its findings fire on, one slug each.
@@ -134,6 +190,15 @@ class Check:
     # The check's rules, declared once: slug -> one line on what it fires on. Each finding names one; its rule
     # id ("LOOP-05/periodic-spike") is what SARIF and the config's `disable` address.
     rules: ClassVar[dict[str, str]]
+    # Each option's declaration (its range), from `defaults`; `defaults` itself keeps the plain default values.
+    options: ClassVar[dict[str, Option]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("defaults")
+        if declared is not None:
+            cls.options = {k: v if isinstance(v, Option) else Option(v) for k, v in declared.items()}
+            cls.defaults = {k: o.default for k, o in cls.options.items()}
 
     def __init__(self, **overrides: Any):
         unknown = set(overrides) - set(self.defaults)

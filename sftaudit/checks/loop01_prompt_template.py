@@ -7,7 +7,7 @@ from ..dataset.fields import template_fields
 from ..dataset.layout import empty_turns, run_layout, sample_blocks
 from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 from .recorded import first_manifest, recorded_samples, run_tokenizer
 
 # Roles whose empty turn is a fail (an empty system prompt is merely suspicious).
@@ -49,6 +49,7 @@ class PromptTemplateConsistency(Check):
     name = "prompt-template consistency"
     rules = {
         "template-over-budget": "the chat template would stall or exhaust memory when rendered",
+        "template-unparsable": "the chat template is nested too deeply for the template engine to parse",
         "field-missing": "the template references a field the dataset does not have (or spells differently)",
         "render-failed": "samples fail to render with the chat template",
         "message-dropped": "the template drops a message of a sample (e.g. a system prompt it does not support)",
@@ -57,7 +58,7 @@ class PromptTemplateConsistency(Check):
     }
     needs = ("chat_template",)
     source_needs = ("tokenizer",)
-    defaults = {"max_samples_listed": 50}
+    defaults = {"max_samples_listed": count(50)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         start = first_manifest(ctx)
@@ -80,6 +81,16 @@ class PromptTemplateConsistency(Check):
                     f"{exc}: the run's template would stall or exhaust memory wherever it is "
                     f"rendered; fix or replace it before training",
                     kind="template_over_budget",
+                    error=str(exc),
+                )
+            ]
+        except InputError as exc:  # the template does not parse (a syntax error, nesting past the parser's limit)
+            return [
+                self.finding(
+                    "template-unparsable",
+                    "fail",
+                    f"{exc}: no tokenizer can render the run's chat template; fix or replace it before training",
+                    kind="template_unparsable",
                     error=str(exc),
                 )
             ]

@@ -15,7 +15,7 @@ from ..dataset.layout import matches, run_layout, sample_blocks
 from ..dataset.sandbox import TemplateOverBudget, template_source
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, share
 from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer
 
 # Shapes of control markers in template literals: <|eot_id|>, <s>, </s>, <start_of_turn>, [INST].
@@ -86,7 +86,7 @@ class SpecialTokenAlignment(Check):
     }
     needs = ("tokenizer",)
     source_needs = ("tokenizer",)
-    defaults = {"untrained_row_fraction": 0.05}
+    defaults = {"untrained_row_fraction": share(0.05)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         try:

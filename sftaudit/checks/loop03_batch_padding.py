@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count, share
 
 
 class BatchPaddingStrategy(Check):
@@ -43,7 +43,7 @@ class BatchPaddingStrategy(Check):
         "padding-share": "the run's share of padding and what length grouping would save",
     }
     needs = ("batches",)
-    defaults = {"cv_threshold": 0.15, "padding_threshold": 0.6, "group_batches": 50}
+    defaults = {"cv_threshold": at_least(0.15, 0), "padding_threshold": share(0.6), "group_batches": count(50)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         batches = ctx.frame(

@@ -24,7 +24,7 @@ from ..dataset.layout import (
 )
 from ..dataset.sandbox import has_generation_block, template_source
 from ..errors import InputError
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count
 from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer
 
 _ADVICE = {
@@ -99,9 +99,9 @@ class LossMaskValidity(Check):
     }
     needs = ("batches",)
     defaults = {
-        "aggregate_tolerance": 0.001,
-        "max_samples_listed": 50,
-        "context_tokens": 6,
+        "aggregate_tolerance": at_least(0.001, 0),
+        "max_samples_listed": count(50),
+        "context_tokens": count(6, low=0),
         "expect": "assistant_tokens",
         "assistant_turns": "all",
     }

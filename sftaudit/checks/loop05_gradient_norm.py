@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.artifacts import GRAD_HIST_EDGES
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count, positive
 from .gradient_columns import gradient_columns
 from .stats.rolling import (
     adaptive_window,
@@ -95,15 +95,15 @@ class GradientNormAnomaly(Check):
     source_needs = ("grad_norm",)
     uses = ("grad_norms",)  # per tensor: without it, the global norm alone
     defaults = {
-        "max_tensors_listed": 20,
-        "sigma_across": 3.0,
-        "sigma_own": 6.0,
-        "min_ratio": 10.0,
-        "window": None,
-        "warmup_steps": None,
-        "min_periodic_spikes": 4,
-        "collapse_ratio": 1000.0,
-        "collapse_steps": 3,
+        "max_tensors_listed": count(20),
+        "sigma_across": positive(3.0),
+        "sigma_own": positive(6.0),
+        "min_ratio": at_least(10.0, 1),
+        "window": count(None, low=2),
+        "warmup_steps": count(None, low=0),
+        "min_periodic_spikes": count(4),
+        "collapse_ratio": at_least(1000.0, 1),
+        "collapse_steps": count(3),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

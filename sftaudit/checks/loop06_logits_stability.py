@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, share
 from .stats.rolling import previous_block_stats, robust_z, warmup_end
 
 
@@ -83,13 +83,13 @@ class LogitsStability(Check):
     }
     needs = ("probes",)
     defaults = {
-        "max_top1_std": 0.08,
-        "spread_window": 5,
-        "sigma": 6.0,
-        "min_ratio": 10.0,
-        "min_kl": 0.02,
-        "entropy_collapse": 0.5,
-        "window": 4,
+        "max_top1_std": positive(0.08),
+        "spread_window": count(5, low=2),
+        "sigma": positive(6.0),
+        "min_ratio": at_least(10.0, 1),
+        "min_kl": at_least(0.02, 0),
+        "entropy_collapse": share(0.5),
+        "window": count(4, low=2),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

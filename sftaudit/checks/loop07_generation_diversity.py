@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, count, share
 from .stats.rolling import runs_of
 from .stats.text import join_ngram, tokenize
 
@@ -43,7 +43,7 @@ class GenerationDiversity(Check):
         "diversity-lost": "distinct-1 of the generations stayed low for several generation steps",
     }
     needs = ("generations",)
-    defaults = {"min_distinct_1": 0.35, "consecutive": 3, "top_ngrams": 10}
+    defaults = {"min_distinct_1": share(0.35), "consecutive": count(3), "top_ngrams": count(10)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         rows = ctx.con.execute("SELECT step, prompt, text FROM generations ORDER BY step, prompt, sample").fetchall()

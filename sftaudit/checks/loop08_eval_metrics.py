@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.artifacts import TOKENIZER_DIR, artifact_root
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, probability, share
 from .stats.text import SharedTokenizer, tokenize
 
 
@@ -72,13 +72,13 @@ class EvalMetricDrift(Check):
     needs = (("evals", "samples"),)  # the metrics judge eval predictions; contamination, the training samples
     uses = ("evals", "samples")
     defaults = {
-        "window": 5,
-        "min_abs_r": 0.3,
-        "min_std": 0.005,
-        "trend_p": 0.01,
-        "near_duplicate": 0.85,
-        "max_leaked_share": 0.05,
-        "shingle": 3,
+        "window": count(5, low=3),  # a correlation over two points is always +-1
+        "min_abs_r": share(0.3),
+        "min_std": at_least(0.005, 0),
+        "trend_p": probability(0.01),
+        "near_duplicate": share(0.85),
+        "max_leaked_share": share(0.05),
+        "shingle": count(3),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

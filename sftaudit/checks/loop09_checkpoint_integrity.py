@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..readers.checkpoints import TRAINER_GLOBALS
 from ..readers.inspection import PROBLEMS, Inspection, groups_of, listed
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, Option, count
 from .resume_state import (
     cannot_resume,
     inspected,
@@ -83,10 +83,10 @@ class CheckpointIntegrity(Check):
     }
     needs = ("checkpoints",)
     defaults = {
-        "expected_dtype": None,  # e.g. "bfloat16"; default: the checkpoint's majority dtype
+        "expected_dtype": Option(None, kind=str),  # e.g. "bfloat16"; default: the checkpoint's majority dtype
         "require_resume_state": False,  # true: a checkpoint that cannot resume exactly fails
         "trusted_pickle_globals": list(TRAINER_GLOBALS),
-        "max_tensors_listed": 20,
+        "max_tensors_listed": count(20),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

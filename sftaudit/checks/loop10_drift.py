@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
 from .gradient_columns import gradient_columns
 from .stats.curve import excursions
 from .stats.rolling import (
@@ -80,17 +80,17 @@ class LossDynamics(Check):
     }
     needs = ("steps",)
     defaults = {
-        "sigma_spike": 6.0,
-        "min_effect": 1.2,
-        "diverge_steps": 5,
-        "window": None,
-        "lr_jump": 10.0,
-        "plateau_blocks": 4,
-        "plateau_tolerance": 0.005,
-        "gap_evals": 3,
-        "fdr_q": 0.01,
-        "min_volatility_ratio": 3.0,
-        "max_series_listed": 20,
+        "sigma_spike": positive(6.0),
+        "min_effect": at_least(1.2, 1),
+        "diverge_steps": count(5),
+        "window": count(None, low=2),
+        "lr_jump": at_least(10.0, 1),
+        "plateau_blocks": count(4, low=2),
+        "plateau_tolerance": at_least(0.005, 0),
+        "gap_evals": count(3),
+        "fdr_q": probability(0.01),
+        "min_volatility_ratio": at_least(3.0, 1),
+        "max_series_listed": count(20),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

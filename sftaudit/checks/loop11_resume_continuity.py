@@ -6,7 +6,7 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count
 from .resume_state import inspected, missing_state, saved_checkpoints
 
 
@@ -76,13 +76,13 @@ class ResumeContinuity(Check):
     }
     needs = ("steps",)
     defaults = {
-        "data_window": 50,
-        "lr_window": 2,
-        "lr_tolerance": 0.1,
-        "weight_tolerance": 1e-9,
-        "loss_window": 3,
-        "loss_jump_fraction": 0.05,
-        "max_ids_listed": 50,
+        "data_window": count(50),
+        "lr_window": count(2),
+        "lr_tolerance": at_least(0.1, 0),
+        "weight_tolerance": at_least(1e-9, 0),
+        "loss_window": count(3),
+        "loss_jump_fraction": at_least(0.05, 0),
+        "max_ids_listed": count(50),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import polars as pl
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count, share
 from .recorded import run_tokenizer
 
 IGNORE_INDEX = -100
@@ -50,7 +50,7 @@ class GarbageSamples(Check):
         "garbage-samples": "recorded samples are mostly raw bytes",
     }
     needs = ("samples",)
-    defaults = {"byte_share": 0.5, "baseline_factor": 4.0, "max_samples_listed": 10}
+    defaults = {"byte_share": share(0.5), "baseline_factor": at_least(4.0, 1), "max_samples_listed": count(10)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         samples = ctx.frame("SELECT step, sample_id, labels FROM samples WHERE rank = 0 ORDER BY step, micro, row")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, Option, at_least, count
 
 
 class LossNormalisation(Check):
@@ -73,12 +73,12 @@ class LossNormalisation(Check):
     needs = ("batches",)
     source_needs = ("micro_batch_loss",)
     defaults = {
-        "max_weight_error": 0.01,
-        "max_logged_error": 0.02,
-        "first_loss_factor": 2.0,
-        "max_objective_scale": 1.5,
-        "samples_listed": 5,
-        "token_mean_across_ranks": None,
+        "max_weight_error": at_least(0.01, 0),
+        "max_logged_error": at_least(0.02, 0),
+        "first_loss_factor": at_least(2.0, 1),
+        "max_objective_scale": at_least(1.5, 1),
+        "samples_listed": count(5),
+        "token_mean_across_ranks": Option(None, kind=bool),
     }  # None: as the run's config says
 
     def run(self, ctx: AuditContext) -> list[Finding]:

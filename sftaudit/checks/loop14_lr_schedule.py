@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count
 from .stats.rolling import positive, run_config, skipped_updates
 
 SPEEDS = (2, 3, 4, 5, 6, 8)  # how many times too fast (or slow) a mis-stepped scheduler may run
@@ -72,7 +72,7 @@ class LRScheduleConformance(Check):
         "endless-warmup": "the learning-rate warm-up lasted the whole run",
     }
     needs = ("steps",)
-    defaults = {"tolerance": 0.01, "resume_window": 3, "resume_tolerance": 0.1}
+    defaults = {"tolerance": at_least(0.01, 0), "resume_window": count(3), "resume_tolerance": at_least(0.1, 0)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         scheduler = self._scheduler(ctx)

@@ -6,7 +6,7 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count, probability
 from .gradient_columns import ABSENT, gradient_columns
 
 
@@ -56,7 +56,7 @@ class TrainableSetConformance(Check):
         "stale-gradient": "tensors had a gradient bit-identical in norm to the previous step's",
     }
     needs = ("grad_norms",)
-    defaults = {"min_steps": 3, "max_tensors_listed": 20, "chance_expected": 1e-3}
+    defaults = {"min_steps": count(3), "max_tensors_listed": count(20), "chance_expected": probability(1e-3)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         params = ctx.frame(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 
 # Attention implementations that turn position_ids restarts or cu_seq_lens into per-sample (varlen) attention.
 VARLEN_FROM_POSITIONS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
@@ -50,7 +50,7 @@ class PackingBoundaries(Check):
     }
     needs = ("batches",)
     source_needs = ("collator",)
-    defaults = {"rows_listed": 5}
+    defaults = {"rows_listed": count(5)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         if not ctx.has_rows("batches"):

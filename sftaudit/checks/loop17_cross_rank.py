@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count, positive
 from .stats.rolling import adaptive_window, previous_block_stats, robust_z
 
 # The inter-rank loss spread's sigma is the median over this many previous blocks (as LOOP-05's).
@@ -75,13 +75,13 @@ class CrossRankConsistency(Check):
     }
     needs = ("steps",)
     defaults = {
-        "total_norm_rtol": 1e-3,
-        "max_ids_listed": 10,
-        "max_tensors_listed": 20,
-        "loss_sigma": 6.0,
-        "loss_min_ratio": 3.0,
-        "loss_spread_floor": float(np.log(1.05)),
-        "window": None,
+        "total_norm_rtol": at_least(1e-3, 0),
+        "max_ids_listed": count(10),
+        "max_tensors_listed": count(20),
+        "loss_sigma": positive(6.0),
+        "loss_min_ratio": at_least(3.0, 1),
+        "loss_spread_floor": at_least(float(np.log(1.05)), 0),
+        "window": count(None, low=2),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -19,7 +19,7 @@ from ..readers.optimizer_state import (
     read_adam_state,
 )
 from ..store.rundb import recorded_checkpoints
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, at_least, count, share
 
 
 @dataclass
@@ -86,7 +86,12 @@ class OptimizerState(Check):
         "eps-dominated": "updates are dominated by Adam's eps: gradients smaller than eps",
     }
     needs = ("checkpoints",)
-    defaults = {"moment_jump": 10.0, "movement_jump": 10.0, "eps_share": 0.5, "max_tensors_listed": 20}
+    defaults = {
+        "moment_jump": at_least(10.0, 1),
+        "movement_jump": at_least(10.0, 1),
+        "eps_share": share(0.5),
+        "max_tensors_listed": count(20),
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         snapshots = self._snapshots(ctx)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
 from .stats.curve import excursions, rise_from_minimum
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, step_frame
 
@@ -59,11 +59,11 @@ class LossDivergence(Check):
     }
     needs = ("steps",)
     defaults = {
-        "sigma": 6.0,
-        "diverge_steps": 5,
-        "min_effect": 1.2,
-        "rise_factor": 1.3,
-        "rise_sigmas": 8.0,
+        "sigma": positive(6.0),
+        "diverge_steps": count(5),
+        "min_effect": at_least(1.2, 1),
+        "rise_factor": at_least(1.3, 1),
+        "rise_sigmas": positive(8.0),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, share
 from .stats.curve import NoChance, centred_median, chance_level, pretrained_evidence
 from .stats.rolling import column, loss_family, step_frame
 
@@ -79,7 +79,13 @@ class ChanceLevelLoss(Check):
         "above-unigram": "the first logged loss of a pretrained language model is above what token frequencies score",
     }
     needs = ("steps",)
-    defaults = {"tolerance": 0.15, "above": 0.15, "min_steps": 100, "min_points": 3, "unigram_share": 0.75}
+    defaults = {
+        "tolerance": at_least(0.15, 0),
+        "above": at_least(0.15, 0),
+        "min_steps": count(100),
+        "min_points": count(3),
+        "unigram_share": share(0.75),
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         family, keys = loss_family(ctx)

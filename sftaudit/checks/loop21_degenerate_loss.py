@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, count, positive, probability
 from .stats.rolling import MAD_TO_SIGMA, column, log_quantum, loss_family, nonfinite_logged, step_frame
 
 
@@ -65,7 +65,12 @@ class DegenerateLoss(Check):
         "negative-loss": "a cross-entropy loss logged below 0",
     }
     needs = ("steps",)
-    defaults = {"min_points": 3, "sigma": 6.0, "alpha": 1e-3, "min_quanta": 100}
+    defaults = {
+        "min_points": count(3, low=2),
+        "sigma": positive(6.0),
+        "alpha": probability(1e-3),
+        "min_quanta": count(100),
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         family, keys = loss_family(ctx)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, positive
 from .stats.rolling import column, run_config, step_frame
 
 # The largest learning rate a fine-tune uses with each optimizer family, generously: Adam-style updates are
@@ -128,7 +128,7 @@ class LearningRateRange(Check):
         "peak-too-high": "the peak learning rate is above any sane range for the optimizer",
     }
     needs = ("steps",)
-    defaults = {"adam_limit": FAMILY_LIMITS["adam"], "sgd_limit": FAMILY_LIMITS["sgd"]}
+    defaults = {"adam_limit": positive(FAMILY_LIMITS["adam"]), "sgd_limit": positive(FAMILY_LIMITS["sgd"])}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         frame = step_frame(ctx, "lr")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least
 from .stats.rolling import column, run_config, step_frame
 
 
@@ -38,7 +38,7 @@ class TrainEvalRatio(Check):
         "train-above-eval": "the training loss is far above the eval loss",
     }
     needs = ("steps", "metrics")
-    defaults = {"max_ratio": 3.0}
+    defaults = {"max_ratio": at_least(3.0, 1)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         evals = ctx.frame(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, Check, Finding
+from .base import AuditContext, Check, Finding, count
 from .stats.rolling import column, nonfinite_logged, skipped_updates, step_frame
 
 
@@ -68,7 +68,7 @@ class NonFiniteLogs(Check):
     }
     needs = ("steps",)
     uses = ("metrics",)
-    defaults = {"skip_streak": 5, "start_skips": 16, "max_steps_listed": 20}
+    defaults = {"skip_streak": count(5), "start_skips": count(16, low=0), "max_steps_listed": count(20)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         return self._loss_and_norm(ctx) + self._other_keys(ctx)

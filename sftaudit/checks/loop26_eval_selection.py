@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, share
 from .selection_metric import (
     BAND_SIGMA,
     ERROR_RATES,
@@ -80,7 +80,7 @@ class EvalSelection(Check):
         "metric-degenerate": "an eval metric sits at a degenerate level at the last evaluation",
     }
     needs = ("metrics",)
-    defaults = {"error_rate_level": 0.95, "chance_margin": 0.05}
+    defaults = {"error_rate_level": share(0.95), "chance_margin": share(0.05)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         series = eval_series(ctx.con)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding
+from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
 from .stats.curve import excursions
 from .stats.rolling import column, step_frame
 
@@ -52,7 +52,13 @@ class LoggedGradientNormSpike(Check):
         "first-norm": "the first logged gradient norm is far above the rest",
     }
     needs = ("steps",)
-    defaults = {"sigma": 6.0, "min_effect": 10.0, "diverge_steps": 5, "first_factor": 100.0, "max_listed": 20}
+    defaults = {
+        "sigma": positive(6.0),
+        "min_effect": at_least(10.0, 1),
+        "diverge_steps": count(5),
+        "first_factor": at_least(100.0, 1),
+        "max_listed": count(20),
+    }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         frame = step_frame(ctx, "grad_norm", "loss")

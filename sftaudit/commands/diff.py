@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, one_line
+from ..schema.golden import GOLDEN_VERSION
 
-GOLDEN_VERSION = 1
 NOISE_K = 6.0
 TENSORS_LISTED = 10
 # A series whose own noise is zero (a deterministic LR schedule) diverges above this relative gap.
@@ -74,7 +74,8 @@ def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) ->
         "run": manifest.get("run_id") or run_dir.name,
         "source": str(run_dir),
         "stride": stride,
-        "steps": {k: [_plain(v) for v in steps[k].tolist()] for k in ("step", "loss", "lr", "grad_norm")},
+        "steps": {"step": [int(s) for s in steps["step"].tolist()]}
+        | {k: [_plain(v) for v in steps[k].tolist()] for k in ("loss", "lr", "grad_norm")},
         "tensors": {name: {"steps": s, "norms": [_plain(v) for v in n]} for name, s, n in grads},
         "probes": [[s, p, i, _plain(v)] for s, p, i, v in probes],
         "data_order": {str(s): hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for s, ids in order},
@@ -103,9 +104,97 @@ def profile(run_dir: str | Path, stride: int = 1, with_findings: bool = True) ->
 
 def write_golden(run_dir: str | Path, out: str | Path, stride: int = 10) -> Path:
     golden = {"sftaudit_golden": GOLDEN_VERSION, **profile(run_dir, stride=stride)}
+    golden["not_finite"] = _nulls_for_not_finite(golden)
     out = Path(out)
-    out.write_text(json.dumps(golden, indent=None, separators=(",", ":"), allow_nan=True), encoding="utf-8")
+    out.write_text(json.dumps(golden, indent=None, separators=(",", ":"), allow_nan=False), encoding="utf-8")
     return out
+
+
+# A golden file larger than this is refused before it is read (a long run's, at the default stride, is a few MB).
+MAX_GOLDEN_BYTES = 256 * 1024 * 1024
+_SERIES = ("loss", "lr", "grad_norm")
+
+
+def _golden_series(golden: dict[str, Any]):
+    """(where, list) for each list of numbers in a golden file that may hold a value that is not finite."""
+    for key in _SERIES:
+        yield ["steps", key], golden["steps"][key]
+    for name, tensor in golden["tensors"].items():
+        yield ["tensors", name, "norms"], tensor["norms"]
+
+
+def _nulls_for_not_finite(golden: dict[str, Any]) -> list[dict[str, Any]]:
+    """Replace each NaN and infinity of the series with null (JSON has neither), in place; where they stood."""
+    out = []
+
+    def put(series, values, index):
+        out.append({"series": series, "index": index, "value": str(values[index])})  # nan, inf or -inf
+        values[index] = None
+
+    for series, values in _golden_series(golden):
+        for i in np.flatnonzero(
+            ~np.isfinite(np.array(values, dtype=float)) & np.array([v is not None for v in values])
+        ):
+            put(series, values, int(i))
+    for i, probe in enumerate(golden["probes"]):
+        if probe[3] is not None and not np.isfinite(probe[3]):
+            out.append({"series": ["probes"], "index": i, "value": str(probe[3])})
+            probe[3] = None
+    return out
+
+
+def _golden_schema():
+    import importlib.resources
+
+    from jsonschema import Draft202012Validator
+
+    text = (importlib.resources.files("sftaudit.schema") / "golden.schema.json").read_text(encoding="utf-8")
+    return Draft202012Validator(json.loads(text))
+
+
+def _read_golden(source: Path) -> dict[str, Any]:
+    """A golden file: a regular file under the size limit, JSON, valid against golden.schema.json, its series of
+    matching lengths; the values that were not finite put back. InputError in one line otherwise."""
+    from ..core.safe_io import read_bytes
+
+    again = f"write it again with `sftaudit golden RUN --out {source.name}`"
+    data = read_bytes(source, max_bytes=MAX_GOLDEN_BYTES)
+    try:
+        golden = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise InputError(f"{source}: not a golden file (nested too deeply to read); {again}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{source}: not a golden file (not JSON: {one_line(exc, 120)}); {again}") from None
+    if not isinstance(golden, dict) or golden.get("sftaudit_golden") != GOLDEN_VERSION:
+        raise InputError(f"{source}: not a golden file of version {GOLDEN_VERSION}; {again}")
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_golden_schema().iter_errors(golden))
+    if error is not None:
+        where = "/".join(map(str, error.absolute_path)) or "the top level"
+        raise InputError(f"{source}: not a valid golden file (at {where}: {one_line(error.message, 160)}); {again}")
+    steps = len(golden["steps"]["step"])
+    lengths = {f"steps/{key}": (len(golden["steps"][key]), steps) for key in _SERIES}
+    lengths |= {f"tensors/{n}": (len(t["norms"]), len(t["steps"])) for n, t in golden["tensors"].items()}
+    uneven = [where for where, (values, at) in lengths.items() if values != at]
+    if uneven:
+        raise InputError(f"{source}: not a valid golden file ({uneven[0]} is not as long as its steps); {again}")
+    for null in golden.get("not_finite") or []:
+        values = _lookup(golden, null["series"])
+        if values is None or not 0 <= null["index"] < len(values):
+            raise InputError(f"{source}: not a valid golden file (not_finite names no value); {again}")
+        if null["series"] == ["probes"]:
+            values[null["index"]][3] = float(null["value"])
+        else:
+            values[null["index"]] = float(null["value"])
+    return golden
+
+
+def _lookup(golden: dict[str, Any], series: list[str]) -> list | None:
+    node: Any = golden
+    for key in series:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, list) else None
 
 
 def load(source: str | Path) -> dict[str, Any]:
@@ -113,20 +202,9 @@ def load(source: str | Path) -> dict[str, Any]:
     source = Path(source)
     if source.is_dir():
         return profile(source)
-    if not source.is_file():
+    if not source.exists():
         raise InputError(f"{source}: neither a run folder nor a golden file")
-    try:
-        golden = json.loads(source.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(
-            f"{source}: not a golden file ({exc.__class__.__name__.lower()}); "
-            f"write one with `sftaudit golden RUN --out {source.name}`"
-        ) from None
-    if not isinstance(golden, dict) or golden.get("sftaudit_golden") != GOLDEN_VERSION:
-        raise InputError(
-            f"{source}: not a golden file of version {GOLDEN_VERSION}; "
-            f"write it again with `sftaudit golden RUN --out {source.name}`"
-        )
+    golden = _read_golden(source)
     golden["source"] = str(source)
     golden["findings"] = (
         [tuple(f) for f in golden.get("findings") or []] if golden.get("findings") is not None else None
@@ -379,7 +457,7 @@ def _digest(sha: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """JSON-safe float (NaN stays NaN: json writes it, `load` reads it back)."""
+    """A float, or None where nothing was recorded (`write_golden` writes the values that are not finite as null)."""
     return None if value is None else float(value)
 
 

@@ -18,7 +18,6 @@ Policy file (TOML)::
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from ..schema.findings import Finding
 from ..store.rundb import connect, load_manifest
 from ..verdict.attribution import findings_up_to, unusable
 from ..verdict.audit import audited, unjudged_reason
-from ..verdict.config import AuditConfig, read_small_text
+from ..verdict.config import AuditConfig, read_toml
 
 
 @dataclass(frozen=True)
@@ -53,10 +52,7 @@ class Policy:
     def load(cls, path: str | Path | None, strict: bool = False) -> Policy:
         data: dict[str, Any] = {}
         if path is not None:
-            try:
-                doc = tomllib.loads(read_small_text(path, "policy"))
-            except tomllib.TOMLDecodeError as exc:
-                raise InputError(f"policy {path}: not TOML ({exc})") from None
+            doc = read_toml(path, "policy")
             if set(doc) - {"gate"}:
                 raise InputError(f"policy {path}: unknown section [{sorted(set(doc) - {'gate'})[0]}]; known: [gate]")
             data = doc.get("gate", {})

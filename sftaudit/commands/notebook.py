@@ -29,12 +29,22 @@ from ..verdict.config import AuditConfig
 class AuditedRun:
     """One run folder (recorded by the shim, or a Trainer output_dir, imported on open)."""
 
-    def __init__(self, run_dir: str | Path, config: AuditConfig | None = None):
+    def __init__(self, run_dir: str | Path, config: AuditConfig | str | Path | dict | None = None):
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
             raise InputError(f"{run_dir}: no such run directory")
         inside_run_folder(self.run_dir)  # a link out of the run is refused before anything is written
-        self.config = config  # None: the config the stored verdict was judged with (else the defaults)
+        # None: the config the stored verdict was judged with (else the defaults); a TOML file's path, or its
+        # tables as a dict, are read as the CLI's --config is
+        if isinstance(config, (str, Path)):
+            config = AuditConfig.load(config)
+        elif isinstance(config, dict):
+            config = AuditConfig.from_dict(config)
+        elif config is not None and not isinstance(config, AuditConfig):
+            raise InputError(
+                f"config must be an AuditConfig, a TOML file's path or a dict, not {type(config).__name__}"
+            )
+        self.config = config
         self.refresh()
 
     def __repr__(self) -> str:

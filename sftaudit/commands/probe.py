@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..errors import InputError
+from ..errors import InputError, one_line
 from .common import EXIT_PASS, read, say
 
 
@@ -23,7 +23,9 @@ def _probe(args) -> int:
     try:
         eval_set = [json.loads(line) for line in read(args.eval).splitlines() if line.strip()] if args.eval else []
     except ValueError as exc:
-        raise InputError(f"{args.eval}: not JSONL ({exc})") from None
+        raise InputError(f"{args.eval}: not JSONL ({one_line(exc, 120)})") from None
+    except RecursionError:
+        raise InputError(f"{args.eval}: not JSONL this sftaudit reads (a line nested too deeply)") from None
     if any(not isinstance(it, dict) or "messages" not in it or "reference" not in it for it in eval_set):
         raise InputError(f"{args.eval}: each line needs messages and reference")
     if not prompts and not eval_set:

@@ -8,12 +8,13 @@ inside its root, stat'ed (which never blocks) and opened only when it is a regul
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from ..errors import InputError
+from ..errors import InputError, one_line
 
 # A file read whole (a JSON file, a pickle, a tokenizer file) larger than this is refused.
 MAX_WHOLE_FILE_BYTES = 256 * 1024 * 1024
@@ -84,6 +85,18 @@ def read_bytes(path: str | Path, root: str | Path | None = None, max_bytes: int 
 def read_text(path: str | Path, root: str | Path | None = None, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> str:
     """`read_bytes` decoded as UTF-8 (undecodable bytes replaced)."""
     return read_bytes(path, root, max_bytes).decode("utf-8", errors="replace")
+
+
+def read_json(path: str | Path, root: str | Path | None = None, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:
+    """A regular file's JSON value (see `read_bytes`); InputError in one line when it is not JSON, or nested
+    deeper than the parser's recursion limit (a JSON file of brackets a few MB long)."""
+    data = read_bytes(path, root, max_bytes)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to read") from None
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise InputError(f"{path}: not JSON ({one_line(exc, 120)})") from None
 
 
 def head(path: str | Path, n: int, root: str | Path | None = None) -> bytes:

@@ -74,6 +74,8 @@ def compiled_template(source: str) -> jinja2.Template | None:
         return _budgeted(source)
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"chat template does not parse: {one_line(exc)}") from None
+    except RecursionError:  # jinja's parser recurses once per nested expression: ((((... thousands deep
+        raise InputError("chat template does not parse: nested too deeply") from None
 
 
 # --------------------------------------------------------------------------- render budget

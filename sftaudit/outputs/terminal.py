@@ -44,6 +44,11 @@ def _summary(r: Rendering) -> str:
     lines += [
         f"  unreadable lines: {b['lines']} of {b['of']} in {shown(b['file'])}" for b in evidence.get("bad_lines", [])
     ]
+    lines += [
+        f"  text mended: {b['lines']} of {b['of']} lines in {shown(b['file'])} kept with characters no reader can hold "
+        f"escaped (a lone surrogate) or replaced (bytes not UTF-8)"
+        for b in evidence.get("mended_lines", [])
+    ]
     lines += [f"  note: {shown(note)}" for note in (verdict.get("resolution") or {}).get("notes") or []]
     not_run = [
         c

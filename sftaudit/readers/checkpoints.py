@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.safe_io import is_lfs_pointer, open_regular
+from ..core.safe_io import is_lfs_pointer, open_regular, read_text
 from ..errors import InputError, one_line
 
 # The safetensors library's own cap on the header; anything larger is hostile or broken.
@@ -221,6 +221,8 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path.name}: header is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path.name}: header is nested too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -289,10 +291,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     if not indexes:
         return sorted(folder.glob("*.safetensors"))
     try:
-        weight_map = json.loads(indexes[0].read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads(read_text(indexes[0].name, folder, MAX_HEADER_BYTES))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{indexes[0].name}: unreadable shard index ({exc})") from None
+        raise CheckpointError(f"{indexes[0].name}: unreadable shard index ({one_line(exc)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{indexes[0].name}: unreadable shard index (nested too deeply)") from None
     files = []
     for shard in shards:
         target = (folder / str(shard)).resolve()

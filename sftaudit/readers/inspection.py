@@ -23,7 +23,8 @@ from typing import Any
 import duckdb
 
 from ..core.hashing import file_sha256
-from ..core.safe_io import is_lfs_pointer, kind_of
+from ..core.safe_io import is_lfs_pointer, kind_of, read_json
+from ..errors import InputError
 from .checkpoints import (
     TRAINER_GLOBALS,
     CheckpointError,
@@ -635,6 +636,6 @@ def state_folder(run_dir: Path, path: Path, own_path: str, checkpoint_paths: Seq
 
 def _json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, ValueError):
+        return read_json(path) if path.is_file() else None
+    except (OSError, InputError):
         return None

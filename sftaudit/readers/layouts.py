@@ -21,12 +21,13 @@ never branch on formats. Nothing is unpickled; each reader says how it stays saf
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.safe_io import read_json
+from ..errors import InputError
 from .checkpoints import (
     TRAINER_GLOBALS,
     Call,
@@ -283,6 +284,6 @@ def _deepspeed(folder: Path, trusted: tuple[str, ...]) -> Weights:
 
 def _json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, ValueError):
+        return read_json(path) if path.is_file() else None
+    except (OSError, InputError):
         return None

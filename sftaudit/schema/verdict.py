@@ -180,6 +180,10 @@ class EvidenceCoverage(Record):
     ranks: list[RankCoverage] = described("What each rank recorded.", default_factory=list)
     components_off: list[ComponentOff] = described("Recording components switched off mid-run.", default_factory=list)
     bad_lines: list[LinesSkipped] = described("Lines that could not be read.", default_factory=list)
+    mended_lines: list[LinesSkipped] = described(
+        "Lines kept with text no reader can hold mended (a lone surrogate escaped, bytes not UTF-8 replaced).",
+        default_factory=list,
+    )
     missing: list[MissingEvidence] = described("Recorded steps without some of their evidence.", default_factory=list)
     dataset: DatasetCoverage | None = described("A preflight's dataset.", default=None, omit_none=True)
     checks_not_run: list[str] = described("Checks that raised or could not judge.", default_factory=list)

@@ -24,6 +24,7 @@ from typing import Any
 from ..core.artifacts import ARTIFACT_DIR, TOKENIZER_DIR, rank_dir
 from ..core.safe_io import read_text
 from ..core.tokenizer import load_saved_tokenizer
+from ..errors import InputError
 from .writer import read_jsonl
 
 POSTHOC_FILE = "posthoc.json"
@@ -82,7 +83,7 @@ def _tokenizer(run_dir: Path, targets: list[tuple[int, Path]]) -> Any:
     for path in [run_dir / ARTIFACT_DIR / TOKENIZER_DIR] + [p for _, p in reversed(targets)]:
         if (path / "tokenizer_config.json").is_file():
             return load_saved_tokenizer(path)  # raises TokenizerRefused: remote code, or not whole
-    raise ValueError(f"{run_dir}: no saved tokenizer to render the probe prompts with")
+    raise InputError(f"{run_dir}: no saved tokenizer to render the probe prompts with")
 
 
 def _load_model(path: Path, base: str | Path | None) -> Any:
@@ -92,7 +93,7 @@ def _load_model(path: Path, base: str | Path | None) -> Any:
 
     if (path / "adapter_config.json").is_file():
         if base is None:
-            raise ValueError(f"{path.name} holds a PEFT adapter: give the base model with --base")
+            raise InputError(f"{path.name} holds a PEFT adapter: give the base model with --base")
         base_model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, trust_remote_code=False)
         model = _with_adapter(base_model, path)
     else:
@@ -109,7 +110,7 @@ def _with_adapter(base_model: Any, path: Path) -> Any:
 
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
-        raise ValueError(
+        raise InputError(
             f"{path.name}: the adapter has no adapter_model.safetensors (a pickled adapter_model.bin is not loaded); "
             f"save it with safe_serialization=True"
         )

@@ -96,7 +96,11 @@ class JsonlWriter:
             if f is None:
                 if kind not in RECORD_KINDS:
                     raise ValueError(f"unknown record kind {kind!r}")
-                f = self._files[kind] = open(self.folder / f"{kind}.jsonl", "a", encoding="utf-8")
+                # A lone surrogate (a sample id decoded with surrogateescape) cannot be UTF-8: written as its
+                # JSON escape (`\\udc80`, inside the JSON string it came in), the record is kept.
+                f = self._files[kind] = open(
+                    self.folder / f"{kind}.jsonl", "a", encoding="utf-8", errors="backslashreplace"
+                )
                 _terminate_torn_line(f, self.folder / f"{kind}.jsonl")
             if columns is not None:
                 self._series.append(record.get("seg", 0), record["step"], *columns)

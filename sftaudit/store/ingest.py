@@ -70,9 +70,12 @@ DEFAULT_MAX_RECORD_BYTES = 64 * 2**20  # a full sample row of a long context is 
 DEFAULT_MAX_FILE_BYTES = 16 * 2**30
 HEAD_BYTES = 4096  # an artifact is the file ingested before if its first block is unchanged
 _COPY_BLOCK = 8 * 2**20
-# Rows a gradient-norm part may hold: the shim rolls a part every ROLL_VALUES norms (plus the step that crosses
-# it); one claiming many more is no part of ours (a decompression bomb: its footer is read, never its rows).
+# Rows a gradient-norm part may hold: the shim rolls a part every ROLL_VALUES norms, plus the step that crosses it
+# (one norm per tensor the manifest lists; MAX_PART_ROWS where it lists none). One claiming more is no part of ours
+# (a decompression bomb: its footer is read, never its rows).
 MAX_PART_ROWS = 64 * ROLL_VALUES
+# The bytes a part's rows take uncompressed (step, idx, norm, norm_post_clip: 20), with room for page overhead.
+PART_ROW_BYTES, PART_SLACK_BYTES = 64, 2**16
 
 
 def rank_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -125,6 +128,7 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
             f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
             f"the shim writes it when recording starts: record the run again"
         )
+    _refuse_repeated_steps(con)
     _ingest_series(con, files)
     _supersede_abandoned_steps(con)
     parts = validated_parts(con, run_dir)
@@ -136,6 +140,24 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
     _reduced_step_totals(con)
     con.commit()
     return added
+
+
+def _refuse_repeated_steps(con: duckdb.DuckDBPyConnection) -> None:
+    """The shim writes each step once per segment (a resume starts a new one): a step recorded twice in one
+    segment is artifacts copied into themselves, and no check could tell which record to judge."""
+    if first_row(con, "SELECT bool_or(coalesce(manifest->>'$.imported' = 'true', false)) FROM manifest")[0]:
+        return  # an importer writes the steps its logs hold, merged
+    repeated = first_row(
+        con,
+        """SELECT rank, seg, min(step), count(*) FROM (SELECT rank, seg, step FROM steps
+               GROUP BY ALL HAVING count(*) > 1) GROUP BY ALL ORDER BY rank, seg LIMIT 1""",
+    )
+    if repeated is not None and repeated[0] is not None:
+        rank, seg, step, n = repeated
+        raise InputError(
+            f"rank-{rank}/steps.jsonl records {n} step(s) more than once in segment {seg} (first step {step}); "
+            f"the shim writes each step once per segment: repair or re-record the artifacts"
+        )
 
 
 def _stale(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> bool:
@@ -375,7 +397,7 @@ def _ingest_series(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> None:
         for name in parts:
             key = f"{prefix}/{name}"
             if key not in known:
-                validated.append((rank, seg, *_part(files, folder / name, key)))
+                validated.append((rank, seg, *_part(files, folder / name, key, _max_part_rows(con, rank, seg))))
         # A journal's last step may lack its steps record (killed between the two): it is left out.
         last = first_row(con, f"SELECT max(step) FROM ({recorded}) WHERE rank = ? AND seg = ?", [rank, seg])[0]
         for journal in journals:
@@ -442,7 +464,12 @@ def _read_journal(path: Path, files: _RunFiles) -> dict:
         os.close(fd)
 
 
-def _part(files: _RunFiles, path: Path, key: str) -> tuple:
+def _max_part_rows(con: duckdb.DuckDBPyConnection, rank: int, seg: int) -> int:
+    tensors = first_row(con, "SELECT count(*) FROM params WHERE rank = ? AND seg = ?", [rank, seg])[0]
+    return min(ROLL_VALUES + tensors, MAX_PART_ROWS) if tensors else MAX_PART_ROWS
+
+
+def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS) -> tuple:
     """A new part, read from one descriptor: its header, footer and schema must be what the shim writes, and
     its rows no more than it writes. Returns (its distinct steps, its ingest_state row)."""
     import numpy as np  # only a run with a columnar series needs these
@@ -470,10 +497,16 @@ def _part(files: _RunFiles, path: Path, key: str) -> tuple:
                     f"{path}: not a gradient-norm part (expected step INT64, idx INT32, norm FLOAT; "
                     f"found {', '.join(wrong)}); {again}"
                 )
-            if not 0 <= rows <= MAX_PART_ROWS:
+            if not 0 <= rows <= max_rows:
                 raise InputError(
-                    f"{path}: claims {rows} rows, more than the {MAX_PART_ROWS} a part of the shim holds "
+                    f"{path}: claims {rows} rows, more than the {max_rows} a part of the shim holds "
                     f"(a decompression bomb, or not the shim's); {again}"
+                )
+            unpacked = sum(part.metadata.row_group(i).total_byte_size for i in range(part.metadata.num_row_groups))
+            if not 0 <= unpacked <= rows * PART_ROW_BYTES + PART_SLACK_BYTES:
+                raise InputError(
+                    f"{path}: claims {unpacked} bytes uncompressed for {rows} rows, more than a part of the shim "
+                    f"holds (a decompression bomb, or not the shim's); {again}"
                 )
             try:
                 step = part.read(columns=["step"], use_threads=False).column("step").to_numpy() if rows else None
@@ -498,15 +531,21 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, ki
     if not os.path.lexists(path):
         return 0
     key = str(path.relative_to(path.parent.parent))
-    row = first_row(con, 'SELECT "offset", records, bad_lines, lines FROM ingest_state WHERE file = ?', [key])
-    offset, records, bad, lines = row if row else (0, 0, 0, 0)
+    row = first_row(
+        con,
+        'SELECT "offset", records, bad_lines, lines, coalesce(mended_lines, 0) FROM ingest_state WHERE file = ?',
+        [key],
+    )
+    offset, records, bad, lines, mended = row if row else (0, 0, 0, 0, 0)
     fd, st = files.open(path)
     try:
         # A copy of the new lines in the cache's staging folder: the one folder DuckDB may read besides the parts.
         fd_tmp, tmp = tempfile.mkstemp(suffix=".jsonl", dir=database_path(files.run_dir).parent / STAGING_DIR)
         try:
             with os.fdopen(fd_tmp, "wb") as out:
-                end, copied, refused = _copy_complete_lines(fd, offset, st.st_size, files.max_record_bytes, out)
+                end, copied, refused, mended_now = _copy_complete_lines(
+                    fd, offset, st.st_size, files.max_record_bytes, out
+                )
             if copied:
                 new = (
                     _ingest_manifests(con, rank, tmp, path, lines)
@@ -523,20 +562,30 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, ki
     if end == offset and row:
         return 0
     con.execute(
-        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head) '
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [key, end, records + new, bad + copied - new + refused, lines + copied + refused, st.st_dev, st.st_ino, head],
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head, '
+        "mended_lines) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            key,
+            end,
+            records + new,
+            bad + copied - new + refused,
+            lines + copied + refused,
+            st.st_dev,
+            st.st_ino,
+            head,
+            mended + mended_now,
+        ],
     )
     return new
 
 
-def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int]:
+def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int, int]:
     """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks (a lone
-    surrogate escaped as text: `_readable`). Returns (offset after the last complete line, lines copied,
-    lines refused: blank or over `max_record` bytes). A torn last line waits for its newline, unless it is
+    surrogate escaped as text, bytes that are not UTF-8 replaced: `_readable`). Returns (offset after the last
+    complete line, lines copied, lines refused: blank or over `max_record` bytes, lines copied mended). A torn last line waits for its newline, unless it is
     already over the limit: no record is that long, so it is refused too and read past."""
     pos, start, current, oversize = offset, offset, bytearray(), False
-    copied = refused = 0
+    copied = refused = mended = 0
     while pos < size:
         block = os.pread(fd, min(_COPY_BLOCK, size - pos), pos)
         if not block:
@@ -555,15 +604,17 @@ def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) 
             if oversize or not current.strip():  # the shim writes no blank line: one is a record lost
                 refused += 1
             else:
-                out.write(_readable(bytes(current)) + b"\n")
+                line = _readable(bytes(current))
+                out.write(line + b"\n")
                 copied += 1
+                mended += line != current
             current, oversize, at = bytearray(), False, nl + 1
             start = pos + at
         pos += len(block)
     if oversize:
         refused += 1
         start = size
-    return start, copied, refused
+    return start, copied, refused, mended
 
 
 # A JSON escape: a surrogate pair, a lone surrogate, or any other (`\\` included, so a pair of backslashes
@@ -576,7 +627,14 @@ _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def _readable(line: bytes) -> bytes:
     """A line whose strings hold a lone surrogate (``\\ud800``: no character, so DuckDB refuses the whole
-    record) with each such escape kept as text (the six characters ``\\ud800``); other lines as they are."""
+    record) with each such escape kept as text (the six characters ``\\ud800``), and bytes that are not UTF-8
+    (a surrogate written raw) replaced by U+FFFD: the record is kept, only the text that no reader can hold is
+    changed. Other lines as they are."""
+    if not line.isascii():
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            line = line.decode("utf-8", "replace").encode("utf-8")
     if not _SURROGATE.search(line):
         return line
     return _ESCAPE.sub(lambda m: b"\\\\" + m.group(1) if m.group(1) else m.group(0), line)
@@ -668,8 +726,9 @@ def _manifest_problem(m) -> str | None:
     """Why a manifest record cannot be read (None: it can)."""
     if not isinstance(m, dict):
         return "a manifest record must be a JSON object"
-    if "schema_version" in m and not _int32(m["schema_version"]):  # null too: it says which reader reads the rest
-        return f"schema_version must be an integer (32-bit), not {json.dumps(m['schema_version'])[:40]}"
+    if "schema_version" in m and not (_int32(m["schema_version"]) and m["schema_version"] >= 1):  # null too: it
+        # says which reader reads the rest
+        return f"schema_version must be an integer (32-bit) >= 1, not {json.dumps(m['schema_version'])[:40]}"
     for name in ("seg", "world_size"):
         if name in m and m[name] is not None and not _int32(m[name]):
             return f"{name} must be an integer (32-bit), not {str(m[name])[:40]!r}"
@@ -707,7 +766,25 @@ def _manifest_problem(m) -> str | None:
     ):
         if m.get(name) is not None and not isinstance(m[name], kind):
             return f"{name} must be a JSON {'object' if kind is dict else 'list'}, not {type(m[name]).__name__}"
+    special = (m.get("tokenizer") or {}).get("special_tokens")
+    if special is not None and not (
+        isinstance(special, dict) and all(v is None or isinstance(v, dict) for v in special.values())
+    ):
+        return "tokenizer.special_tokens must map each role (bos, eos, pad...) to an object"
+    for name in _PLAN_FIELDS:  # the checks take the run's plan from these
+        value = (m.get("config") or {}).get(name)
+        if value is not None and not _plan_number(value):
+            return f"config.{name} must be a finite number of steps, not {json.dumps(value)[:40]}"
     return None
+
+
+# The run's plan in a manifest's config, which LOOP-14 and LOOP-24 read (the Trainer's names).
+_PLAN_FIELDS = ("max_steps", "logging_steps", "save_steps", "eval_steps", "warmup_steps", "num_train_epochs")
+
+
+def _plan_number(value) -> bool:
+    """A number of steps (or epochs) a run can plan: finite, within a 64-bit integer; -1 is the Trainer's "none"."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 2**63
 
 
 def _ingest_manifests(con: duckdb.DuckDBPyConnection, rank: int, tmp: str, path: Path, before: int) -> int:

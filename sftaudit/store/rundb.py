@@ -48,7 +48,8 @@ LOCK_TIMEOUT = 600.0  # seconds one audit waits for another on the same run
 # 3: each part's steps listed at ingest (grad_part_steps).
 # 4: kept in sftaudit's cache, outside the run folder; the stored verdict with what it was judged on.
 # 5: checkpoints carry the guard's kept copy (kept_path).
-DATABASE_FORMAT = 5
+# 6: ingest_state counts the lines kept with text mended (mended_lines: a lone surrogate, bytes not UTF-8).
+DATABASE_FORMAT = 6
 STAGING_DIR = "staging"  # ingest's copies of new artifact lines, read by DuckDB's JSON reader
 # Characters DuckDB's file readers take for a glob pattern (a path holding them is escaped, `_literal`).
 _GLOB = "*?["
@@ -61,7 +62,7 @@ RECORD_COLUMNS: dict[str, dict[str, str]] = {
 
 _SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS ingest_state (file VARCHAR PRIMARY KEY, "offset" BIGINT, records BIGINT, bad_lines BIGINT,
-    lines BIGINT, device BIGINT, inode BIGINT, head VARCHAR);
+    lines BIGINT, device BIGINT, inode BIGINT, head VARCHAR, mended_lines BIGINT);
 CREATE TABLE IF NOT EXISTS manifest (rank INTEGER, seg INTEGER, run_id VARCHAR, schema_version INTEGER,
     profile VARCHAR, world_size INTEGER, started DOUBLE, grad_norm_source VARCHAR, manifest JSON);
 CREATE TABLE IF NOT EXISTS params (rank INTEGER, seg INTEGER, idx INTEGER, name VARCHAR, shape INTEGER[],

@@ -169,6 +169,7 @@ def evidence_coverage(
         "ranks": ranks,
         "components_off": off,
         "bad_lines": bad,
+        "mended_lines": mended_lines(con),
         "missing": missing,
         "checks_not_run": [e["code"] for e in check_errors] + sorted(not_judged),
         "partial": partial,
@@ -189,6 +190,15 @@ def bad_lines(con) -> list[dict[str, Any]]:
         if excess > 0:
             out.append({"file": file, "lines": int(excess), "of": int(lines or bad)})
     return out
+
+
+def mended_lines(con) -> list[dict[str, Any]]:
+    """Artifact files with records kept whose text was mended (a lone surrogate kept as its escape, bytes that
+    are not UTF-8 replaced): file, lines mended, lines read."""
+    rows = con.execute(
+        "SELECT file, mended_lines, lines FROM ingest_state WHERE mended_lines > 0 ORDER BY file"
+    ).fetchall()
+    return [{"file": file, "lines": int(n), "of": int(lines or n)} for file, n, lines in rows]
 
 
 def skipped_at_import(manifest: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -28,10 +28,13 @@ import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
 from ..store.ingest import DEFAULT_MAX_FILE_BYTES, DEFAULT_MAX_RECORD_BYTES
+
+if TYPE_CHECKING:
+    from ..checks.base import Option
 
 # Steps between the rollback checkpoint and the first anomalous step, at least: 1 is the last
 # checkpoint before the anomaly; a cautious choice rolls back to `step_id - 3` (3); PaLM-style practice
@@ -41,8 +44,6 @@ DEFAULT_ROLLBACK_MARGIN = 1
 DEFAULT_MAX_MISSING_SHARE = 0.01
 MAX_CONFIG_BYTES = 2**20
 
-# Options whose default is None ("decided from the run"): the type a value given for them must have.
-_OPTIONAL_TYPES = {"window": int, "warmup_steps": int, "expected_dtype": str, "token_mean_across_ranks": bool}
 _SECTIONS = {"checks", "audit", "verdict", "ingest"}
 
 
@@ -69,6 +70,17 @@ def read_small_text(path: str | Path, what: str, limit: int = MAX_CONFIG_BYTES) 
         raise InputError(f"{what} {path}: not UTF-8 text (byte {exc.start})") from None
 
 
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A small TOML file given on the command line (config, policy); InputError in one line when it is not TOML,
+    or nested deeper than the parser's recursion limit."""
+    try:
+        return tomllib.loads(read_small_text(path, what))
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{what} {path}: not TOML ({exc})") from None
+    except RecursionError:
+        raise InputError(f"{what} {path}: not TOML this sftaudit reads (nested too deeply)") from None
+
+
 def _type_name(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}[kind]
 
@@ -93,7 +105,7 @@ def _checked(where: str, value: Any, kind: type) -> Any:
     return float(value) if kind is float else value
 
 
-def _check_options(path: Any, checks: Any, known: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _check_options(path: Any, checks: Any, known: dict[str, dict[str, Option]]) -> dict[str, dict[str, Any]]:
     if not isinstance(checks, dict):
         raise InputError(f"config {path}: [checks] must be a table of check codes")
     out = {}
@@ -102,16 +114,18 @@ def _check_options(path: Any, checks: Any, known: dict[str, dict[str, Any]]) -> 
             raise InputError(f"config {path}: unknown check {code!r} in [checks]; known: {', '.join(known)}")
         if not isinstance(options, dict):
             raise InputError(f'config {path}: checks."{code}" must be a table of options, not {options!r}')
-        defaults = known[code]
+        declared = known[code]
         for name, value in options.items():
-            if name not in defaults:
-                raise InputError(f"config {path}: {code}: unknown options [{name!r}]; known: {sorted(defaults)}")
-            default = defaults[name]
-            kind = _OPTIONAL_TYPES.get(name, str) if default is None else type(default)
-            _checked(f'config {path}: checks."{code}".{name}', value, kind)
+            if name not in declared:
+                raise InputError(f"config {path}: {code}: unknown options [{name!r}]; known: {sorted(declared)}")
+            option, where = declared[name], f'config {path}: checks."{code}".{name}'
+            kind = option.value_type or str
+            _checked(where, value, kind)
             if kind is list and not all(isinstance(v, str) for v in value):
-                raise InputError(f'config {path}: checks."{code}".{name} must be a list of strings')
-        out[code] = {k: float(v) if isinstance(defaults[k], float) else v for k, v in options.items()}
+                raise InputError(f"{where} must be a list of strings")
+            if kind in (int, float) and not option.in_range(value):
+                raise InputError(f"{where} must be {_type_name(kind)} {option.range_words()}, not {value!r}")
+        out[code] = {k: float(v) if declared[k].value_type is float else v for k, v in options.items()}
     return out
 
 
@@ -139,17 +153,13 @@ class AuditConfig:
     def load(cls, path: str | Path | None) -> AuditConfig:
         if path is None:
             return cls()
-        try:
-            data = tomllib.loads(read_small_text(path, "config"))
-        except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"config {path}: not TOML ({exc})") from None
-        return cls.from_dict(data, path)
+        return cls.from_dict(read_toml(path, "config"), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: Any = "<dict>") -> AuditConfig:
         from ..checks import registered_checks  # the known codes and their option types
 
-        known = {c.code: c.defaults for c in registered_checks()}
+        known = {c.code: c.options for c in registered_checks()}
         rule_ids = [f"{c.code}/{slug}" for c in registered_checks() for slug in c.rules]
         unknown = sorted(set(data) - _SECTIONS)
         if unknown:

@@ -93,20 +93,46 @@ def test_one_bad_line_is_shown_and_judged_against_the_allowed_share(clean_run, t
     assert (missing["rank"], missing["steps"], missing["of"], missing["first_step"]) == (0, 1, 30, 5)
 
 
+# The CLI with LOOP-05 made to raise as a check with a bug would: what sftaudit does then is under test, not the bug.
+_CRASHING_LOOP05 = """
+import sys
+from sftaudit.checks.loop05_gradient_norm import GradientNormAnomaly
+def broken(self, ctx):
+    raise ValueError("operands could not be broadcast together with shapes (40,) (30,)")
+GradientNormAnomaly.run = broken
+from sftaudit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_cli_with_a_crashing_check(*args):
+    return subprocess.run(
+        [sys.executable, "-c", _CRASHING_LOOP05, *map(str, args)], capture_output=True, text=True, timeout=600
+    )
+
+
 def test_a_check_that_crashes_makes_audit_and_gate_exit_2(nan_run, tmp_path):
-    """Duplicated step records crash LOOP-05 (operands could not be broadcast): a NaN run that would
-    otherwise FAIL cannot be judged, and says which check, why, and how to go on."""
+    """A check that raises (LOOP-05, made to): a NaN run that would otherwise FAIL cannot be judged, and says
+    which check, why, and how to go on."""
     run = copy_run(nan_run, tmp_path / "run")
-    steps = rank_dir(run, 0) / "steps.jsonl"
-    steps.write_bytes(steps.read_bytes() * 2)
-    result = run_cli("audit", run, "--no-report", "--out", tmp_path / "out")
+    result = run_cli_with_a_crashing_check("audit", run, "--no-report", "--out", tmp_path / "out")
     one_line_exit_2(result, "check LOOP-05 failed to run", 'disable it in the config ([audit] disable = ["LOOP-05"')
     verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
     assert verdict["verdict"] == "unjudged" and "LOOP-05" in verdict["evidence"]["checks_not_run"]
     assert {c["code"]: c["status"] for c in verdict["checks"]}["LOOP-05"] == "error"
-    result = run_cli("gate", run, "--checkpoint", "checkpoint-10", "--junit", tmp_path / "gate.xml")
+    result = run_cli_with_a_crashing_check(
+        "gate", run, "--checkpoint", "checkpoint-10", "--junit", tmp_path / "gate.xml"
+    )
     one_line_exit_2(result, "check LOOP-05 failed to run")
     assert not (tmp_path / "gate.xml").exists()
+
+
+def test_steps_recorded_twice_are_refused_before_any_check_runs(nan_run, tmp_path):
+    """Duplicated step records (they crashed LOOP-05 and LOOP-10 once): refused at ingest in one line."""
+    run = copy_run(nan_run, tmp_path / "run")
+    steps = rank_dir(run, 0) / "steps.jsonl"
+    steps.write_bytes(steps.read_bytes() * 2)
+    one_line_exit_2(run_cli("audit", run, "--no-report", "--out", tmp_path / "out"), "more than once in segment 0")
 
 
 def test_a_preflight_where_no_sample_renders_is_never_a_pass(clean_run, tmp_path):
