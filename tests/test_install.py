@@ -60,3 +60,15 @@ def test_the_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         [str(venv / "bin" / "sftaudit"), "--help"], capture_output=True, text=True, cwd=tmp_path, check=False
     )
     assert cli.returncode == 0 and "audit" in cli.stdout
+
+
+def test_every_package_folder_is_in_the_wheel_list():
+    """pyproject.toml lists the packages a wheel holds: a new folder of modules missing there installs nothing."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "sftaudit").rglob("__init__.py")}
+    folders |= {
+        ".".join(("sftaudit", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / "fixtures").rglob("__init__.py")
+    }
+    assert folders - listed == set()

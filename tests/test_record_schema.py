@@ -34,6 +34,8 @@ RARE = {
     ("events", "probe", SHIM),  # shim_error / probe_disabled
     ("events", "error", SHIM),  # shim_error, a close by an exception, grad_hists_not_recorded
     ("events", "traceback", SHIM),  # shim_error
+    ("events", "halted", SHIM),  # the guard stopped the run
+    ("checkpoints", "kept_path", SHIM),  # the guard kept the last good checkpoint out of the rotation
 }
 
 

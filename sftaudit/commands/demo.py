@@ -17,7 +17,16 @@ def run(args) -> int:
         run_dir = train_demo_run(args.workdir, name, steps=args.steps)
         # The audit command itself, with its defaults: verdict.json and report.html in reports/<run>/, its summary.
         audit_args = argparse.Namespace(
-            run_dir=run_dir, config=None, data=None, out=None, no_report=False, sarif=None, strict=False, github=False
+            run_dir=run_dir,
+            config=None,
+            data=None,
+            source=None,
+            log_file=None,
+            out=None,
+            no_report=False,
+            sarif=None,
+            strict=False,
+            github=False,
         )
         codes[name] = audit.run(audit_args)
     ok = codes["demo-clean"] == EXIT_PASS and codes["demo-nan"] == EXIT_FAIL

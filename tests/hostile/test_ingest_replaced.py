@@ -47,11 +47,11 @@ def test_a_file_rewritten_in_place_is_noticed(nan_run, tmp_path):
     ingest(run)
     steps = rank_dir(run, 0) / "steps.jsonl"
     data = steps.read_bytes()
-    with open(steps, "r+b") as f:  # step 1's record now claims step 9 (same length): stale rows otherwise
-        f.write(data.replace(b'"step":1,', b'"step":9,', 1))
+    with open(steps, "r+b") as f:  # step 1's record now claims step 0 (same length): stale rows otherwise
+        f.write(data.replace(b'"step":1,', b'"step":0,', 1))
     ingest(run)
     con = duckdb.connect(str(database_path(run)), read_only=True)
-    assert con.execute("SELECT list(step ORDER BY step)[1:2] FROM steps").fetchone()[0] == [2, 3]
+    assert con.execute("SELECT list(step ORDER BY step)[1:3] FROM steps").fetchone()[0] == [0, 2, 3]
 
 
 def test_rows_deleted_from_the_database_are_rebuilt(nan_run, tmp_path):
