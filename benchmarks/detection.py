@@ -207,7 +207,7 @@ class Shape:
     inject: Callable
     strengths: tuple
     goal: tuple
-    owner: str  # whose checks are meant to find it
+    owner: str  # the checks meant to find it
     needs: Callable[[Log], bool] = lambda log: True
 
 
@@ -374,18 +374,18 @@ def decays(log: Log) -> bool:
 
 
 SHAPES = [
-    Shape("spike", _spike, (1.5, 2.0, 3.0, 5.0), (3.0, 5.0), "dyn: LOOP-10"),
-    Shape("creep", _creep, (1.5, 2.0, 4.0), (2.0, 4.0), "dyn: LOOP-19", lambda log: log.loss.size >= 8),
-    Shape("lr_rise", _lr_rise, (1.5, 2.0, 3.0), (2.0, 3.0), "dyn: LOOP-19", lambda log: log.loss.size >= 8),
-    Shape("chance", _chance, (3, "to the end"), (3, "to the end"), "dyn: LOOP-20", lambda log: not log.preference),
-    Shape("nan_metric", _nan_metric, (1, 3), (1, 3), "dyn: LOOP-25", lambda log: log.preference or has_evals(log)),
-    Shape("zero_loss", _zero, (2, 3, "to the end"), (3, "to the end"), "dyn: LOOP-21"),
-    Shape("gn_spike", _gn_spike, (5.0, 10.0, 20.0, 50.0), (20.0, 50.0), "dyn: LOOP-27", has_gn),
-    Shape("eval_jump", _eval_jump, (1.2, 1.5, 2.0), (1.5, 2.0), "keep: LOOP-26 / LOOP-10", has_evals),
-    Shape("scale_mismatch", _scale, (2.0, 4.0, 8.0), (4.0, 8.0), "dyn: LOOP-19 / LOOP-23"),
-    Shape("scheduler_restart", _restart, (1, "10%"), (1, "10%"), "logs: LOOP-14 / LOOP-10", decays),
-    Shape("stopped_early", _stop, (0.5, 0.8), (0.5, 0.8), "logs: LOOP-24"),
-    Shape("glued", _glued, (0.3, 0.6), (0.3, 0.6), "logs: runs in a folder / dyn: LOOP-19"),
+    Shape("spike", _spike, (1.5, 2.0, 3.0, 5.0), (3.0, 5.0), "LOOP-10"),
+    Shape("creep", _creep, (1.5, 2.0, 4.0), (2.0, 4.0), "LOOP-19", lambda log: log.loss.size >= 8),
+    Shape("lr_rise", _lr_rise, (1.5, 2.0, 3.0), (2.0, 3.0), "LOOP-19", lambda log: log.loss.size >= 8),
+    Shape("chance", _chance, (3, "to the end"), (3, "to the end"), "LOOP-20", lambda log: not log.preference),
+    Shape("nan_metric", _nan_metric, (1, 3), (1, 3), "LOOP-25", lambda log: log.preference or has_evals(log)),
+    Shape("zero_loss", _zero, (2, 3, "to the end"), (3, "to the end"), "LOOP-21"),
+    Shape("gn_spike", _gn_spike, (5.0, 10.0, 20.0, 50.0), (20.0, 50.0), "LOOP-27", has_gn),
+    Shape("eval_jump", _eval_jump, (1.2, 1.5, 2.0), (1.5, 2.0), "LOOP-26 / LOOP-10", has_evals),
+    Shape("scale_mismatch", _scale, (2.0, 4.0, 8.0), (4.0, 8.0), "LOOP-19 / LOOP-23"),
+    Shape("scheduler_restart", _restart, (1, "10%"), (1, "10%"), "LOOP-14 / LOOP-10", decays),
+    Shape("stopped_early", _stop, (0.5, 0.8), (0.5, 0.8), "LOOP-24"),
+    Shape("glued", _glued, (0.3, 0.6), (0.3, 0.6), "runs in a folder / LOOP-19"),
     Shape("dip", _dip, (0.5,), (), "control: never a finding"),
 ]
 
@@ -515,7 +515,7 @@ def main() -> int:
 
 def table(results: list[dict], shapes: list[Shape], clean: dict) -> str:
     lines = [
-        "| shape | strength | runs | detected | median latency (steps / windows) | found by | early | whose |",
+        "| shape | strength | runs | detected | median latency (steps / windows) | found by | early | meant for |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for shape in shapes:
