@@ -189,6 +189,17 @@ def test_a_bad_webhook_address_is_one_line_and_exit_2(tmp_path, capsys):
     assert "secret-token" not in capsys.readouterr().err
 
 
+def test_a_run_folder_refused_for_what_it_is_exits_2_at_once(tmp_path, capsys):
+    """A link out of the run never becomes readable: one line and exit 2, not a wait until --idle-timeout."""
+    run = tmp_path / "run"
+    (run / "sftaudit").mkdir(parents=True)
+    (run / "sftaudit" / "rank-0").symlink_to(tmp_path)
+    started = time.monotonic()
+    code, out = watch(run, "--idle-timeout", 3600, capsys=capsys)
+    assert code == 2 and time.monotonic() - started < 60
+    assert "outside the run folder" in out.err and out.err.count("\n") == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nan_at", [NAN_AT, None], ids=["nan", "clean"])
 def test_watch_follows_a_run_written_step_by_step(tmp_path, nan_at):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..core.safe_io import UnsafeFile
 from ..core.terminal import shown
 from ..errors import InputError, one_line
 from .common import EXIT_CANNOT_JUDGE, EXIT_FAIL, error, exit_code, say
@@ -70,6 +71,8 @@ class Watch:
             try:
                 verdict, grew, end = self._poll()
                 waiting = None
+            except UnsafeFile:  # refused for what it is (a link out of the run, a FIFO): no wait makes it readable
+                raise
             except InputError as exc:  # nothing to read yet (a run about to start), or not yet readable
                 grew, end = False, None
                 if str(exc) != waiting:

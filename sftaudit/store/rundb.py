@@ -37,6 +37,7 @@ from pathlib import Path, PurePosixPath
 import duckdb
 
 from ..core.artifacts import DATABASE_FILE, SERIES_DIR, artifact_root
+from ..core.safe_io import UnsafeFile
 from ..core.terminal import shown
 from ..errors import InputError, one_line
 from ..schema.records import RECORDS
@@ -157,7 +158,7 @@ def inside_run_folder(run_dir: str | Path) -> Path:
     for link in links:
         target = os.path.realpath(link)
         if os.path.commonpath([target, real]) != real and not link.name.startswith(DATABASE_FILE):
-            raise InputError(
+            raise UnsafeFile(
                 f"{link}: a link to {target}, outside the run folder; sftaudit reads and writes only inside it"
             )
     return Path(run_dir)
