@@ -1,7 +1,7 @@
 """Audit run folders with two sftaudit checkouts and print whether their verdict.json bytes are the same, apart from
 fields this checkout added (a schema_version keeps what was there byte for byte; fields are only added).
 
-    .venv/bin/python scripts/compare_verdicts.py --base-python /work/main/.venv/bin/python RUN_DIR [RUN_DIR ...]
+    .venv/bin/python scripts/compare_verdicts.py --base-python OTHER_CHECKOUT/.venv/bin/python RUN_DIR [RUN_DIR ...]
 
 Each run folder is copied twice under a temporary folder (the audit writes into the run's sftaudit/ folder and
 its cache), audited by the base checkout's interpreter and by this one, and compared. Exit 1 when any differs.
