@@ -87,6 +87,9 @@ class LogSource:
     rank: ClassVar[int | None]
     # A module the source needs beyond sftaudit's own dependencies, and the extra that installs it.
     needs: ClassVar[tuple[str, str] | None] = None
+    # Why a run read from this source may have logged no gradient norm: said (the `grad_norm` kind of `lacks`) when
+    # it logged entries and none holds one. None: the source records whether the norm was logged some other way.
+    no_grad_norm: ClassVar[str | None] = None
 
     def detect(self, path: Path) -> bool:
         """Whether `path` (a regular file inside the run folder) is one of this source's, by its content."""
@@ -98,7 +101,10 @@ class LogSource:
         raise NotImplementedError
 
     def log(self, files: list[Path], run_dir: Path, segments: list[list[dict[str, Any]]], **read: Any) -> SourceLog:
-        """What `read` returns: the source's name, provenance and files, with what it read."""
+        """What `read` returns: the source's name, provenance and files, with what it read (and, for a source that
+        says why a run may log none, the gradient norm lacking when no entry holds one)."""
+        if self.no_grad_norm and segments and not any("grad_norm" in e for seg in segments for e in seg):
+            read["lacks"] = {**read.get("lacks", {}), "grad_norm": self.no_grad_norm}
         return SourceLog(
             source=self.name,
             provenance=self.provenance,

@@ -52,6 +52,7 @@ class LightningCsvLog(LogSource):
     patterns = ("**/metrics.csv",)
     what = "the Lightning metrics.csv files"
     rank = 50
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """A CSV header with Lightning's ``step`` and ``epoch`` columns."""
@@ -71,14 +72,12 @@ class LightningCsvLog(LogSource):
                 segments.append(seg)
             config = _config(path.parent, run_dir) or config  # the newest fit's
         plan, ignored = numbers_only({PLAN_NAMES[k]: v for k, v in config.items() if k in PLAN_NAMES}, PLAN_KEYS)
-        logged = {k for seg in segments for e in seg for k in e}
         return self.log(
             files,
             run_dir,
             segments=segments,
             plan=plan,
             identity={"config": config, "model_config": None},
-            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=records,
             ignored=ignored,

@@ -37,6 +37,7 @@ class MlflowFileStore(LogSource):
     patterns = ("**/meta.yaml",)
     what = "the MLflow runs (mlruns/)"
     rank = 40
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """A run's ``meta.yaml`` (``run_id`` and ``experiment_id``) beside a ``metrics/`` folder."""
@@ -74,7 +75,6 @@ def mlflow_log(
     params = {k: v for r in runs for k, v in r["params"].items()}
     parsed = {k: _param(v) for k, v in params.items()}
     plan, ignored = numbers_only({**parsed, "train_batch_size": parsed.get("per_device_train_batch_size")}, PLAN_KEYS)
-    logged = {k for seg in segments for e in seg for k in e}
     return source.log(
         files,
         run_dir,
@@ -85,7 +85,6 @@ def mlflow_log(
             "model_config": None,
             "runs": [{k: r[k] for k in ("run_id", "name", "status", "started")} for r in runs],
         },
-        lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
         skipped=skipped,
         records=records,
         ignored=ignored,

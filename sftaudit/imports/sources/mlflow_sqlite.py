@@ -23,7 +23,7 @@ from ...core.safe_io import UnsafeFile, open_regular, regular_file
 from ...errors import InputError
 from ..logs import MAX_LOG_BYTES, is_step, number
 from ..source import LogSource, SourceLog
-from .mlflow_files import mlflow_log
+from .mlflow_files import NO_GRAD_NORM, mlflow_log
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # The tables that make a database MLflow's.
@@ -36,6 +36,7 @@ class MlflowDatabase(LogSource):
     patterns = ("**/*.db", "**/*.sqlite")
     what = "the MLflow database"
     rank = 45
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """An SQLite database holding MLflow's tables."""

@@ -43,6 +43,7 @@ class TorchtuneDiskLog(LogSource):
     patterns = ("**/log_*.txt",)
     what = "the torchtune log files"
     rank = 60
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """A first line ``Step N | key:value ...``."""
@@ -62,10 +63,7 @@ class TorchtuneDiskLog(LogSource):
                 segments.append(entries)
         config = _config(sorted(files, key=_started)[-1], run_dir) if files else {}
         plan, ignored = numbers_only(_plan(config), PLAN_KEYS)
-        logged = {k for seg in segments for e in seg for k in e}
         lacks = {"planned_length": NO_PLANNED_LENGTH}
-        if segments and "grad_norm" not in logged:
-            lacks["grad_norm"] = NO_GRAD_NORM
         return self.log(
             files,
             run_dir,

@@ -31,6 +31,7 @@ class TrackioDatabase(LogSource):
     patterns = ("**/*.db",)
     what = "the Trackio database"
     rank = 55
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """An SQLite database with trackio's ``metrics`` and ``configs`` tables (and not MLflow's)."""
@@ -70,14 +71,12 @@ class TrackioDatabase(LogSource):
         plan, ignored = numbers_only(
             {**config, "train_batch_size": config.get("per_device_train_batch_size")}, PLAN_KEYS
         )
-        logged = {k for seg in segments for e in seg for k in e}
         return self.log(
             files,
             run_dir,
             segments=segments,
             plan=plan,
             identity={"config": config, "model_config": None, "runs": [r["name"] for r in runs.values()]},
-            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=records,
             ignored=ignored,

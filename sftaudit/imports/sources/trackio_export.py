@@ -31,6 +31,7 @@ class TrackioExport(LogSource):
     patterns = ("**/*.parquet",)
     what = "the Trackio Parquet export"
     rank = 58
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """A Parquet file with the metrics table's ``id``, ``run_name``, ``step`` and ``timestamp`` columns."""
@@ -58,14 +59,12 @@ class TrackioExport(LogSource):
         plan, ignored = numbers_only(
             {**config, "train_batch_size": config.get("per_device_train_batch_size")}, PLAN_KEYS
         )
-        logged = {k for seg in segments for e in seg for k in e}
         return self.log(
             files,
             run_dir,
             segments=segments,
             plan=plan,
             identity={"config": config, "model_config": None, "runs": list(runs)},
-            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=records,
             ignored=ignored,

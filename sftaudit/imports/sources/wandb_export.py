@@ -31,6 +31,7 @@ class WandbHistoryExport(LogSource):
     patterns = ("**/*.parquet",)
     what = "the W&B history export"
     rank = 35
+    no_grad_norm = NO_GRAD_NORM
 
     def detect(self, path: Path) -> bool:
         """A Parquet file whose schema has W&B's own ``_step`` and ``_runtime`` or ``_timestamp`` columns."""
@@ -57,12 +58,10 @@ class WandbHistoryExport(LogSource):
         history = pa.concat_tables(tables, promote_options="permissive")
         rows = sorted(history.to_pylist(), key=lambda r: (r.get("_step") is None, r.get("_step") or 0))
         found = entries(rows)
-        logged = {k for e in found for k in e}
         return self.log(
             files,
             run_dir,
             segments=[found] if found else [],
-            lacks={} if "grad_norm" in logged or not found else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=len(rows) + len(skipped),
         )

@@ -49,6 +49,7 @@ class WandbOfflineLog(LogSource):
     patterns = ("**/run-*.wandb",)
     what = "the W&B run files"
     rank = 30
+    no_grad_norm = NO_GRAD_NORM
     needs = ("wandb", "sftaudit[wandb]")
 
     def detect(self, path: Path) -> bool:
@@ -76,7 +77,6 @@ class WandbOfflineLog(LogSource):
             {**config, "train_batch_size": config.get("per_device_train_batch_size")}, PLAN_KEYS
         )
         segments = [r["entries"] for r in runs if r["entries"]]
-        logged = {k for seg in segments for e in seg for k in e}
         return self.log(
             files,
             run_dir,
@@ -87,7 +87,6 @@ class WandbOfflineLog(LogSource):
                 "model_config": None,
                 "runs": [{k: r[k] for k in ("run_id", "project", "name", "started")} for r in runs],
             },
-            lacks={} if "grad_norm" in logged or not segments else {"grad_norm": NO_GRAD_NORM},
             skipped=skipped,
             records=count,
             ignored=ignored,
