@@ -112,7 +112,7 @@ def recorded_run(
     on, the loss and every norm are NaN (LOOP-05 fails it there). The clean one passes."""
     import math
 
-    from sftaudit.fixtures.recording import bare_manifest
+    from sftaudit.fixtures.recording import bare_batch, bare_manifest
 
     from sftaudit.core.artifacts import rank_dir
     from sftaudit.shim.writer import JsonlWriter
@@ -125,24 +125,7 @@ def recorded_run(
     for s in range(1, steps + 1):
         broken = nan_step is not None and s >= nan_step
         norms = [math.nan if broken else 1.0 + 0.01 * ((s * (i + 3)) % 7) for i in range(4)]
-        writer.write(
-            "batches",
-            {
-                "seg": 0,
-                "step": s,
-                "micro": 0,
-                "rows": 2,
-                "seq_len": 8,
-                "sample_ids": [f"s{s}-{r}" for r in range(2)],
-                "lengths": [8, 6],
-                "label_tokens": [4, 3],
-                "padding_trained": [0, 0],
-                "left_padded_rows": 0,
-                "tokenizer_length": 100,
-                "template_fingerprint": None,
-                "target_tokens": [3, 2],
-            },
-        )
+        writer.write("batches", bare_batch(0, s))
         writer.write(
             "steps",
             {
