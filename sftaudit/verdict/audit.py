@@ -412,8 +412,9 @@ def audited(
     imported (again: it may have grown; `data` is its training data), what is new is ingested, and the run
     is judged. `judge`: "always"; "if_stale", the verdict this sftaudit stored is reused unless the database
     changed since it was judged, another version judged it, or another config (`config` None: the stored
-    verdict's own); "never", import and ingest only (the stored verdict, if any). `source`, `log_file`: the kind of training log and the
-    log file named on the command line (a run trained without the shim: `sftaudit.imports.import_run`)."""
+    verdict's own); "never", import and ingest only (the stored verdict, if any). `source`, `log_file`: the kind
+    of training log and the log file named on the command line (a run trained without the shim:
+    `sftaudit.imports.import_run`)."""
     run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
         ensure_artifacts(run_dir, data, source=source, file=log_file)
