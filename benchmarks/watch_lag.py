@@ -9,6 +9,15 @@ at `--rate` steps a second, after `--history` steps written at once) that plants
 into the live steps (later in each repetition: 2, 4, 6 ... s), and times the write of that step (the writer's
 clock) to the watch's line for it (the same machine's clock). Prints the lag per repetition, its median and
 spread, and the watch's CPU time per second of watching (what following a run costs the machine).
+
+With ``--soak SECONDS``, one long clean run instead: the writer records `--rate` steps a second for SECONDS (a
+high rate stands in for a longer run: 200 steps a second for 600 s is 120,000 steps, a day and a half of a run
+that logs a step a second), and the watch is sampled every second from /proc: its resident memory and its CPU
+time. Prints, per tenth of the soak, the steps written by then, the watch's RSS and the CPU seconds it used per
+second in that tenth (flat: bounded over a long run; growing: each poll costs more as the run grows), then the
+time from the run's close record to the watch's exit.
+
+    .venv/bin/python benchmarks/watch_lag.py --soak 600 --rate 200 --interval 2
 """
 
 from __future__ import annotations
@@ -62,13 +71,78 @@ def one(run: Path, nan_at: int, args) -> tuple[float, float, float]:
     return printed["fail"] - at[nan_at], usage.ru_utime + usage.ru_stime, wall
 
 
+def _proc_sample(pid: int) -> tuple[float, float] | None:
+    """(resident MB, user + system CPU s) of a live process, from /proc; None once it has gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss_kb / 1024, (int(stat[11]) + int(stat[12])) / ticks  # utime, stime: fields 14 and 15
+
+
+def soak(run: Path, args) -> None:
+    """One long clean run followed by the watch, its memory and CPU sampled every second (`--soak`)."""
+    steps = int(args.rate * args.soak)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "sftaudit.cli", "watch", str(run), "--interval", str(args.interval)]
+        + ["--exit-on", "fail", "--idle-timeout", "120"],
+        stdout=subprocess.DEVNULL,
+    )
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "sftaudit.fixtures.live_run", str(run), "--steps", str(steps), "--rate", str(args.rate)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    samples: list[tuple[float, int, float, float]] = []  # (seconds in, steps written, RSS MB, CPU s)
+    written = 0
+    started = time.time()
+
+    def count_steps() -> None:
+        nonlocal written
+        for _ in writer.stdout:
+            written += 1
+
+    counter = threading.Thread(target=count_steps, daemon=True)
+    counter.start()
+    closed_at = None
+    while watch.poll() is None:
+        sample = _proc_sample(watch.pid)
+        if sample is not None:
+            samples.append((time.time() - started, written, *sample))
+        if closed_at is None and writer.poll() is not None:
+            closed_at = time.time()
+        time.sleep(1.0)
+    closed_at = closed_at or time.time()
+    counter.join(5)
+    if watch.returncode != 0 or not samples:
+        raise SystemExit(f"the watch did not end clean at the run's close (exit {watch.returncode})")
+    print(f"soak: {written:,} steps at {args.rate:g} steps/s, watch --interval {args.interval:g}")
+    print("| share of the soak | steps written | watch RSS MB | watch CPU s per s |")
+    print("| --- | --- | --- | --- |")
+    tenth = max(1, len(samples) // 10)
+    for i in range(0, len(samples) - tenth + 1, tenth):
+        first, last = samples[i], samples[min(i + tenth, len(samples) - 1)]
+        cpu_rate = (last[3] - first[3]) / max(last[0] - first[0], 1e-9)
+        print(f"| {last[0] / samples[-1][0]:.0%} | {last[1]:,} | {last[2]:.0f} | {cpu_rate:.2f} |")
+    print(f"the watch exited {time.time() - closed_at:.1f} s after the writer closed the run (exit 0, clean)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rate", type=float, default=10.0, help="steps a second")
     parser.add_argument("--interval", type=float, default=0.5, help="the watch's --interval")
     parser.add_argument("--history", type=int, default=0, help="steps written at once before the live ones")
+    parser.add_argument("--soak", type=float, help="seconds of one long clean run, the watch's memory and CPU sampled")
     args = parser.parse_args()
+    if args.soak:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ.setdefault("SFTAUDIT_CACHE_DIR", str(Path(tmp) / "cache"))
+            soak(Path(tmp) / "run", args)
+        return 0
     lags, cpu, wall = [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("SFTAUDIT_CACHE_DIR", str(Path(tmp) / "cache"))
