@@ -320,12 +320,14 @@ class GradientNormAnomaly(Check):
             rows = np.flatnonzero(g_flag)
             row = rows[0]
             effect = float(np.exp(global_y[row] - g_median[row]))
+            # A log holds the global norm alone: whether one tensor stood out is not known, so not claimed.
+            where = "with no single tensor standing out" if len(names) else "(the log holds no per-tensor norms)"
             findings.append(
                 self.finding(
                     "global-spike",
                     "warn",
                     f"global gradient norm jumped to {effect:.0f}x its running median at step {steps[row]} "
-                    f"({rows.size} step(s) flagged) with no single tensor standing out; inspect that step's batch",
+                    f"({rows.size} step(s) flagged) {where}; inspect that step's batch",
                     step=steps[row],
                     value=effect,
                     effect_size=effect,

@@ -8,6 +8,7 @@ from sftaudit.verdict.config import AuditConfig
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit
+from .curve_runs import audit_state, history
 from .dynamics_runs import (
     COLLAPSE_STEP,
     DEFAULT_SCALED_TENSOR,
@@ -19,6 +20,7 @@ from .dynamics_runs import (
     recorded_series_run,
     run,
 )
+from .logged_runs import falling
 
 
 def loop05(verdict):
@@ -266,3 +268,18 @@ def test_an_excursion_of_the_largest_tensor_without_a_finding_shows_why_on_the_c
     crossed = [s for s, v in largest.items() if v >= 10 and s not in flagged]
     assert crossed, "the clean run has no burst to explain"
     assert all(typical[s] >= 3 for s in crossed), {s: (largest[s], typical[s]) for s in crossed}
+
+
+def test_a_logged_global_norm_burst_warns_without_claiming_what_the_log_cannot_show(tmp_path):
+    """A Trainer log holds one global norm a step: a burst that stays up (LOOP-27 leaves it, it is no isolated
+    spike) is LOOP-05's global rule, whose message says no per-tensor norms were there to single out a layer."""
+    n = 300
+    rng = np.random.default_rng(3)
+    loss = falling(n, 2.1, 0.4, noise=0.06, seed=3)
+    norm = 0.4 * np.exp(0.2 * rng.standard_normal(n))
+    burst = norm.copy()
+    burst[199:210] *= 30  # steps 200-210
+    [finding] = loop05(audit_state(tmp_path / "burst", history(loss, 2e-4, burst)))
+    assert (finding["severity"], finding["step"]) == ("warn", 200)
+    assert "no per-tensor norms" in finding["message"] and "no single tensor" not in finding["message"]
+    assert loop05(audit_state(tmp_path / "clean", history(loss, 2e-4, norm))) == []
