@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .stats.curve import excursions, rise_from_minimum
+from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, step_frame
 
 
@@ -37,7 +37,8 @@ class LossDivergence(Check):
         noise (the run's noise x sqrt(pi / (2 x the values in it))).
     Threshold:
         Running level: z >= `sigma` (6) x tail factor and >= `min_effect` (1.2) x the level, for
-        `diverge_steps` (5) logged steps, or through the end (2 at least): fail. Start: every logged loss from
+        `diverge_steps` (5) logged steps, or through the end (2 at least), staying above the highest running
+        level of the 5 logged steps before (the loss coming back from a dip it fell into is no rise): fail. Start: every logged loss from
         some step through the end above the first logged one by `sigma` x tail factor x noise, over at least
         min(`diverge_steps`, half the logged steps): fail. Climb: the running median >= `rise_factor` (1.3) x
         its minimum and >= `rise_sigmas` (8) x its own noise above it: warn (a fail when it ends above
@@ -84,7 +85,7 @@ class LossDivergence(Check):
         found = excursions(loss, p["sigma"], p["diverge_steps"], p["min_effect"])
         peak_lr = float(np.nanmax(lr)) if np.isfinite(lr).any() else None
         advice = f"lower the learning rate (peak {peak_lr:.3g})" if peak_lr else "lower the learning rate"
-        episode = next(((s, n) for s, n, sustained in found["episodes"] if sustained), None)
+        episode = next(self._sustained_past_dips(found), None)
         start = self._against_start(loss, found)
         if start is not None and (episode is None or start <= episode[0]):
             return [self._from_start(steps, loss, finite, start, found, advice, peak_lr, family)]
@@ -194,6 +195,25 @@ class LossDivergence(Check):
                 family=family,
             )
         ]
+
+    def _sustained_past_dips(self, found):
+        """The sustained episodes as (first row, rows up), less those where the loss only came back from a dip: the
+        running level (the median of the 5 values before) sinks into a dip of 3 or more logged steps, so the loss
+        returning to where it was stands above it. An episode stays up only while above the highest running
+        level of the rows just before it (the level before the dip), by the same threshold."""
+        x, level, scale = found["x"], found["level"], found["scale"]
+        for s, _, sustained in found["episodes"]:
+            if not sustained:
+                continue
+            before = level[max(0, s - LEVEL_POINTS) : s + 1]
+            reference = np.nanmax(before) if np.isfinite(before).any() else level[s]
+            bar = reference + max(found["threshold"] * scale[s], np.log(self.params["min_effect"]))
+            with np.errstate(invalid="ignore"):
+                below = np.flatnonzero(~(x[s:] >= bar))
+            length = int(below[0]) if below.size else x.size - s
+            through_end = s + length == x.size and length >= 2
+            if length >= self.params["diverge_steps"] or through_end:
+                yield s, length
 
     def _start_z(self, loss, found) -> np.ndarray:
         """Each logged loss's rise over the first one, in units of the run's own noise: from second differences of
