@@ -120,6 +120,23 @@ def test_three_runs_at_shuffled_times_the_latest_by_content_is_judged_and_its_re
     assert verdict["resolution"]["notes"].count(note["text"]) == 1
 
 
+def test_another_runs_checkpoint_among_the_judged_runs_own_is_a_risk_and_one_beside_them_is_not(tmp_path):
+    """Run 2's checkpoint-15 lies between run 3's checkpoint-10 and -20: the folder's names mix two trainings (a
+    warn, a risk: it dates nothing). Run 1's 30 and 40, after run 3's last, are only named."""
+    run = tmp_path / "run"
+    _three_runs(run)
+    verdict = audit(run)
+    [mixed] = [f for f in verdict["findings"] if f["rule"] == "LOOP-09/mixed-runs"]
+    assert (mixed["severity"], mixed["category"], mixed["step"]) == ("warn", "risk", None)
+    assert mixed["evidence"]["other_checkpoints"] == ["checkpoint-15"]
+    assert verdict["first_anomalous_step"] is None
+    beside = tmp_path / "beside"
+    _save(beside, "checkpoint-100", _state(1, 100, 100, 500, batch=8))
+    for step in (500, 755):
+        _save(beside, f"checkpoint-{step}", _state(2, step, 755, 500, batch=1))
+    assert [f for f in audit(beside)["findings"] if f["rule"] == "LOOP-09/mixed-runs"] == []
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_one_run_at_shuffled_times_names_no_other_run(tmp_path, seed):
     """The clean twin: one run's checkpoints, shuffled times: no other run, no resume."""

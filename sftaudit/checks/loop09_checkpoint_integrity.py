@@ -63,7 +63,8 @@ class CheckpointIntegrity(Check):
         interrupted or pruned save) is a warn of its own; when no checkpoint holds weights at all (a copy of the
         run's logs, e.g. an output_dir committed without its weight files) the run is judged on its training:
         one info for the run (a risk) says none of them can be resumed, shipped or rolled back to, and they
-        stay not intact.
+        stay not intact. Another run's checkpoints between the run's first and last checkpoint in the same folder
+        (told apart by content at import): one warn for the run (a risk: it dates nothing).
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
@@ -80,6 +81,7 @@ class CheckpointIntegrity(Check):
         "cannot-resume": "checkpoints lack parts of the training state an exact resume needs (risk)",
         "parameters-unchanged": "parameters identical in two checkpoints although they had gradients in between",
         "logs-only": "no checkpoint holds model weights (a copy of the run's logs): none can be used (risk)",
+        "mixed-runs": "another run's checkpoints lie among the run's own in its folder: a name is no run's (risk)",
     }
     needs = ("checkpoints",)
     defaults = {
@@ -131,7 +133,37 @@ class CheckpointIntegrity(Check):
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
-        return findings
+        return findings + self._mixed_runs(ctx, checkpoints)
+
+    def _mixed_runs(self, ctx: AuditContext, checkpoints: list[dict]) -> list[Finding]:
+        """Another run's checkpoints (the import's `other_runs` note) between the judged run's first and last: the
+        folder's checkpoint-N sequence mixes two trainings, so a name alone does not say which run it holds."""
+        own = sorted(c["step"] for c in checkpoints if c.get("step") is not None)
+        notes = [n for n in ctx.manifest.get("notes") or [] if isinstance(n, dict) and n.get("key") == "other_runs"]
+        if len(own) < 2 or not notes:
+            return []
+        among = sorted(
+            (step, name)
+            for run in notes[0].get("runs") or []
+            for step, name in zip(run.get("checkpoint_steps") or [], run.get("checkpoints") or [])
+            if step is not None and own[0] < step < own[-1]
+        )
+        if not among:
+            return []
+        names = [name for _, name in among]
+        return [
+            self.finding(
+                "mixed-runs",
+                "warn",
+                f"{len(names)} checkpoint(s) of another run ({listed(names)}) lie among this run's own, between its "
+                f"steps {own[0]} and {own[-1]}: in this folder a checkpoint's name does not say which training it "
+                "holds, and a later run may have saved over an earlier one's; take checkpoints by the step this "
+                "audit names, and give each run its own output_dir",
+                category="risk",
+                other_checkpoints=names,
+                own_checkpoint_steps=own,
+            )
+        ]
 
     def _resume_state(self, ctx: AuditContext, inspections: list[Inspection]) -> list[Finding]:
         """What the checkpoints lack to resume exactly, stated once for the run: weights-only saves (no

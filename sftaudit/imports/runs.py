@@ -176,8 +176,10 @@ def describe(run: list[dict[str, Any]], run_dir) -> dict[str, Any]:
     """Another run, as the import names it: its checkpoints, how far it got, its plan."""
     last = tip(run)
     logged = [e["step"] for e in last["history"]]
+    saved = sorted((s for s in run if not s["top_level"]), key=lambda s: _folder_order(s["folder"].name))
     return {
-        "checkpoints": sorted((s["folder"].name for s in run if not s["top_level"]), key=_folder_order),
+        "checkpoints": [s["folder"].name for s in saved],
+        "checkpoint_steps": [s["step"] for s in saved],  # each checkpoint's step (None: its state names none)
         "state_files": sorted(str((s["folder"] / "trainer_state.json").relative_to(run_dir)) for s in run),
         "global_step": last["global_step"],
         "first_step": min(logged, default=None),
