@@ -31,6 +31,7 @@ EVIDENCE = {
     # Not tables: what the run's manifest describes.
     "tokenizer": "the run's tokenizer",
     "chat_template": "the tokenizer's chat template",
+    "final_model": "the model saved into the output folder at the end",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..readers.checkpoints import TRAINER_GLOBALS
-from ..readers.inspection import PROBLEMS, Inspection, groups_of, listed
+from ..readers.inspection import PROBLEMS, Inspection, groups_of, inspect_final_model, listed
 from .base import AuditContext, Check, Finding, Option, count
 from .resume_state import (
     cannot_resume,
@@ -63,7 +63,9 @@ class CheckpointIntegrity(Check):
         interrupted or pruned save) is a warn of its own; when no checkpoint holds weights at all (a copy of the
         run's logs, e.g. an output_dir committed without its weight files) the run is judged on its training:
         one info for the run (a risk) says none of them can be resumed, shipped or rolled back to, and they
-        stay not intact. Another run's checkpoints between the run's first and last checkpoint in the same folder
+        stay not intact. The model saved into the output folder itself at the end (an import's final model: what
+        is shipped) is judged as a checkpoint's weights are, on its own (a merged model rightly differs from the
+        checkpoints), with no training state expected; its findings name "the final model". Another run's checkpoints between the run's first and last checkpoint in the same folder
         (told apart by content at import): one warn for the run (a risk: it dates nothing).
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
@@ -83,7 +85,7 @@ class CheckpointIntegrity(Check):
         "logs-only": "no checkpoint holds model weights (a copy of the run's logs): none can be used (risk)",
         "mixed-runs": "another run's checkpoints lie among the run's own in its folder: a name is no run's (risk)",
     }
-    needs = ("checkpoints",)
+    needs = (("checkpoints", "final_model"),)
     defaults = {
         "expected_dtype": Option(None, kind=str),  # e.g. "bfloat16"; default: the checkpoint's majority dtype
         "require_resume_state": False,  # true: a checkpoint that cannot resume exactly fails
@@ -133,7 +135,22 @@ class CheckpointIntegrity(Check):
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
-        return findings + self._mixed_runs(ctx, checkpoints)
+        return findings + self._mixed_runs(ctx, checkpoints) + self._final_model(ctx)
+
+    def _final_model(self, ctx: AuditContext) -> list[Finding]:
+        """The model saved into the output folder itself at the end (an import's `final_model`): what would be
+        shipped, judged as a checkpoint's weights are (its keys on their own: it may be a merged model)."""
+        final = ctx.manifest.get("final_model")
+        if not isinstance(final, dict) or not final.get("files"):
+            return []
+        inspection = inspect_final_model(
+            ctx.con,
+            ctx.run_dir,
+            final["step"],
+            final["files"],
+            **inspection_options(self.params),
+        )
+        return [self._finding(inspection, kind, sev, msg, ev) for kind, sev, msg, ev in inspection.problems]
 
     def _mixed_runs(self, ctx: AuditContext, checkpoints: list[dict]) -> list[Finding]:
         """Another run's checkpoints (the import's `other_runs` note) between the judged run's first and last: the

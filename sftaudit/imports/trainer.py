@@ -658,7 +658,29 @@ def _described(
     keys = {k for e in timeline for k in e if k != "step"}
     task = describe_task(model.get("config"), adapter, keys)
     task["vocab_size"] = task["vocab_size"] or vocab_size
-    return {"model": model, "params": params, "vocab_size": vocab_size, "tokenizer": tokenizer or {}, "task": task}
+    return {
+        "model": model,
+        "params": params,
+        "vocab_size": vocab_size,
+        "tokenizer": tokenizer or {},
+        "task": task,
+        "final_model": _final_model(run_dir, newest),
+    }
+
+
+def _final_model(run_dir: Path, newest: dict[str, Any]) -> dict[str, Any] | None:
+    """The model saved into the output folder itself at the end (`Trainer.save_model`): the weight files at its top
+    (an adapter, safetensors, a torch file), at the newest state's step; None when there are none. Listed only: the
+    files are read by LOOP-09, as a checkpoint's are."""
+    from ..readers.layouts import ADAPTER_FILES, TORCH_WEIGHT_FILES
+
+    names = sorted(
+        e.name
+        for e in os.scandir(run_dir)
+        if e.is_file(follow_symlinks=False)
+        and (e.name in ADAPTER_FILES or e.name in TORCH_WEIGHT_FILES or e.name.endswith(".safetensors"))
+    )
+    return {"step": newest["global_step"], "files": names} if names else None
 
 
 def _params(folders: list[Path]) -> list[dict[str, Any]]:
@@ -775,6 +797,7 @@ def _manifest(
         "tied": {},
         "vocab_size": described["vocab_size"],
         "lfs_pointers": pointers or [],
+        "final_model": described["final_model"],
         "notes": notes or [],
         "import_notes": [n["text"] for n in notes or []],
         "grad_norm_source": "pre_clip",

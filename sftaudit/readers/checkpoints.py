@@ -358,6 +358,9 @@ _LEGACY_TORCH_MAGIC = 0x1950A86A20F9469CFC6C
 _SCALARS = (str, int, float, bool, bytes, type(None), Global)
 
 
+ZIP_LOCAL_HEADER = b"PK\x03\x04"  # how a zip archive, torch.save's default format, starts
+
+
 def read_pickle(path: Path) -> PickleContents:
     """The structure of a torch.save file or bare pickle, rebuilt without executing anything.
 
@@ -379,6 +382,11 @@ def read_pickle(path: Path) -> PickleContents:
             else:
                 f.seek(0)
                 data = f.read(MAX_PICKLE_BYTES + 1)
+                if data.startswith(ZIP_LOCAL_HEADER):
+                    raise CheckpointError(
+                        f"{path.name}: a zip archive (torch.save's format) cut short, with no central directory at its "
+                        f"end ({os.fstat(f.fileno()).st_size:,} bytes): an interrupted save or copy; it cannot be loaded"
+                    )
                 if len(data) > MAX_PICKLE_BYTES:
                     raise CheckpointError(
                         f"{path.name}: over {MAX_PICKLE_BYTES} bytes, too large to inspect as a pickle"

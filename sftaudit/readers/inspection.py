@@ -122,6 +122,28 @@ def inspect_checkpoint(
     return _Inspector(con, Path(run_dir), options, tuple(checkpoint_paths)).inspect(checkpoint)
 
 
+FINAL_MODEL = "the final model"
+
+
+def inspect_final_model(
+    con: duckdb.DuckDBPyConnection,
+    run_dir: Path,
+    step: int,
+    files: Sequence[str],
+    *,
+    expected_dtype: str | None = None,
+    trusted_pickle_globals: Sequence[str] = TRAINER_GLOBALS,
+    max_tensors_listed: int = 20,
+) -> Inspection:
+    """The model the Trainer saved into the output folder itself at the end (`save_model`), read as a checkpoint's
+    weights are: its weight `files` at the folder's top (as the import listed them: regular files, no link), never
+    the checkpoint folders under it; no training state is expected beside it. Its keys are held to no parameter
+    list: it may rightly differ from the checkpoints (an adapter merged into its base model before the save)."""
+    options = _Options(expected_dtype, tuple(trusted_pickle_globals), max_tensors_listed)
+    final = {"name": FINAL_MODEL, "step": step, "path": ".", "params": [], "tied": {}, "sha256": None}
+    return _Inspector(con, Path(run_dir), options, (), top_level_files=tuple(files)).inspect(final)
+
+
 @dataclass(frozen=True)
 class _Options:
     expected_dtype: str | None
@@ -135,6 +157,7 @@ class _Inspector:
     run_dir: Path
     options: _Options
     checkpoint_paths: tuple[str, ...]
+    top_level_files: tuple[str, ...] | None = None  # the final model's files at the output's top: no training state
 
     def inspect(self, checkpoint: dict[str, Any]) -> Inspection:
         name, step = checkpoint["name"], checkpoint["step"]
@@ -163,9 +186,14 @@ class _Inspector:
                 )
             )
             return out
-        folder = state_folder(self.run_dir, path, checkpoint["path"], self.checkpoint_paths)
+        final = self.top_level_files is not None
+        folder = None if final else state_folder(self.run_dir, path, checkpoint["path"], self.checkpoint_paths)
         # A weight file's own folder holds its training state: its files are listed (safely) too.
-        files, refused = _checkpoint_files(self.run_dir, folder if folder is not None and path.is_file() else path)
+        files, refused = (
+            ([path / name for name in self.top_level_files if _regular_not_link(path / name)], [])
+            if final
+            else _checkpoint_files(self.run_dir, folder if folder is not None and path.is_file() else path)
+        )
         if refused:
             out.problems.append(
                 (
@@ -187,7 +215,11 @@ class _Inspector:
                     "warn",
                     f"{name}: {len(pointers)} file(s) are Git LFS pointers, not the weights "
                     f"({names}): run `git lfs pull` in the clone, then audit again; until then "
-                    f"this checkpoint cannot be verified or rolled back to",
+                    + (
+                        "it cannot be verified or shipped"
+                        if final
+                        else "this checkpoint cannot be verified or rolled back to"
+                    ),
                     {"lfs_pointers": [f.name for f in pointers]},
                 )
             )
@@ -198,7 +230,8 @@ class _Inspector:
             return cached
         self._check_hashes(checkpoint, out)
         weights = self._check_weights(path, checkpoint, out)
-        self._check_state(path, folder, weights, out)
+        if not final:
+            self._check_state(path, folder, weights, out)
         _cache_put(self.con, key, out)
         return out
 
@@ -257,7 +290,7 @@ class _Inspector:
                 (
                     "unreadable",
                     "fail",
-                    f"{rel} cannot be read safely: {exc}; this checkpoint cannot be loaded",
+                    f"{rel} cannot be read safely: {exc}; {self._what()} cannot be loaded",
                     {"file": rel},
                 )
             )
@@ -268,7 +301,8 @@ class _Inspector:
                 (
                     "no-weights",
                     "warn",
-                    f"{out.name}: {exc}: it cannot be verified or rolled back to",
+                    f"{out.name}: {exc}: it cannot be verified or "
+                    + ("shipped" if self.top_level_files is not None else "rolled back to"),
                     {"file": path.name},
                 )
             )
@@ -281,7 +315,8 @@ class _Inspector:
         if weights.adapter is not None:
             self._check_adapter(weights, params, checkpoint["step"], out)
         else:
-            self._check_keys(entries, params, checkpoint["tied"], out)
+            if params:  # none known (an import whose only weights are its final model): no keys to hold it to
+                self._check_keys(entries, params, checkpoint["tied"], out)
             self._check_tied(weights, checkpoint, out)
         self._check_dtypes(entries, params, out)
         bad = [
@@ -302,8 +337,12 @@ class _Inspector:
             )
         return weights
 
-    @staticmethod
-    def _rel(path: Path, file: Path) -> str:
+    def _what(self) -> str:
+        return "the final model" if self.top_level_files is not None else "this checkpoint"
+
+    def _rel(self, path: Path, file: Path) -> str:
+        if self.top_level_files is not None:  # the final model's files sit at the run's top
+            return file.name
         return f"{path.name}/{file.name}" if path.is_dir() else path.name
 
     def _check_adapter(self, weights: Weights, params: list[dict], step: int, out: Inspection) -> None:
@@ -530,6 +569,13 @@ def _cache_put(con: duckdb.DuckDBPyConnection, key: str, inspection: Inspection)
 
 # A checkpoint folder holds a few dozen files; one with more entries than this is not one.
 MAX_CHECKPOINT_ENTRIES = 10_000
+
+
+def _regular_not_link(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _checkpoint_files(run_dir: Path, path: Path) -> tuple[list[Path], list[str]]:

@@ -250,6 +250,15 @@ MANIFEST = RecordKind(
         ),
         Field("lfs_pointers", "VARCHAR[]", "log files that are Git LFS pointers", (IMPORT,), True),
         Field(
+            "final_model",
+            "JSON",
+            "the model the Trainer saved into the output folder itself when training ended (`save_model`): "
+            "`{step, files}`, its weight files at the folder's top (null: none there); judged for integrity as a "
+            "checkpoint's weights are (LOOP-09), never a checkpoint to resume from or roll back to",
+            (IMPORT,),
+            True,
+        ),
+        Field(
             "notes",
             "JSON[]",
             "what the logs cannot show and what else the folder holds, once per run: `{key, text, ...}` under a "

@@ -311,7 +311,11 @@ COMPONENT_TABLES = {
 def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
     """Per kind of evidence (`EVIDENCE`): whether the run has any."""
     tokenizer = manifest.get("tokenizer") or {}
-    recorded = {"tokenizer": bool(tokenizer), "chat_template": bool(tokenizer.get("chat_template"))}
+    recorded = {
+        "tokenizer": bool(tokenizer),
+        "chat_template": bool(tokenizer.get("chat_template")),
+        "final_model": bool(manifest.get("final_model")),
+    }
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for table in set(EVIDENCE) - set(recorded):
         recorded[table] = table in tables and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
