@@ -104,6 +104,20 @@ def test_the_added_tokens_are_left_to_transformers_where_the_head_of_tokenizer_j
     assert describe_tokenizer(direct) == describe_tokenizer(auto) and direct.init_kwargs == auto.init_kwargs
 
 
+def test_auditing_a_trainer_log_imports_no_scipy_or_torch(tmp_path):
+    """A log-only run (a trainer_state.json) is audited in well under a second of CPU: no check pays for scipy.stats
+    (most of a second) before it has a finding to give a p-value. Torch is never the analyzer's."""
+    from .checks.logged_runs import falling, trainer_run
+
+    loss = falling(400)
+    run = trainer_run(tmp_path / "run", loss, grad_norm=1.0 + loss, evals=[(100, 1.5), (200, 1.2), (300, 1.1)])
+    script = (
+        "from sftaudit.cli import main\n"
+        f"assert main(['audit', {str(run)!r}, '--out', {str(tmp_path / 'out')!r}, '--no-report']) in (0, 1)\n"
+    )
+    assert loaded_after(script, (*HEAVY, "torch")) == set()
+
+
 def test_the_normal_tail_without_scipy_is_scipys():
     from scipy import stats
 
