@@ -104,9 +104,10 @@ def test_the_added_tokens_are_left_to_transformers_where_the_head_of_tokenizer_j
     assert describe_tokenizer(direct) == describe_tokenizer(auto) and direct.init_kwargs == auto.init_kwargs
 
 
-def test_auditing_a_trainer_log_imports_no_scipy_or_torch(tmp_path):
+def test_auditing_a_trainer_log_imports_no_scipy_jinja2_or_torch(tmp_path):
     """A log-only run (a trainer_state.json) is audited in well under a second of CPU: no check pays for scipy.stats
-    (most of a second) before it has a finding to give a p-value. Torch is never the analyzer's."""
+    (most of a second) before it has a finding to give a p-value, and nothing parses a chat template the run does
+    not have (jinja2). Torch is never the analyzer's."""
     from .checks.logged_runs import falling, trainer_run
 
     loss = falling(400)
@@ -115,7 +116,7 @@ def test_auditing_a_trainer_log_imports_no_scipy_or_torch(tmp_path):
         "from sftaudit.cli import main\n"
         f"assert main(['audit', {str(run)!r}, '--out', {str(tmp_path / 'out')!r}, '--no-report']) in (0, 1)\n"
     )
-    assert loaded_after(script, (*HEAVY, "torch")) == set()
+    assert loaded_after(script, (*HEAVY, "jinja2", "torch")) == set()
 
 
 def test_the_normal_tail_without_scipy_is_scipys():
