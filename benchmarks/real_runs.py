@@ -22,6 +22,7 @@ and the CPU spread per tool on those log-only runs (sftaudit's goal: <= 1 s with
     nice python benchmarks/real_runs.py --peers         # and the three peers beside it
     python benchmarks/real_runs.py lf-two-writers ...   # some of them (a name, or folder/name)
     python benchmarks/real_runs.py --root DIR --root DIR2 --timeout 300 --key KEY.toml
+    python benchmarks/real_runs.py --log-only --cpu-only   # the CPU table alone, on the log-only runs
 
 Every tool runs with its bytecode cached under ~/.cache/sftaudit-bench/pycache (a shell's
 PYTHONDONTWRITEBYTECODE would make this source checkout recompile its modules on every run, which
@@ -310,6 +311,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run and tool")
     parser.add_argument("--peers", action="store_true", help="also run ftdoctor, runmedic and trainproof")
     parser.add_argument("--key", type=Path, default=KEY, help="answer key (TOML)")
+    parser.add_argument("--log-only", action="store_true", help="only the log-only runs (of those named, or all)")
+    parser.add_argument("--cpu-only", action="store_true", help="print the CPU table alone")
     args = parser.parse_args()
     roots = [r.resolve() for r in (args.root or [r for r in ROOTS if r.is_dir()])]
     for root in roots:
@@ -320,6 +323,8 @@ def main() -> int:
         print(f"{ROOTS[0].parent.resolve()}: no realruns folder", file=sys.stderr)
         return 2
     runs = select_runs(roots, args.runs)
+    if args.log_only:
+        runs = [r for r in runs if is_log_only(r)]
     if not runs:
         return 2
     peers = install_peers() if args.peers else []
@@ -336,7 +341,11 @@ def main() -> int:
         result.update(root=run.parent.name, label=f"{run.parent.name}/{run.name}", log_only=is_log_only(run))
         result["peers"] = {peer.name: judge_with(peer, run, args.timeout) for peer in peers}
         results.append(result)
-        print(line(result), flush=True)
+        if not args.cpu_only:
+            print(line(result), flush=True)
+    if args.cpu_only:
+        print("\n".join(cpu_table(results, tools)))
+        return 0
     print(summary(results))
     for peer in peers:
         said_by = [r["peers"][peer.name] for r in results]

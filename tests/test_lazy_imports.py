@@ -3,10 +3,12 @@ libraries (scipy.stats and rouge-score alone cost seconds of a preflight's fixed
 that need them import them inside the code that runs them."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sftaudit.fixtures import build_tokenizer, load_dataset
 
@@ -100,3 +102,28 @@ def test_the_added_tokens_are_left_to_transformers_where_the_head_of_tokenizer_j
     assert _added_tokens_decoder(tmp_path) == {}
     direct, auto = load_saved_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     assert describe_tokenizer(direct) == describe_tokenizer(auto) and direct.init_kwargs == auto.init_kwargs
+
+
+def test_auditing_a_trainer_log_imports_no_scipy_jinja2_or_torch(tmp_path):
+    """A log-only run (a trainer_state.json) is audited in well under a second of CPU: no check pays for scipy.stats
+    (most of a second) before it has a finding to give a p-value, and nothing parses a chat template the run does
+    not have (jinja2). Torch is never the analyzer's."""
+    from .checks.logged_runs import falling, trainer_run
+
+    loss = falling(400)
+    run = trainer_run(tmp_path / "run", loss, grad_norm=1.0 + loss, evals=[(100, 1.5), (200, 1.2), (300, 1.1)])
+    script = (
+        "from sftaudit.cli import main\n"
+        f"assert main(['audit', {str(run)!r}, '--out', {str(tmp_path / 'out')!r}, '--no-report']) in (0, 1)\n"
+    )
+    assert loaded_after(script, (*HEAVY, "jinja2", "torch")) == set()
+
+
+def test_the_normal_tail_without_scipy_is_scipys():
+    from scipy import stats
+
+    from sftaudit.checks.stats.rolling import normal_sf
+
+    z = np.concatenate([np.linspace(-40, 40, 801), [0.0, 1e-9, 37.5, 38.5, np.inf, -np.inf]])
+    assert np.allclose([normal_sf(v) for v in z], stats.norm.sf(z), rtol=1e-12, atol=1e-300)
+    assert math.isnan(normal_sf(math.nan))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from ..core.artifacts import template_fingerprint
-from ..dataset.fields import template_fields
 from ..dataset.layout import empty_turns, run_layout, sample_blocks
-from ..dataset.sandbox import TemplateOverBudget, template_source
+from ..dataset.template_text import TemplateOverBudget, template_source
 from ..errors import InputError
 from .base import AuditContext, Check, Finding, count
 from .recorded import first_manifest, recorded_samples, run_tokenizer
@@ -96,6 +95,8 @@ class PromptTemplateConsistency(Check):
             ]
 
     def _fields(self, source: str, dataset: dict) -> list[Finding]:
+        from ..dataset.fields import template_fields  # the parser imports jinja2: only a run with a template pays
+
         fields = template_fields(source)
         findings = []
         for scope, read, have in (

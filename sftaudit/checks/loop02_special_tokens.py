@@ -10,9 +10,8 @@ import numpy as np
 
 from ..core.artifacts import template_fingerprint
 from ..core.tokenizer import current_fingerprint, describe_tokenizer, load_tokenizer, refusal, tokenizer_changes
-from ..dataset.fields import template_fields
 from ..dataset.layout import matches, run_layout, sample_blocks
-from ..dataset.sandbox import TemplateOverBudget, template_source
+from ..dataset.template_text import TemplateOverBudget, template_source
 from ..errors import InputError
 from ..readers.checkpoints import CheckpointError, inside_run
 from .base import AuditContext, CannotJudge, Check, Finding, share
@@ -119,6 +118,8 @@ class SpecialTokenAlignment(Check):
         source = template_source(getattr(tokenizer, "chat_template", None))
         if source is None:
             return []
+        from ..dataset.fields import template_fields  # the parser imports jinja2: only a run with a template pays
+
         fields = template_fields(source)
         literal_text = "\0".join(fields.literals)
         known = {str(t) for t in tokenizer.all_special_tokens}

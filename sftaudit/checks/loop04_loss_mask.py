@@ -22,7 +22,7 @@ from ..dataset.layout import (
     run_layout,
     sample_blocks,
 )
-from ..dataset.sandbox import has_generation_block, template_source
+from ..dataset.template_text import has_generation_block, template_source
 from ..errors import InputError
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count
 from .recorded import end_of_turn_markers, first_manifest, recorded_samples, run_tokenizer

@@ -13,6 +13,7 @@ from .stats.rolling import (
     column,
     dominant_period,
     nonfinite_logged,
+    normal_sf,
     previous_block_stats,
     robust_z,
     skipped_updates,
@@ -194,8 +195,6 @@ class GradientNormAnomaly(Check):
     # ------------------------------------------------------------------ spikes
 
     def _spikes(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
-        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
-
         steps_frame = step_frame(ctx, "lr", "grad_norm")
         if steps_frame.height < 2:
             return []
@@ -260,7 +259,7 @@ class GradientNormAnomaly(Check):
                 "baseline_median": float(np.exp(median[i])),
                 "effect_size": float(np.exp(log_ratio[i])),
                 "z_own": float(z_own[i]),
-                "p_value": float(stats.norm.sf(z_own[i])),
+                "p_value": normal_sf(z_own[i]),
                 "z_across": float(z_across[i]),
                 "steps_flagged": int(chosen.size),
                 "last_step": int(steps[cell_step[chosen[-1]]]),
@@ -331,7 +330,7 @@ class GradientNormAnomaly(Check):
                     step=steps[row],
                     value=effect,
                     effect_size=effect,
-                    p_value=float(stats.norm.sf(g_z[row])),
+                    p_value=normal_sf(g_z[row]),
                     threshold=self.params["min_ratio"],
                     spike_steps=steps[rows].tolist()[:50],
                 )

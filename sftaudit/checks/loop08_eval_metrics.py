@@ -100,11 +100,11 @@ class EvalMetricDrift(Check):
         return findings
 
     def _metrics(self, ctx: AuditContext) -> list[Finding]:
-        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
-
         rows = ctx.con.execute("SELECT step, prediction, reference FROM evals ORDER BY step, item").fetchall()
         if not rows:
             return []
+        from scipy import stats  # here, not at module level nor before: only a run with generated evals pays for it
+
         by_step: dict[int, tuple[list[str], list[str]]] = {}
         for step, prediction, reference in rows:
             preds, refs = by_step.setdefault(step, ([], []))

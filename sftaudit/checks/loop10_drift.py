@@ -12,6 +12,7 @@ from .stats.rolling import (
     column,
     loss_family,
     nonfinite_logged,
+    normal_sf,
     rows_per_log,
     skipped_updates,
     step_frame,
@@ -116,8 +117,6 @@ class LossDynamics(Check):
         )
 
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
-        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
-
         p = self.params
         found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"])
         z, threshold = found["z"], found["threshold"]
@@ -149,7 +148,7 @@ class LossDynamics(Check):
                     value=loss[s],
                     baseline_median=level,
                     z=z[s],
-                    p_value=float(stats.norm.sf(z[s])),
+                    p_value=normal_sf(z[s]),
                     effect_size=effect,
                     threshold=threshold,
                     min_effect=p["min_effect"],
@@ -308,8 +307,6 @@ class LossDynamics(Check):
         """Mann-Whitney U of consecutive windows of each series' step-to-step change (series x steps `values`,
         series numbered from `first_series`) where the volatility rose enough: (window index, series, p-value,
         effect size) of each test, and how many window pairs could be compared."""
-        from scipy import stats  # (imported on use, as above)
-
         with np.errstate(divide="ignore", invalid="ignore"):
             change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=1))
         windows = change[:, start : start + blocks * window].reshape(len(values), blocks, window)
@@ -324,11 +321,11 @@ class LossDynamics(Check):
         # Only windows whose volatility rose enough to matter are tested; the rest keep p = 1, which
         # can only make the Benjamini-Hochberg correction (over all tests) more conservative.
         series, at = np.nonzero(ok & (effect >= self.params["min_volatility_ratio"]))
-        p = (
-            stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
-            if series.size
-            else np.zeros(0)
-        )
+        p = np.zeros(0)
+        if series.size:
+            from scipy import stats  # here, not at module level: only a run with a window to test pays for scipy.stats
+
+            p = stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
         return at, series + first_series, p, effect[series, at], int(ok.sum())
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
 from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum
-from .stats.rolling import MAD_TO_SIGMA, column, loss_family, step_frame
+from .stats.rolling import MAD_TO_SIGMA, column, loss_family, normal_sf, step_frame
 
 
 class LossDivergence(Check):
@@ -94,8 +94,6 @@ class LossDivergence(Check):
         return self._climb(steps, loss, lr, family)
 
     def _from_start(self, steps, loss, finite, i, found, advice, peak_lr, family) -> Finding:
-        from scipy import stats  # here, not at module level: preflight and --help import every check and need no scipy
-
         rise = int(finite[i:].sum())
         z = float(self._start_z(loss, found)[i])
         return self.finding(
@@ -111,15 +109,13 @@ class LossDivergence(Check):
             last_loss=float(loss[finite][-1]),
             steps_up=rise,
             z=z,
-            p_value=float(stats.norm.sf(z)),
+            p_value=normal_sf(z),
             threshold=found["threshold"],
             peak_lr=peak_lr,
             family=family,
         )
 
     def _from_level(self, steps, loss, episode, found, advice, peak_lr, family) -> Finding:
-        from scipy import stats  # (imported on use, as above)
-
         s, n = episode
         level = float(np.exp(found["level"][s]))
         through = s + n == steps.size
@@ -133,7 +129,7 @@ class LossDivergence(Check):
             value=loss[s],
             baseline_median=level,
             z=found["z"][s],
-            p_value=float(stats.norm.sf(found["z"][s])),
+            p_value=normal_sf(found["z"][s]),
             effect_size=loss[s] / level,
             threshold=found["threshold"],
             steps_up=n,

@@ -6,12 +6,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
 import numpy as np
 
 from ..errors import InputError
-from .render import Renderer, tokenizer_specials
-from .sandbox import TemplateBudget, TemplateOverBudget, template_source
+from .template_text import TemplateOverBudget, template_source
 
 IGNORE_INDEX = -100
 MASKED, TRAINED, PADDING, EITHER = 0, 1, 2, 3
@@ -47,6 +45,13 @@ class TemplateLayout:
 
     @classmethod
     def derive(cls, tokenizer: Any, source: str) -> TemplateLayout:
+        # The template engine here, not at module level: the checks import this module for its label
+        # arithmetic, and a run with no template (a trainer log) never needs jinja2.
+        import jinja2
+
+        from .render import Renderer, tokenizer_specials
+        from .sandbox import TemplateBudget
+
         renderer = Renderer(source, tokenizer_specials(tokenizer))
         s = _SENTINEL
 

@@ -6,7 +6,8 @@ import functools
 from typing import Any
 
 from ..errors import UnsupportedVersion
-from .sandbox import GENERATION_TAG, TemplateBudget, compiled_template, render_budgeted
+from .sandbox import TemplateBudget, compiled_template, render_budgeted
+from .template_text import GENERATION_TAG
 
 
 class Renderer:

@@ -15,18 +15,7 @@ import jinja2.nodes as nodes
 import jinja2.sandbox
 
 from ..errors import InputError, one_line
-
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def template_source(chat_template: Any) -> str | None:
-    """The default template text (tokenizers may carry a dict of named templates)."""
-    if isinstance(chat_template, dict):
-        return chat_template.get("default") or next(iter(chat_template.values()), None)
-    if isinstance(chat_template, list):  # the serialised form: [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return chat_template or None
+from .template_text import TemplateOverBudget
 
 
 @functools.cache
@@ -94,10 +83,6 @@ class TemplateBudget(jinja2.exceptions.SecurityError):
 
     def __init__(self, why: str):
         super().__init__(f"chat template exceeded its render budget ({why})")
-
-
-class TemplateOverBudget(InputError):
-    """TemplateBudget as the analyzer reports it: never taken for "a template without turns"."""
 
 
 def _tick() -> None:
@@ -316,9 +301,3 @@ def render_budgeted(template: jinja2.Template, blocks: list[str] | None = None, 
 def parse_template(source: str) -> nodes.Template:
     template = compiled_template(source)
     return (template.environment if template is not None else _PARSE_ENVIRONMENT).parse(source)
-
-
-def has_generation_block(source: str | None) -> bool:
-    """The template marks its assistant turns with `{% generation %}` (what transformers' assistant mask and
-    TRL's assistant_only_loss read)."""
-    return bool(source) and bool(GENERATION_TAG.search(source))

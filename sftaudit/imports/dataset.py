@@ -81,9 +81,12 @@ def dataset_records(run_dir: Path, data: str | Path, batch_size: int | None, pro
 
 def failure_events(description: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows the template refused or dropped content from, as the preflight records them (LOOP-01)."""
+    failures = description.get("failures", [])
+    if not failures:
+        return []  # most runs: no dataset given, and the preflight path (jinja2 with it) stays unimported
     from ..dataset.batches import failure_records
 
-    return failure_records(description.get("failures", []))
+    return failure_records(failures)
 
 
 def dataset_description(run_dir: Path) -> dict[str, Any] | None:

@@ -9,10 +9,10 @@ control characters, and CI pages should not show bidi controls raw.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from typing import Any
 
 from . import Format, Rendering
 from .escape import xml
+from .terminal import line
 
 
 def render(r: Rendering) -> str:
@@ -53,12 +53,6 @@ def render(r: Rendering) -> str:
     suite.set("errors", "0")
     ET.indent(suite)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
-
-
-def line(f: dict[str, Any]) -> str:
-    """A finding in one line: code, severity, where, message."""
-    where = f"step {f['step']}" if f["step"] is not None else "run"
-    return f"{f['code']} {f['severity']} {where}: {f['message']}"
 
 
 FORMAT = Format("a gate's result as JUnit XML, one testcase per check", render)

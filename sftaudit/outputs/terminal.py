@@ -8,9 +8,16 @@ verdict and the report (`Rendering.written`). A gate's is the checkpoint's resul
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.terminal import shown
 from . import Format, Rendering
-from .junit import line
+
+
+def line(f: dict[str, Any]) -> str:
+    """A finding in one line: code, severity, where, message (JUnit's too)."""
+    where = f"step {f['step']}" if f["step"] is not None else "run"
+    return f"{f['code']} {f['severity']} {where}: {f['message']}"
 
 
 def render(r: Rendering) -> str:

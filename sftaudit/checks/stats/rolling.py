@@ -8,6 +8,7 @@ against between `window` and 2 x `window` steps of its own history, none of whic
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -115,6 +116,12 @@ def robust_z(values: np.ndarray, median: np.ndarray, sigma: np.ndarray, floor: f
     """(value - median) / sigma, with sigma floored so a flat history does not turn noise into alarms."""
     with np.errstate(invalid="ignore"):
         return (values - median) / np.maximum(sigma, floor)
+
+
+def normal_sf(z: float) -> float:
+    """One-sided p-value of a z-score under the standard normal (scipy's ``stats.norm.sf``), from the
+    standard library: importing scipy.stats costs most of a second of CPU, more than auditing a log."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
 def runs_of(mask: np.ndarray, length: int) -> np.ndarray:

@@ -17,8 +17,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ...core.safe_io import UnsafeFile, inside, read_text
 from ..logs import number
 from ..source import PLAN_KEYS, LogSource, SourceLog, numbers_only
@@ -91,6 +89,8 @@ class AxolotlConfig(LogSource):
 
 def _config(path: Path, run_dir: Path | None = None) -> dict[str, Any]:
     """The axolotl config the file is or holds ({}: none)."""
+    import yaml  # here, not at module level: the log-source registry imports every source, most runs have no YAML
+
     try:
         text = read_text(path, run_dir, MAX_CONFIG_BYTES)
     except UnsafeFile:

@@ -21,8 +21,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ...core.safe_io import UnsafeFile, open_regular, read_text
 from ..logs import MAX_LOG_BYTES, number
 from ..source import PLAN_KEYS, LogSource, SourceLog, numbers_only
@@ -146,6 +144,8 @@ def _rows(path: Path, run_dir: Path) -> tuple[list[dict[str, str]], int, int]:
 
 def _config(version: Path, run_dir: Path) -> dict[str, Any]:
     """The version's hyperparameters (hparams.yaml), with a LightningCLI ``config.yaml``'s ``trainer`` section."""
+    import yaml  # here, not at module level: the log-source registry imports every source, most runs have no YAML
+
     out: dict[str, Any] = {}
     for name in ("hparams.yaml", "config.yaml"):
         try:

@@ -15,8 +15,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ...core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, read_text
 from ..logs import is_step, number
 from ..source import PLAN_KEYS, LogSource, SourceLog, numbers_only
@@ -163,6 +161,8 @@ def _texts(folder: Path, run_dir: Path) -> dict[str, str]:
 
 
 def _meta(path: Path, run_dir: Path | None = None) -> dict[str, Any] | None:
+    import yaml  # here, not at module level: the log-source registry imports every source, most runs have no YAML
+
     try:
         meta = yaml.safe_load(read_text(path, run_dir, min(MAX_META_BYTES, MAX_WHOLE_FILE_BYTES)))
     except (UnsafeFile, yaml.YAMLError, RecursionError):

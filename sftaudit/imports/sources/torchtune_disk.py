@@ -17,8 +17,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ...core.safe_io import UnsafeFile, open_regular, read_text
 from ..logs import MAX_LOG_BYTES, normalised, number
 from ..source import PLAN_KEYS, LogSource, SourceLog, numbers_only
@@ -106,6 +104,8 @@ def _entries(path: Path, run_dir: Path) -> tuple[list[dict[str, Any]], int, int]
 
 def _config(log: Path, run_dir: Path) -> dict[str, Any]:
     """The recipe's saved config: beside the logs folder (``output_dir``), or beside the log."""
+    import yaml  # here, not at module level: the log-source registry imports every source, most runs have no YAML
+
     for folder in (log.parent.parent, log.parent):
         try:
             loaded = yaml.safe_load(read_text((folder / CONFIG).absolute(), run_dir, MAX_CONFIG_BYTES))
