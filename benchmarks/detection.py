@@ -35,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+REPO = Path(__file__).resolve().parents[1]
+# `<repo>/../shared`; from a worktree one level deeper, the nearest `shared/` above the checkout.
+SHARED = next((p / "shared" for p in REPO.parents if (p / "shared" / "realruns").is_dir()), REPO / ".." / "shared")
 ASSUMED_VOCAB = 32000
 
 # The clean logs: what an engineer reading them calls clean (a loss that falls and settles, nothing non-finite,
