@@ -52,7 +52,7 @@ class LRScheduleConformance(Check):
         Any step outside the tolerance: fail at the first one. LR exactly 0 while the gradient
         norm is non-zero and the schedule says otherwise: part of the same finding (evidence). Imported: a
         departure at a resume is a warn at the resume step (configuration when the segments' max_steps differ,
-        else an anomaly: the scheduler's state was not restored); the first warm-up climbed again within a
+        else an anomaly: the scheduler's state was not restored); a warm-up climbed again within a
         segment: an anomaly warn at the cliff; a whole-run warm-up is a configuration warn.
     Evidence:
         The first departing step with recorded and configured LR, the diagnosis (k x ahead/behind,
