@@ -53,26 +53,25 @@ class EvalSelection(Check):
         metric that contradicts the loss, or sits at a degenerate level, means the predictions are decoded or
         scored wrongly (labels, generation config, the tokenizer that decodes them) or the model learned nothing.
     Statistic:
-        Per eval key, its direction from its name (loss, WER, CER, perplexity: lower; accuracy, BLEU, ROUGE, F1,
-        exact match, chrF: higher) or, for the selection metric, from best_metric against its logged values; keys
-        whose direction neither tells are listed, never guessed. The eval's noise: the robust spread (1.4826 MAD)
-        of second differences of the metric over sqrt(6) (a smooth trend leaves them out), floored at the log's
-        rounding step; the band is 3 standard deviations of the difference of two evaluations (3 x sqrt 2 x that).
-        Worse to the end: the best evaluation against every later one. Worse than all before (a jump that stayed,
-        told where the noise it keeps hides it from the band): the first evaluation from which every evaluation to
-        the end is worse than every one before it; noise without a trend orders its last m of n evaluations so with
-        probability 1 / C(n, m), taken over the n - 2 places the series could split (a falling metric makes it
-        rarer still).
+        Per eval key, its direction from its name (loss, WER, CER, perplexity: lower; accuracy, BLEU, ROUGE, F1, exact
+        match, chrF: higher) or, for the selection metric, from best_metric against its logged values; keys whose
+        direction neither tells are listed, never guessed. The eval's noise: the robust spread (1.4826 MAD) of second
+        differences of the metric over sqrt(6) (a smooth trend leaves them out), floored at the log's rounding step; the
+        band is 3 standard deviations of the difference of two evaluations (3 x sqrt 2 x that). Worse to the end: the
+        best evaluation against every later one. Worse than all before (a jump that stayed, told where the noise it
+        keeps hides it from the band): the first evaluation from which every evaluation to the end is worse than every
+        one before it; noise without a trend orders its last m of n evaluations so with probability 1 / C(n, m), taken
+        over the n - 2 places the series could split (a falling metric makes it rarer still).
     Threshold:
-        Selection metric worse than its best by more than the band at every evaluation from some step to the end
-        (2 evaluations at least): warn. Worse than all before, at (n - 2) / C(n, m) <= `rank_alpha` (0.01; 13
-        evaluations at least, 4 worse at the end of 15) and earlier than the band's turn: warn, in its stead. eval_loss so, while the selection metric is not: info. An error rate >=
-        `error_rate_level` (95%; read in percent when a value exceeds 1.5, not judged when the scale cannot be
-        told) or a classifier's accuracy within max(`chance_margin` (5%) of chance, the band) of 1 / its labels,
-        from some evaluation to the end: fail. Each is an anomaly dated where the run turned: the evaluation window
-        that ends at the first such evaluation (from the step after the evaluation before it). Fewer than 6
-        evaluations: no band, so over-fitting and contradictions are not judged (the check says so); no eval
-        metric: not judged.
+        Selection metric worse than its best by more than the band at every evaluation from some step to the end (2
+        evaluations at least): warn. Worse than all before, at (n - 2) / C(n, m) <= `rank_alpha` (0.01; 13 evaluations
+        at least, 4 worse at the end of 15) and earlier than the band's turn: warn, in its stead. eval_loss so, while
+        the selection metric is not: info. An error rate >= `error_rate_level` (95%; read in percent when a value
+        exceeds 1.5, not judged when the scale cannot be told) or a classifier's accuracy within max(`chance_margin`
+        (5%) of chance, the band) of 1 / its labels, from some evaluation to the end: fail. Each is an anomaly dated
+        where the run turned: the evaluation window that ends at the first such evaluation (from the step after the
+        evaluation before it). Fewer than 6 evaluations: no band, so over-fitting and contradictions are not judged (the
+        check says so); no eval metric: not judged.
     Evidence:
         The metric, its direction and where it came from, the best step and value, the band, the turning step, the
         last value, eval_loss beside it, the evaluations (up to 50), the keys of unknown direction.
