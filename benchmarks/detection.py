@@ -9,7 +9,9 @@ to the first finding (in steps and in logging windows) and the checks that found
 on the uninjected logs.
 
 "Detected": a warn or fail finding at or after the fault's logging window (its step is that window's first step
-or later) that the uninjected log does not have (same check, same step). Findings before the fault that the
+or later) that the uninjected log does not have (same check, same step); for a fault injected into an evaluation
+(an eval jump), its evaluation window (from the step after the evaluation before it), as finely as any check can
+place it. Findings before the fault that the
 clean log lacks are counted apart ("early"). A run without a known vocabulary is audited, clean and injected
 alike, with a ``config.json`` of a 32,000-token model (the "plateau at chance" shape needs a chance level).
 
@@ -35,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+REPO = Path(__file__).resolve().parents[1]
+# `<repo>/../shared`; from a worktree one level deeper, the nearest `shared/` above the checkout.
+SHARED = next((p / "shared" for p in REPO.parents if (p / "shared" / "realruns").is_dir()), REPO / ".." / "shared")
 ASSUMED_VOCAB = 32000
 
 # The clean logs: what an engineer reading them calls clean (a loss that falls and settles, nothing non-finite,
@@ -209,6 +213,7 @@ class Shape:
     goal: tuple
     owner: str  # the checks meant to find it
     needs: Callable[[Log], bool] = lambda log: True
+    at_evaluation: bool = False  # injected into evaluations: seen at the evaluation window that ends at the fault
 
 
 def chance_of(log: Log) -> float:
@@ -381,7 +386,7 @@ SHAPES = [
     Shape("nan_metric", _nan_metric, (1, 3), (1, 3), "LOOP-25", lambda log: log.preference or has_evals(log)),
     Shape("zero_loss", _zero, (2, 3, "to the end"), (3, "to the end"), "LOOP-21"),
     Shape("gn_spike", _gn_spike, (5.0, 10.0, 20.0, 50.0), (20.0, 50.0), "LOOP-27", has_gn),
-    Shape("eval_jump", _eval_jump, (1.2, 1.5, 2.0), (1.5, 2.0), "LOOP-26 / LOOP-10", has_evals),
+    Shape("eval_jump", _eval_jump, (1.2, 1.5, 2.0), (1.5, 2.0), "LOOP-26 / LOOP-10", has_evals, at_evaluation=True),
     Shape("scale_mismatch", _scale, (2.0, 4.0, 8.0), (4.0, 8.0), "LOOP-19 / LOOP-23"),
     Shape("scheduler_restart", _restart, (1, "10%"), (1, "10%"), "LOOP-14 / LOOP-10", decays),
     Shape("stopped_early", _stop, (0.5, 0.8), (0.5, 0.8), "LOOP-24"),
@@ -411,17 +416,18 @@ def audit(log: Log, timeout: float) -> list[dict] | None:
     ]
 
 
-def window_start(log: Log, step: int) -> int:
-    """The first step of the logging window that holds `step`."""
-    i = int(np.searchsorted(log.steps, step))
-    return int(log.steps[i - 1]) + 1 if 0 < i <= log.steps.size else 1
+def window_start(steps: np.ndarray, step: int) -> int:
+    """The first step of the window (logging or evaluation, as `steps` are) that holds `step`."""
+    i = int(np.searchsorted(steps, step))
+    return int(steps[i - 1]) + 1 if 0 < i <= steps.size else 1
 
 
-def judge(clean: list[dict], found: list[dict], log: Log, fault_step: int) -> dict:
-    """Whether the fault was detected, by which checks, and how late."""
+def judge(clean: list[dict], found: list[dict], log: Log, fault_step: int, at_evaluation: bool = False) -> dict:
+    """Whether the fault was detected, by which checks, and how late. A fault injected into an evaluation can be
+    placed no closer than the evaluation window that ends at it (from the step after the evaluation before)."""
     known = {(f["code"], f["step"]) for f in clean}
     new = [f for f in found if (f["code"], f["step"]) not in known]
-    start = window_start(log, fault_step)
+    start = window_start(log.eval_steps if at_evaluation else log.steps, fault_step)
     after = sorted((f for f in new if f["step"] is not None and f["step"] >= start), key=lambda f: f["step"])
     run_level = [f for f in new if f["step"] is None]
     early = [f for f in new if f["step"] is not None and f["step"] < start]
@@ -504,7 +510,7 @@ def main() -> int:
                         "run": r,
                         "row": row,
                         "fault_step": fault,
-                    } | judge(clean[r], found, injected, fault)
+                    } | judge(clean[r], found, injected, fault, shape.at_evaluation)
                     results.append(result)
                     print(json.dumps(result), flush=True)
     print(table(results, shapes, clean))

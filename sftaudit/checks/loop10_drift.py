@@ -6,7 +6,7 @@ import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
 from .gradient_columns import gradient_columns
-from .stats.curve import excursions
+from .stats.curve import excursions, lone_peaks, short_log_peaks
 from .stats.rolling import (
     adaptive_window,
     column,
@@ -34,36 +34,41 @@ class LossDynamics(Check):
         useful tokens), periodic spikes (contaminated batches) and a growing train/validation gap
         (over-fitting or leakage). A learning-rate jump outside warmup is a scheduler or resume bug.
     Statistic:
-        Spikes are judged against the run's own noise at its logging resolution, from the first logged steps,
-        never a fixed floor. On log(loss) (a loss's noise scales with its level): each logged value's residual
-        from the median of the 5 values before it, over the noise of such a residual where the value lies: the
-        robust sigma (1.4826 MAD / sqrt 6) of second differences of log loss pooled over a centred window of at
-        least 32 logged values (second differences leave a trend out, even a fine-tune's steep first fall),
-        floored at one rounding step of the log at that level (0.0002 after 0.0001 in a 4-decimal log is one
-        step, not a doubling). One-sided: a value below its running level is never a spike, however the curve
-        bends. The threshold is scaled by the run's upper-tail factor: the 90th percentile of its standardised
-        residuals above their median over their MAD, relative to a normal distribution's. A per-step loss of
-        few rows is right-skewed (one hard row lifts the mean) and a preference loss (DPO, ORPO, KTO:
-        `rewards/*`, `logps/*` logged) heavy-tailed: the factor measures it; the rows each logged value averages
-        (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO: `kl`, `reward`
-        logged) is no fit of the data: no spikes or plateaus judged. Learning-rate ratio lr[s] / lr[s-1] after
-        warmup (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau: relative change of the
-        block median loss over `plateau_blocks` blocks. Train/val: eval_loss rising at `gap_evals` consecutive
-        evaluations while the training loss block median falls. Drift: two-sided Mann-Whitney U between
-        consecutive windows of each series' absolute step-to-step change of log value (volatility, indifferent
-        to a smooth trend), Benjamini-Hochberg corrected across all series and windows.
+        Spikes are judged against the run's own noise at its logging resolution, from the first logged steps, never a
+        fixed floor. On log(loss) (a loss's noise scales with its level): each logged value's residual from the median
+        of the 5 values before it, over the noise of such a residual where the value lies: the robust sigma (1.4826 MAD
+        / sqrt 6) of second differences of log loss pooled over a centred window of at least 32 logged values (second
+        differences leave a trend out, even a fine-tune's steep first fall), floored at one rounding step of the log at
+        that level (0.0002 after 0.0001 in a 4-decimal log is one step, not a doubling). One-sided: a value below its
+        running level is never a spike, however the curve bends. The threshold is scaled by the run's upper-tail factor:
+        the 90th percentile of its standardised residuals above their median over their MAD, relative to a normal
+        distribution's. A per-step loss of few rows is right-skewed (one hard row lifts the mean) and a preference loss
+        (DPO, ORPO, KTO: `rewards/*`, `logps/*` logged) heavy-tailed: the factor measures it; the rows each logged value
+        averages (batch x accumulation x logging interval) are reported. A policy-gradient loss (GRPO, PPO: `kl`,
+        `reward` logged) is no fit of the data: no spikes or plateaus judged. A running level of the values before lags
+        a loss that falls fast (a short log halving in a few windows), so each value is also judged against the midpoint
+        of its two neighbours (minus half the second difference of log loss: a trend leaves it out), over the noise of
+        such a residual (the sigma above x sqrt(3/2)), scaled by its own tail factor. A log too short for a noise
+        estimate (6 values or fewer) is judged against the rest of the log: a value (from the third to the one before
+        last) against the highest of the other values after the first. Learning-rate ratio lr[s] / lr[s-1] after warmup
+        (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau: relative change of the block median
+        loss over `plateau_blocks` blocks. Train/val: eval_loss rising at `gap_evals` consecutive evaluations while the
+        training loss block median falls. Drift: two-sided Mann-Whitney U between consecutive windows of each series'
+        absolute step-to-step change of log value (volatility, indifferent to a smooth trend), Benjamini-Hochberg
+        corrected across all series and windows.
     Threshold:
-        Spike: z >= `sigma_spike` (6) x tail factor and at least `min_effect` (1.2) x the running level, back
-        below that bar within `diverge_steps` (5) logged steps: warn (longer, or through the end, is LOOP-19's
-        divergence). A one-sided normal p of 1e-9 at z 6 keeps false spikes under 1% even over a 10-million-point
-        log (family-wise control; Benjamini-Hochberg over normal p-values raised false spikes on per-step logs
-        whose tails outrun the factor). Learning-rate jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless
-        the step keeps (within 50%) the per-step slope of the interval before it (a decay reaching 0): warn;
-        not judged on a run imported from its logs (LOOP-14 judges a logged schedule against its plan).
-        Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks after warmup: info (a converged and a stuck
-        loss look alike; the eval metrics decide). Train/val: 3 rising evals: warn. Drift: BH q < `fdr_q` (0.01)
-        and volatility ratio >= 3: info (drift is context for the other findings, not a verdict). Fewer than 3
-        logged steps: not judged.
+        Spike: z >= `sigma_spike` (6) x tail factor and at least `min_effect` (1.2) x the running level, back below that
+        bar within `diverge_steps` (5) logged steps: warn (longer, or through the end, is LOOP-19's divergence). Peak (a
+        value the running level missed): z >= `sigma_spike` x its tail factor and at least `min_effect` x each
+        neighbour: warn. Short log: at least `short_log_effect` (1.5) x every other value after the first: warn. A
+        one-sided normal p of 1e-9 at z 6 keeps false spikes under 1% even over a 10-million-point log (family-wise
+        control; Benjamini-Hochberg over normal p-values raised false spikes on per-step logs whose tails outrun the
+        factor). Learning-rate jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the
+        per-step slope of the interval before it (a decay reaching 0): warn; not judged on a run imported from its logs
+        (LOOP-14 judges a logged schedule against its plan). Plateau: change < `plateau_tolerance` (0.5%) over 4 blocks
+        after warmup: info (a converged and a stuck loss look alike; the eval metrics decide). Train/val: 3 rising
+        evals: warn. Drift: BH q < `fdr_q` (0.01) and volatility ratio >= 3: info (drift is context for the other
+        findings, not a verdict). Fewer than 3 logged steps: not judged.
     Evidence:
         Loss, running level, z, p-value and effect size at the step, the logged steps it stayed up; the tail
         factor, the log's rounding step and the rows per logged value; the learning rates around a jump; block
@@ -74,6 +79,8 @@ class LossDynamics(Check):
     name = "loss pathologies and drift"
     rules = {
         "loss-spike": "the loss spiked against its own step-to-step noise",
+        "loss-peak": "one logged loss stood above both its neighbours, against the run's noise of such a stand",
+        "short-log-peak": "in a log too short for a noise estimate, one logged loss stood far above all the others",
         "lr-jump": "the learning rate changed abruptly in one step after warmup",
         "plateau": "the loss plateaued",
         "overfitting": "validation loss rose at several evaluations in a row while the training loss fell",
@@ -83,6 +90,7 @@ class LossDynamics(Check):
     defaults = {
         "sigma_spike": positive(6.0),
         "min_effect": at_least(1.2, 1),
+        "short_log_effect": at_least(1.5, 1),
         "diverge_steps": count(5),
         "window": count(None, low=2),
         "lr_jump": at_least(10.0, 1),
@@ -130,9 +138,13 @@ class LossDynamics(Check):
         )
         rows = rows_per_log(ctx)
         findings = []
-        for s, length, sustained in found["episodes"]:
-            if sustained:
-                break  # a loss that rose and stayed up is LOOP-19's divergence; after it the baseline is meaningless
+        # A loss that rose and stayed up is LOOP-19's divergence; after it the baseline is meaningless.
+        end = next((s for s, _, sustained in found["episodes"] if sustained), steps.size)
+        reported = np.zeros(steps.size, dtype=bool)
+        for s, length, _ in found["episodes"]:
+            if s >= end:
+                break
+            reported[s : s + length] = True
             e = s + length - 1
             level = float(np.exp(found["level"][s]))
             effect = float(loss[s] / level)
@@ -156,6 +168,65 @@ class LossDynamics(Check):
                     log_quantum=found["quantum"],
                     rows_per_log=rows,
                     spike_steps=steps[s : e + 1].tolist()[:50],
+                )
+            )
+        return findings + self._peaks(steps, loss, end, reported, rows)
+
+    def _peaks(self, steps, loss, end, reported, rows) -> list[Finding]:
+        """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
+        too short for a noise estimate, values far above all the others; before a divergence only."""
+        from scipy import stats  # (imported on use, as above)
+
+        p = self.params
+        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"])
+        findings = []
+        for i in peaks["peaks"]:
+            if i >= end or reported[i]:
+                continue
+            midpoint = float(np.exp(np.log(loss[i]) - peaks["residual"][i]))
+            z = float(peaks["z"][i])
+            findings.append(
+                self.finding(
+                    "loss-peak",
+                    "warn",
+                    f"loss spiked at step {steps[i]} to {loss[i]:.4g}, {loss[i] / midpoint:.3g}x the midpoint of its "
+                    f"neighbours ({loss[i - 1]:.4g} at step {steps[i - 1]}, {loss[i + 1]:.4g} at step "
+                    f"{steps[i + 1]}; z {z:.1f} against the run's own noise of one value against its neighbours, threshold "
+                    f"{peaks['threshold']:.1f}) and was back at the next log; inspect the batches of steps "
+                    f"{steps[i - 1] + 1}-{steps[i]} for corrupt samples, and the learning rate if the spike recurs",
+                    step=steps[i],
+                    value=loss[i],
+                    baseline_median=midpoint,
+                    z=z,
+                    p_value=float(stats.norm.sf(z)),
+                    effect_size=float(loss[i] / midpoint),
+                    over_neighbours=float(np.exp(peaks["prominence"][i])),
+                    threshold=peaks["threshold"],
+                    min_effect=p["min_effect"],
+                    tail_factor=peaks["tail"],
+                    rows_per_log=rows,
+                )
+            )
+        for i in short_log_peaks(loss, p["short_log_effect"]):
+            if i >= end or reported[i]:
+                continue
+            others = np.delete(loss[1:], i - 1)
+            highest = float(np.nanmax(others))
+            findings.append(
+                self.finding(
+                    "short-log-peak",
+                    "warn",
+                    f"loss spiked at step {steps[i]} to {loss[i]:.4g}, {loss[i] / highest:.3g}x the highest of the "
+                    f"other logged values after the first ({highest:.4g}; {steps.size} logged values: too few for a noise "
+                    f"estimate, so the rest of the log is the bound, at least {p['short_log_effect']:g}x); inspect the "
+                    f"batches of steps {steps[i - 1] + 1}-{steps[i]} for corrupt samples",
+                    step=steps[i],
+                    value=loss[i],
+                    baseline_median=highest,
+                    effect_size=float(loss[i] / highest),
+                    threshold=p["short_log_effect"],
+                    logged_values=loss.tolist(),
+                    rows_per_log=rows,
                 )
             )
         return findings

@@ -42,9 +42,9 @@ class LRScheduleConformance(Check):
         Imported: at a resume (a new segment) the first LR after it against the last before, relative, within
         max(`resume_tolerance`, 2 x the largest relative per-step change of the `resume_window` logs before);
         a departure is "restarted" when the LR fell to <= 1% of the peak and rises over the next `resume_window`
-        logs. Within a segment (a resume whose log simply goes on): a cliff (from >= 10% of the peak to <= 5% of
-        it in one log) followed by `resume_window` rising logs whose median slope per step is within
-        `resume_tolerance` of the first warm-up's. The whole-run warm-up: the last segment's LR never falls from
+        logs. Within a segment (a resume whose log simply goes on), in a run that warmed up: a cliff (from >= 10%
+        of the peak to <= 5% of it in one log) followed by `resume_window` rising logs, at any pace (a fresh
+        scheduler built for another length warms up at another). The whole-run warm-up: the last segment's LR never falls from
         its first log to its peak, rises at
         at least half of those logs, peaks at the last log or the one before it, and the run reached its plan
         (within one logging interval).
@@ -52,7 +52,7 @@ class LRScheduleConformance(Check):
         Any step outside the tolerance: fail at the first one. LR exactly 0 while the gradient
         norm is non-zero and the schedule says otherwise: part of the same finding (evidence). Imported: a
         departure at a resume is a warn at the resume step (configuration when the segments' max_steps differ,
-        else an anomaly: the scheduler's state was not restored); the first warm-up climbed again within a
+        else an anomaly: the scheduler's state was not restored); a warm-up climbed again within a
         segment: an anomaly warn at the cliff; a whole-run warm-up is a configuration warn.
     Evidence:
         The first departing step with recorded and configured LR, the diagnosis (k x ahead/behind,
@@ -317,16 +317,16 @@ class LRScheduleConformance(Check):
 
     def _replayed_warmups(self, steps, segs, lr) -> list[Finding]:
         """Within a segment (a resume no saved state shows: the resumed run's log goes on from the checkpoint's),
-        the warm-up run again: the LR falls at once from a working level to near 0 and climbs along the run's
-        first warm-up (the same slope per step). A cyclic schedule descends to its floor gradually; one with hard
-        restarts jumps back to its peak at once: neither climbs the first ramp again after a cliff."""
+        the warm-up run again: the LR falls at once from a working level to near 0 and climbs again, at the run's
+        first warm-up's pace or another (a fresh scheduler built for another length, or warming up over a share of
+        it, climbs at another). A cyclic schedule descends to its floor gradually; one with hard restarts jumps
+        back to its peak at once: neither climbs again after a cliff."""
         stops = np.flatnonzero(np.diff(lr) <= 0)
         end = int(stops[0]) if stops.size else lr.size - 1  # the first warm-up's last log
         if end < 2 or lr[end] <= lr[0]:
             return []
         slope = np.median(np.diff(lr[: end + 1]) / np.diff(steps[: end + 1]))
         peak = float(lr.max())
-        tolerance = self.params["resume_tolerance"]
         cliffs = np.flatnonzero(
             (lr[1:] <= 0.05 * peak) & (lr[:-1] >= 0.1 * peak) & (segs[1:] == segs[:-1]) & (np.arange(1, lr.size) > end)
         )
@@ -337,15 +337,13 @@ class LRScheduleConformance(Check):
             if climb.size < 3 or (np.diff(climb) <= 0).any():
                 continue
             again = float(np.median(np.diff(climb) / gaps))
-            if abs(again - slope) > tolerance * slope:
-                continue
             s = int(steps[i])
             findings.append(
                 self.finding(
                     "schedule-restarted",
                     "warn",
                     f"the learning rate fell at once from {lr[i - 1]:.3g} at step {steps[i - 1]} to {lr[i]:.3g} at step "
-                    f"{s} and climbed again along the run's first warm-up ({again:.3g} per step, then {slope:.3g}): the "
+                    f"{s} and climbed again ({again:.3g} per step; the run's first warm-up {slope:.3g}): the "
                     "schedule started over at a resume whose scheduler's state was not restored; resume with the "
                     "checkpoint's scheduler.pt (resume_from_checkpoint restores it)",
                     step=s,

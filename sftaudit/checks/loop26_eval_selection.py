@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import AuditContext, CannotJudge, Check, Finding, share
+from .base import AuditContext, CannotJudge, Check, Finding, probability, share
 from .selection_metric import (
     BAND_SIGMA,
     ERROR_RATES,
@@ -17,6 +17,7 @@ from .selection_metric import (
     name_parts,
     noise_band,
     selection_metric,
+    worse_than_all_before,
     worse_to_the_end,
 )
 
@@ -52,21 +53,25 @@ class EvalSelection(Check):
         metric that contradicts the loss, or sits at a degenerate level, means the predictions are decoded or
         scored wrongly (labels, generation config, the tokenizer that decodes them) or the model learned nothing.
     Statistic:
-        Per eval key, its direction from its name (loss, WER, CER, perplexity: lower; accuracy, BLEU, ROUGE, F1,
-        exact match, chrF: higher) or, for the selection metric, from best_metric against its logged values; keys
-        whose direction neither tells are listed, never guessed. The eval's noise: the robust spread (1.4826 MAD)
-        of second differences of the metric over sqrt(6) (a smooth trend leaves them out), floored at the log's
-        rounding step; the band is 3 standard deviations of the difference of two evaluations (3 x sqrt 2 x that).
-        Worse to the end: the best evaluation against every later one.
+        Per eval key, its direction from its name (loss, WER, CER, perplexity: lower; accuracy, BLEU, ROUGE, F1, exact
+        match, chrF: higher) or, for the selection metric, from best_metric against its logged values; keys whose
+        direction neither tells are listed, never guessed. The eval's noise: the robust spread (1.4826 MAD) of second
+        differences of the metric over sqrt(6) (a smooth trend leaves them out), floored at the log's rounding step; the
+        band is 3 standard deviations of the difference of two evaluations (3 x sqrt 2 x that). Worse to the end: the
+        best evaluation against every later one. Worse than all before (a jump that stayed, told where the noise it
+        keeps hides it from the band): the first evaluation from which every evaluation to the end is worse than every
+        one before it; noise without a trend orders its last m of n evaluations so with probability 1 / C(n, m), taken
+        over the n - 2 places the series could split (a falling metric makes it rarer still).
     Threshold:
-        Selection metric worse than its best by more than the band at every evaluation from some step to the end
-        (2 evaluations at least): warn. eval_loss so, while the selection metric is not: info. An error rate >=
-        `error_rate_level` (95%; read in percent when a value exceeds 1.5, not judged when the scale cannot be
-        told) or a classifier's accuracy within max(`chance_margin` (5%) of chance, the band) of 1 / its labels,
-        from some evaluation to the end: fail. Each is an anomaly dated where the run turned: the evaluation window
-        that ends at the first such evaluation (from the step after the evaluation before it). Fewer than 6
-        evaluations: no band, so over-fitting and contradictions are not judged (the check says so); no eval
-        metric: not judged.
+        Selection metric worse than its best by more than the band at every evaluation from some step to the end (2
+        evaluations at least): warn. Worse than all before, at (n - 2) / C(n, m) <= `rank_alpha` (0.01; 13 evaluations
+        at least, 4 worse at the end of 15) and earlier than the band's turn: warn, in its stead. eval_loss so, while
+        the selection metric is not: info. An error rate >= `error_rate_level` (95%; read in percent when a value
+        exceeds 1.5, not judged when the scale cannot be told) or a classifier's accuracy within max(`chance_margin`
+        (5%) of chance, the band) of 1 / its labels, from some evaluation to the end: fail. Each is an anomaly dated
+        where the run turned: the evaluation window that ends at the first such evaluation (from the step after the
+        evaluation before it). Fewer than 6 evaluations: no band, so over-fitting and contradictions are not judged (the
+        check says so); no eval metric: not judged.
     Evidence:
         The metric, its direction and where it came from, the best step and value, the band, the turning step, the
         last value, eval_loss beside it, the evaluations (up to 50), the keys of unknown direction.
@@ -76,11 +81,12 @@ class EvalSelection(Check):
     name = "eval metrics and selection"
     rules = {
         "best-before-end": "the selection metric was best mid-run and worse to the end",
+        "worse-than-all-before": "every evaluation of the selection metric from some step on was worse than all before",
         "eval-loss-rose": "eval_loss rose while the selection metric did not worsen",
         "metric-degenerate": "an eval metric sits at a degenerate level at the last evaluation",
     }
     needs = ("metrics",)
-    defaults = {"error_rate_level": share(0.95), "chance_margin": share(0.05)}
+    defaults = {"error_rate_level": share(0.95), "chance_margin": share(0.05), "rank_alpha": probability(0.01)}
 
     def run(self, ctx: AuditContext) -> list[Finding]:
         series = eval_series(ctx.con)
@@ -123,6 +129,11 @@ class EvalSelection(Check):
             "unknown_direction": unknown,
         }
         turned = worse_to_the_end(values, way, band)
+        # A jump in a noisy metric keeps the noise, so not every later evaluation clears the best by the band: the
+        # ranks tell it, and tell it at the jump where the band may clear only the last evaluations.
+        separated = worse_than_all_before(values, way, self.params["rank_alpha"])
+        if separated is not None and (turned is None or separated < turned[1]):
+            return findings + [self._separated(steps, values, way, separated, context)]
         if turned is not None:
             return findings + [self._worse(series, metric, way, steps, values, band, turned, context)]
         if metric != "eval_loss" and "eval_loss" in series:
@@ -160,6 +171,28 @@ class EvalSelection(Check):
             shape="jump" if jumped else "drift",
             threshold=band,
             eval_loss=loss,
+            **context,
+        )
+
+    def _separated(self, steps, values, way, t, context) -> Finding:
+        x = better(values, way)
+        b = int(np.argmin(x[:t]))
+        return self.finding(
+            "worse-than-all-before",
+            "warn",
+            f"{context['metric']} turned worse at step {steps[t]} ({values[t]:.4g}) and stayed there: every one of the "
+            f"{values.size - t} evaluations from it to the end is worse than every one of the {t} before it (best "
+            f"{values[b]:.4g} at step {steps[b]}, last {values[-1]:.4g}; noise would order them so with probability "
+            f"<= {self.params['rank_alpha']:g}); ship the checkpoint nearest its best (the verdict's keep_checkpoint), "
+            f"not the last, and look at what changed at step {steps[t]} (data, learning rate, a resume)",
+            **turn(steps, t),
+            best_step=steps[b],
+            best_value=values[b],
+            value=values[-1],
+            turned_step=steps[t],
+            worst_before=float(values[int(np.argmax(x[:t]))]),
+            best_after=float(values[t + int(np.argmin(x[t:]))]),
+            threshold=self.params["rank_alpha"],
             **context,
         )
 

@@ -116,6 +116,27 @@ def worse_to_the_end(values: np.ndarray, way: str, band: float) -> tuple[int, in
     return (best, x.size - stretch) if stretch >= 2 else None
 
 
+def worse_than_all_before(values: np.ndarray, way: str, alpha: float) -> int | None:
+    """The index of the first evaluation from which every evaluation to the end is worse than every one before it
+    (a jump that stayed: the ranks separate completely), when that is too unlikely for noise: an evaluation series
+    without a trend puts its last m evaluations above all the others with probability 1 / C(n, m), here taken
+    over the n - 2 places it could split (Bonferroni) and kept at <= `alpha`. A falling metric makes it rarer
+    still; a metric now worse than its first evaluation is worth the warning whatever its noise. None: no such
+    split."""
+    from scipy.special import comb  # here, not at module level: the verdict imports this module and needs no scipy
+
+    x = better(values, way)
+    n = x.size
+    if n < 4:
+        return None
+    ahead = np.maximum.accumulate(x)[:-1]  # per split t (1..n-1): the worst evaluation before it
+    behind = np.minimum.accumulate(x[::-1])[::-1][1:]  # the best from it to the end
+    after = n - np.arange(1, n)
+    chance = (n - 2) / comb(n, after)
+    split = np.flatnonzero((behind > ahead) & (after >= 2) & (chance <= alpha))
+    return int(split[0]) + 1 if split.size else None
+
+
 def chance_accuracy(manifest: dict[str, Any]) -> float | None:
     """1 / the number of labels of a classifier's head (config.json's id2label), else None."""
     model = manifest.get("model") or {}

@@ -275,3 +275,31 @@ def test_a_spike_in_the_first_steps_of_a_long_log_is_judged_like_any_other(tmp_p
     [spike] = findings(audited(trainer_run(tmp_path / "early", spiked)), "LOOP-10", ("warn", "fail"))
     assert (spike["severity"], spike["step"]) == ("warn", 15)
     assert findings(audited(trainer_run(tmp_path / "clean", loss)), "LOOP-10", ("warn", "fail")) == []
+
+
+# A seq2seq log of 10 windows of 500 steps, falling fast (the cpt-seq2seq run's shape): the median of the values
+# before a window lags a level that halves in a few windows, so a x3 window is judged against its neighbours.
+SEQ2SEQ = [1.1409, 0.6419, 0.5212, 0.4477, 0.3979, 0.3643, 0.3238, 0.2993, 0.2735, 0.2645]
+
+
+def test_a_lone_window_over_both_neighbours_of_a_fast_falling_short_log_is_a_peak(tmp_path):
+    [peak] = findings(
+        audited(trainer_run(tmp_path / "peak", _spiky(SEQ2SEQ, 3, 3.0), every=500)), "LOOP-10", ("warn", "fail")
+    )
+    assert (peak["rule"], peak["severity"], peak["step"]) == ("LOOP-10/loss-peak", "warn", 1501)  # its window
+    assert peak["evidence"]["over_neighbours"] > 2 and peak["evidence"]["z"] >= peak["evidence"]["threshold"]
+    assert findings(audited(trainer_run(tmp_path / "clean", SEQ2SEQ, every=500)), "LOOP-10", ("warn", "fail")) == []
+
+
+def test_a_window_far_above_the_rest_of_a_6_window_log_is_a_peak_and_noise_of_a_short_log_is_not(tmp_path):
+    # GPT-2 from TensorBoard, 6 logs every 500 steps: no noise estimate, so the rest of the log is the bound.
+    short = [0.4742, 0.0261, 0.0141, 0.0109, 0.0089, 0.0081]
+    [peak] = findings(
+        audited(trainer_run(tmp_path / "peak", _spiky(short, 2, 3.0), every=500)), "LOOP-10", ("warn", "fail")
+    )
+    assert (peak["rule"], peak["severity"], peak["step"]) == ("LOOP-10/short-log-peak", "warn", 1001)
+    assert peak["evidence"]["effect_size"] >= 1.5
+    assert findings(audited(trainer_run(tmp_path / "clean", short, every=500)), "LOOP-10", ("warn", "fail")) == []
+    # Five per-step values of a few rows each: 2.4 is 1.26x the highest of the others, ordinary noise.
+    noisy = [2.1, 1.8, 2.4, 1.9, 1.7]
+    assert findings(audited(trainer_run(tmp_path / "noisy", noisy)), "LOOP-10", ("warn", "fail")) == []

@@ -105,6 +105,18 @@ def test_a_warm_up_run_again_within_one_log_is_found_where_the_schedule_restarte
     assert findings(audited(trainer_run(tmp_path / "hard", falling(120), lr=hard)), "LOOP-14") == []
 
 
+def test_a_warm_up_run_again_at_another_pace_is_found_where_the_schedule_restarted(tmp_path):
+    """A resume with a fresh scheduler that warms up over a tenth of the run (the first warm-up took 4 logs of
+    the 200): the LR falls to 0 at step 100 and climbs over 20 logs. Twin: the schedule going on."""
+    steps = np.arange(1, 201)
+    lr = linear_schedule(steps, 2e-4, 4, 200)
+    restarted = np.where(steps < 100, lr, linear_schedule(steps - 100, 2e-4, 20, 200))
+    [finding] = findings(audited(trainer_run(tmp_path / "restarted", falling(200), lr=restarted)), "LOOP-14")
+    assert (finding["rule"], finding["severity"], finding["step"]) == ("LOOP-14/schedule-restarted", "warn", 100)
+    assert finding["evidence"]["slope_again"] < finding["evidence"]["warmup_slope"] / 4
+    assert findings(audited(trainer_run(tmp_path / "clean", falling(200), lr=lr)), "LOOP-14") == []
+
+
 def _lf_log(run_dir, starts):
     """LLaMA-Factory's trainer_log.jsonl: per start, (first step, learning rate per step), logged every 10 steps."""
     run_dir.mkdir(parents=True)

@@ -160,3 +160,24 @@ def test_the_band_needs_six_evaluations_and_the_end_two():
     # One worse evaluation at the end is no trend yet.
     assert worse_to_the_end(np.array([3.0, 2.0, 1.0, 1.0, 1.0, 5.0]), "lower", 0.1) is None
     assert worse_to_the_end(np.array([3.0, 2.0, 1.0, 1.0, 5.0, 5.0]), "lower", 0.1) == (2, 4)
+
+
+# The eval_loss of a Whisper fine-tune (15 evaluations every 1,000 steps): flat and noisy at +-0.02.
+NOISY_EVAL = [0.272, 0.26, 0.239, 0.241, 0.239, 0.253, 0.227, 0.243, 0.223, 0.262, 0.219, 0.209, 0.216, 0.249, 0.239]
+
+
+def test_a_jump_in_a_noisy_eval_that_stays_is_told_by_its_ranks_and_the_noise_itself_is_not(tmp_path):
+    jumped = np.array(NOISY_EVAL)
+    jumped[4:] *= 1.5  # from the evaluation at step 5000: above every one before it, keeping its noise
+    # The jump keeps the noise, so not every later evaluation clears the best by the band.
+    band = noise_band(jumped)
+    assert worse_to_the_end(jumped, "lower", band) in (None, (2, 13))
+    loss = falling(150, start=0.75, end=0.03, noise=0.1)
+    run = trainer_run(tmp_path / "jump", loss, every=100, evals=list(zip(range(1000, 15001, 1000), jumped)))
+    [found] = findings(audited(run))
+    assert (found["rule"], found["severity"], found["step"]) == ("LOOP-26/worse-than-all-before", "warn", 4001)
+    assert (
+        found["evidence"]["turned_step"] == 5000 and found["evidence"]["best_after"] > found["evidence"]["worst_before"]
+    )
+    clean = trainer_run(tmp_path / "clean", loss, every=100, evals=list(zip(range(1000, 15001, 1000), NOISY_EVAL)))
+    assert findings(audited(clean)) == []

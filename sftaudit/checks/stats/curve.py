@@ -9,6 +9,9 @@ the run around it.
 
 - **Excursions** (spikes and rises that stay): each value against the median of the 5 values before it, one-sided
   (a value below its level is never an excursion), and at least `min_effect` times that level.
+- **Lone peaks** (one window's loss multiplied): each value against the midpoint of its two neighbours, judged
+  against the noise of such a residual and above both neighbours; in a log too short for a noise estimate, a value
+  far above every other after the first.
 - **Rise from the minimum** (a creep, a rise with the learning rate): a centred running median of the log values
   climbing above its own running minimum by a fixed factor and by many noise sigmas.
 - **Chance** (the loss of a uniform guess): ln K for a classification head of K labels, ln V for a language model
@@ -125,6 +128,64 @@ def excursions(
         "threshold": threshold,
         "episodes": episodes,
     }
+
+
+def lone_peaks(values, sigma: float, min_effect: float) -> dict:
+    """Single logged values standing above both neighbours, judged against the run's own noise of such a stand.
+
+    Each inner value's residual from the midpoint of its two neighbours (log space: minus half the second
+    difference, so a trend, even the steep fall of a short log, leaves it out where a running level of the values
+    before lags behind it), over the noise of such a residual (`point_noise` x sqrt(3 / 2): the value's own noise
+    and half of each neighbour's), floored at one rounding step of the log at that level (no noise estimate: not
+    judged). A peak: z >= `sigma` x the upper-tail factor of these z, and the value at least `min_effect` x each
+    neighbour (a step down after a plateau puts its last value over the midpoint, never over both neighbours).
+
+    Returns residual, scale, z, tail, threshold, the peak rows and each value over its higher neighbour (log)."""
+    v = np.asarray(values, dtype=float)
+    x = log_values(v)
+    n = x.size
+    residual = np.full(n, np.nan)
+    prominence = np.full(n, np.nan)
+    if n >= 3:
+        residual[1:-1] = x[1:-1] - (x[:-2] + x[2:]) / 2
+        prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
+    scale = point_noise(x) * math.sqrt(1.5)
+    quantum = log_quantum(v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        resolution = np.log1p(quantum / np.exp(x - residual)) if quantum else np.zeros(n)
+        scale = np.where(np.isfinite(scale), np.fmax(scale, resolution), np.nan)  # no noise: not judged
+        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
+    tail = tail_factor(z[np.isfinite(z)])
+    threshold = sigma * tail
+    with np.errstate(invalid="ignore"):
+        peaks = np.flatnonzero((z >= threshold) & (prominence >= math.log(min_effect)))
+    return {
+        "residual": residual,
+        "scale": scale,
+        "z": z,
+        "tail": tail,
+        "threshold": threshold,
+        "peaks": peaks,
+        "prominence": prominence,
+    }
+
+
+def short_log_peaks(values, min_effect: float) -> np.ndarray:
+    """In a log too short for a noise estimate (`point_noise` has none), the rows whose value stands at least
+    `min_effect` x every other value after the first (the untrained start) and is followed by a lower one: the
+    rest of the log is the bound, not a history it does not have. The second row is not judged (a falling loss
+    puts it above all that follow) nor the last (a rise that ends the log may be the start of a divergence)."""
+    x = log_values(values)
+    n = x.size
+    if n < 4 or np.isfinite(point_noise(x)).any():
+        return np.zeros(0, dtype=int)
+    rest = np.where(np.isfinite(x[1:]), x[1:], -np.inf)
+    top, second = np.sort(rest)[::-1][:2]
+    others = np.where(rest == top, second, top)  # per row after the first: the highest of the other rows
+    rows = np.arange(1, n)
+    with np.errstate(invalid="ignore"):
+        standing = (rest - others >= math.log(min_effect)) & (rows >= 2) & (rows <= n - 2)
+    return rows[standing]
 
 
 def centred_median(x: np.ndarray, width: int) -> np.ndarray:
