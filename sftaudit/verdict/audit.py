@@ -551,11 +551,31 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
 def _store_series(con, series: list[dict[str, Any]]) -> None:
     con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
                    threshold DOUBLE, sole_condition BOOLEAN)""")
-    for s in series:
-        con.execute(
-            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?, ?",
-            [s["code"], s["name"], s["steps"], s["values"], s["threshold"], s["sole_condition"]],
-        )
+    if not series:
+        return
+    import pyarrow as pa
+
+    # One Arrow table for every series: a list bound as a parameter is converted value by value (1.5 s a 10^5 steps).
+    sizes = [len(s["steps"]) for s in series]
+
+    def repeated(key: str, kind: pa.DataType) -> pa.Array:
+        return pa.concat_arrays([pa.repeat(pa.scalar(s[key], kind), size) for s, size in zip(series, sizes)])
+
+    con.register(
+        "series_rows",
+        pa.table(
+            {
+                "code": repeated("code", pa.string()),
+                "name": repeated("name", pa.string()),
+                "step": pa.concat_arrays([pa.array(s["steps"], pa.int64()) for s in series]),
+                "value": pa.concat_arrays([pa.array(s["values"], pa.float64()) for s in series]),
+                "threshold": repeated("threshold", pa.float64()),
+                "sole_condition": repeated("sole_condition", pa.bool_()),
+            }
+        ),
+    )
+    con.execute("INSERT INTO series SELECT * FROM series_rows")
+    con.unregister("series_rows")
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:
