@@ -553,13 +553,14 @@ def _store_series(con, series: list[dict[str, Any]]) -> None:
                    threshold DOUBLE, sole_condition BOOLEAN)""")
     if not series:
         return
+    import numpy as np
     import pyarrow as pa
 
     # One Arrow table for every series: a list bound as a parameter is converted value by value (1.5 s a 10^5 steps).
-    sizes = [len(s["steps"]) for s in series]
+    owner = pa.array(np.repeat(np.arange(len(series)), [len(s["steps"]) for s in series]))
 
-    def repeated(key: str, kind: pa.DataType) -> pa.Array:
-        return pa.concat_arrays([pa.repeat(pa.scalar(s[key], kind), size) for s, size in zip(series, sizes)])
+    def repeated(key: str, kind: pa.DataType) -> pa.Array:  # each series' own field on each of its rows
+        return pa.array([s[key] for s in series], kind).take(owner)
 
     con.register(
         "series_rows",
