@@ -554,28 +554,26 @@ def _store_series(con, series: list[dict[str, Any]]) -> None:
     if not series:
         return
     import numpy as np
-    import pyarrow as pa
+    import polars as pl
 
-    # One Arrow table for every series: a list bound as a parameter is converted value by value (1.5 s a 10^5 steps).
-    owner = pa.array(np.repeat(np.arange(len(series)), [len(s["steps"]) for s in series]))
-
-    def repeated(key: str, kind: pa.DataType) -> pa.Array:  # each series' own field on each of its rows
-        return pa.array([s[key] for s in series], kind).take(owner)
-
+    # The values of every series in one frame (a list bound as a parameter is converted value by value: 1.5 s a 10^5
+    # steps; pyarrow's conversion of a list imports pandas), each row naming its series (from 1); the series' own
+    # fields looked up by it in the statement.
     con.register(
         "series_rows",
-        pa.table(
+        pl.DataFrame(
             {
-                "code": repeated("code", pa.string()),
-                "name": repeated("name", pa.string()),
-                "step": pa.concat_arrays([pa.array(s["steps"], pa.int64()) for s in series]),
-                "value": pa.concat_arrays([pa.array(s["values"], pa.float64()) for s in series]),
-                "threshold": repeated("threshold", pa.float64()),
-                "sole_condition": repeated("sole_condition", pa.bool_()),
+                "series": np.repeat(np.arange(1, len(series) + 1), [len(s["steps"]) for s in series]),
+                "step": pl.concat([pl.Series(s["steps"], dtype=pl.Int64) for s in series]),
+                "value": pl.concat([pl.Series(s["values"], dtype=pl.Float64) for s in series]),
             }
         ),
     )
-    con.execute("INSERT INTO series SELECT * FROM series_rows")
+    con.execute(
+        "INSERT INTO series SELECT (?::VARCHAR[])[series], (?::VARCHAR[])[series], step, value, "
+        "(?::DOUBLE[])[series], (?::BOOLEAN[])[series] FROM series_rows",
+        [[s[key] for s in series] for key in ("code", "name", "threshold", "sole_condition")],
+    )
     con.unregister("series_rows")
 
 
