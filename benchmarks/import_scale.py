@@ -143,6 +143,15 @@ def write_trl(shape: str, n: int, run_dir: Path) -> int:
     return size
 
 
+def written_apart(shape: str, n: int, run_dir: Path) -> int:
+    """`write_trl` in a process of its own: a child started from this one would count the memory the state's
+    writing took here in its own peak (Linux keeps the high-water mark of the memory an exec replaces)."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from import_scale import write_trl; "
+    code += f"print(write_trl({shape!r}, {n}, __import__('pathlib').Path({str(run_dir)!r})))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
 def measured(args: list[str]) -> tuple[float, float, float, int]:
     """A `sftaudit` command in its own process: (CPU seconds, wall seconds, peak resident MB, exit code)."""
     start = time.perf_counter()
@@ -176,7 +185,7 @@ print(json.dumps(out))
 
 def phases(shape: str, n: int, run_dir: Path) -> dict[str, float]:
     """The stages of a first audit of a fresh run of `shape` (its database not made yet)."""
-    write_trl(shape, n, run_dir)
+    written_apart(shape, n, run_dir)
     done = subprocess.run(
         [sys.executable, "-c", PHASES, str(run_dir)], cwd=REPO, capture_output=True, text=True, check=True
     )
@@ -191,7 +200,7 @@ def cli(sizes: list[int], repeats: int, split: bool = False) -> None:
         for n in sizes:
             with tempfile.TemporaryDirectory(prefix="sftaudit-import-scale-") as tmp:
                 run_dir = Path(tmp) / "run"
-                size = write_trl(shape, n, run_dir)
+                size = written_apart(shape, n, run_dir)
                 for command in ("import", "audit"):
                     runs = []
                     for _ in range(repeats):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sftaudit.core.artifacts import DATABASE_FILE, artifact_root, rank_dir, series_dir
 from sftaudit.errors import InputError
-from sftaudit.store.ingest import _readable, ingest
+from sftaudit.store.ingest import _COPY_BLOCK, _copy_complete_lines, _readable, ingest
 from sftaudit.store.rundb import cache_root, connect, database_path, foreign_objects, validated_parts
 from tests.hostile.builders import recorded_run
 
@@ -177,3 +177,30 @@ def test_a_lone_surrogate_is_kept_as_its_escape_and_nothing_else_changes(ids):
     ]
     if not any(lone.search(s) for s in decoded):
         assert _readable(line) == line
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [b"", b" \t\r", b'{"x": "\\ud800"}', b'{"x": "\xed\xa0\x80"}', b'{"x": "caf\xc3\xa9"}', b"  {}"],
+    ids=["blank", "whitespace", "lone-surrogate", "not-utf8", "utf8", "indented"],
+)
+def test_lines_copied_a_block_at_a_time_are_those_read_one_by_one(tmp_path, odd):
+    """Plain lines over several copy blocks, one torn across each block's end, and a line that needs a change or
+    a refusal in the second block: what is copied and counted is what reading line by line gives."""
+    plain = [b'{"seg": 0, "step": %d, "name": "%s"}' % (i, b"x" * (i % 2000)) for i in range(25_000)]
+    lines = plain[:10_000] + [odd] + plain[10_000:]  # about 10 MiB in: in the second block
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n" + b'{"torn":')
+    assert path.stat().st_size > 3 * _COPY_BLOCK
+    kept = [_readable(line) for line in lines if line.strip()]
+    fd = os.open(path, os.O_RDONLY)
+    with open(tmp_path / "copy.jsonl", "wb") as out:
+        end, copied, refused, mended = _copy_complete_lines(fd, 0, path.stat().st_size, 2**26, out)
+    os.close(fd)
+    assert (tmp_path / "copy.jsonl").read_bytes() == b"".join(line + b"\n" for line in kept)
+    assert (end, copied, refused, mended) == (
+        path.stat().st_size - len(b'{"torn":'),
+        len(kept),
+        len(lines) - len(kept),
+        sum(line != _readable(line) for line in lines),
+    )

@@ -60,6 +60,9 @@ def is_step(value: Any) -> bool:
 # distinct keys than this names the rest one entry at a time.
 _NAMES: dict[str, str] = {}
 MAX_NAMES = 4096
+# Keys of entries (in their order) that are each the Trainer's own name: such an entry whose values are all floats
+# but an integer step is normalised already (a per-step log repeats one set of keys a million times).
+_OWN_NAMES: set[tuple[str, ...]] = set()
 
 
 def normalised(entry: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +70,13 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     that is a number as a float (text spelling one included, so a "nan" stays a NaN); a nested group of numbers
     (``{"rewards": {"chosen": ...}}``) flattened to ``rewards/chosen``. ``step`` stays the integer it is.
     One pass over the keys: a per-step log of a million entries goes through here once."""
+    keys = tuple(entry)
+    if (
+        keys in _OWN_NAMES
+        and type(entry.get("step")) is int
+        and list(map(type, entry.values())).count(float) == len(keys) - 1
+    ):
+        return entry
     out: dict[str, Any] = {}
     names = _NAMES
     for key, value in entry.items():
@@ -87,6 +97,8 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
             out.setdefault(key, value)  # the Trainer's own key is there too: both kept, its value used
             continue
         out[name] = value
+    if len(_OWN_NAMES) < MAX_NAMES and all(names.get(key) == key for key in keys):
+        _OWN_NAMES.add(keys)
     return out
 
 

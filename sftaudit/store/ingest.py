@@ -581,7 +581,8 @@ def _ingest_file(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, ki
 
 def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) -> tuple[int, int, int, int]:
     """Copy the complete non-blank lines from `offset` to `size` into `out`, in bounded blocks (a lone
-    surrogate escaped as text, bytes that are not UTF-8 replaced: `_readable`). Returns (offset after the last
+    surrogate escaped as text, bytes that are not UTF-8 replaced: `_readable`; a block's lines in one write
+    where none needs that or a refusal: `_plain_lines`). Returns (offset after the last
     complete line, lines copied, lines refused: blank or over `max_record` bytes, lines copied mended). A torn last line waits for its newline, unless it is
     already over the limit: no record is that long, so it is refused too and read past."""
     pos, start, current, oversize = offset, offset, bytearray(), False
@@ -590,8 +591,14 @@ def _copy_complete_lines(fd: int, offset: int, size: int, max_record: int, out) 
         block = os.pread(fd, min(_COPY_BLOCK, size - pos), pos)
         if not block:
             break
-        at = 0
+        at, tried = 0, False
         while True:
+            if not (tried or current or oversize):  # once a block, past the line the last one left torn
+                tried, plain = True, _plain_lines(block, at, max_record)
+                if plain > at:
+                    out.write(block[at:plain])
+                    copied += block.count(b"\n", at, plain)
+                    at, start = plain, pos + plain
             nl = block.find(b"\n", at)
             piece = block[at:] if nl < 0 else block[at:nl]
             if not oversize:
@@ -638,6 +645,27 @@ def _readable(line: bytes) -> bytes:
     if not _SURROGATE.search(line):
         return line
     return _ESCAPE.sub(lambda m: b"\\\\" + m.group(1) if m.group(1) else m.group(0), line)
+
+
+_LINE_STARTING_BLANK = re.compile(rb"\n[ \t\r\n\x0b\x0c]")  # what bytes.strip takes away
+
+
+def _plain_lines(block: bytes, at: int, max_record: int) -> int:
+    """The end of the complete lines of `block` from `at` when every one of them would be copied as it is (no blank
+    line, none over `max_record`, valid UTF-8, no surrogate escape): those are copied in one write. Else `at`, and
+    they are read line by line."""
+    end = block.rfind(b"\n") + 1
+    lines = block[at:end]
+    if not lines or len(lines) > max_record or lines[:1].isspace() or _SURROGATE.search(lines):
+        return at
+    if _LINE_STARTING_BLANK.search(lines):  # a line that starts blank may be all blank
+        return at
+    if not lines.isascii():
+        try:
+            lines.decode("utf-8")
+        except UnicodeDecodeError:
+            return at
+    return end
 
 
 _NUMBER = "('BIGINT', 'UBIGINT', 'DOUBLE')"

@@ -555,11 +555,30 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
 def _store_series(con, series: list[dict[str, Any]]) -> None:
     con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
                    threshold DOUBLE, sole_condition BOOLEAN)""")
-    for s in series:
-        con.execute(
-            "INSERT INTO series SELECT ?, ?, unnest(?::BIGINT[]), unnest(?::DOUBLE[]), ?, ?",
-            [s["code"], s["name"], s["steps"], s["values"], s["threshold"], s["sole_condition"]],
-        )
+    if not series:
+        return
+    import numpy as np
+    import polars as pl
+
+    # The values of every series in one frame (a list bound as a parameter is converted value by value: 1.5 s a 10^5
+    # steps; pyarrow's conversion of a list imports pandas), each row naming its series (from 1); the series' own
+    # fields looked up by it in the statement.
+    con.register(
+        "series_rows",
+        pl.DataFrame(
+            {
+                "series": np.repeat(np.arange(1, len(series) + 1), [len(s["steps"]) for s in series]),
+                "step": pl.concat([pl.Series(s["steps"], dtype=pl.Int64) for s in series]),
+                "value": pl.concat([pl.Series(s["values"], dtype=pl.Float64) for s in series]),
+            }
+        ),
+    )
+    con.execute(
+        "INSERT INTO series SELECT (?::VARCHAR[])[series], (?::VARCHAR[])[series], step, value, "
+        "(?::DOUBLE[])[series], (?::BOOLEAN[])[series] FROM series_rows",
+        [[s[key] for s in series] for key in ("code", "name", "threshold", "sole_condition")],
+    )
+    con.unregister("series_rows")
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sftaudit.errors import InputError
+from sftaudit.imports.logs import normalised
 from sftaudit.imports.sources.trainer_state import TrainerState
 
 from . import EXAMPLE_STEPS, example_loss
@@ -97,6 +98,36 @@ def test_older_states_are_taken_from_the_largest_where_they_repeat_it(tmp_path, 
     assert logs[0].fields["global_step"] == 20 and logs[1].fields["global_step"] == 0
     assert [e["loss"] for e in logs[2].segments[0][10:]] == [9.0] * 5
     assert sorted(decoded) == sorted(list(range(1, 41)) + list(range(1, 16)))  # the branch alone read again
+
+
+@pytest.mark.parametrize("chunk", [300, 1 << 23])
+@pytest.mark.parametrize(
+    "odd",
+    [
+        [{"loss": 1.0, "note": "}, {", "step": 21}, {"loss": 1.0, "note": "}\n,\t{", "step": 21}],
+        [5, {"loss": 1.0, "step": "21"}],
+        [{"nested": {"a": [{"b": 1}, {"c": 2}]}, "step": 21}],
+    ],
+    ids=["text-of-a-meeting", "no-object", "nested"],
+)
+def test_entries_decoded_together_are_those_decoded_one_by_one(tmp_path, monkeypatch, chunk, odd):
+    """Entries whose text holds where one entry meets the next (``}, {``), an entry that is no object, one whose
+    step is text, a nested one, in one chunk or cut across many: the history, the records and the entries an older
+    state takes from the largest are what decoding one entry at a time gives."""
+    import sftaudit.imports.sources.trainer_state as module
+
+    monkeypatch.setattr(module, "CHUNK_BYTES", chunk)
+    history = [{"loss": 1 / s, "step": s} for s in range(1, 60)]
+    history[20:20] = odd
+    newest = _state_file(tmp_path / "trainer_state.json", history)
+    older = _state_file(tmp_path / "checkpoint-30" / "trainer_state.json", history[:40], global_step=30)
+    logs = TrainerState().read_all([older, newest], tmp_path)
+    kept = [normalised(e) for e in history if type(e) is dict and type(e["step"]) is int]
+    assert json.dumps(logs[1].segments[0]) == json.dumps(kept) and logs[1].records == len(history)
+    older_kept = [normalised(e) for e in history[:40] if type(e) is dict and type(e["step"]) is int]
+    assert logs[0].segments[0] == older_kept and logs[0].records == 40
+    assert logs[0].segments[0][-1] is logs[1].segments[0][len(older_kept) - 1]  # taken from the largest: the
+    # largest one's entry ends were right
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import warnings
 
 import numpy as np
 
-from .rolling import MAD_TO_SIGMA, log_quantum, positive, rolling_level, tail_factor
+from .rolling import MAD_TO_SIGMA, log_quantum, positive, rolling_level, row_nanmedian, tail_factor
 
 LEVEL_POINTS = 5  # the running level: the median of the values before
 NOISE_POINTS = 32  # at least this many values pooled for a value's noise
@@ -67,8 +67,8 @@ def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOIS
     pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(blocks, k * block)
     with warnings.catch_warnings():  # a window without finite values has no noise
         warnings.simplefilter("ignore", RuntimeWarning)
-        centre = np.nanmedian(pooled, axis=1)
-        sigma = MAD_TO_SIGMA * np.nanmedian(np.abs(pooled - centre[:, None]), axis=1) / math.sqrt(6)
+        centre = row_nanmedian(pooled)
+        sigma = MAD_TO_SIGMA * row_nanmedian(np.abs(pooled - centre[:, None])) / math.sqrt(6)
     finite = np.count_nonzero(np.isfinite(pooled), axis=1)
     sigma = np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
     return np.repeat(sigma, block)[:n]
@@ -194,7 +194,7 @@ def centred_median(x: np.ndarray, width: int) -> np.ndarray:
     padded = np.concatenate([np.full(half, np.nan), np.asarray(x, dtype=float), np.full(half, np.nan)])
     with warnings.catch_warnings():  # an all-NaN window has no median
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1), axis=1)
+        return row_nanmedian(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1))
 
 
 def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: int = 8) -> dict | None:
@@ -219,7 +219,7 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
     padded[:n] = x
     with warnings.catch_warnings():  # a block without finite values has no median
         warnings.simplefilter("ignore", RuntimeWarning)
-        coarse = np.nanmedian(padded.reshape(blocks, block), axis=1)
+        coarse = row_nanmedian(padded.reshape(blocks, block))
     width = max(3, (blocks // 10) | 1)
     level = np.repeat(centred_median(coarse, width), block)[:n]
     points = width * block  # logged values behind each level

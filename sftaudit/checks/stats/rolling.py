@@ -201,12 +201,22 @@ def log_quantum(values: np.ndarray) -> float:
     return 0.0
 
 
+def row_nanmedian(rows: np.ndarray) -> np.ndarray:
+    """`np.nanmedian(rows, axis=1)`, by `np.median` for the rows without a NaN (numpy's NaN-aware median of short
+    rows goes through masked arrays: six times slower)."""
+    gaps = np.isnan(rows).any(axis=1)
+    out = np.empty(rows.shape[0])
+    out[~gaps] = np.median(rows[~gaps], axis=1)
+    out[gaps] = np.nanmedian(rows[gaps], axis=1)
+    return out
+
+
 def rolling_level(x: np.ndarray, points: int) -> np.ndarray:
     """Per row, the median of the `points` rows before it (fewer at the start; NaN for the first row)."""
     padded = np.concatenate([np.full(points, np.nan), np.asarray(x, dtype=float)])[:-1]
     with warnings.catch_warnings():  # a window of NaN only (the first row, a NaN stretch) has no level
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmedian(np.lib.stride_tricks.sliding_window_view(padded, points), axis=1)
+        return row_nanmedian(np.lib.stride_tricks.sliding_window_view(padded, points))
 
 
 def tail_factor(residuals: np.ndarray, min_count: int = 200) -> float:

@@ -38,6 +38,7 @@ CHUNK_BYTES = 1 << 23
 MAX_VALUE_BYTES = 1 << 26
 _SPACE = re.compile(r"[ \t\n\r]*")
 _SPACE_BYTES = b" \t\n\r"
+_ENTRY_MEET = re.compile(r"\}[ \t\n\r]*,[ \t\n\r]*(?=\{)")  # the end of an object, the next one's start
 
 
 class TrainerState(LogSource):
@@ -131,6 +132,7 @@ class _Stream:
         self.decoder = json.JSONDecoder()
         self.utf8 = codecs.getincrementaldecoder("utf-8")()
         self.buf, self.pos, self.base, self.eof, self.ascii = "", 0, 0, False, True
+        self.batched = False  # whether `batch` was tried on this chunk
 
     def state(self) -> _Read:
         read = _Read()
@@ -166,12 +168,18 @@ class _Stream:
         if self.reference is not None and read.start is not None and self.reference.start is not None:
             if self.copied(read):
                 return
-        history, ends, kept, raw = read.history, read.ends, read.kept, self.decoder.raw_decode
+        raw = self.decoder.raw_decode
         if self.peek() == "]":
             self.pos += 1
             return
         while True:
-            self.peek()
+            if self.peek() == "{" and self.batch(read):
+                separator = self.next_char()
+                if separator == "]":
+                    return
+                if separator != ",":
+                    self.fail("no comma between log entries" if separator else "the file is cut short")
+                continue
             while True:  # one entry, the chunk refilled while it is cut short
                 try:
                     entry, end = raw(self.buf, self.pos)
@@ -180,17 +188,50 @@ class _Stream:
                     if not self.fill():
                         self.fail("a log entry cut short")
             self.pos = end
-            read.records += 1
-            if type(entry) is dict and is_step(entry.get("step")):
-                history.append(normalised(entry))
-            if read.start is not None and self.ascii:
-                ends.append(self.base + end - read.start)
-                kept.append(len(history))
+            self.took(read, entry, end)
             separator = self.next_char()
             if separator == "]":
                 return
             if separator != ",":
                 self.fail("no comma between log entries" if separator else "the file is cut short")
+
+    def took(self, read: _Read, entry: Any, end: int) -> None:
+        """One log entry decoded, ending at `end` in the buffer."""
+        read.records += 1
+        if type(entry) is dict and is_step(entry.get("step")):
+            read.history.append(normalised(entry))
+        if read.start is not None and self.ascii:
+            read.ends.append(self.base + end - read.start)
+            read.kept.append(len(read.history))
+
+    def batch(self, read: _Read) -> bool:
+        """The log entries wholly in the buffer decoded in one call, when they are all objects: the ends of the
+        objects among them are where ``}`` meets ``,`` and ``{``, and only the entries' own ends are when there
+        are as many as entries (a string holding that text adds more). False (nothing taken) otherwise: each of
+        them is then decoded alone."""
+        if self.batched:  # once a chunk: text that fails it is read an entry at a time, not scanned again
+            return False
+        self.batched = True
+        meets = [m.start() + 1 for m in _ENTRY_MEET.finditer(self.buf, self.pos)]
+        if not meets:
+            return False
+        try:
+            entries = self.decoder.decode("[" + self.buf[self.pos : meets[-1]] + "]")
+        except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
+            return False
+        if len(entries) != len(meets) or any(type(e) is not dict for e in entries):
+            return False
+        history, ends, kept = read.history, read.ends, read.kept
+        offset = self.base - read.start if read.start is not None and self.ascii else None
+        for entry, end in zip(entries, meets):
+            if is_step(entry.get("step")):
+                history.append(normalised(entry))
+            if offset is not None:
+                ends.append(offset + end)
+                kept.append(len(history))
+        read.records += len(entries)
+        self.pos = meets[-1]
+        return True
 
     def copied(self, read: _Read) -> bool:
         """Whether this file's log is the reference's first entries, byte for byte: then they are taken from it and
@@ -223,7 +264,7 @@ class _Stream:
         text = self.utf8.decode(data, final=self.eof)
         self.ascii = self.ascii and text.isascii()
         self.base += self.pos
-        self.buf, self.pos = self.buf[self.pos :] + text, 0
+        self.buf, self.pos, self.batched = self.buf[self.pos :] + text, 0, False
         if len(self.buf) > MAX_VALUE_BYTES + CHUNK_BYTES:
             raise InputError(f"{self.path}: a value of more than {MAX_VALUE_BYTES >> 20} MB; not a trainer state")
         return True
