@@ -198,7 +198,7 @@ class NonFiniteLogs(Check):
         non-finite through the end."""
         others = f"""metrics WHERE rank = 0 AND name NOT IN ({", ".join(f"'{k}'" for k in IN_STEPS)})"""
         if not ctx.scalar(f"SELECT EXISTS (SELECT 1 FROM {others} AND NOT isfinite(value))"):
-            return []  # every other logged number finite (most runs): the window queries below would find nothing
+            return []  # every other logged number finite (most runs): the queries below would find nothing
         # A key's tail through the end is what follows its last finite step: aggregates and joins, no window
         # (DuckDB ran a filtered window over every row per row: 15 s for the 4 keys of a 10^5-step log).
         keyed = f"""WITH logged AS (
