@@ -175,8 +175,6 @@ class LossDynamics(Check):
     def _peaks(self, steps, loss, end, reported, rows) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
         too short for a noise estimate, values far above all the others; before a divergence only."""
-        from scipy import stats  # (imported on use, as above)
-
         p = self.params
         peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"])
         findings = []
@@ -198,7 +196,7 @@ class LossDynamics(Check):
                     value=loss[i],
                     baseline_median=midpoint,
                     z=z,
-                    p_value=float(stats.norm.sf(z)),
+                    p_value=normal_sf(z),
                     effect_size=float(loss[i] / midpoint),
                     over_neighbours=float(np.exp(peaks["prominence"][i])),
                     threshold=peaks["threshold"],

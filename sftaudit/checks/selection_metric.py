@@ -4,6 +4,7 @@ checkpoint to keep), so both see one series, one direction and one band."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -123,8 +124,6 @@ def worse_than_all_before(values: np.ndarray, way: str, alpha: float) -> int | N
     over the n - 2 places it could split (Bonferroni) and kept at <= `alpha`. A falling metric makes it rarer
     still; a metric now worse than its first evaluation is worth the warning whatever its noise. None: no such
     split."""
-    from scipy.special import comb  # here, not at module level: the verdict imports this module and needs no scipy
-
     x = better(values, way)
     n = x.size
     if n < 4:
@@ -132,7 +131,7 @@ def worse_than_all_before(values: np.ndarray, way: str, alpha: float) -> int | N
     ahead = np.maximum.accumulate(x)[:-1]  # per split t (1..n-1): the worst evaluation before it
     behind = np.minimum.accumulate(x[::-1])[::-1][1:]  # the best from it to the end
     after = n - np.arange(1, n)
-    chance = (n - 2) / comb(n, after)
+    chance = (n - 2) / np.array([math.comb(n, m) for m in after], dtype=float)  # one per evaluation: a few dozen
     split = np.flatnonzero((behind > ahead) & (after >= 2) & (chance <= alpha))
     return int(split[0]) + 1 if split.size else None
 
