@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum
+from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum, rows_above
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, normal_sf, step_frame
 
 
@@ -204,9 +204,7 @@ class LossDivergence(Check):
             before = level[max(0, s - LEVEL_POINTS) : s + 1]
             reference = np.nanmax(before) if np.isfinite(before).any() else level[s]
             bar = reference + max(found["threshold"] * scale[s], np.log(self.params["min_effect"]))
-            with np.errstate(invalid="ignore"):
-                below = np.flatnonzero(~(x[s:] >= bar))
-            length = int(below[0]) if below.size else x.size - s
+            length = rows_above(x, s, bar)
             through_end = s + length == x.size and length >= 2
             if length >= self.params["diverge_steps"] or through_end:
                 yield s, length

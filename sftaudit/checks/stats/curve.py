@@ -97,11 +97,9 @@ def excursions(
     x = log_values(v)
     level = rolling_level(x, level_points)
     residual = x - level
-    scale = point_noise(x) * math.sqrt(1 + math.pi / (2 * level_points))
     quantum = log_quantum(v)
+    scale = floored_scale(point_noise(x) * math.sqrt(1 + math.pi / (2 * level_points)), level, quantum)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(x.size)
-        scale = np.where(np.isfinite(scale), np.maximum(scale, resolution), np.nan)  # no noise: not judged
         flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
     tail = tail_factor(z[np.isfinite(z)])
@@ -112,9 +110,7 @@ def excursions(
     episodes = []
     for s in starts:  # one pass per episode (a handful), each vectorised over the rows after it
         bar = level[s] + max(threshold * scale[s], math.log(min_effect)) if np.isfinite(scale[s]) else level[s]
-        with np.errstate(invalid="ignore"):
-            below = np.flatnonzero(~(x[s:] >= bar))
-        length = int(below[0]) if below.size else x.size - s
+        length = rows_above(x, s, bar)
         sustained = length >= diverge_steps or (s + length == x.size and length >= 2)
         episodes.append((int(s), length, bool(sustained)))
     return {
@@ -128,6 +124,21 @@ def excursions(
         "threshold": threshold,
         "episodes": episodes,
     }
+
+
+def floored_scale(noise: np.ndarray, level: np.ndarray, quantum: float) -> np.ndarray:
+    """A value's noise floored at one rounding step of the log at its `level` (log space); NaN where there is no
+    noise estimate: not judged."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        resolution = np.log1p(quantum / np.exp(level)) if quantum else np.zeros(noise.size)
+        return np.where(np.isfinite(noise), np.fmax(noise, resolution), np.nan)
+
+
+def rows_above(x: np.ndarray, start: int, bar: float) -> int:
+    """How many rows from `start` on stay at or above `bar` (a NaN row ends the run)."""
+    with np.errstate(invalid="ignore"):
+        below = np.flatnonzero(~(x[start:] >= bar))
+    return int(below[0]) if below.size else x.size - start
 
 
 def lone_peaks(values, sigma: float, min_effect: float) -> dict:
@@ -149,11 +160,8 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     if n >= 3:
         residual[1:-1] = x[1:-1] - (x[:-2] + x[2:]) / 2
         prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
-    scale = point_noise(x) * math.sqrt(1.5)
-    quantum = log_quantum(v)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        resolution = np.log1p(quantum / np.exp(x - residual)) if quantum else np.zeros(n)
-        scale = np.where(np.isfinite(scale), np.fmax(scale, resolution), np.nan)  # no noise: not judged
+    scale = floored_scale(point_noise(x) * math.sqrt(1.5), x - residual, log_quantum(v))
+    with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
     tail = tail_factor(z[np.isfinite(z)])
     threshold = sigma * tail
