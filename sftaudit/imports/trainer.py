@@ -672,14 +672,9 @@ def _final_model(run_dir: Path, newest: dict[str, Any]) -> dict[str, Any] | None
     """The model saved into the output folder itself at the end (`Trainer.save_model`): the weight files at its top
     (an adapter, safetensors, a torch file), at the newest state's step; None when there are none. Listed only: the
     files are read by LOOP-09, as a checkpoint's are."""
-    from ..readers.layouts import ADAPTER_FILES, TORCH_WEIGHT_FILES
+    from ..readers.layouts import final_model_files
 
-    names = sorted(
-        e.name
-        for e in os.scandir(run_dir)
-        if e.is_file(follow_symlinks=False)
-        and (e.name in ADAPTER_FILES or e.name in TORCH_WEIGHT_FILES or e.name.endswith(".safetensors"))
-    )
+    names = final_model_files(run_dir)
     return {"step": newest["global_step"], "files": names} if names else None
 
 

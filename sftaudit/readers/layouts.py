@@ -21,6 +21,7 @@ never branch on formats. Nothing is unpickled; each reader says how it stays saf
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,17 @@ class Weights:
     state_keys: set[str] = field(default_factory=set)  # top-level training-state names (DCP)
     adapter: dict[str, Any] | None = None  # PEFT adapter_config.json
     config: dict[str, Any] | None = None  # config.json saved beside the weights
+
+
+def final_model_files(run_dir: Path) -> list[str]:
+    """The weight files at the top of an output folder (an adapter, safetensors, a torch file): the model the
+    Trainer's `save_model` wrote there when training ended. Regular files only, links not followed."""
+    return sorted(
+        e.name
+        for e in os.scandir(run_dir)
+        if e.is_file(follow_symlinks=False)
+        and (e.name in ADAPTER_FILES or e.name in TORCH_WEIGHT_FILES or e.name.endswith(".safetensors"))
+    )
 
 
 def read_weights(path: Path, trusted: tuple[str, ...] = TRAINER_GLOBALS) -> Weights:

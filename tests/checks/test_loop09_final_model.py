@@ -3,6 +3,9 @@ judged as a checkpoint's weights are, whatever the checkpoint folders hold; a so
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,3 +64,17 @@ def test_a_final_model_cut_short_fails_and_an_lfs_pointer_warns(tmp_path, tiny_m
     )
     [finding] = _final(audit(pointer))
     assert (finding["severity"], finding["step"]) == ("warn", 40) and "Git LFS pointers" in finding["message"]
+
+
+def test_a_recorded_runs_final_model_is_judged_as_an_imported_runs_is(clean_run, tmp_path):
+    """The shim recorded the run and its checkpoints; a model saved at the top of its folder afterwards is read off
+    the folder at the audit (recording a run judges no less than importing its logs), its own checkpoints not."""
+    assert _final(audit(clean_run)) == []
+    run = Path(shutil.copytree(clean_run, tmp_path / "run", symlinks=True))
+    (run / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\\noid sha256:" + "0" * 64 + "\\nsize 1000000\\n"
+    )
+    verdict = audit(run)
+    [finding] = _final(verdict)
+    last = max(c["step"] for c in verdict["checkpoints"])
+    assert finding["severity"] == "warn" and finding["step"] >= last and "Git LFS pointers" in finding["message"]
