@@ -64,10 +64,12 @@ class CheckpointIntegrity(Check):
         interrupted or pruned save) is a warn of its own; when no checkpoint holds weights at all (a copy of the
         run's logs, e.g. an output_dir committed without its weight files) the run is judged on its training:
         one info for the run (a risk) says none of them can be resumed, shipped or rolled back to, and they
-        stay not intact. The model saved into the output folder itself at the end (an import's final model: what
-        is shipped) is judged as a checkpoint's weights are, on its own (a merged model rightly differs from the
-        checkpoints), with no training state expected; its findings name "the final model". Another run's checkpoints between the run's first and last checkpoint in the same folder
-        (told apart by content at import): one warn for the run (a risk: it dates nothing).
+        stay not intact. The model saved into the output folder itself at the end (what is shipped: an import lists
+        it, a recorded run's is read off its folder, less what the shim recorded as checkpoints) is judged as a
+        checkpoint's weights are, on its own (a merged model rightly differs from the checkpoints), with no training
+        state expected; its findings name "the final model". Another run's checkpoints between the run's first and
+        last checkpoint in the same folder (told apart by content at import): one warn for the run (a risk: it dates
+        nothing).
     Evidence:
         `keys` (missing/unexpected), `dtypes`, `tensors` (with non-finite counts, shapes or
         gradient norms), the file concerned, `missing_state` (part -> checkpoints) with
