@@ -6,7 +6,6 @@ from dataclasses import replace
 
 from ..readers.checkpoints import TRAINER_GLOBALS
 from ..readers.inspection import PROBLEMS, Inspection, groups_of, inspect_final_model, listed
-from ..readers.layouts import final_model_files
 from .base import AuditContext, Check, Finding, Option, count
 from .resume_state import (
     cannot_resume,
@@ -138,19 +137,13 @@ class CheckpointIntegrity(Check):
         readable = [i for i in inspections if i.digests is not None]
         for before, after in zip(readable, readable[1:]):
             findings += self._stale(ctx, before, after)
-        return findings + self._mixed_runs(ctx, checkpoints) + self._final_model(ctx, checkpoints)
+        return findings + self._mixed_runs(ctx, checkpoints) + self._final_model(ctx)
 
-    def _final_model(self, ctx: AuditContext, checkpoints: list[dict]) -> list[Finding]:
+    def _final_model(self, ctx: AuditContext) -> list[Finding]:
         """The model saved into the output folder itself at the end: what would be shipped, judged as a
-        checkpoint's weights are (its keys on their own: it may be a merged model). An import lists it
-        (`final_model`); a recorded run's is read off its folder now, less any file the shim recorded as a
-        checkpoint, so recording a run judges no less than importing its logs."""
+        checkpoint's weights are (its keys on their own: it may be a merged model). The manifest lists it
+        (`final_model`): an import's, or a recorded run's read off its folder when the audit began."""
         final = ctx.manifest.get("final_model")
-        if not ctx.manifest.get("imported"):
-            recorded = {c["path"] for c in checkpoints}
-            files = [f for f in final_model_files(ctx.run_dir) if f not in recorded]
-            last = ctx.row("SELECT max(step) FROM steps WHERE rank = 0")
-            final = {"step": last[0], "files": files} if files and last and last[0] is not None else None
         if not isinstance(final, dict) or not final.get("files"):
             return []
         inspection = inspect_final_model(

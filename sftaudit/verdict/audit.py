@@ -20,6 +20,7 @@ from ..checks.selection_metric import run_selection_series
 from ..errors import InputError, UnsupportedVersion
 from ..imports import ensure_artifacts
 from ..readers.checkpoints import CheckpointError, inside_run
+from ..readers.layouts import final_model_files
 from ..schema.verdict import CheckCoverage, RunResolution
 from ..store.ingest import ingest
 from ..store.rundb import (
@@ -499,9 +500,23 @@ def _stale(stored: dict[str, Any] | None, config: AuditConfig) -> bool:
     )
 
 
+def with_final_model(con, run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with the run's final model: an import lists it (`final_model`); a recorded run's is read off
+    its folder now (the weight files at its top, less any the shim recorded as a checkpoint, at the last recorded
+    step), so a recorded run with no checkpoint still has its shipped model judged, as an import's is."""
+    if manifest.get("imported"):
+        return manifest
+    recorded = {c["path"] for c in recorded_checkpoints(con)}
+    files = [f for f in final_model_files(run_dir) if f not in recorded]
+    last = first_row(con, "SELECT max(step) FROM steps WHERE rank = 0") if files and has_table(con, "steps") else None
+    if not last or last[0] is None:
+        return manifest
+    return manifest | {"final_model": {"step": last[0], "files": files}}
+
+
 def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     """Run the checks on an ingested database, store findings + verdict + series in it."""
-    manifest = load_manifest(con)
+    manifest = with_final_model(con, run_dir, load_manifest(con))
     ctx = AuditContext(con, run_dir, manifest)
     findings, errors = run_checks(ctx, config)
     findings, resolution = at_logging_resolution(con, manifest, findings)

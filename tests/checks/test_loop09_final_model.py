@@ -78,3 +78,14 @@ def test_a_recorded_runs_final_model_is_judged_as_an_imported_runs_is(clean_run,
     [finding] = _final(verdict)
     last = max(c["step"] for c in verdict["checkpoints"])
     assert finding["severity"] == "warn" and finding["step"] >= last and "Git LFS pointers" in finding["message"]
+
+
+def test_a_recorded_run_without_checkpoints_has_its_final_model_judged(runs, tmp_path):
+    """No checkpoint recorded: LOOP-09 is not run on the bare recording, and runs on the model saved at its top."""
+    bare = runs("no-checkpoints", steps=6, checkpoint_every=0)
+    assert _status(audit(Path(shutil.copytree(bare, tmp_path / "bare", symlinks=True))), "LOOP-09") == "not_run"
+    run = Path(shutil.copytree(bare, tmp_path / "run", symlinks=True))
+    (run / "model.safetensors").write_bytes(b"\x00" * 7)  # not even a header: a save cut short
+    verdict = audit(run)
+    [finding] = _final(verdict)
+    assert _status(verdict, "LOOP-09") == "ran" and (finding["severity"], finding["step"]) == ("fail", 6)
