@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from sftaudit.core.artifacts import DATABASE_FILE, artifact_root, rank_dir, series_dir
 from sftaudit.errors import InputError
 from sftaudit.store.ingest import _COPY_BLOCK, _copy_complete_lines, _readable, ingest
-from sftaudit.store.rundb import cache_root, connect, database_path, foreign_objects, validated_parts
+from sftaudit.store.rundb import (
+    cache_root,
+    connect,
+    database_dir,
+    database_path,
+    foreign_objects,
+    run_lock,
+    validated_parts,
+)
 from tests.hostile.builders import recorded_run
 
 
@@ -84,6 +92,22 @@ def test_the_database_lives_in_the_cache_keyed_by_the_run_folder(tmp_path):
     moved = run.rename(tmp_path / "moved")  # same inode, another path: another run to the cache
     assert database_path(moved) != path and not database_path(moved).exists()
     assert ingest(moved)["steps"] == 30
+
+
+def test_the_cache_forgets_runs_deleted_since_but_not_one_in_use(tmp_path):
+    """A run audited once and deleted leaves nothing in the cache after the next new run is audited; a run that
+    still exists keeps its database, and so does a deleted one another audit still holds the lock of."""
+    kept, deleted, in_use = (recorded_run(tmp_path, name) for name in ("kept", "deleted", "in-use"))
+    folders = {}
+    for run in (kept, deleted, in_use):
+        ingest(run)
+        folders[run.name] = database_dir(run)
+    shutil.rmtree(deleted)
+    with run_lock(in_use):
+        shutil.rmtree(in_use)
+        ingest(recorded_run(tmp_path, "new"))
+        assert folders["in-use"].is_dir()
+    assert not folders["deleted"].exists() and database_path(kept).is_file()
 
 
 def test_every_connection_is_locked_down(tmp_path):

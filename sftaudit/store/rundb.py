@@ -122,9 +122,11 @@ def database_path(run_dir: str | Path) -> Path:
 
 
 def _made(run_dir: str | Path) -> Path:
-    """The run's cache folder, made private to this user, with a note of which run it holds."""
+    """The run's cache folder, made private to this user, with a note of which run it holds. Making one
+    forgets the runs deleted since (`forget_deleted_runs`), so the cache holds the runs that still exist."""
     folder = database_dir(run_dir)
     if not (folder / STAGING_DIR).is_dir():
+        forget_deleted_runs()
         try:
             (folder / STAGING_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
             real, device, inode = run_identity(run_dir)
@@ -135,6 +137,37 @@ def _made(run_dir: str | Path) -> Path:
                 f"set {CACHE_ENV} to a writable folder"
             ) from None
     return folder
+
+
+def forget_deleted_runs() -> list[Path]:
+    """Remove the cache folders of runs that no longer exist where their note says (deleted, or moved: a moved
+    run is a new key anyway), each under its lock, so one in use is left alone. A folder is a cache: what it
+    held is rebuilt from the run's artifacts. Without this, every run ever audited (a benchmark's temporary
+    copies, a sweep's runs) would keep its database and columnar copy for good. Returns the folders removed."""
+    removed = []
+    for folder in (cache_root() / "runs").glob("*/run.json"):
+        try:
+            note = json.loads(folder.read_text(encoding="utf-8"))
+            st = os.stat(note["run"])
+            if (st.st_dev, st.st_ino) == (note["device"], note["inode"]):
+                continue
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable or foreign: not ours to judge
+        try:
+            fd = os.open(folder.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder.parent, ignore_errors=True)
+            removed.append(folder.parent)
+        except BlockingIOError:
+            pass  # an audit is using it
+        finally:
+            os.close(fd)
+    return removed
 
 
 def remove_database(run_dir: str | Path) -> None:
