@@ -218,6 +218,12 @@ def refusal(folder: str | Path) -> str | None:
                     f"the tokenizer asks for code from its folder ({name} auto_map {key}: {shown}); sftaudit "
                     f"never runs code from a run folder (trust_remote_code=False), so it was not loaded"
                 )
+    if not any((folder / name).exists() for name in ("tokenizer_config.json", "special_tokens_map.json")):
+        return (
+            f"the tokenizer's special tokens were not saved: {folder.name}/ has no tokenizer_config.json or "
+            f"special_tokens_map.json, so its eos and pad tokens cannot be told; save the tokenizer with "
+            f"tokenizer.save_pretrained to judge it"
+        )
     if not any((folder / name).is_file() for name in VOCAB_FILES):
         present = sorted(p.name for p in folder.iterdir() if p.is_file())[:6] if folder.is_dir() else []
         return (
@@ -254,6 +260,12 @@ def _generic_fast_class(folder: Path) -> Any:
     configuration, and with them torch: seconds of preflight's fixed cost."""
     if not (folder / "tokenizer.json").is_file() or (folder / "config.json").exists():
         return None
+    import transformers
+
+    if not (folder / "tokenizer_config.json").exists():
+        # tokenizer.json with its special tokens in special_tokens_map.json: only the generic class builds it;
+        # transformers 4's AutoTokenizer refuses a folder with neither config.
+        return transformers.PreTrainedTokenizerFast
     try:
         config = json.loads(read_text(folder / "tokenizer_config.json", max_bytes=_CONFIG_LIMIT))
     except (InputError, ValueError):
@@ -261,8 +273,6 @@ def _generic_fast_class(folder: Path) -> Any:
     name = config.get("tokenizer_class") if isinstance(config, dict) else None
     if name not in _GENERIC_FAST:
         return None
-    import transformers
-
     return getattr(transformers, name, None)
 
 

@@ -600,7 +600,7 @@ def _tokenizer(
     fingerprints: dict[Path, str] = {}
     newest, refused = None, None
     for folder in folders:
-        if not (folder / "tokenizer_config.json").is_file():
+        if not any((folder / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
             continue
         try:
             tok = load_tokenizer(folder)

@@ -1,11 +1,12 @@
 """LOOP-20: a loss at chance (ln K labels of a classification head, ln V tokens), back at it, above it; clean
 twins, preference losses and losses that are no single cross-entropy stay silent."""
 
+import json
 import math
 
 import numpy as np
 
-from .curve_runs import audit_state, history
+from .curve_runs import audit_state, history, state_run
 from .logged_runs import audited, falling, findings, status, trainer_run
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257}
@@ -146,3 +147,34 @@ def test_without_a_chance_level_or_with_a_loss_that_is_no_single_cross_entropy_i
     assert (
         status(verdict, "LOOP-20")[0] == "not_run" and "ln 2 = 0.693 by construction" in status(verdict, "LOOP-20")[1]
     )
+
+
+def _adapter_run(run_dir, first_loss, adapter=True):
+    """A QLoRA output folder as one was found: adapter_config.json, a tokenizer saved as tokenizer.json and
+    special_tokens_map.json only (no tokenizer_config.json, no config.json), and the log."""
+    from fixtures import build_tokenizer
+
+    state_run(run_dir, history([first_loss, 1.2565, 0.4951, 0.427], 1.6e-4, every=10))
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(run_dir))
+    (run_dir / "tokenizer_config.json").unlink()
+    specials = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "bos_token": tokenizer.bos_token}
+    (run_dir / "special_tokens_map.json").write_text(json.dumps(specials))
+    if adapter:
+        (run_dir / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "org/chat-model"})
+        )
+    return audited(run_dir)
+
+
+def test_an_adapter_runs_tokenizer_json_alone_gives_the_vocabulary_and_its_adapter_config_the_pretraining(tmp_path):
+    # The fixture tokenizer: V = 2048, ln V = 7.62; a first window at 80% of it, then a fast fall.
+    verdict = _adapter_run(tmp_path / "pad", 0.8 * math.log(2048))
+    assert status(verdict, "LOOP-02") == ("ran", None)
+    [finding] = findings(verdict, "LOOP-20")
+    assert (finding["severity"], finding["step"]) == ("warn", 1) and "an adapter on org/chat-model" in finding[
+        "message"
+    ]
+    assert findings(_adapter_run(tmp_path / "clean", 2.31), "LOOP-20") == []
+    # Without the adapter's word that the model was pretrained, a first window near chance is no finding.
+    assert findings(_adapter_run(tmp_path / "scratch", 0.8 * math.log(2048), adapter=False), "LOOP-20") == []

@@ -67,6 +67,24 @@ def test_a_tokenizer_config_alone_is_not_used(tmp_path):
     assert manifest_reason in imported_manifest(run)["lacks"]["tokenizer"]
 
 
+def test_a_tokenizer_json_without_its_special_tokens_is_not_used(tmp_path):
+    """tokenizer.json alone does not say which token is eos or pad: judging it would claim 'no eos token'."""
+    from fixtures import build_tokenizer
+
+    folder = tmp_path / "tok"
+    build_tokenizer().save_pretrained(str(folder))
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "special_tokens_map.json").unlink(missing_ok=True)
+    with pytest.raises(TokenizerRefused, match="special tokens were not saved"):
+        load_saved_tokenizer(folder)
+    run = trainer_run(tmp_path / "r")
+    (run / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    done = audit(run)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert {c["code"]: c for c in verdict(run)["checks"]}["LOOP-02"]["status"] == "not_run"
+    assert "no eos token" not in done.stdout
+
+
 # <repo>/../shared/realruns (a worktree under <repo>/../wt/NAME has it one level further up).
 REALRUNS = next(
     (p for p in (Path(__file__).resolve().parents[i] / "shared" / "realruns" for i in (3, 4)) if p.is_dir()),

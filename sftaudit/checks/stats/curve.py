@@ -330,8 +330,11 @@ def pretrained_evidence(manifest: dict) -> str | None:
     if adapters:
         return f"LoRA adapter weights ({adapters[0]})"
     config = _model_config(manifest)
-    if isinstance(config.get("base_model_name_or_path"), str) and config["base_model_name_or_path"]:
-        return f"an adapter on {config['base_model_name_or_path']}"
+    task = manifest.get("task") if isinstance(manifest.get("task"), dict) else {}
+    adapter = task.get("adapter") if isinstance(task.get("adapter"), dict) else {}  # an import's adapter_config.json
+    for base in (config.get("base_model_name_or_path"), adapter.get("base_model")):
+        if isinstance(base, str) and base.strip():
+            return f"an adapter on {base}"
     name = config.get("_name_or_path")
     if isinstance(name, str) and name.strip():
         return f"a model loaded from {name}"
