@@ -148,7 +148,9 @@ sftaudit's own SQL; one left in the run folder could be planted or swapped by wh
 stored inside it could prove it sftaudit's (a planted file can copy any provenance a genuine one holds). So a
 `RUN_DIR/sftaudit/{database_file}` (an earlier sftaudit's) is never opened, links out of `RUN_DIR/sftaudit/`
 are refused (exit 2) before anything is read or written there, and a run folder moved or copied is a new key,
-ingested anew. Deleting the cache loses nothing but time.
+ingested anew. Deleting the cache loses nothing but time. The cache forgets a run once it is gone: whenever a new
+run's folder is made in the cache, the folders of runs no longer where their `run.json` says (deleted, or moved)
+are removed, except one another sftaudit is using, so it does not grow with every run ever audited.
 
 Every connection (the audit's, the report's, `sftaudit.open(...).sql()`) has DuckDB's external access off and
 its configuration locked: it may read the run's gradient-norm parts that ingest validated (regular files inside

@@ -1,0 +1,47 @@
+"""LOOP-28: with no evaluation, a later epoch's training loss far below the first pass's (the loss on data the model
+had not yet seen) is memorisation; a healthy multi-epoch staircase, a run with evaluations and a preference loss
+are not judged by it."""
+
+import numpy as np
+
+from .curve_runs import audit_state, evaluations, history
+from .logged_runs import findings, status
+
+PER_EPOCH = 40
+
+
+def _epochs(medians, seed=0, keys=None):
+    """Per-step log entries, PER_EPOCH a epoch, each epoch's loss noisy around its median (the first epoch falling
+    from 2.2 to its median), with the epoch logged as the Trainer logs it."""
+    rng = np.random.default_rng(seed)
+    first = np.geomspace(2.2, medians[0], PER_EPOCH // 2)
+    levels = np.r_[first, np.full(PER_EPOCH // 2, medians[0]), np.repeat(medians[1:], PER_EPOCH)]
+    loss = levels * np.exp(0.08 * rng.standard_normal(levels.size))
+    entries = history(loss, 2e-4, keys=keys and {k: v(levels.size) for k, v in keys.items()})
+    for i, entry in enumerate(entries):
+        entry["epoch"] = round((i + 1) / PER_EPOCH, 4)
+    return entries
+
+
+MEMORISING = [1.45, 1.24, 0.94, 0.63, 0.37, 0.22, 0.12, 0.09, 0.07]  # a LoRA chat fine-tune's epochs, no eval
+HEALTHY = [1.08, 0.71, 0.42]  # three epochs of the same data: each revisit easier, 0.39 of the first pass
+
+
+def test_a_later_epoch_ten_times_below_the_first_pass_warns_at_its_first_step(tmp_path):
+    [finding] = findings(audit_state(tmp_path / "memorised", _epochs(MEMORISING)), "LOOP-28")
+    assert (finding["severity"], finding["category"]) == ("warn", "anomaly")
+    assert finding["evidence"]["epoch"] == 7 and finding["step"] == 6 * PER_EPOCH + 1
+    assert "no evaluation" in finding["message"] and "before epoch 7" in finding["message"]
+
+
+def test_a_healthy_staircase_is_silent(tmp_path):
+    verdict = audit_state(tmp_path / "healthy", _epochs(HEALTHY))
+    assert status(verdict, "LOOP-28") == ("ran", None) and findings(verdict, "LOOP-28") == []
+
+
+def test_with_evaluations_or_a_preference_loss_it_is_not_judged(tmp_path):
+    evaluated = _epochs(MEMORISING) + evaluations([PER_EPOCH * 3, PER_EPOCH * 9], eval_loss=[1.3, 1.9])
+    assert status(audit_state(tmp_path / "eval", evaluated), "LOOP-28")[0] == "not_run"
+    margins = {"rewards/margins": lambda n: np.linspace(0.1, 5, n), "logps/chosen": lambda n: np.full(n, -50.0)}
+    preference = _epochs(MEMORISING, keys=margins)
+    assert status(audit_state(tmp_path / "dpo", preference), "LOOP-28")[0] == "not_run"
