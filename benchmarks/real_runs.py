@@ -196,6 +196,33 @@ def verdict_lines(results: list[dict], key: dict, tools: list[str]) -> list[str]
     return ["  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
+def markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def reading_table(results: list[dict], key: dict, tools: list[str]) -> list[str]:
+    """Markdown, one row per keyed run: the reading of its log (the key's problem, else its reading's first
+    sentence), the verdict expected, every tool's (* = wrong), and sftaudit's warn and fail codes."""
+    head = f"| run | the reading of its log | expected | {tools[0]} ({' / '.join(tools[1:]) or 'no peers'}) | codes |"
+    rows = [head, "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        entry = key.get(r["label"])
+        if not entry:
+            continue
+        reading = entry.get("problem") or entry.get("reading", "").split(". ")[0]
+        said_by = outcomes(r)
+        verdicts = [said_by[t].verdict + ("*" if not is_right(said_by[t].verdict, entry) else "") for t in tools]
+        codes = sorted(
+            {f["code"] for f in (r["verdict"] or {}).get("findings", []) if f["severity"] in ("warn", "fail")}
+        )
+        expected = " or ".join([entry["expected"], *entry.get("accept", [])])
+        shown = verdicts[0] + (f" ({' / '.join(verdicts[1:])})" if len(verdicts) > 1 else "")
+        rows.append(
+            f"| {r['label']} | {entry.get('kind', '-')}: {markdown_cell(reading)} | {expected} | {shown} | {' '.join(codes) or '-'} |"
+        )
+    return rows
+
+
 def median_cpu(results: list[dict], tool: str) -> float | None:
     cpu = [outcomes(r)[tool].cpu for r in results if r["log_only"] and tool in outcomes(r)]
     return statistics.median(cpu) if cpu else None
@@ -313,6 +340,9 @@ def main() -> int:
     parser.add_argument("--key", type=Path, default=KEY, help="answer key (TOML)")
     parser.add_argument("--log-only", action="store_true", help="only the log-only runs (of those named, or all)")
     parser.add_argument("--cpu-only", action="store_true", help="print the CPU table alone")
+    parser.add_argument(
+        "--table", type=Path, help="also write a Markdown table: each run's reading (the key's) beside every verdict"
+    )
     args = parser.parse_args()
     roots = [r.resolve() for r in (args.root or [r for r in ROOTS if r.is_dir()])]
     for root in roots:
@@ -365,6 +395,8 @@ def main() -> int:
         unkeyed = [r["label"] for r in results if r["label"] not in key]
         if unkeyed:
             print(f"not in the key, not scored: {' '.join(unkeyed)}")
+        if args.table:
+            args.table.write_text("\n".join(reading_table(results, key, tools)) + "\n", encoding="utf-8")
     print()
     print("\n".join(cpu_table(results, tools)))
     return 0
