@@ -50,9 +50,9 @@ class LossDivergence(Check):
         climb's stead when it is dated no later, and beside the start rule's fail when dated before it (a creep
         crosses its start late), at the first logged step from which the median of its last run length / 40
         values stays 3 of its own sigmas above the minimum to the end (the climb under way: a trailing median,
-        never ahead of the climb), naming the learning rate's course to the end. Fewer than
-        3 finite logged losses (8 for a climb, 10 from the minimum for a trend), or a policy-gradient loss
-        (GRPO/PPO, named from the log's keys): not judged.
+        never ahead of the climb), naming the learning rate's course to the end. Fewer than 3 finite logged
+        losses (8 for a climb, 10 from the minimum for a trend), or a policy-gradient loss (GRPO/PPO, named from
+        the log's keys): not judged.
     Evidence:
         The first elevated step, its loss, the level or start it rose from, z, how many logged steps it stayed
         up, the peak learning rate, the loss family; for a climb the minimum, its step, the peak and the end
@@ -102,7 +102,7 @@ class LossDivergence(Check):
             # A creep that ends above the start crosses it late; its trend dates the climb where it got under way.
             trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"])
             if trend is not None and trend["crossing"] < start:
-                return [self._trend(steps, loss, lr, trend, family), worse]
+                return [self._trend(steps, lr, trend, family), worse]
             return [worse]
         if episode is not None:
             return [self._from_level(steps, loss, episode, found, advice, peak_lr, family)]
@@ -161,7 +161,7 @@ class LossDivergence(Check):
         # The trend test uses every value after the minimum, so it tells a climb sooner and in noisier logs; the
         # level's climb also finds one that came back down before the end.
         if trend is not None and (rise is None or trend["crossing"] <= rise["crossing"]):
-            return [self._trend(steps, loss, lr, trend, family)]
+            return [self._trend(steps, lr, trend, family)]
         if rise is None:
             return []
         lo, at, top = rise["minimum"], rise["crossing"], rise["peak"]
@@ -195,7 +195,7 @@ class LossDivergence(Check):
             )
         ]
 
-    def _trend(self, steps, loss, lr, trend, family) -> Finding:
+    def _trend(self, steps, lr, trend, family) -> Finding:
         lo, at, last = trend["minimum"], trend["crossing"], steps.size - 1
         level = trend["level"]
         return self.finding(
