@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum, rows_above
+from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum, rising_trend, rows_above
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, normal_sf, step_frame
 
 
@@ -34,7 +34,9 @@ class LossDivergence(Check):
         logged loss) over the run's noise from second differences of log loss (1.4826 MAD / sqrt 6: a smooth
         trend, even a steep climb, leaves them out), floored likewise. Climb: the centred running median of log
         loss over run length / 10 logged values against its own running minimum, in units of that median's
-        noise (the run's noise x sqrt(pi / (2 x the values in it))).
+        noise (the run's noise x sqrt(pi / (2 x the values in it))). Trend: from that median's minimum to the
+        end, the one-sided Mann-Kendall z of log loss (ranks: no model of the noise, so a noisy low loss or heavy
+        tails do not widen it) and the rise of its Theil-Sen slope (the median pairwise slope) over the stretch.
     Threshold:
         Running level: z >= `sigma` (6) x tail factor and >= `min_effect` (1.2) x the level, for
         `diverge_steps` (5) logged steps, or through the end (2 at least), staying above the highest running
@@ -43,12 +45,18 @@ class LossDivergence(Check):
         min(`diverge_steps`, half the logged steps): fail. Climb: the running median >= `rise_factor` (1.3) x
         its minimum and >= `rise_sigmas` (8) x its own noise above it: warn (a fail when it ends above
         the start, by the start rule), at the first logged step over that bar, naming the learning rate's
-        course over the climb. Fewer than 3 finite logged losses (8 for a climb), or a policy-gradient loss
-        (GRPO/PPO, named from the log's keys): not judged.
+        course over the climb. Trend: z >= `trend_sigmas` (4, one test a run) and a rise >= `rise_factor` (a
+        multi-epoch loss drifting up a few percent within its last epoch is a trend, not a climb): warn, in the
+        climb's stead when it is dated no later, and beside the start rule's fail when dated before it (a creep
+        crosses its start late), at the first logged step from which the median of its last run length / 40
+        values stays 3 of its own sigmas above the minimum to the end (the climb under way: a trailing median,
+        never ahead of the climb), naming the learning rate's course to the end. Fewer than 3 finite logged
+        losses (8 for a climb, 10 from the minimum for a trend), or a policy-gradient loss (GRPO/PPO, named from
+        the log's keys): not judged.
     Evidence:
         The first elevated step, its loss, the level or start it rose from, z, how many logged steps it stayed
         up, the peak learning rate, the loss family; for a climb the minimum, its step, the peak and the end
-        level, the learning rate at each.
+        level, the learning rate at each; for a trend its z, rise and the values tested.
     """
 
     code = "LOOP-19"
@@ -57,6 +65,7 @@ class LossDivergence(Check):
         "worse-than-start": "the loss rose above its start and stayed there through the end",
         "diverged": "the loss diverged from its running level and stayed up",
         "climb": "the loss climbed from its best level (a creep while the LR decays, a rise with the LR warm-up)",
+        "trend": "the loss trended up from its best level to the end, against the ranks of its own values",
     }
     needs = ("steps",)
     defaults = {
@@ -65,6 +74,7 @@ class LossDivergence(Check):
         "min_effect": at_least(1.2, 1),
         "rise_factor": at_least(1.3, 1),
         "rise_sigmas": positive(8.0),
+        "trend_sigmas": positive(4.0),
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
@@ -88,7 +98,12 @@ class LossDivergence(Check):
         episode = next(self._sustained_past_dips(found), None)
         start = self._against_start(loss, found)
         if start is not None and (episode is None or start <= episode[0]):
-            return [self._from_start(steps, loss, finite, start, found, advice, peak_lr, family)]
+            worse = self._from_start(steps, loss, finite, start, found, advice, peak_lr, family)
+            # A creep that ends above the start crosses it late; its trend dates the climb where it got under way.
+            trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"])
+            if trend is not None and trend["crossing"] < start:
+                return [self._trend(steps, lr, trend, family), worse]
+            return [worse]
         if episode is not None:
             return [self._from_level(steps, loss, episode, found, advice, peak_lr, family)]
         return self._climb(steps, loss, lr, family)
@@ -142,27 +157,15 @@ class LossDivergence(Check):
     def _climb(self, steps, loss, lr, family) -> list[Finding]:
         p = self.params
         rise = rise_from_minimum(loss, p["rise_factor"], p["rise_sigmas"])
+        trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"])
+        # The trend test uses every value after the minimum, so it tells a climb sooner and in noisier logs; the
+        # level's climb also finds one that came back down before the end.
+        if trend is not None and (rise is None or trend["crossing"] <= rise["crossing"]):
+            return [self._trend(steps, lr, trend, family)]
         if rise is None:
             return []
         lo, at, top = rise["minimum"], rise["crossing"], rise["peak"]
         level = rise["level"]
-        lr_lo, lr_top = lr[lo], lr[top]
-        if np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top >= 1.5 * lr_lo:
-            why = (
-                f"while the learning rate rose from {lr_lo:.3g} to {lr_top:.3g}: the peak learning rate is too high for "
-                f"this run; lower it (or lengthen the warm-up) and restart from a checkpoint before step {steps[at]}"
-            )
-        elif np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top <= lr_lo / 1.5:
-            why = (
-                f"while the learning rate decayed from {lr_lo:.3g} to {lr_top:.3g}: no schedule explains it and "
-                "over-fitting lowers the training loss; check fp16 overflow (T5 and other models pretrained in bf16 "
-                "overflow in fp16), a later part of the data that is broken or mislabelled, and weight decay"
-            )
-        else:
-            why = (
-                "at a steady learning rate: the optimizer is leaving the minimum it found; lower the learning rate, "
-                f"and keep a checkpoint from before step {steps[at]}"
-            )
         end = (
             "and it is still there at the end of the run"
             if rise["to_end"]
@@ -173,7 +176,7 @@ class LossDivergence(Check):
                 "climb",
                 "warn",
                 f"loss climbed {rise['factor']:.3g}x from its best level ({level[lo]:.4g} around step {steps[lo]}) to "
-                f"{level[top]:.4g} around step {steps[top]}, {end}; it rose {why}",
+                f"{level[top]:.4g} around step {steps[top]}, {end}; it rose {self._why(steps, lr, lo, top, at)}",
                 step=steps[at],
                 value=float(level[at]),
                 minimum=float(level[lo]),
@@ -186,11 +189,60 @@ class LossDivergence(Check):
                 threshold=rise["bar_factor"],
                 noise=rise["noise"],
                 smoothing_points=rise["width"],
-                lr_at_minimum=lr_lo,
-                lr_at_peak=lr_top,
+                lr_at_minimum=lr[lo],
+                lr_at_peak=lr[top],
                 family=family,
             )
         ]
+
+    def _trend(self, steps, lr, trend, family) -> Finding:
+        lo, at, last = trend["minimum"], trend["crossing"], steps.size - 1
+        level = trend["level"]
+        return self.finding(
+            "trend",
+            "warn",
+            f"loss trended up from its best level ({level[lo]:.4g} around step {steps[lo]}) to the end: "
+            f"{trend['factor']:.3g}x over the {trend['values']} logged steps since by the median of their pairwise "
+            f"slopes (Mann-Kendall z {trend['z']:.1f}, threshold {self.params['trend_sigmas']:g}), under way by step "
+            f"{steps[at]}; it rose {self._why(steps, lr, lo, last, at)}",
+            step=steps[at],
+            value=float(level[at]),
+            minimum=float(level[lo]),
+            minimum_step=steps[lo],
+            last_level=float(level[last]),
+            factor=trend["factor"],
+            z=trend["z"],
+            p_value=normal_sf(trend["z"]),
+            threshold=self.params["trend_sigmas"],
+            min_factor=self.params["rise_factor"],
+            values_tested=trend["values"],
+            noise=trend["noise"],
+            smoothing_points=trend["width"],
+            lr_at_minimum=lr[lo],
+            lr_at_end=lr[last],
+            to_end=True,
+            family=family,
+        )
+
+    @staticmethod
+    def _why(steps, lr, lo, top, at) -> str:
+        """The learning rate's course from the minimum (row `lo`) to row `top`, and what it points at."""
+        lr_lo, lr_top = lr[lo], lr[top]
+        if np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top >= 1.5 * lr_lo:
+            return (
+                f"while the learning rate rose from {lr_lo:.3g} to {lr_top:.3g}: the peak learning rate is too high for "
+                f"this run; lower it (or lengthen the warm-up) and restart from a checkpoint before step {steps[at]}"
+            )
+        if np.isfinite(lr_lo) and np.isfinite(lr_top) and lr_top <= lr_lo / 1.5:
+            return (
+                f"while the learning rate decayed from {lr_lo:.3g} to {lr_top:.3g}: no schedule explains it and "
+                "over-fitting lowers the training loss; check fp16 overflow (T5 and other models pretrained in bf16 "
+                "overflow in fp16), a later part of the data that is broken or mislabelled, and weight decay"
+            )
+        return (
+            "at a steady learning rate: the optimizer is leaving the minimum it found; lower the learning rate, "
+            f"and keep a checkpoint from before step {steps[at]}"
+        )
 
     def _sustained_past_dips(self, found):
         """The sustained episodes as (first row, rows up), less those where the loss only came back from a dip: the

@@ -61,11 +61,14 @@ class EvalSelection(Check):
         best evaluation against every later one. Worse than all before (a jump that stayed, told where the noise it
         keeps hides it from the band): the first evaluation from which every evaluation to the end is worse than every
         one before it; noise without a trend orders its last m of n evaluations so with probability 1 / C(n, m), taken
-        over the n - 2 places the series could split (a falling metric makes it rarer still).
+        over the n - 2 places the series could split (a falling metric makes it rarer still); or, with 3 evaluations or
+        more on each side, the mean after over the mean before in units of the eval's noise (that sigma x sqrt(1 /
+        before + 1 / after)): a jump early in the run leaves too few evaluations before it for the ranks alone.
     Threshold:
         Selection metric worse than its best by more than the band at every evaluation from some step to the end (2
         evaluations at least): warn. Worse than all before, at (n - 2) / C(n, m) <= `rank_alpha` (0.01; 13 evaluations
-        at least, 4 worse at the end of 15) and earlier than the band's turn: warn, in its stead. eval_loss so, while
+        at least, 4 worse at the end of 15) or at a one-sided normal p of the mean's shift <= `rank_alpha` / (n - 2),
+        and earlier than the band's turn: warn, in its stead. eval_loss so, while
         the selection metric is not: info. An error rate >= `error_rate_level` (95%; read in percent when a value
         exceeds 1.5, not judged when the scale cannot be told) or a classifier's accuracy within max(`chance_margin`
         (5%) of chance, the band) of 1 / its labels, from some evaluation to the end: fail. Each is an anomaly dated
@@ -182,8 +185,8 @@ class EvalSelection(Check):
             "warn",
             f"{context['metric']} turned worse at step {steps[t]} ({values[t]:.4g}) and stayed there: every one of the "
             f"{values.size - t} evaluations from it to the end is worse than every one of the {t} before it (best "
-            f"{values[b]:.4g} at step {steps[b]}, last {values[-1]:.4g}; noise would order them so with probability "
-            f"<= {self.params['rank_alpha']:g}); ship the checkpoint nearest its best (the verdict's keep_checkpoint), "
+            f"{values[b]:.4g} at step {steps[b]}, last {values[-1]:.4g}; noise would separate them so, by their order or "
+            f"by how far apart they are, with probability <= {self.params['rank_alpha']:g}); ship the checkpoint nearest its best (the verdict's keep_checkpoint), "
             f"not the last, and look at what changed at step {steps[t]} (data, learning rate, a resume)",
             **turn(steps, t),
             best_step=steps[b],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -119,20 +120,31 @@ def worse_to_the_end(values: np.ndarray, way: str, band: float) -> tuple[int, in
 
 def worse_than_all_before(values: np.ndarray, way: str, alpha: float) -> int | None:
     """The index of the first evaluation from which every evaluation to the end is worse than every one before it
-    (a jump that stayed: the ranks separate completely), when that is too unlikely for noise: an evaluation series
-    without a trend puts its last m evaluations above all the others with probability 1 / C(n, m), here taken
-    over the n - 2 places it could split (Bonferroni) and kept at <= `alpha`. A falling metric makes it rarer
-    still; a metric now worse than its first evaluation is worth the warning whatever its noise. None: no such
-    split."""
+    (a jump that stayed: the ranks separate completely), when that is too unlikely for noise. By the ranks alone:
+    an evaluation series without a trend puts its last m evaluations above all the others with probability
+    1 / C(n, m), here taken over the n - 2 places it could split (Bonferroni) and kept at <= `alpha`. Or by how far:
+    with 3 evaluations or more on each side, the mean after the split over the mean before, in units of the eval's
+    own noise (`noise_sigma` x sqrt(1 / before + 1 / after)), at a one-sided normal p <= `alpha` / (n - 2) (a jump
+    early in the run leaves too few evaluations before it for the ranks alone). A falling metric makes either
+    rarer still; a metric now worse than its first evaluation is worth the warning whatever its noise. None: no
+    such split."""
     x = better(values, way)
     n = x.size
     if n < 4:
         return None
     ahead = np.maximum.accumulate(x)[:-1]  # per split t (1..n-1): the worst evaluation before it
     behind = np.minimum.accumulate(x[::-1])[::-1][1:]  # the best from it to the end
-    after = n - np.arange(1, n)
+    before = np.arange(1, n)
+    after = n - before
     chance = (n - 2) / np.array([math.comb(n, m) for m in after], dtype=float)  # one per evaluation: a few dozen
-    split = np.flatnonzero((behind > ahead) & (after >= 2) & (chance <= alpha))
+    likely = chance <= alpha
+    sigma = noise_sigma(values)
+    if sigma:
+        sums = np.cumsum(x)[:-1]
+        shift = (sums[-1] + x[-1] - sums) / after - sums / before
+        z = shift / (sigma * np.sqrt(1 / before + 1 / after))
+        likely |= (before >= 3) & (after >= 3) & (z >= NormalDist().inv_cdf(1 - alpha / (n - 2)))
+    split = np.flatnonzero((behind > ahead) & (after >= 2) & likely)
     return int(split[0]) + 1 if split.size else None
 
 

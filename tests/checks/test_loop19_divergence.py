@@ -161,10 +161,29 @@ def test_a_creep_that_ends_above_the_first_logged_loss_fails_and_one_that_ends_b
     base[60:] = 0.5 * np.exp(0.03 * np.random.default_rng(5).standard_normal(60))
     ramp = np.clip((np.arange(120) - 60) / 59, 0, 1)
     worse = audited(trainer_run(tmp_path / "worse", base * np.exp(np.log(6.0) * ramp), every=10))
-    [finding] = findings(worse, "LOOP-19")
+    # The fail where it passed the start; the trend dated where the climb got under way, before it.
+    trend, finding = findings(worse, "LOOP-19")
     assert finding["severity"] == "fail" and 610 <= finding["step"] <= 1200
     assert finding["evidence"]["start_loss"] == pytest.approx(base[0])
+    assert (trend["rule"], trend["severity"]) == ("LOOP-19/trend", "warn") and 610 <= trend["step"] < finding["step"]
     creep = audited(trainer_run(tmp_path / "creep", base * np.exp(np.log(2.0) * ramp), every=10))
     [finding] = findings(creep, "LOOP-19")
     assert finding["severity"] == "warn" and 610 <= finding["step"] <= 1200
     assert findings(audited(trainer_run(tmp_path / "clean", base, every=10)), "LOOP-19") == []
+
+
+def test_a_creep_in_a_noisy_low_loss_warns_by_its_trend_and_its_clean_twin_does_not(tmp_path):
+    # A Whisper-like log of 150 values every 100 steps, each within x1.65 of its trend (0.5 in log): the loss falls
+    # 0.73 -> 0.03 and from step 6,100 creeps up x2.5 to the end while the learning rate decays. One level's noise
+    # there is so wide that the climb's 8 sigmas ask for x3.6; the ranks of the 90 values after the minimum carry
+    # the trend.
+    n = 150
+    t = np.arange(n)
+    base = (0.03 + 0.7 * np.exp(-t / 8)) * np.exp(0.5 * np.random.default_rng(1).standard_normal(n))
+    lr = np.linspace(1e-5, 1e-7, n)
+    crept = base * np.exp(np.log(2.5) * np.clip((t - 60) / (n - 61), 0, 1))
+    [finding] = findings(audited(trainer_run(tmp_path / "creep", crept, lr=lr, every=100)), "LOOP-19")
+    assert (finding["rule"], finding["severity"]) == ("LOOP-19/trend", "warn")
+    assert 6100 <= finding["step"] < 15000 and finding["evidence"]["z"] >= 4
+    assert "learning rate decayed" in finding["message"]
+    assert findings(audited(trainer_run(tmp_path / "clean", base, lr=lr, every=100)), "LOOP-19") == []

@@ -181,3 +181,19 @@ def test_a_jump_in_a_noisy_eval_that_stays_is_told_by_its_ranks_and_the_noise_it
     )
     clean = trainer_run(tmp_path / "clean", loss, every=100, evals=list(zip(range(1000, 15001, 1000), NOISY_EVAL)))
     assert findings(audited(clean)) == []
+
+
+def test_a_jump_with_three_evaluations_before_it_is_told_by_how_far_it_went_and_a_weaker_one_is_not(tmp_path):
+    # x1.5 from the 4th of 15 evaluations: every later one is worse than all 3 before it, which noise gives with
+    # probability 13 / C(15, 12) = 0.03 (too likely to tell by the ranks alone), but the mean moved 0.09, ten of
+    # the eval's own sigmas (0.015 from its second differences) over the 3 and 12 evaluations.
+    loss = falling(150, start=0.75, end=0.03, noise=0.1)
+    steps = range(1000, 15001, 1000)
+    jumped = np.array(NOISY_EVAL)
+    jumped[3:] *= 1.5
+    [found] = findings(audited(trainer_run(tmp_path / "jump", loss, every=100, evals=list(zip(steps, jumped)))))
+    assert (found["rule"], found["severity"], found["step"]) == ("LOOP-26/worse-than-all-before", "warn", 3001)
+    # x1.2 there: the later evaluations overlap the first ones (0.251 against 0.272): no jump that stayed.
+    weaker = np.array(NOISY_EVAL)
+    weaker[3:] *= 1.2
+    assert findings(audited(trainer_run(tmp_path / "weaker", loss, every=100, evals=list(zip(steps, weaker))))) == []

@@ -13,7 +13,9 @@ the run around it.
   against the noise of such a residual and above both neighbours; in a log too short for a noise estimate, a value
   far above every other after the first.
 - **Rise from the minimum** (a creep, a rise with the learning rate): a centred running median of the log values
-  climbing above its own running minimum by a fixed factor and by many noise sigmas.
+  climbing above its own running minimum by a fixed factor and by many noise sigmas; and a trend from that
+  minimum to the end (Mann-Kendall, Theil-Sen), which every later value carries, so it is told where one level's
+  noise is too wide (a noisy low loss) and sooner.
 - **Chance** (the loss of a uniform guess): ln K for a classification head of K labels, ln V for a language model
   over V tokens, from the model's config.json as the run recorded it.
 
@@ -205,21 +207,10 @@ def centred_median(x: np.ndarray, width: int) -> np.ndarray:
         return row_nanmedian(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1))
 
 
-def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: int = 8) -> dict | None:
-    """The largest climb of the loss above its own best level, when it is one.
-
-    The level is the centred running median of log values over run length / 10 logged values (odd, 3 at
-    least; on a long log, of the medians of blocks of run length / 200 values, so the cost stays linear); its
-    running minimum is the best level so far. A rise is that level above the minimum by at least
-    log(`min_factor`) and by `min_sigmas` x the noise of such a level: the run's typical noise (the median of
-    `point_noise`) x sqrt(pi / (2 x the values in the median)). None: no such rise, or fewer than `min_points`
-    finite values.
-
-    Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
-    over the bar at the end, the level's values there and the run's noise."""
-    x = log_values(values)
-    if np.isfinite(x).sum() < min_points:
-        return None
+def smoothed_level(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """The centred running median of log values `x` over run length / 10 logged values (odd, 3 at least; on a
+    long log, of the medians of blocks of run length / 200 values, so the cost stays linear), and how many logged
+    values are behind each level."""
     n = x.size
     block = max(1, n // 200)
     blocks = -(-n // block)
@@ -229,13 +220,35 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         warnings.simplefilter("ignore", RuntimeWarning)
         coarse = row_nanmedian(padded.reshape(blocks, block))
     width = max(3, (blocks // 10) | 1)
-    level = np.repeat(centred_median(coarse, width), block)[:n]
-    points = width * block  # logged values behind each level
-    best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
-    rise = level - best
+    return np.repeat(centred_median(coarse, width), block)[:n], width * block
+
+
+def level_noise(x: np.ndarray, points: int) -> tuple[float, float]:
+    """The run's typical noise of one log value (the median of `point_noise`) and that of a median of `points`
+    such values (x sqrt(pi / (2 x points)))."""
     noise = point_noise(x)
     typical = float(np.nanmedian(noise)) if np.isfinite(noise).any() else 0.0
-    bar = max(math.log(min_factor), min_sigmas * typical * math.sqrt(math.pi / (2 * points)))
+    return typical, typical * math.sqrt(math.pi / (2 * points))
+
+
+def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: int = 8) -> dict | None:
+    """The largest climb of the loss above its own best level, when it is one.
+
+    The level is `smoothed_level`; its running minimum is the best level so far. A rise is that level above the
+    minimum by at least log(`min_factor`) and by `min_sigmas` x the noise of such a level (`level_noise`). None: no
+    such rise, or fewer than `min_points` finite values.
+
+    Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
+    over the bar at the end, the level's values there and the run's noise."""
+    x = log_values(values)
+    if np.isfinite(x).sum() < min_points:
+        return None
+    n = x.size
+    level, points = smoothed_level(x)
+    best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
+    rise = level - best
+    typical, of_level = level_noise(x, points)
+    bar = max(math.log(min_factor), min_sigmas * of_level)
     with np.errstate(invalid="ignore"):
         over = rise >= bar
     if not over.any():
@@ -252,6 +265,68 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
         "factor": float(np.exp(rise[peak])),
         "end_factor": float(np.exp(rise[-1])) if np.isfinite(rise[-1]) else None,
         "bar_factor": float(math.exp(bar)),
+        "noise": typical,
+        "width": points,
+    }
+
+
+TREND_VALUES = 400  # the trend test pairs at most this many evenly spaced values (its cost grows as their square)
+TREND_LEVEL_SIGMAS = 3  # a trend is dated where its recent values stay over the best level by this many sigmas
+
+
+def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) -> dict | None:
+    """The loss trending up from its best level to the end of the run, when it does.
+
+    From the minimum of `smoothed_level` to the end: the one-sided Mann-Kendall statistic of the log values (later
+    over earlier pairs less earlier over later, in units of its standard deviation under no trend, ties counted as
+    no trend: conservative) and the Theil-Sen slope (the median of the pairwise slopes) times the stretch, the rise
+    the trend makes. Ranks and medians, no model of the noise: a noisy low loss or heavy tails, which a level's
+    sigma judges too wide, do not mask a trend that every later value carries. A trend: z >= `min_z` and a rise >=
+    log(`min_factor`) (a multi-epoch run's loss drifting up a few percent within its last epoch is a trend, not a
+    climb). Dated where the climb is under way: the first row from which to the end the median of the values up to
+    it (run length / 40 of them, 5 at least; never after it) stands `TREND_LEVEL_SIGMAS` of its own noise above the
+    best level; else the last row. None: no such trend, or fewer than `min_points` finite values from the minimum on.
+
+    Returns the rows of the minimum and of the dating, z, the rise factor, the values tested, the level's values
+    and the run's noise."""
+    x = log_values(values)
+    if np.isfinite(x).sum() < min_points:
+        return None
+    level, points = smoothed_level(x)
+    minimum = int(np.argmin(np.where(np.isfinite(level), level, np.inf)))
+    rows = minimum + np.flatnonzero(np.isfinite(x[minimum:]))
+    if rows.size < min_points:
+        return None
+    picked = rows[np.unique(np.linspace(0, rows.size - 1, min(rows.size, TREND_VALUES)).astype(int))]
+    y, t = x[picked], picked.astype(float)
+    later, earlier = np.triu_indices(y.size, 1)[::-1]
+    sign = np.sign(y[later] - y[earlier])
+    k = y.size
+    s = float(sign.sum())
+    z = (s - math.copysign(1.0, s)) / math.sqrt(k * (k - 1) * (2 * k + 5) / 18) if s else 0.0
+    slope = float(np.median((y[later] - y[earlier]) / (t[later] - t[earlier])))
+    rise = slope * (rows[-1] - minimum)
+    if z < min_z or rise < math.log(min_factor):
+        return None
+    # Dated by a trailing median (the values up to the row, never after it: a centred one rises half its width
+    # before a jump) of a quarter of the level's values, from where it stays over the best level by its own noise
+    # to the end (a multi-epoch loss drifts up within an epoch and falls back at the next before any fault).
+    trailing = max(5, points // 4)
+    typical, of_trailing = level_noise(x, trailing)
+    after = np.concatenate([np.full(trailing - 1, np.nan), x[minimum:]])
+    with warnings.catch_warnings():  # a window without finite values has no median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        recent = row_nanmedian(np.lib.stride_tricks.sliding_window_view(after, trailing))
+    with np.errstate(invalid="ignore"):
+        above = recent[1:] >= level[minimum] + TREND_LEVEL_SIGMAS * of_trailing
+    up = np.flatnonzero(np.flip(np.logical_and.accumulate(np.flip(above))))
+    return {
+        "minimum": minimum,
+        "crossing": minimum + 1 + int(up[0]) if up.size else x.size - 1,
+        "z": z,
+        "factor": float(math.exp(rise)),
+        "values": int(rows.size),
+        "level": np.exp(level),
         "noise": typical,
         "width": points,
     }
