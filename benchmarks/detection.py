@@ -150,11 +150,17 @@ def read_log(run: Path) -> Log:
     if not config.get("vocab_size") and not (config.get("text_config") or {}).get("vocab_size"):
         config["vocab_size"] = manifest.get("vocab_size") or ASSUMED_VOCAB
         config.setdefault("model_type", "llama")
-    state = (manifest.get("config") or {}).get("trainer_state") or {}
+    state = dict((manifest.get("config") or {}).get("trainer_state") or {})
+    loss = np.array([num(r.get("loss")) for r in rows])
+    # The Trainer logs round(loss, 4): an injected value is logged at the log's own precision, as a real one is.
+    from sftaudit.checks.stats.rolling import log_quantum
+
+    quantum = log_quantum(loss)
+    state["loss_decimals"] = round(-np.log10(quantum)) if quantum > 0 else None
     return Log(
         name=run.name,
         steps=step,
-        loss=np.array([num(r.get("loss")) for r in rows]),
+        loss=loss,
         lr=np.array([num(r.get("lr")) for r in rows]),
         grad_norm=np.array([num(r.get("grad_norm")) for r in rows]),
         keys={k: np.array([v.get(int(s), np.nan) for s in step]) for k, v in keys.items() if len(v) >= len(step) // 2},
@@ -173,8 +179,10 @@ def write_log(log: Log, run_dir: Path) -> Path:
     n = log.steps.size
     injected = set(log.state.get("nan_keys", ()))  # keys whose NaN the injection put there (else: not logged)
     norms = np.isfinite(log.grad_norm).any()
+    decimals = log.state.get("loss_decimals")
+    loss = np.round(log.loss, decimals) if decimals is not None else log.loss
     for i in range(n):
-        entry = {"epoch": round(float(log.steps[i]) / max(log.max_steps, 1), 6), "loss": float(log.loss[i])}
+        entry = {"epoch": round(float(log.steps[i]) / max(log.max_steps, 1), 6), "loss": float(loss[i])}
         if np.isfinite(log.lr[i]):
             entry["learning_rate"] = float(log.lr[i])
         if norms:
