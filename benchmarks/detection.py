@@ -504,7 +504,8 @@ def main() -> int:
                 if clean[r] is None or not shape.needs(log):
                     continue
                 for k in range(args.positions):
-                    rng = np.random.default_rng(seed_of(args.seed, shape.name, r, si, k))
+                    # One position per shape, run and draw whatever the strength: the strengths' rows compare.
+                    rng = np.random.default_rng(seed_of(args.seed, shape.name, r, k))
                     n = log.loss.size
                     lo, hi = max(1, int(0.15 * n)), max(2, int(0.8 * n))
                     row = int(rng.integers(lo, hi)) if hi > lo else lo
