@@ -204,3 +204,31 @@ def test_lines_copied_a_block_at_a_time_are_those_read_one_by_one(tmp_path, odd)
         len(lines) - len(kept),
         sum(line != _readable(line) for line in lines),
     )
+
+
+# JSON values of every kind a field may hold: integers at and past each column's range, fractions and exponents
+# (which the JSON cast rounds its own way), non-finite numbers, text, and the other JSON kinds.
+_ODD_VALUES = [
+    "1", "-1", "-0", "1.5", "2.5", "-2.5", "1e3", "1E+3", "1e-7", "1e20", "1e999", "-1e999", "NaN", "Infinity",
+    "-Infinity", '"1"', '"NaN"', '"a\\u00e9\\"b"', "true", "false", "null", "[1]", '{"a": 1}', "2147483647",
+    "2147483648", "-2147483649", "9223372036854775807", "9223372036854775808", "-9223372036854775809",
+    "18446744073709551616", "123456789012345678901234567890", "4.9e-324", "2147483646.5", "9007199254740993",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["INTEGER", "BIGINT", "DOUBLE", "VARCHAR"])
+def test_typed_from_the_json_text_is_the_json_cast(tmp_path, dtype):
+    """A field read from its JSON text (`_typed`) holds what the JSON value's type and cast give (`_json_typed`),
+    value for value: the cheaper reading changes no record."""
+    from sftaudit.store.ingest import _json_typed, _typed
+
+    path = tmp_path / "values.jsonl"
+    path.write_text("".join(f'{{"x": {v}}}\n' for v in _ODD_VALUES))
+    con = duckdb.connect()
+    rows = con.execute(
+        f"SELECT x::VARCHAR, {_typed('x', dtype)}, {_json_typed('x', dtype)} "
+        f"FROM read_json('{path}', format='newline_delimited', columns={{'x': 'JSON'}})"
+    ).fetchall()
+    assert len(rows) == len(_ODD_VALUES)
+    differ = [(text, a, b) for text, a, b in rows if a != b and not (a != a and b != b)]  # NaN == NaN
+    assert differ == []

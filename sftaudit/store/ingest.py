@@ -673,9 +673,26 @@ _NUMBER = "('BIGINT', 'UBIGINT', 'DOUBLE')"
 
 def _typed(name: str, dtype: str) -> str:
     """SQL turning a JSON field into its declared type; NULL where the JSON value is of another kind
-    (a number written as a string, a list where a number belongs) or out of the column's range."""
+    (a number written as a string, a list where a number belongs) or out of the column's range.
+    Most values are read from their JSON text (the reader writes each value back as JSON: a string starts with a
+    quote, a number is its digits), which costs a fraction of parsing them again (`json_type`, a cast of JSON): a
+    double is the text cast, an integer too where the text holds only digits (no fraction or exponent, which the
+    JSON cast rounds its own way)."""
+    text = f'"{name}"::VARCHAR'
     if dtype == "JSON":
         return f'"{name}"'
+    if dtype == "VARCHAR":
+        return f"""CASE WHEN starts_with({text}, '"') THEN "{name}"->>'$' END"""
+    if dtype == "DOUBLE":
+        return f"TRY_CAST({text} AS DOUBLE)"
+    if dtype in ("BIGINT", "INTEGER"):
+        digits = f"NOT (contains({text}, '.') OR contains({text}, 'e') OR contains({text}, 'E'))"
+        return f"CASE WHEN {digits} THEN TRY_CAST({text} AS {dtype}) ELSE {_json_typed(name, dtype)} END"
+    return _json_typed(name, dtype)
+
+
+def _json_typed(name: str, dtype: str) -> str:
+    """`_typed` by the JSON value's type and a cast of the JSON."""
     if dtype == "VARCHAR":
         return f"""CASE WHEN json_type("{name}") = 'VARCHAR' THEN "{name}"->>'$' END"""
     kind = (
