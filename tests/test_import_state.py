@@ -71,10 +71,10 @@ def test_a_changed_source_or_artifact_is_imported_again(tmp_path):
     imported = _manifest_identity(run)
     code, verdict = _audit(run, tmp_path / "out")
     assert _manifest_identity(run) != imported and code == 1  # read again: the NaN is found
-    metrics = rank_dir(run, 0) / "metrics.jsonl"
-    metrics.write_text("")  # an artifact emptied: the import wrote it otherwise, so it is written again
+    steps = rank_dir(run, 0) / "steps.jsonl"
+    steps.write_text("")  # an artifact emptied: the import wrote it otherwise, so it is written again
     _audit(run, tmp_path / "out")
-    assert metrics.stat().st_size > 0
+    assert steps.stat().st_size > 0
 
 
 def test_a_planted_state_file_changes_nothing(tmp_path):

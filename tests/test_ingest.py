@@ -1,11 +1,13 @@
 """Incremental ingest, torn and corrupt lines; the run database: where it lives and how it is opened."""
 
 import json
+import math
 import os
 import re
 import shutil
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -232,3 +234,58 @@ def test_typed_from_the_json_text_is_the_json_cast(tmp_path, dtype):
     assert len(rows) == len(_ODD_VALUES)
     differ = [(text, a, b) for text, a, b in rows if a != b and not (a != a and b != b)]  # NaN == NaN
     assert differ == []
+
+
+def _metrics_parquet(run, seg, step, name, value):
+    """An import's metrics.parquet (as `sftaudit.imports.writer` writes it) in the run's rank-0 folder."""
+    table = pa.table(
+        {
+            "seg": pa.array(seg, pa.int32()),
+            "step": pa.array(step, pa.int64()),
+            "name": pa.array(name, pa.string()),
+            "value": pa.array(value, pa.float64()),
+        }
+    )
+    path = rank_dir(run, 0) / "metrics.parquet"
+    pq.write_table(table, path, compression="zstd")
+    return path
+
+
+def test_an_imports_columnar_metrics_are_ingested_typed_once_and_again_when_replaced(tmp_path):
+    run = recorded_run(tmp_path)
+    _metrics_parquet(run, [0, 0, None], [1, 2, 3], ["entropy", "entropy", "entropy"], [1.5, float("nan"), 2.0])
+    assert ingest(run)["metrics"] == 2
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT rank, seg, step, name, value FROM metrics ORDER BY step").fetchall()
+    state = con.execute("SELECT records, bad_lines, lines FROM ingest_state WHERE file LIKE '%metrics.parquet'")
+    assert rows[0] == (0, 0, 1, "entropy", 1.5) and math.isnan(rows[1][4]) and state.fetchall() == [(2, 1, 3)]
+    con.close()
+    assert ingest(run)["metrics"] == 0  # read once
+    _metrics_parquet(run, [0], [1], ["entropy"], [9.0])  # imported again: the database is rebuilt from it
+    assert ingest(run)["metrics"] == 1
+    con = connect(run, read_only=True)
+    assert con.execute("SELECT step, value FROM metrics").fetchall() == [(1, 9.0)]
+    con.close()
+
+
+def test_a_columnar_file_of_other_columns_or_claiming_more_rows_than_it_holds_is_refused(tmp_path):
+    run = recorded_run(tmp_path)
+    path = rank_dir(run, 0) / "metrics.parquet"
+    pq.write_table(pa.table({"seg": pa.array([0], pa.int64()), "step": [1], "name": ["x"], "value": [1.0]}), path)
+    with pytest.raises(InputError, match=r"metrics.parquet: not an import's metrics \(expected seg INT32"):
+        ingest(run)
+    path.write_bytes(b"PAR1 a footer that is no footer PAR1")
+    with pytest.raises(InputError, match="not a readable Parquet file"):
+        ingest(run)
+    n = 1 << 22  # four million identical rows: a few KB compressed
+    table = pa.table(
+        {
+            "seg": pa.array(np.zeros(n, np.int32)),
+            "step": pa.array(np.ones(n, np.int64)),
+            "name": pa.array(["x"] * n, pa.string()),
+            "value": pa.array(np.ones(n)),
+        }
+    )
+    pq.write_table(table, path, compression="zstd")
+    with pytest.raises(InputError, match=f"claims {n} rows .* decompression bomb"):
+        ingest(run)
