@@ -94,15 +94,19 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
             con.close()
 
 
-_POLARS_TYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "DOUBLE": "Float64", "VARCHAR": "String"}
+_POLARS_TYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "DOUBLE": "Float64"}
 
 
 def _write_columnar(folder: Path, kind: str, table: Any) -> None:
-    """`table` as ``<kind>.parquet``: its declared fields in their order, each of its declared type, written to a
-    hidden name and renamed (a reader never sees half a file)."""
+    """`table` as ``<kind>.parquet``: its declared fields in their order, each of its declared type (text as it is:
+    a name column of a few names is an Enum, written as dictionary-encoded text without a string per record),
+    written to a hidden name and renamed (a reader never sees half a file)."""
     import polars as pl
 
-    columns = [pl.col(f.name).cast(getattr(pl, _POLARS_TYPES[f.type])) for f in RECORDS[kind].fields]
+    columns = [
+        pl.col(f.name).cast(getattr(pl, _POLARS_TYPES[f.type])) if f.type in _POLARS_TYPES else pl.col(f.name)
+        for f in RECORDS[kind].fields
+    ]
     hidden = folder / f".{kind}.parquet.tmp"
     table.select(columns).write_parquet(hidden, statistics=False)
     hidden.replace(folder / f"{kind}.parquet")
