@@ -14,8 +14,10 @@ entry, and the ratio of that per-entry time to the smallest size's.
 With ``--cli``, the ``trl`` shapes instead, as users meet them: a TRL SFT run's trainer_state.json of N per-step
 entries (eight keys each, written as the Trainer writes it: indented, keys sorted), alone (``trl``) or with three
 checkpoints' states beside it (``trl-3ckpt``: at N/3, 2N/3 and N); each timed as `sftaudit import` and as
-`sftaudit audit --no-report` (which imports, ingests and judges), each in its own process: its CPU seconds
-(user + system), wall seconds and peak resident memory (the child's own, from wait4), median over the repeats.
+`sftaudit audit --no-report` (which imports, ingests and judges), each in its own process and with a cache of its
+own (nothing imported or ingested before), then as a ``re-audit``: the audit again with the log unchanged (the
+import skipped, nothing new to ingest); its CPU seconds (user + system), wall seconds and peak resident memory (the
+child's own, from wait4), median over the repeats.
 
     .venv/bin/python benchmarks/import_scale.py --cli [--sizes 1000000] [--repeats 1]
 
@@ -152,11 +154,17 @@ def written_apart(shape: str, n: int, run_dir: Path) -> int:
     return int(done.stdout.split()[-1])
 
 
-def measured(args: list[str]) -> tuple[float, float, float, int]:
-    """A `sftaudit` command in its own process: (CPU seconds, wall seconds, peak resident MB, exit code)."""
+def measured(args: list[str], cache: Path | None = None) -> tuple[float, float, float, int]:
+    """A `sftaudit` command in its own process (`cache`: sftaudit's cache folder for it): (CPU seconds, wall
+    seconds, peak resident MB, exit code)."""
+    env = {**os.environ, "SFTAUDIT_CACHE_DIR": str(cache)} if cache else None
     start = time.perf_counter()
     child = subprocess.Popen(
-        [sys.executable, "-m", "sftaudit.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "sftaudit.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
@@ -194,21 +202,25 @@ def phases(shape: str, n: int, run_dir: Path) -> dict[str, float]:
 
 def cli(sizes: list[int], repeats: int, split: bool = False) -> None:
     print(
-        f"{'shape':<10} {'entries':>9} {'state MB':>9} {'command':<7} {'CPU s':>7} {'wall s':>7} {'peak MB':>8} {'exit':>4}"
+        f"{'shape':<10} {'entries':>9} {'state MB':>9} {'command':<8} {'CPU s':>7} {'wall s':>7} {'peak MB':>8} {'exit':>4}"
     )
     for shape in CLI_SHAPES:
         for n in sizes:
             with tempfile.TemporaryDirectory(prefix="sftaudit-import-scale-") as tmp:
                 run_dir = Path(tmp) / "run"
                 size = written_apart(shape, n, run_dir)
-                for command in ("import", "audit"):
+                for command in ("import", "audit", "re-audit"):
                     runs = []
-                    for _ in range(repeats):
-                        extra = ["--no-report", "--out", str(Path(tmp) / "out")] if command == "audit" else []
-                        runs.append(measured([command, str(run_dir), *extra]))
+                    for k in range(repeats):
+                        # each import and first audit with a cache of its own (nothing imported or ingested
+                        # before); the re-audit with the last audit's, the log unchanged since
+                        cache = Path(tmp) / f"cache-{command if command != 're-audit' else 'audit'}-{k}"
+                        name = "audit" if command == "re-audit" else command
+                        extra = ["--no-report", "--out", str(Path(tmp) / "out")] if name == "audit" else []
+                        runs.append(measured([name, str(run_dir), *extra], cache))
                     cpu, wall, peak = (statistics.median(r[i] for r in runs) for i in range(3))
                     print(
-                        f"{shape:<10} {n:>9,} {size / 2**20:>9.0f} {command:<7} {cpu:>7.2f} {wall:>7.2f} {peak:>8.0f} "
+                        f"{shape:<10} {n:>9,} {size / 2**20:>9.0f} {command:<8} {cpu:>7.2f} {wall:>7.2f} {peak:>8.0f} "
                         f"{runs[-1][3]:>4}",
                         flush=True,
                     )

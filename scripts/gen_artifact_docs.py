@@ -67,6 +67,11 @@ killed run loses at most the step in flight; sftaudit's ingest reads it, other e
 tables, *type* is the DuckDB type of the Parquet column (`FLOAT`: float32).
 """
 
+COLUMNAR_NOTE = """An import (no shim) writes these as `{kind}.parquet` instead: a column per field, of its type
+(`INTEGER`: int32, `BIGINT`: int64, `DOUBLE`, `VARCHAR`: UTF-8 text), written whole and renamed into place; a per-step
+log of a long run gives millions of these records, which ingest reads typed rather than parsing JSON.
+"""
+
 PROBE_NOTE = """With more than one rank the probe rows are split: rank r writes rows r, r + world size, ... of each probe batch (probe prompts; generation rows prompt x sample; eval items), so the three kinds are read across every rank's folder.
 
 """
@@ -211,7 +216,10 @@ def page() -> str:
     lines += ["| file | one record per |", "| --- | --- |"]
     lines += [f"| [`{k.name}`](#{k.name}) | {_cell(k.per)} |" for k in RECORDS.values()] + [""]
     for kind in RECORDS.values():
-        lines += [f"### `{kind.name}`", "", f"One record per {kind.per}.", ""] + field_table(kind.fields)
+        lines += [f"### `{kind.name}`", "", f"One record per {kind.per}.", ""]
+        if kind.columnar_import:
+            lines += [COLUMNAR_NOTE.format(kind=kind.name).rstrip(), ""]
+        lines += field_table(kind.fields)
         if kind.name == "manifest":
             lines += ["Each entry of `params`:", ""] + field_table(PARAM_FIELDS)
     lines += ["## Series", "", SERIES_INTRO.rstrip(), ""]

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from sftaudit.cli import main
@@ -164,7 +165,7 @@ def test_other_loggers_key_names_are_read_as_the_trainers(tmp_path):
     import_run(run)
     steps = _steps(run)
     assert len(steps) == 60 and steps[9]["lr"] == pytest.approx(5e-5 * (1 - 9 / 60)) and steps[9]["grad_norm"] == 1.01
-    metrics = [json.loads(x) for x in (run / "sftaudit" / "rank-0" / "metrics.jsonl").read_text().splitlines()]
+    metrics = pq.read_table(run / "sftaudit" / "rank-0" / "metrics.parquet").to_pylist()
     assert [m["value"] for m in metrics if m["name"] == "eval_loss"] == [1.2 - s / 600 for s in (20, 40, 60)]
     code, _, _, verdict = _audit(run, tmp_path / "out")
     checks = {c["code"]: c for c in verdict["checks"]}

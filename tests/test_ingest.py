@@ -1,11 +1,13 @@
 """Incremental ingest, torn and corrupt lines; the run database: where it lives and how it is opened."""
 
 import json
+import math
 import os
 import re
 import shutil
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -228,3 +230,86 @@ def test_lines_copied_a_block_at_a_time_are_those_read_one_by_one(tmp_path, odd)
         len(lines) - len(kept),
         sum(line != _readable(line) for line in lines),
     )
+
+
+# JSON values of every kind a field may hold: integers at and past each column's range, fractions and exponents
+# (which the JSON cast rounds its own way), non-finite numbers, text, and the other JSON kinds.
+_ODD_VALUES = [
+    "1", "-1", "-0", "1.5", "2.5", "-2.5", "1e3", "1E+3", "1e-7", "1e20", "1e999", "-1e999", "NaN", "Infinity",
+    "-Infinity", '"1"', '"NaN"', '"a\\u00e9\\"b"', "true", "false", "null", "[1]", '{"a": 1}', "2147483647",
+    "2147483648", "-2147483649", "9223372036854775807", "9223372036854775808", "-9223372036854775809",
+    "18446744073709551616", "123456789012345678901234567890", "4.9e-324", "2147483646.5", "9007199254740993",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["INTEGER", "BIGINT", "DOUBLE", "VARCHAR"])
+def test_typed_from_the_json_text_is_the_json_cast(tmp_path, dtype):
+    """A field read from its JSON text (`_typed`) holds what the JSON value's type and cast give (`_json_typed`),
+    value for value: the cheaper reading changes no record."""
+    from sftaudit.store.ingest import _json_typed, _typed
+
+    path = tmp_path / "values.jsonl"
+    path.write_text("".join(f'{{"x": {v}}}\n' for v in _ODD_VALUES))
+    con = duckdb.connect()
+    rows = con.execute(
+        f"SELECT x::VARCHAR, {_typed('x', dtype)}, {_json_typed('x', dtype)} "
+        f"FROM read_json('{path}', format='newline_delimited', columns={{'x': 'JSON'}})"
+    ).fetchall()
+    assert len(rows) == len(_ODD_VALUES)
+    differ = [(text, a, b) for text, a, b in rows if a != b and not (a != a and b != b)]  # NaN == NaN
+    assert differ == []
+
+
+def _metrics_parquet(run, seg, step, name, value):
+    """An import's metrics.parquet (as `sftaudit.imports.writer` writes it) in the run's rank-0 folder."""
+    table = pa.table(
+        {
+            "seg": pa.array(seg, pa.int32()),
+            "step": pa.array(step, pa.int64()),
+            "name": pa.array(name, pa.string()),
+            "value": pa.array(value, pa.float64()),
+        }
+    )
+    path = rank_dir(run, 0) / "metrics.parquet"
+    pq.write_table(table, path, compression="zstd")
+    return path
+
+
+def test_an_imports_columnar_metrics_are_ingested_typed_once_and_again_when_replaced(tmp_path):
+    run = recorded_run(tmp_path)
+    _metrics_parquet(run, [0, 0, None], [1, 2, 3], ["entropy", "entropy", "entropy"], [1.5, float("nan"), 2.0])
+    assert ingest(run)["metrics"] == 2
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT rank, seg, step, name, value FROM metrics ORDER BY step").fetchall()
+    state = con.execute("SELECT records, bad_lines, lines FROM ingest_state WHERE file LIKE '%metrics.parquet'")
+    assert rows[0] == (0, 0, 1, "entropy", 1.5) and math.isnan(rows[1][4]) and state.fetchall() == [(2, 1, 3)]
+    con.close()
+    assert ingest(run)["metrics"] == 0  # read once
+    _metrics_parquet(run, [0], [1], ["entropy"], [9.0])  # imported again: the database is rebuilt from it
+    assert ingest(run)["metrics"] == 1
+    con = connect(run, read_only=True)
+    assert con.execute("SELECT step, value FROM metrics").fetchall() == [(1, 9.0)]
+    con.close()
+
+
+def test_a_columnar_file_of_other_columns_or_claiming_more_rows_than_it_holds_is_refused(tmp_path):
+    run = recorded_run(tmp_path)
+    path = rank_dir(run, 0) / "metrics.parquet"
+    pq.write_table(pa.table({"seg": pa.array([0], pa.int64()), "step": [1], "name": ["x"], "value": [1.0]}), path)
+    with pytest.raises(InputError, match=r"metrics.parquet: not an import's metrics \(expected seg INT32"):
+        ingest(run)
+    path.write_bytes(b"PAR1 a footer that is no footer PAR1")
+    with pytest.raises(InputError, match="not a readable Parquet file"):
+        ingest(run)
+    n = 1 << 22  # four million identical rows: a few KB compressed
+    table = pa.table(
+        {
+            "seg": pa.array(np.zeros(n, np.int32)),
+            "step": pa.array(np.ones(n, np.int64)),
+            "name": pa.array(["x"] * n, pa.string()),
+            "value": pa.array(np.ones(n)),
+        }
+    )
+    pq.write_table(table, path, compression="zstd")
+    with pytest.raises(InputError, match=f"claims {n} rows .* decompression bomb"):
+        ingest(run)

@@ -81,6 +81,8 @@ POST_CLIP = 1
 
 # One file per record kind, each declared field by field in sftaudit/schema/records.py.
 RECORD_KINDS = tuple(RECORDS)
+# The kinds an import writes as `<kind>.parquet`, typed columns (`RecordKind.columnar_import`).
+COLUMNAR_IMPORT_KINDS = tuple(k for k, spec in RECORDS.items() if spec.columnar_import)
 
 # Histogram bin edges for log10|grad|: fixed so histograms compare across steps and tensors.
 GRAD_HIST_EDGES = [float(e) / 2 for e in range(-24, 5)]  # 1e-12 .. 1e2, half-decade bins

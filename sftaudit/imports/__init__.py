@@ -8,6 +8,6 @@ each kind of evidence came from and at which granularity. A training log kept pe
 found by content (`sources.find_log`). Nothing here needs torch.
 """
 
-from .trainer import ensure_artifacts, import_run, is_trainer_output
+from .trainer import ensure_artifacts, import_run, is_trainer_output, recorded_by_shim
 
-__all__ = ["ensure_artifacts", "import_run", "is_trainer_output"]
+__all__ = ["ensure_artifacts", "import_run", "is_trainer_output", "recorded_by_shim"]

@@ -165,6 +165,11 @@ def imported_manifest(run_dir: str | Path) -> dict[str, Any] | None:
     return first if isinstance(first, dict) and first.get("imported") else None
 
 
+def recorded_by_shim(run_dir: str | Path) -> bool:
+    """Whether the run folder holds the shim's artifacts (nothing to import)."""
+    return any(artifact_root(run_dir).glob("rank-*")) and imported_manifest(run_dir) is None
+
+
 def ensure_artifacts(
     run_dir: str | Path, data: str | Path | None = None, source: str | None = None, file: str | Path | None = None
 ) -> bool:

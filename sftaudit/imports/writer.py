@@ -1,9 +1,11 @@
 """The one writer of an imported run's artifacts: whatever source the logs came from, the same
-``RUN_DIR/sftaudit/rank-0/*.jsonl`` files the shim writes.
+``RUN_DIR/sftaudit/rank-0/*.jsonl`` files the shim writes, but for the kinds declared columnar for an import
+(``metrics``: a record per logged number, millions for a per-step log of a long run), written as
+``<kind>.parquet``, a typed column per field.
 
-The logged series (a record per training log in ``steps``, a record per logged number in ``metrics``: millions
-for a per-step log of a long run) are built a column at a time and written by DuckDB's JSON writer (``NaN`` and
-``Infinity`` as Python's json writes them, every double exactly); the few other records with the json module.
+The logged series (a record per training log in ``steps``, a record per logged number in ``metrics``) are built
+a column at a time; ``steps`` written by DuckDB's JSON writer (``NaN`` and ``Infinity`` as Python's json writes
+them, every double exactly), ``metrics`` by Polars' Parquet writer; the few other records with the json module.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
+from ..core.artifacts import COLUMNAR_IMPORT_KINDS, DATABASE_FILE, artifact_root, rank_dir
+from ..schema.records import RECORDS
 from .logs import number
 
 # Keys of the end-of-training log entry: a summary of the run, not a training step.
@@ -66,11 +69,14 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
     (lists of records) and `tables` (frames of records); the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
     for kind in [*records, *tables]:
-        (folder / f"{kind}.jsonl").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
+        for suffix in ("jsonl", "parquet"):
+            (folder / f"{kind}.{suffix}").unlink(missing_ok=True)  # probe records (`sftaudit probe`) stay
     (artifact_root(run_dir) / DATABASE_FILE).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in records.items():
         (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    for kind in [k for k in tables if k in COLUMNAR_IMPORT_KINDS]:
+        _write_columnar(folder, kind, tables.pop(kind))
     if tables:
         import duckdb
 
@@ -86,3 +92,21 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
                 con.unregister("records")
         finally:
             con.close()
+
+
+_POLARS_TYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "DOUBLE": "Float64"}
+
+
+def _write_columnar(folder: Path, kind: str, table: Any) -> None:
+    """`table` as ``<kind>.parquet``: its declared fields in their order, each of its declared type (text as it is:
+    a name column of a few names is an Enum, written as dictionary-encoded text without a string per record),
+    written to a hidden name and renamed (a reader never sees half a file)."""
+    import polars as pl
+
+    columns = [
+        pl.col(f.name).cast(getattr(pl, _POLARS_TYPES[f.type])) if f.type in _POLARS_TYPES else pl.col(f.name)
+        for f in RECORDS[kind].fields
+    ]
+    hidden = folder / f".{kind}.parquet.tmp"
+    table.select(columns).write_parquet(hidden, statistics=False)
+    hidden.replace(folder / f"{kind}.parquet")

@@ -39,6 +39,7 @@ from pathlib import Path
 import duckdb
 
 from ..core.artifacts import (
+    COLUMNAR_IMPORT_KINDS,
     GRAD_SERIES,
     RECORD_KINDS,
     ROLL_VALUES,
@@ -123,6 +124,8 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
     for rank, folder in ranks:
         for kind in RECORD_KINDS:
             added[kind] += _ingest_file(con, files, rank, kind, folder / f"{kind}.jsonl")
+        for kind in COLUMNAR_IMPORT_KINDS:
+            added[kind] += _ingest_columnar(con, files, rank, kind, folder / f"{kind}.parquet")
     if not first_row(con, "SELECT count(*) FROM manifest")[0]:
         raise InputError(
             f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
@@ -173,6 +176,7 @@ def _stale(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> bool:
     if database_format(con) != DATABASE_FORMAT:
         return True  # made by another sftaudit (or not by sftaudit): rebuilt from the artifacts
     root = str(artifact_root(files.run_dir))
+    expected: dict[tuple[int, str], int] = {}  # the rows of each rank's kind, over its files (JSONL, Parquet)
     for key, offset, records, inode, device, head in con.execute(
         'SELECT file, "offset", records, inode, device, head FROM ingest_state'
     ).fetchall():
@@ -181,19 +185,20 @@ def _stale(con: duckdb.DuckDBPyConnection, files: _RunFiles) -> bool:
             return True
         fd, st = files.open(path)
         try:
-            grown = st.st_size != offset if key.startswith(f"{SERIES_DIR}/") else st.st_size < offset  # parts are final
+            final = key.startswith(f"{SERIES_DIR}/") or key.endswith(".parquet")  # parts are never appended to
+            grown = st.st_size != offset if final else st.st_size < offset
             if (st.st_ino, st.st_dev) != (inode, device) or grown or _head(fd, offset) != head:
                 return True
         finally:
             os.close(fd)
         rank, kind = _file_kind(key)
-        if kind is not None and _stored_rows(con, tables, rank, kind) != records:
-            return True
-    return False
+        if kind is not None:
+            expected[rank, kind] = expected.get((rank, kind), 0) + records
+    return any(_stored_rows(con, tables, rank, kind) != n for (rank, kind), n in expected.items())
 
 
 def _file_kind(key: str) -> tuple[int, str | None]:
-    m = re.fullmatch(r"rank-(\d+)/(\w+)\.jsonl", key)
+    m = re.fullmatch(r"rank-(\d+)/(\w+)\.(jsonl|parquet)", key)
     return (int(m.group(1)), m.group(2) if m.group(2) in RECORD_KINDS else None) if m else (-1, None)
 
 
@@ -523,6 +528,81 @@ def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS)
     return step, (key, st.st_size, rows, st.st_dev, st.st_ino, head)
 
 
+# The bytes a columnar record may take uncompressed (a metric's name is dictionary-encoded), and the rows a file
+# may claim per byte it holds (an import writes about one a byte where a metric holds one value throughout: its
+# steps): one claiming more is a decompression bomb.
+COLUMNAR_ROW_BYTES, COLUMNAR_ROWS_PER_BYTE = 256, 8
+_COLUMNAR_BATCH_ROWS = 1 << 18
+_PARQUET_TYPES = {"INTEGER": "INT32", "BIGINT": "INT64", "DOUBLE": "DOUBLE", "VARCHAR": "BYTE_ARRAY"}
+
+
+def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int, kind: str, path: Path) -> int:
+    """An import's ``<kind>.parquet`` (written whole, never appended to) into the kind's table, read from one
+    descriptor a batch of rows at a time: its columns must be the declared fields of their types, and it may
+    claim no more rows than its size holds. A record without a segment is counted as a bad line, as a JSONL
+    line without one is. Returns the records read (none when the file was ingested before)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not os.path.lexists(path):
+        return 0
+    key = str(path.relative_to(path.parent.parent))
+    if first_row(con, "SELECT 1 FROM ingest_state WHERE file = ?", [key]):
+        return 0  # unchanged (`_stale` rebuilt the database otherwise)
+    again = "sftaudit import writes it: import the run again"
+    columns = RECORD_COLUMNS[kind]
+    fd, st = files.open(path)
+    try:
+        if not (st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"):
+            raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
+        head = _head(fd, st.st_size)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            try:
+                table = pq.ParquetFile(f)
+                meta, schema = table.metadata, table.schema
+                found = {schema.column(i).name: schema.column(i).physical_type for i in range(len(schema))}
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise InputError(f"{path}: not a readable Parquet file ({_arrow_error(exc)}); {again}") from None
+            wrong = [f"{k} {found.get(k, 'missing')}" for k, v in columns.items() if found.get(k) != _PARQUET_TYPES[v]]
+            if wrong or len(found) != len(columns):
+                expected = ", ".join(f"{k} {_PARQUET_TYPES[v]}" for k, v in columns.items())
+                raise InputError(
+                    f"{path}: not an import's {kind} (expected {expected}; found "
+                    f"{', '.join(f'{k} {v}' for k, v in found.items())}); {again}"
+                )
+            rows = meta.num_rows
+            unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+            if not (
+                0 <= rows <= COLUMNAR_ROWS_PER_BYTE * st.st_size
+                and 0 <= unpacked <= rows * COLUMNAR_ROW_BYTES + PART_SLACK_BYTES
+            ):
+                raise InputError(
+                    f"{path}: claims {rows} rows ({unpacked} bytes uncompressed) in {st.st_size} bytes "
+                    f"(a decompression bomb, or not an import's); {again}"
+                )
+            names = ", ".join(f'"{k}"' for k in columns)
+            kept = 0
+            try:
+                for batch in table.iter_batches(batch_size=_COLUMNAR_BATCH_ROWS, use_threads=False):
+                    con.register("columnar_batch", pa.Table.from_batches([batch]))
+                    kept += con.execute(
+                        f'INSERT INTO "{kind}" (rank, {names}) SELECT ?, {names} FROM columnar_batch '
+                        "WHERE seg IS NOT NULL",
+                        [rank],
+                    ).fetchone()[0]
+                    con.unregister("columnar_batch")
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise InputError(f"{path}: not a readable Parquet file ({_arrow_error(exc)}); {again}") from None
+    finally:
+        os.close(fd)
+    con.execute(
+        'INSERT OR REPLACE INTO ingest_state (file, "offset", records, bad_lines, lines, device, inode, head, '
+        "mended_lines) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+        [key, st.st_size, kept, rows - kept, rows, st.st_dev, st.st_ino, head],
+    )
+    return kept
+
+
 def _arrow_error(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200] or type(exc).__name__
 
@@ -673,9 +753,26 @@ _NUMBER = "('BIGINT', 'UBIGINT', 'DOUBLE')"
 
 def _typed(name: str, dtype: str) -> str:
     """SQL turning a JSON field into its declared type; NULL where the JSON value is of another kind
-    (a number written as a string, a list where a number belongs) or out of the column's range."""
+    (a number written as a string, a list where a number belongs) or out of the column's range.
+    Most values are read from their JSON text (the reader writes each value back as JSON: a string starts with a
+    quote, a number is its digits), which costs a fraction of parsing them again (`json_type`, a cast of JSON): a
+    double is the text cast, an integer too where the text holds only digits (no fraction or exponent, which the
+    JSON cast rounds its own way)."""
+    text = f'"{name}"::VARCHAR'
     if dtype == "JSON":
         return f'"{name}"'
+    if dtype == "VARCHAR":
+        return f"""CASE WHEN starts_with({text}, '"') THEN "{name}"->>'$' END"""
+    if dtype == "DOUBLE":
+        return f"TRY_CAST({text} AS DOUBLE)"
+    if dtype in ("BIGINT", "INTEGER"):
+        digits = f"NOT (contains({text}, '.') OR contains({text}, 'e') OR contains({text}, 'E'))"
+        return f"CASE WHEN {digits} THEN TRY_CAST({text} AS {dtype}) ELSE {_json_typed(name, dtype)} END"
+    return _json_typed(name, dtype)
+
+
+def _json_typed(name: str, dtype: str) -> str:
+    """`_typed` by the JSON value's type and a cast of the JSON."""
     if dtype == "VARCHAR":
         return f"""CASE WHEN json_type("{name}") = 'VARCHAR' THEN "{name}"->>'$' END"""
     kind = (

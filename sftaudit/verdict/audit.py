@@ -18,10 +18,11 @@ from ..checks import AuditContext, Finding, registered_checks
 from ..checks.base import EVIDENCE, CannotJudge, alternatives, needed
 from ..checks.selection_metric import run_selection_series
 from ..errors import InputError, UnsupportedVersion
-from ..imports import ensure_artifacts
+from ..imports import ensure_artifacts, recorded_by_shim
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..readers.layouts import final_model_files
 from ..schema.verdict import CheckCoverage, RunResolution
+from ..store.import_state import imported_if_changed
 from ..store.ingest import ingest
 from ..store.rundb import (
     connect,
@@ -422,7 +423,16 @@ def audited(
     `sftaudit.imports.import_run`)."""
     run_dir = inside_run_folder(run_dir)  # a link out of the run is refused before anything is written
     with run_lock(run_dir):  # a second audit of the run waits for this one
-        ensure_artifacts(run_dir, data, source=source, file=log_file)
+        if recorded_by_shim(run_dir):  # nothing to import (--data refused): the folder is not walked
+            ensure_artifacts(run_dir, data, source=source, file=log_file)
+        else:
+            imported_if_changed(
+                run_dir,
+                lambda: ensure_artifacts(run_dir, data, source=source, file=log_file),
+                source,
+                log_file,
+                always=data is not None,
+            )
         if config is None:  # its limits are ingest's too
             config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
         added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)

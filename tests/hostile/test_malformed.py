@@ -119,6 +119,29 @@ def test_the_trainers_minus_one_max_steps_is_a_plan_value_still_read(tmp_path):
     assert audit(run, "--no-report").returncode == 0
 
 
+def test_a_planted_columnar_metrics_file_claiming_more_rows_than_it_holds_is_refused_unread(tmp_path):
+    """An import's metrics.parquet planted beside a recorded run's artifacts: four million identical rows in a few
+    dozen KB, more than its bytes hold as an import writes them, refused from its footer in one line."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sftaudit.core.artifacts import rank_dir
+
+    run = recorded_run(tmp_path)
+    n = 1 << 22
+    table = pa.table(
+        {
+            "seg": pa.array(np.zeros(n, np.int32)),
+            "step": pa.array(np.ones(n, np.int64)),
+            "name": pa.array(["loss"] * n, pa.string()),
+            "value": pa.array(np.ones(n)),
+        }
+    )
+    pq.write_table(table, rank_dir(run, 0) / "metrics.parquet", compression="zstd")
+    _one_line(audit(run, "--no-report"), "metrics.parquet", f"claims {n} rows", "decompression bomb")
+
+
 def test_a_gradient_part_that_decompresses_to_far_more_than_the_shim_writes_is_refused_unread(tmp_path):
     """Four million identical rows, a few hundred KB compressed: far more rows than a part of four tensors holds
     (the shim rolls a part every million norms), so it is refused from its footer, never decompressed."""
