@@ -111,6 +111,15 @@ class Log:
 # ---------------------------------------------------------------------------- reading and writing logs
 
 
+def read_metrics(folder: Path) -> list[dict]:
+    """An imported rank's metric records: the import writes them as typed Parquet, the shim as JSONL."""
+    if (folder / "metrics.parquet").is_file():
+        import pyarrow.parquet as pq
+
+        return pq.read_table(folder / "metrics.parquet").to_pylist()
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_log(run: Path) -> Log:
     """A clean run as the importer reads it (trainer_state.json, LLaMA-Factory's log, TensorBoard events)."""
     from sftaudit.core.artifacts import rank_dir
@@ -126,7 +135,7 @@ def read_log(run: Path) -> Log:
         folder = rank_dir(copy, 0)
         manifest = json.loads((folder / "manifest.jsonl").read_text().splitlines()[0])
         steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
-        metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_metrics(folder)
     last = {}
     for s in steps:  # the run as it ended: a later segment's step replaces an earlier one's
         last[s["step"]] = s
