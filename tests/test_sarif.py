@@ -70,6 +70,19 @@ def test_a_failing_finding_is_located_at_its_step_and_tensor(nan_run):
     assert names["tensor"] == grads["evidence"]["tensors"][0]["tensor"]
 
 
+def test_an_imported_runs_metric_finding_is_located_in_the_file_the_import_wrote(tmp_path):
+    """An import writes its metrics as typed Parquet: the location names that file, which is there."""
+    from .selection_runs import audited, eval_run
+
+    jumped = [1.00, 0.80, 0.70, 0.65, 0.62, 0.85, 0.84, 0.86, 0.85, 0.84]
+    run = eval_run(tmp_path / "run", {"eval_loss": jumped})
+    verdict = audited(run)
+    results = to_sarif(verdict, run)["runs"][0]["results"]
+    (location,) = next(r for r in results if r["ruleId"].startswith("LOOP-26/"))["locations"]
+    uri = location["physicalLocation"]["artifactLocation"]["uri"]
+    assert uri == "sftaudit/rank-0/metrics.parquet" and (run / uri).is_file()
+
+
 def test_audit_and_gate_write_sarif(nan_run, tmp_path):
     from sftaudit.cli import main
 

@@ -23,7 +23,7 @@ from typing import Any
 from .._version import __version__
 from ..checks import registered_checks
 from ..checks.base import alternatives
-from ..core.artifacts import ARTIFACT_DIR, GRAD_SERIES, SERIES_DIR
+from ..core.artifacts import ARTIFACT_DIR, COLUMNAR_IMPORT_KINDS, GRAD_SERIES, SERIES_DIR, rank_dir
 from ..core.terminal import shown
 from . import Format, Rendering
 from .escape import markdown, uri
@@ -54,7 +54,7 @@ def to_sarif(verdict: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     rules = [_rule(c, slug) for c in checks for slug in c.rules]
     index = {r["id"]: i for i, r in enumerate(rules)}
     known = {c.code for c in checks}
-    files = {c.code: _artifact(c) for c in checks}
+    files = {c.code: _artifact(c, run_dir) for c in checks}
     folders = {c["name"]: c["path"] for c in verdict.get("checkpoints") or [] if isinstance(c.get("path"), str)}
     results = [
         _result(f, index, files, folders) for f in verdict["findings"] if f["severity"] in LEVELS and f["code"] in known
@@ -125,11 +125,14 @@ def _rule(check, slug: str) -> dict[str, Any]:
     }
 
 
-def _artifact(check) -> str:
+def _artifact(check, run_dir: str | Path) -> str:
     first = alternatives(check)[0][0]
     if first == "grad_norms":  # per-tensor norms: rank 0's part of the columnar series (schema version 2)
         return f"{ARTIFACT_DIR}/{SERIES_DIR}/{GRAD_SERIES}/rank=0/"
-    return f"{ARTIFACT_DIR}/rank-0/{EVIDENCE_FILES.get(first, 'steps')}.jsonl"
+    kind = EVIDENCE_FILES.get(first, "steps")
+    # An import writes some kinds as typed Parquet (metrics); the shim writes every kind as JSONL.
+    columnar = kind in COLUMNAR_IMPORT_KINDS and (rank_dir(run_dir, 0) / f"{kind}.parquet").is_file()
+    return f"{ARTIFACT_DIR}/rank-0/{kind}.{'parquet' if columnar else 'jsonl'}"
 
 
 def _result(
