@@ -175,4 +175,6 @@ def test_only_the_steps_past_what_was_carried_are_judged_again(tmp_path, monkeyp
     # 98 rows closed (14 ranges of 7) were carried; a collapse may start at row 96: LOOP-05 reads from 4 windows
     # of 8 before the window of row 96.
     assert read_from["loop05_gradient_norm"] == [(96 // 8 - 4) * 8]
+    # LOOP-15 from 2 rows before: a starved run of 3 ending past row 98 starts at row 96 at most.
+    assert read_from["loop15_trainable_set"] == [96]
     assert ("LOOP-05", "fail", 60) in {(f["code"], f["severity"], f["step"]) for f in final["findings"]}
