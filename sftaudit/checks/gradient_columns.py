@@ -161,7 +161,7 @@ class GradientColumns:
         `BLOCK_VALUES` norms, a whole number of `SUM_GROUP`s, over the step rows from `first_row` on; a norm not
         recorded reads as `absent` (NaN by default; `ABSENT` keeps it apart from a recorded NaN)."""
         n, k = self.steps.size, len(self.names)
-        width = min(k, max(SUM_GROUP, BLOCK_VALUES // max(n - first_row, 1) // SUM_GROUP * SUM_GROUP))
+        width = max(1, min(k, max(SUM_GROUP, BLOCK_VALUES // max(n - first_row, 1) // SUM_GROUP * SUM_GROUP)))
         start = first_row // self._rows * self._rows
         for first in range(0, k, width):
             last = min(k, first + width)

@@ -177,4 +177,6 @@ def test_only_the_steps_past_what_was_carried_are_judged_again(tmp_path, monkeyp
     assert read_from["loop05_gradient_norm"] == [(96 // 8 - 4) * 8]
     # LOOP-15 from 2 rows before: a starved run of 3 ending past row 98 starts at row 96 at most.
     assert read_from["loop15_trainable_set"] == [96]
+    # LOOP-10 from the last of the 11 windows of 8 (from step row 8, after warmup) wholly in the 98 rows.
+    assert read_from["loop10_drift"] == [8 + 10 * 8]
     assert ("LOOP-05", "fail", 60) in {(f["code"], f["severity"], f["step"]) for f in final["findings"]}
