@@ -180,3 +180,17 @@ def test_only_the_steps_past_what_was_carried_are_judged_again(tmp_path, monkeyp
     # LOOP-10 from the last of the 11 windows of 8 (from step row 8, after warmup) wholly in the 98 rows.
     assert read_from["loop10_drift"] == [8 + 10 * 8]
     assert ("LOOP-05", "fail", 60) in {(f["code"], f["severity"], f["step"]) for f in final["findings"]}
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [{"collapse": 96}, {"collapse": 97}, {"stale": 98}, {"stale": 99}, {"spike": 99, "volatile": 60}],
+    ids=["collapse-96", "collapse-97", "stale-98", "stale-99", "spike-99"],
+)
+def test_a_fault_straddling_the_carried_end_is_found_as_fresh(tmp_path, faults):
+    # Audited at step 100: 98 rows closed. A collapse or stale run starting just before them and ending after.
+    final, fresh = grown_and_fresh(tmp_path / "run", 7, faults, [100], "grown", back=0)
+    assert comparable(final) == comparable(fresh)
+    found = {(f["code"], f["step"]) for f in final["findings"]}
+    if "collapse" in faults:
+        assert ("LOOP-05", faults["collapse"]) in found
