@@ -33,6 +33,7 @@ import json
 import os
 import tempfile
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -197,13 +198,14 @@ class GradientColumns:
             with np.load(self._carried.folder / f"carried-{name}.npz", allow_pickle=False) as state:
                 arrays = {a: state[a] for a in state.files}
             meta = json.loads(str(arrays.pop("meta")))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             return None
-        if meta != {"generation": self.generation, "key": key, "rows": meta.get("rows")}:
+        rows = meta.get("rows") if isinstance(meta, dict) else None
+        if meta != {"generation": self.generation, "key": key, "rows": rows}:
             return None
-        if not isinstance(meta["rows"], int) or not 0 < meta["rows"] <= self.carried_rows:
+        if not isinstance(rows, int) or not 0 < rows <= self.carried_rows:
             return None
-        return {**arrays, "rows": meta["rows"]}
+        return {**arrays, "rows": rows}
 
     def carry(self, name: str, key: dict, rows: int, arrays: dict[str, np.ndarray]) -> None:
         """Keep check `name`'s `arrays`, its statistics of the first `rows` step rows, for the next audit."""

@@ -20,6 +20,7 @@ from sftaudit.fixtures.recording import bare_manifest
 from sftaudit.checks import gradient_columns
 from sftaudit.core.artifacts import rank_dir
 from sftaudit.shim.writer import JsonlWriter
+from sftaudit.store.rundb import database_dir
 from sftaudit.verdict.audit import audit
 
 TENSORS, RANGE_STEPS, PART_STEPS = 24, 7, 5  # small ranges and parts: many of each, parts straddling ranges
@@ -194,3 +195,19 @@ def test_a_fault_straddling_the_carried_end_is_found_as_fresh(tmp_path, faults):
     found = {(f["code"], f["step"]) for f in final["findings"]}
     if "collapse" in faults:
         assert ("LOOP-05", faults["collapse"]) in found
+
+
+def test_what_a_check_carried_is_judged_again_when_unreadable(tmp_path):
+    run = tmp_path / "run"
+    norms = planted_norms(11, {"spike": 120, "stale": 70})
+    write_steps(run, norms, 1, 100, header=True)
+    audit(run)
+    carried = sorted(database_dir(run).glob("carried-LOOP-*.npz"))
+    assert [p.name for p in carried] == ["carried-LOOP-05.npz", "carried-LOOP-10.npz", "carried-LOOP-15.npz"]
+    carried[0].write_bytes(b"PK\x03\x04 torn")
+    carried[2].write_bytes(b"")
+    write_steps(run, norms, 101, TOTAL)
+    final = audit(run)
+    shutil.copytree(run, tmp_path / "fresh")
+    assert comparable(final) == comparable(audit(tmp_path / "fresh"))
+    assert ("LOOP-05", "fail", 120) in {(f["code"], f["severity"], f["step"]) for f in final["findings"]}
