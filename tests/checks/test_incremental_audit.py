@@ -125,7 +125,7 @@ def grown_and_fresh(run: Path, seed: int, faults: dict, cuts: list[int], how: st
     return final, audit(run.parent / "fresh")
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**16),
     faults=st.fixed_dictionaries(
