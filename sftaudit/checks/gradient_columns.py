@@ -175,16 +175,6 @@ class GradientColumns:
                 out[out == ABSENT] = absent
             yield first, out
 
-    def tensors(self, which: np.ndarray) -> np.ndarray:
-        """The norms of the tensors `which` (indices) over every step row, tensors x steps (`ABSENT` kept):
-        a few tensors' whole history, a read per tensor and range of steps."""
-        out = np.empty((len(which), self.steps.size), dtype=np.float32)
-        for lo in range(0, self.steps.size, self._rows):
-            for i, tensor in enumerate(which):
-                piece = self._read(lo, int(tensor), int(tensor) + 1)
-                out[i, lo : lo + piece.shape[1]] = piece[0]
-        return out
-
     def map(self, judge: Callable[[int, np.ndarray], T], absent: float = np.nan, first_row: int = 0) -> Iterator[T]:
         """`judge(first tensor index, block)` of every block (step rows from `first_row` on), in order, two blocks
         at a time (numpy's sorts and ufuncs release the GIL: one block per core), at most three blocks read at

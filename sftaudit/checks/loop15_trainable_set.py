@@ -111,7 +111,11 @@ class TrainableSetConformance(Check):
         requires[idx[inside]] = params["requires_grad"].fill_null(False).to_numpy()[inside]
         k = min(self.params["min_steps"], steps.size)
         key = {"format": 1, "min_steps": k, "requires": np.packbits(requires).tobytes().hex()}
-        starved_at, none_at, stale = self._judge(columns, requires, k, columns.carried(self.code, key))
+        carried = columns.carried(self.code, key)
+        judged = self._judge(columns, requires, k, carried)
+        if judged is None:  # the run outgrew the changes carried for its change densities: judged whole
+            judged = self._judge(columns, requires, k, None)
+        starved_at, none_at, stale = judged
         closing = int(columns.graded[: columns.closing_rows].sum())
         columns.carry(self.code, key, columns.closing_rows, stale.carried(starved_at, none_at, closing))
         findings = []
@@ -144,13 +148,14 @@ class TrainableSetConformance(Check):
         rows_of = np.flatnonzero(graded)  # the copy's row of each graded step
         steps = columns.steps[graded]
         since = int(graded[: carried["rows"]].sum()) if carried else 0  # graded rows carried
-        stale = _StaleCells(steps.size, carried)
+        closing = int(graded[: columns.closing_rows].sum())  # graded rows the next audit takes as they are
+        stale = _StaleCells(steps.size, n_params, carried, since)
         starved_at = carried["starved_at"].copy() if carried else np.full(n_params, -1)
         none_at = carried["none_at"].copy() if carried else np.zeros(n_params, dtype=bool)
         starved_from = max(0, since - (k - 1))  # a run of k starved steps ending past `since` starts here at most
         lo = min(starved_from, max(0, since - 2))  # and a stale cell's pair, with the pair before it
         if lo >= steps.size:
-            stale.finish(columns)
+            stale.finish()
             return starved_at, none_at, stale
         first_row = int(rows_of[lo])
         keep = rows_of[lo:] - first_row
@@ -165,15 +170,22 @@ class TrainableSetConformance(Check):
             at = _first_run(starved[:, starved_from - lo :], k)
             hit = np.flatnonzero(at >= 0)
             at[hit] += starved_from - lo
-            cells = _stale_cells(first, norms, consecutive, max(0, since - 1 - lo))
+            before = (
+                (stale.carried_count[first : first + len(norms)], stale.smallest[first : first + len(norms)])
+                if carried
+                else (np.zeros(len(norms), dtype=np.int64), np.zeros((len(norms), 0), dtype=np.float32))
+            )
+            cells = _stale_cells(first, norms, consecutive, max(0, since - 1 - lo), closing - 1 - lo, before)
             return first, at, hit, ~present[hit, at[hit]], cells
 
         for first, at, hit, none, cells in columns.map(judge, absent=ABSENT, first_row=first_row):
             open_ = starved_at[first : first + len(at)] < 0  # a first run carried stays the first
             starved_at[first + hit[open_[hit]]] = at[hit[open_[hit]]] + lo
             none_at[first + hit[open_[hit]]] = none[open_[hit]]
-            stale.add(lo, *cells)
-        stale.finish(columns)
+            stale.add(lo, *cells, first)
+        if stale.short:
+            return None
+        stale.finish()
         return starved_at, none_at, stale
 
     def _stale(self, steps: np.ndarray, stale: _StaleCells, names: dict) -> list[Finding]:
@@ -234,46 +246,55 @@ def _first_run(mask: np.ndarray, length: int) -> np.ndarray:
 
 class _StaleCells:
     """Equal non-zero norms on consecutive graded steps, gathered a block of tensors at a time, with what the
-    chance of each needs: per step pair the tensors compared and, once `finish`ed, the sum of the equal cells'
-    log-chances and how many of them start being equal there. Carried: the pairs before the carried rows."""
+    chance of each needs: per step pair the tensors compared; per tensor the density of its step-to-step changes
+    near 0; per step pair, once `finish`ed, the sum of the equal cells' log-chances and how many of them start
+    being equal there. Carried: the pairs before graded row `since` - 1 (their cells and counts), and per
+    tensor the count of its changes there and the smallest of them (enough for the k-th smallest of a longer
+    run; `short` when not)."""
 
-    def __init__(self, steps: int, carried: dict | None):
-        self.compared = np.zeros(max(steps - 1, 0), dtype=np.int64)
+    def __init__(self, steps: int, tensors: int, carried: dict | None, since: int):
+        pairs = max(steps - 1, 0)
+        self.compared = np.zeros(pairs, dtype=np.int64)
+        self.density = np.zeros(tensors)
+        self.closed_count = np.zeros(tensors, dtype=np.int64)
+        self.closed_smallest = np.zeros((tensors, 0), dtype=np.float32)
+        self.short = False
         self.cells: list[tuple] = []
+        self.carried_count = carried["count"] if carried else np.zeros(tensors, dtype=np.int64)
+        self.smallest = carried["smallest"] if carried else None
         if carried:
             self.compared[: carried["compared"].size] = carried["compared"]
             self.cells.append(tuple(carried[f"cell_{i}"] for i in range(4)))
 
-    def add(self, lo: int, compared: np.ndarray, cells: tuple) -> None:
-        """A block's part, its pairs numbered from graded row `lo`, `compared` those up to the last."""
+    def add(self, lo: int, compared, cells: tuple, count, smallest, density, short: bool, first: int) -> None:
+        """A block's part, its pairs numbered from graded row `lo` (the cells' and `compared`'s)."""
         self.compared[self.compared.size - compared.size :] += compared
         rows, cols, cell, new = cells
         self.cells.append((rows + lo, cols, cell, new))
+        last = first + count.size
+        self.closed_count[first:last] = count
+        if smallest.shape[1] > self.closed_smallest.shape[1]:
+            wider = np.full((self.closed_smallest.shape[0], smallest.shape[1]), np.inf, dtype=np.float32)
+            wider[:, : self.closed_smallest.shape[1]] = self.closed_smallest
+            self.closed_smallest = wider
+        self.closed_smallest[first:last, : smallest.shape[1]] = smallest
+        self.density[first:last] = density
+        self.short |= short
 
-    def finish(self, columns) -> None:
-        """The cells in the order a fresh audit finds them (by tensor, then step pair) and their log-chances,
-        from the change density of each tensor with an equal cell, over its whole history (those few tensors
-        read again: the density is a statistic of the run)."""
+    def finish(self) -> None:
+        """The cells in the order a fresh audit finds them (by tensor, then step pair) and their log-chances."""
         rows, cols, cell, new = (np.concatenate(part) for part in zip(*self.cells))
         order = np.lexsort((rows, cols))
         self.rows, self.cols, self.norms, self.new = rows[order], cols[order], cell[order], new[order]
-        tensors, at = np.unique(self.cols, return_inverse=True)
-        density = np.zeros(tensors.size)
-        if tensors.size:
-            norms = columns.tensors(tensors)[:, columns.graded]
-            with np.errstate(invalid="ignore"):
-                valid = np.isfinite(norms) & (norms > 0)
-            both = valid[:, 1:] & valid[:, :-1] & (np.diff(columns.steps[columns.graded]) == 1)
-            density = _change_density(norms, both, both & (norms[:, 1:] == norms[:, :-1]))
-        chance = np.spacing(self.norms).astype(np.float64) / self.norms * density[at]
+        chance = np.spacing(self.norms).astype(np.float64) / self.norms * self.density[self.cols]
         # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
-        log_p = np.log(np.where(density[at] > 0, np.minimum(1.0, chance), 1.0))
+        log_p = np.log(np.where(self.density[self.cols] > 0, np.minimum(1.0, chance), 1.0))
         self.log_p = np.bincount(self.rows, weights=log_p, minlength=self.compared.size)
         self.fresh = np.bincount(self.rows, weights=self.new, minlength=self.compared.size)
 
     def carried(self, starved_at: np.ndarray, none_at: np.ndarray, closing: int) -> dict:
         """What the next audit takes as it is: the first starved runs ending before graded row `closing`, the
-        pairs before `closing` - 1."""
+        pairs before `closing` - 1, the changes there."""
         final = (starved_at >= 0) & (starved_at < closing)
         pairs = max(closing - 1, 0)
         before = self.rows < pairs
@@ -281,13 +302,17 @@ class _StaleCells:
             "starved_at": np.where(final, starved_at, -1),
             "none_at": none_at & final,
             "compared": self.compared[:pairs],
+            "count": self.closed_count,
+            "smallest": self.closed_smallest,
             **{f"cell_{i}": a[before] for i, a in enumerate((self.rows, self.cols, self.norms, self.new))},
         }
 
 
-def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_from: int) -> tuple:
-    """One block of tensors' part of `_StaleCells`, its pairs from `pair_from` on: per pair the tensors compared,
-    and each equal cell's pair, tensor, norm and whether it starts being equal there."""
+def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_from: int, close_pair: int, carried):
+    """One block of tensors' part of `_StaleCells`, its pairs from `pair_from` on: per pair the tensors compared;
+    each equal cell's pair, tensor, norm and whether it starts being equal there; per tensor the count and the
+    smallest of its changes in the pairs before `close_pair` (with the `carried` ones: count, smallest), its
+    change density and whether the carried changes were too few for it."""
     with np.errstate(invalid="ignore"):
         valid = np.isfinite(norms) & (norms > 0)
     both = valid[:, 1:] & valid[:, :-1] & consecutive
@@ -296,23 +321,44 @@ def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_fr
     equal = both & (norms[:, 1:] == norms[:, :-1])
     cols, rows = np.nonzero(equal[:, pair_from:])
     rows += pair_from
+    cell = norms[cols, rows + 1]
     new = (rows == 0) | ~equal[cols, np.maximum(rows - 1, 0)]
-    return compared, (rows, cols + first, norms[cols, rows + 1], new)
-
-
-def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray) -> np.ndarray:
-    """Per tensor (row): the density near 0 of its step-to-step relative change |n_t / n_(t-1) - 1|, from
-    the smallest 1% of its nonzero changes (k of them below h: k / (2 h count)); 0 for a tensor with too
-    few (an equal norm of it is then no evidence)."""
-    usable = both & ~equal
-    count = usable.sum(axis=1)
-    k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
+    usable = (both & ~equal)[:, pair_from:]
+    del both, equal
     with np.errstate(invalid="ignore", divide="ignore"):
-        change = np.where(usable, np.abs(norms[:, 1:] / norms[:, :-1] - 1), np.inf).astype(np.float32)
-    h = np.full(len(norms), np.inf)
-    if change.shape[1]:
-        kth = np.minimum(k, change.shape[1]) - 1
-        h = np.take_along_axis(np.partition(change, np.unique(kth), axis=1), kth[:, None], axis=1)[:, 0]
-        h = h.astype(np.float64)
+        change = np.where(usable, np.abs(norms[:, pair_from + 1 :] / norms[:, pair_from:-1] - 1), np.inf)
+    change = change.astype(np.float32)
+    split = max(0, close_pair - pair_from)
+    carried_count, carried_smallest = carried
+    closed = usable[:, :split].sum(axis=1) + carried_count
+    count = closed + usable[:, split:].sum(axis=1)
+    k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
+    # The closed changes' smallest, enough for the k-th smallest of a run a quarter longer.
+    k_closed = np.maximum(1, np.ceil(0.01 * closed).astype(np.int64))
+    keep = _smallest(np.concatenate([carried_smallest, change[:, :split]], axis=1), k_closed + k_closed // 4 + 16)
+    short = bool(((k > carried_smallest.shape[1]) & (carried_count > carried_smallest.shape[1])).any())
+    enough = ((k <= keep.shape[1]) | (closed <= keep.shape[1])).all()
+    h = _kth_smallest(
+        np.concatenate([keep if enough else carried_smallest, change[:, split if enough else 0 :]], axis=1), k
+    )
     ok = np.isfinite(h) & (h > 0) & (count >= k)
-    return np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
+    density = np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
+    return compared, (rows, cols + first, cell, new), closed, keep, density, short
+
+
+def _smallest(values: np.ndarray, how_many: np.ndarray) -> np.ndarray:
+    """Each row's `how_many` smallest values (the most any row needs; inf past a row's own), in no order."""
+    width = int(min(values.shape[1], how_many.max(initial=0)))
+    if width == 0 or width == values.shape[1]:
+        return values[:, :width] if width == 0 else values
+    return np.partition(values, width - 1, axis=1)[:, :width]
+
+
+def _kth_smallest(values: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Each row's `k`-th smallest value (float64; inf where the row is shorter)."""
+    h = np.full(len(values), np.inf)
+    if values.shape[1]:
+        kth = np.minimum(k, values.shape[1]) - 1
+        h = np.take_along_axis(np.partition(values, np.unique(kth), axis=1), kth[:, None], axis=1)[:, 0]
+        h = h.astype(np.float64)
+    return h
