@@ -383,10 +383,13 @@ class GradientNormAnomaly(Check):
         per_step = {name: values[since - lo :] for name, values in per_step.items()}
         if carried:
             per_step = {name: np.concatenate([carried[name], values]) for name, values in per_step.items()}
-            found = tuple(np.concatenate([carried[f"found_{i}"], a]) for i, a in enumerate(found))
+            # Carried cells take the new cells' types (float32 norms and statistics, as a fresh audit's).
+            found = tuple(np.concatenate([carried[f"found_{i}"].astype(a.dtype), a]) for i, a in enumerate(found))
             # A tensor whose first collapse was carried keeps it: a later one is no first.
             later = np.isin(first_runs[0], carried["run_0"])
-            first_runs = tuple(np.concatenate([carried[f"run_{i}"], a[~later]]) for i, a in enumerate(first_runs))
+            first_runs = tuple(
+                np.concatenate([carried[f"run_{i}"].astype(a.dtype), a[~later]]) for i, a in enumerate(first_runs)
+            )
             # In the order a fresh audit finds them: by tensor (and step).
             order, by_tensor = np.lexsort((found[1], found[0])), np.argsort(first_runs[0], kind="stable")
             found, first_runs = tuple(a[order] for a in found), tuple(a[by_tensor] for a in first_runs)
@@ -591,7 +594,7 @@ def _joined(parts: list[tuple]) -> tuple:
     """Per-block cell tuples (tensor, step row, norm, log-median, log-ratio, z) joined into one."""
     if parts:
         return tuple(np.concatenate(part) for part in zip(*parts))
-    empty = np.zeros(0)
+    empty = np.zeros(0, dtype=np.float32)  # as a block's cells: float32, so a join with them stays float32
     return (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
 
 
