@@ -17,6 +17,13 @@ closed range was built from is written down with it: the steps it covers, the te
 (a resume that abandoned a closed step, a part rewritten or gone, other tensors), or a part read anew has a norm
 in a closed range, the copy is built again from the start. Any other gradient source (a sharded run's reduced
 norms, a schema-1 run's rows) is copied into a private temporary file, unlinked at creation, at each audit.
+
+**What the checks carry.** A check's statistics of the closed step rows never change once later rows exist, so
+LOOP-05, LOOP-10 and LOOP-15 keep them beside the copy (`GradientColumns.carried` / `carry`, one ``.npz`` a check)
+and judge again only the rows past them, plus the history those rows are judged against (`map(first_row=...)`).
+What a check carries is tied to the copy's generation (a new one each time the copy is built from the start: a
+resume that abandoned a closed step, a rewritten part) and to a key of everything else it depends on (its options,
+its window, the end of warmup): either changing, the check judges every row again.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +47,9 @@ from ..store.rundb import database_dir, first_row, has_table
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
 BLOCK_VALUES = 1 << 24  # norms per block of tensors handed to a check (64 MB as float32)
+# Per-step sums across tensors are added a group of this many tensors at a time, in tensor order: the same sums
+# whatever the blocks (they are as wide as the run is short), so carried sums equal a fresh audit's.
+SUM_GROUP = 8
 T = TypeVar("T")
 
 
@@ -64,6 +76,10 @@ class GradientColumns:
             con, "SELECT 1 FROM grad_rows WHERE rank = 0 LIMIT 1"
         )
         carried = CarriedCopy(run_dir) if n and k and not viewed else None
+        self._carried = carried
+        self.generation: str | None = None  # the carried copy's, None when nothing is carried
+        self.carried_rows = 0  # step rows unchanged since the audit before (what the checks carried may cover)
+        self.closing_rows = 0  # step rows the next audit will find unchanged (what the checks may carry)
         where = carried.folder if carried else Path(tempfile.gettempdir())
         try:
             self._file = carried.open() if carried else tempfile.TemporaryFile(prefix="sftaudit-grad-")
@@ -108,7 +124,9 @@ class GradientColumns:
         except _Stale:  # a part read anew reaches into a closed range: built again from the start
             kept = carried.load(evidence, reset=True)
             self._fill(con, root, n, k, evidence, kept)
-        carried.save(evidence, self, kept.boundary(self, evidence))
+        boundary = kept.boundary(self, evidence)
+        carried.save(evidence, self, boundary, kept.generation)
+        self.generation, self.carried_rows, self.closing_rows = kept.generation, kept.rows, boundary["rows"]
 
     def _fill(self, con, root, n: int, k: int, evidence: _Evidence, kept: _Kept) -> None:
         self.graded[:] = False
@@ -139,32 +157,83 @@ class GradientColumns:
             raise OSError(f"the audit's temporary gradient file is short: {len(piece)} of {size} bytes read")
         return np.frombuffer(piece, dtype=np.float32).reshape(last - first, rows)
 
-    def blocks(self, absent: float = np.nan) -> Iterator[tuple[int, np.ndarray]]:
+    def blocks(self, absent: float = np.nan, first_row: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """(first tensor index, tensors x steps float32 norms) for consecutive blocks of tensors of about
-        `BLOCK_VALUES` norms; a norm not recorded reads as `absent` (NaN by default; `ABSENT` keeps it apart
-        from a recorded NaN)."""
+        `BLOCK_VALUES` norms, a whole number of `SUM_GROUP`s, over the step rows from `first_row` on; a norm not
+        recorded reads as `absent` (NaN by default; `ABSENT` keeps it apart from a recorded NaN)."""
         n, k = self.steps.size, len(self.names)
-        width = max(1, min(k, BLOCK_VALUES // max(n, 1)))
+        width = max(1, min(k, max(SUM_GROUP, BLOCK_VALUES // max(n - first_row, 1) // SUM_GROUP * SUM_GROUP)))
+        start = first_row // self._rows * self._rows
         for first in range(0, k, width):
             last = min(k, first + width)
-            out = np.empty((last - first, n), dtype=np.float32)
-            for lo in range(0, n, self._rows):
-                out[:, lo : lo + self._rows] = self._read(lo, first, last)
+            out = np.empty((last - first, n - first_row), dtype=np.float32)
+            for lo in range(start, n, self._rows):
+                piece = self._read(lo, first, last)
+                skip = max(0, first_row - lo)
+                out[:, lo + skip - first_row : lo + piece.shape[1] - first_row] = piece[:, skip:]
             if absent != ABSENT:
                 out[out == ABSENT] = absent
             yield first, out
 
-    def map(self, judge: Callable[[int, np.ndarray], T], absent: float = np.nan) -> Iterator[T]:
-        """`judge(first tensor index, block)` of every block, in order, two blocks at a time (numpy's sorts
-        and ufuncs release the GIL: one block per core), at most three blocks read at once."""
+    def map(self, judge: Callable[[int, np.ndarray], T], absent: float = np.nan, first_row: int = 0) -> Iterator[T]:
+        """`judge(first tensor index, block)` of every block (step rows from `first_row` on), in order, two blocks
+        at a time (numpy's sorts and ufuncs release the GIL: one block per core), at most three blocks read at
+        once."""
         with ThreadPoolExecutor(max_workers=2) as pool:
             pending = []
-            for first, block in self.blocks(absent):
+            for first, block in self.blocks(absent, first_row):
                 pending.append(pool.submit(judge, first, block))
                 if len(pending) == 2:
                     yield pending.pop(0).result()
             for done in pending:
                 yield done.result()
+
+    def carried(self, name: str, key: dict) -> dict[str, np.ndarray] | None:
+        """What check `name` carried from the audit before (its arrays, ``rows`` the step rows they cover), when
+        the copy is the same generation, those rows are unchanged and `key` (what else the check's statistics
+        depend on) is the same; else None."""
+        if self.generation is None:
+            return None
+        try:
+            with np.load(self._carried.folder / f"carried-{name}.npz", allow_pickle=False) as state:
+                arrays = {a: state[a] for a in state.files}
+            meta = json.loads(str(arrays.pop("meta")))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            return None
+        rows = meta.get("rows") if isinstance(meta, dict) else None
+        if meta != {"generation": self.generation, "key": key, "rows": rows}:
+            return None
+        if not isinstance(rows, int) or not 0 < rows <= self.carried_rows:
+            return None
+        return {**arrays, "rows": rows}
+
+    def carry(self, name: str, key: dict, rows: int, arrays: dict[str, np.ndarray]) -> None:
+        """Keep check `name`'s `arrays`, its statistics of the first `rows` step rows, for the next audit."""
+        if self.generation is None or rows <= 0:
+            return
+        meta = json.dumps({"generation": self.generation, "key": key, "rows": rows})
+        path = self._carried.folder / f"carried-{name}.npz"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.array(meta), **arrays)
+        os.replace(tmp, path)
+
+
+def sum_by_group(values: np.ndarray) -> np.ndarray:
+    """Per-step float64 sums of tensors x steps `values` (a block of tensors), one row per
+    `SUM_GROUP` of tensors: added in order with `add_groups`, the same sums whatever the blocks were."""
+    groups = -(-len(values) // SUM_GROUP)  # blocks start at a whole group (`blocks`)
+    sums = np.zeros((groups, values.shape[1]))
+    for row, values_row in enumerate(values):  # one tensor after another (numpy's sum may add pairwise)
+        sums[row // SUM_GROUP] += values_row
+    return sums
+
+
+def add_groups(total: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """`total` plus each row of `groups` in turn (a row per group of tensors, not pairwise)."""
+    for row in groups:
+        total = total + row
+    return total
 
 
 def _fetch(con, view: str, where: str, params: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -381,8 +450,9 @@ class _Kept:
     """The closed ranges carried from the audit before: `rows` step rows, their per-step flags, the parts they
     were filled from (`closed_parts`: wholly inside them; `straddling`: reaching past their end)."""
 
-    def __init__(self, rows: int = 0, graded=None, nonfinite=None, closed=None, straddling=None):
+    def __init__(self, rows: int = 0, graded=None, nonfinite=None, closed=None, straddling=None, generation=None):
         self.rows = rows
+        self.generation = generation or uuid.uuid4().hex  # a copy built from the start is a new generation
         self.graded = np.zeros(0, dtype=bool) if graded is None else graded
         self.nonfinite = np.zeros(0, dtype=bool) if nonfinite is None else nonfinite
         self.closed_parts: dict[str, list] = closed or {}
@@ -459,9 +529,11 @@ class CarriedCopy:
             return None
         if graded.shape != (rows,) or nonfinite.shape != (rows,) or graded.dtype != bool or nonfinite.dtype != bool:
             return None
-        return _Kept(rows, graded, nonfinite, state["closed"], state["straddling"])
+        if not isinstance(state.get("generation"), str):
+            return None
+        return _Kept(rows, graded, nonfinite, state["closed"], state["straddling"], state["generation"])
 
-    def save(self, evidence: _Evidence, columns: GradientColumns, carried: dict) -> None:
+    def save(self, evidence: _Evidence, columns: GradientColumns, carried: dict, generation: str) -> None:
         rows = carried["rows"]
         if not rows:
             return
@@ -471,6 +543,7 @@ class CarriedCopy:
             np.savez(f, graded=columns.graded[:rows], nonfinite=columns.nonfinite[:rows])
         state = {
             "format": self.FORMAT,
+            "generation": generation,
             "shape": evidence.shape,
             "names": evidence.names,
             "rows": rows,

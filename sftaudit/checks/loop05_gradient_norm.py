@@ -6,7 +6,7 @@ import numpy as np
 
 from ..core.artifacts import GRAD_HIST_EDGES
 from .base import AuditContext, Check, Finding, at_least, count, positive
-from .gradient_columns import gradient_columns
+from .gradient_columns import add_groups, gradient_columns, sum_by_group
 from .stats.rolling import (
     adaptive_window,
     block_stats,
@@ -342,25 +342,76 @@ class GradientNormAnomaly(Check):
         norm, baseline log-median, log-ratio, z) that spiked on their own; per step, the largest judged
         log-ratio; the sum, sum of squares and count of every tensor's finite log-ratio (the
         cross-tensor rule's mean and spread); and the collapses: the cells (as above) where a tensor's
-        first run of collapsed steps starts, with the count of collapsed tensors per step."""
+        first run of collapsed steps starts, with the count of collapsed tensors per step.
+
+        Carried: a step row's results depend only on the rows up to it, so the rows the audit before judged
+        and that are unchanged (`columns.carried`) are taken as they were; the rows after them are judged,
+        read from the window `SIGMA_BLOCKS` before the earliest one whose result may change (a collapse
+        still running at the carried end starts up to `collapse_steps` - 1 rows before it)."""
         n = judged.size
-        largest = np.full(n, -np.inf)
-        total, total_sq, count, down = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        run_length = self.params["collapse_steps"]
+        unjudged = np.flatnonzero(~judged)
+        key = {
+            "format": 1,
+            "window": window,
+            "warmup_rows": int(unjudged.size),  # the steps before the first judged one
+            **{p: self.params[p] for p in ("sigma_own", "min_ratio", "collapse_ratio", "collapse_steps")},
+        }
+        carried = columns.carried(self.code, key)
+        since = carried["rows"] if carried else 0
+        open_from = max(0, since - (run_length - 1))  # a collapse may start this early and not be carried
+        lo = max(0, (open_from // window - SIGMA_BLOCKS) * window)
+        m = n - lo
+        largest = np.full(m, -np.inf)
+        total, total_sq, count, down = np.zeros(m), np.zeros(m), np.zeros(m), np.zeros(m)
         cells, starts = [], []
         if n // window >= 1 and n > window:  # else no step has a previous block to be judged against
-            unjudged = np.flatnonzero(~judged)
             for found, block_largest, sums, collapse in columns.map(
-                lambda first, norms: self._block(first, norms, unjudged, window)
+                lambda first, norms: self._block(first, norms, unjudged[unjudged >= lo] - lo, window, open_from - lo),
+                first_row=lo,
             ):
                 cells.append(found)
                 starts.append(collapse[0])
                 largest = np.fmax(largest, block_largest)
-                total, total_sq, count = total + sums[0], total_sq + sums[1], count + sums[2]
+                total, total_sq = add_groups(total, sums[0]), add_groups(total_sq, sums[1])
+                count += sums[2]
                 down += collapse[1]
-        return _joined(cells), largest, (total, total_sq, count), (_joined(starts), down)
+        found, first_runs = _joined(cells), _joined(starts)
+        found = _shifted(found, lo, since)
+        first_runs = _shifted(first_runs, lo, open_from)
+        per_step = {"largest": largest, "total": total, "total_sq": total_sq, "count": count, "down": down}
+        per_step = {name: values[since - lo :] for name, values in per_step.items()}
+        if carried:
+            per_step = {name: np.concatenate([carried[name], values]) for name, values in per_step.items()}
+            # Carried cells take the new cells' types (float32 norms and statistics, as a fresh audit's).
+            found = tuple(np.concatenate([carried[f"found_{i}"].astype(a.dtype), a]) for i, a in enumerate(found))
+            # A tensor whose first collapse was carried keeps it: a later one is no first.
+            later = np.isin(first_runs[0], carried["run_0"])
+            first_runs = tuple(
+                np.concatenate([carried[f"run_{i}"].astype(a.dtype), a[~later]]) for i, a in enumerate(first_runs)
+            )
+            # In the order a fresh audit finds them: by tensor (and step).
+            order, by_tensor = np.lexsort((found[1], found[0])), np.argsort(first_runs[0], kind="stable")
+            found, first_runs = tuple(a[order] for a in found), tuple(a[by_tensor] for a in first_runs)
+        rows = columns.closing_rows
+        done = first_runs[1] + run_length <= rows  # a collapse wholly in the closed rows: no later one is first
+        columns.carry(
+            self.code,
+            key,
+            rows,
+            {name: values[:rows] for name, values in per_step.items()}
+            | {f"found_{i}": a[found[1] < rows] for i, a in enumerate(found)}
+            | {f"run_{i}": a[done] for i, a in enumerate(first_runs)},
+        )
+        return (
+            found,
+            per_step["largest"],
+            (per_step["total"], per_step["total_sq"], per_step["count"]),
+            (first_runs, per_step["down"]),
+        )
 
-    def _block(self, first: int, norms: np.ndarray, unjudged: np.ndarray, window: int):
-        """`_own_history` of one block of tensors (tensors x steps)."""
+    def _block(self, first: int, norms: np.ndarray, unjudged: np.ndarray, window: int, runs_from: int = 0):
+        """`_own_history` of one block of tensors (tensors x steps); collapses starting from step `runs_from`."""
         n = norms.shape[1]
         groups = -(-n // window)  # the blocks and the incomplete one after them: the steps in groups of `window`
         # y = log norm, in a buffer of whole groups: a group's log-ratios are computed in place against
@@ -394,9 +445,9 @@ class GradientNormAnomaly(Check):
             z_own[tensor, row],
         )
         # A collapse: the first run of `collapse_steps` steps in a row far below the tensor's own history.
-        some = np.flatnonzero(down.any(axis=1))  # the rare tensors with a collapsed step: the runs only of them
-        start = _first_run_start(down[some], self.params["collapse_steps"])
-        tensor, row = some[start >= 0], start[start >= 0]
+        some = np.flatnonzero(down[:, runs_from:].any(axis=1))  # the rare tensors with a collapsed step: their runs
+        start = _first_run_start(down[some, runs_from:], self.params["collapse_steps"])
+        tensor, row = some[start >= 0], start[start >= 0] + runs_from
         collapse = (
             (
                 tensor + first,
@@ -413,11 +464,7 @@ class GradientNormAnomaly(Check):
         largest = np.fmax.reduce(log_ratio, axis=0, initial=-np.inf)
         finite = np.isfinite(log_ratio)
         log_ratio[~finite] = 0.0
-        sums = (
-            log_ratio.sum(axis=0, dtype=np.float64),
-            np.square(log_ratio, out=z_own).sum(axis=0, dtype=np.float64),
-            finite.sum(axis=0),
-        )
+        sums = (sum_by_group(log_ratio), sum_by_group(np.square(log_ratio, out=z_own)), finite.sum(axis=0))
         return found, largest, sums, collapse
 
     def _collapses(self, steps: np.ndarray, names: list[str], collapsed, count: np.ndarray) -> list[Finding]:
@@ -547,8 +594,16 @@ def _joined(parts: list[tuple]) -> tuple:
     """Per-block cell tuples (tensor, step row, norm, log-median, log-ratio, z) joined into one."""
     if parts:
         return tuple(np.concatenate(part) for part in zip(*parts))
-    empty = np.zeros(0)
+    empty = np.zeros(0, dtype=np.float32)  # as a block's cells: float32, so a join with them stays float32
     return (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), empty, empty, empty, empty)
+
+
+def _shifted(cells: tuple, lo: int, since: int) -> tuple:
+    """Cells found in the rows read from row `lo` on, at their run's rows, those from row `since` on only."""
+    tensor, row, *rest = cells
+    row = row + lo
+    keep = row >= since
+    return (tensor[keep], row[keep], *(a[keep] for a in rest))
 
 
 def _first_run_start(mask: np.ndarray, length: int) -> np.ndarray:

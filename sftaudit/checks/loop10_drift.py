@@ -340,14 +340,10 @@ class LossDynamics(Check):
         columns = gradient_columns(ctx)
         labels = ["loss", "global grad norm"] + [f"grad norm {n}" for n in columns.names]
         logged = np.vstack([column(frame, "loss"), column(frame, "grad_norm")])
-
-        def test(first_series: int, values: np.ndarray):
-            return self._volatility_tests(values, first_series, start, blocks, window)
-
-        found = [test(0, logged)] + list(columns.map(lambda first, block: test(2 + first, block)))
-        compared = sum(ok for *_, ok in found)
-        found = [tests for *tests, _ in found]
-        at, series, p, effect = (np.concatenate(part) for part in zip(*found))
+        *logged_tests, logged_compared = self._volatility_tests(logged, 0, start, blocks, window)
+        at, series, p, effect, compared = self._tensor_tests(columns, start, blocks, window)
+        compared = int(logged_compared.sum()) + int(compared.sum())
+        at, series, p, effect = (np.concatenate(part) for part in zip(logged_tests, (at, series, p, effect)))
         q = _benjamini_hochberg(p, (blocks - 1) * len(labels))
         hit = q < self.params["fdr_q"]
         if not hit.any():
@@ -372,10 +368,46 @@ class LossDynamics(Check):
             )
         ]
 
+    def _tensor_tests(self, columns, start: int, blocks: int, window: int):
+        """`_volatility_tests` of every tensor's norms (series from 2 on), with the tests compared per window pair.
+        Carried: a pair of windows wholly in the closed step rows is tested once; the audit after tests the pairs
+        from the last window carried on, reading the rows from it."""
+        key = {"format": 1, "window": window, "start": start, "ratio": self.params["min_volatility_ratio"]}
+        carried = columns.carried(self.code, key)
+        after = max(0, int(carried["windows"]) - 1) if carried else 0  # the first window of a pair not carried
+        found = list(
+            columns.map(
+                lambda first, block: self._volatility_tests(block, 2 + first, 0, blocks - after, window),
+                first_row=start + after * window,
+            )
+        )
+        none = (np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp), np.zeros(0), np.zeros(0), np.zeros(0, int))
+        at, series, p, effect = (np.concatenate(part) for part in zip(none[:4], *(tests for *tests, _ in found)))
+        at += after
+        compared = np.sum([none[4]] if not found else [ok for *_, ok in found], axis=0)
+        if carried:
+            at, series, p, effect = (
+                np.concatenate([carried[name], a])
+                for name, a in zip(("at", "series", "p", "effect"), (at, series, p, effect))
+            )
+            compared = np.concatenate([carried["compared"], compared])
+            order = np.lexsort((at, series))  # as a fresh audit tests them: by series, then window
+            at, series, p, effect = (a[order] for a in (at, series, p, effect))
+        windows = min(blocks, max(0, (columns.closing_rows - 1 - start) // window))  # wholly in the closed rows
+        done = at + 1 < windows
+        columns.carry(
+            self.code,
+            key,
+            columns.closing_rows,
+            {"windows": np.array(windows), "compared": compared[: max(0, windows - 1)]}
+            | {name: a[done] for name, a in zip(("at", "series", "p", "effect"), (at, series, p, effect))},
+        )
+        return at, series, p, effect, compared
+
     def _volatility_tests(self, values: np.ndarray, first_series: int, start: int, blocks: int, window: int):
         """Mann-Whitney U of consecutive windows of each series' step-to-step change (series x steps `values`,
         series numbered from `first_series`) where the volatility rose enough: (window index, series, p-value,
-        effect size) of each test, and how many window pairs could be compared."""
+        effect size) of each test, and per window pair how many series could be compared."""
         with np.errstate(divide="ignore", invalid="ignore"):
             change = np.abs(np.diff(np.log(np.where(values > 0, values, np.nan)), axis=1))
         windows = change[:, start : start + blocks * window].reshape(len(values), blocks, window)
@@ -394,8 +426,15 @@ class LossDynamics(Check):
         if series.size:
             from scipy import stats  # here, not at module level: only a run with a window to test pays for scipy.stats
 
-            p = stats.mannwhitneyu(windows[series, at], windows[series, at + 1], axis=1, alternative="two-sided").pvalue
-        return at, series + first_series, p, effect[series, at], int(ok.sum())
+            x, y = windows[series, at], windows[series, at + 1]
+            # scipy picks its method by whether any test of a call has ties: each test on its own tells.
+            ordered = np.sort(np.concatenate([x, y], axis=1), axis=1)
+            tied = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+            p = np.empty(series.size)
+            for group in (tied, ~tied):
+                if group.any():
+                    p[group] = stats.mannwhitneyu(x[group], y[group], axis=1, alternative="two-sided").pvalue
+        return at, series + first_series, p, effect[series, at], ok.sum(axis=0)
 
 
 def _benjamini_hochberg(p: np.ndarray, tests: int) -> np.ndarray:

@@ -104,30 +104,20 @@ class TrainableSetConformance(Check):
         if n_params == 0 or not graded.any():
             return []
         steps = columns.steps[graded]
-        keep = None if graded.all() else np.flatnonzero(graded)
         names = dict(zip(params["idx"].to_list(), params["name"].to_list()))
         requires = np.zeros(n_params, dtype=bool)
         idx = params["idx"].to_numpy()
         inside = idx < n_params
         requires[idx[inside]] = params["requires_grad"].fill_null(False).to_numpy()[inside]
         k = min(self.params["min_steps"], steps.size)
-        consecutive = np.diff(steps) == 1
-        starved_at = np.full(n_params, -1)  # per tensor: the step row ending its first run of k starved steps
-        none_at = np.zeros(n_params, dtype=bool)  # whether it had no gradient there (else a zero one)
-        stale = _StaleCells(steps.size)
-
-        def judge(first: int, norms: np.ndarray):  # NaN: recorded non-finite; ABSENT: no gradient
-            if keep is not None:
-                norms = norms[:, keep]
-            present = norms != ABSENT
-            at = _first_run((~present | (norms == 0)) & requires[first : first + len(norms), None], k)
-            hit = np.flatnonzero(at >= 0)
-            return first, at, hit, ~present[hit, at[hit]], _stale_cells(first, norms, consecutive)
-
-        for first, at, hit, none, cells in columns.map(judge, absent=ABSENT):
-            starved_at[first : first + len(at)] = at
-            none_at[first + hit] = none
-            stale.add(*cells)
+        key = {"format": 1, "min_steps": k, "requires": np.packbits(requires).tobytes().hex()}
+        carried = columns.carried(self.code, key)
+        judged = self._judge(columns, requires, k, carried)
+        if judged is None:  # the run outgrew the changes carried for its change densities: judged whole
+            judged = self._judge(columns, requires, k, None)
+        starved_at, none_at, stale = judged
+        closing = int(columns.graded[: columns.closing_rows].sum())
+        columns.carry(self.code, key, columns.closing_rows, stale.carried(starved_at, none_at, closing))
         findings = []
         if (starved_at >= 0).any():
             row = int(starved_at[starved_at >= 0].min())
@@ -150,11 +140,59 @@ class TrainableSetConformance(Check):
             )
         return findings + self._stale(steps, stale, names)
 
+    def _judge(self, columns, requires: np.ndarray, k: int, carried: dict | None):
+        """Per tensor the graded step row ending its first run of `k` starved steps (-1: none) and whether it had
+        no gradient there (else a zero one), and the stale cells; the rows carried taken as they were, the rows
+        after them read from the earliest one a starved run or a stale cell past them may start at."""
+        graded, n_params = columns.graded, len(columns.names)
+        rows_of = np.flatnonzero(graded)  # the copy's row of each graded step
+        steps = columns.steps[graded]
+        since = int(graded[: carried["rows"]].sum()) if carried else 0  # graded rows carried
+        closing = int(graded[: columns.closing_rows].sum())  # graded rows the next audit takes as they are
+        stale = _StaleCells(steps.size, n_params, carried, since)
+        starved_at = carried["starved_at"].copy() if carried else np.full(n_params, -1)
+        none_at = carried["none_at"].copy() if carried else np.zeros(n_params, dtype=bool)
+        starved_from = max(0, since - (k - 1))  # a run of k starved steps ending past `since` starts here at most
+        lo = min(starved_from, max(0, since - 2))  # and a stale cell's pair, with the pair before it
+        if lo >= steps.size:
+            stale.finish()
+            return starved_at, none_at, stale
+        first_row = int(rows_of[lo])
+        keep = rows_of[lo:] - first_row
+        keep = None if keep.size == columns.steps.size - first_row else keep
+        consecutive = np.diff(steps[lo:]) == 1
+
+        def judge(first: int, norms: np.ndarray):  # NaN: recorded non-finite; ABSENT: no gradient
+            if keep is not None:
+                norms = norms[:, keep]
+            present = norms != ABSENT
+            starved = (~present | (norms == 0)) & requires[first : first + len(norms), None]
+            at = _first_run(starved[:, starved_from - lo :], k)
+            hit = np.flatnonzero(at >= 0)
+            at[hit] += starved_from - lo
+            before = (
+                (stale.carried_count[first : first + len(norms)], stale.smallest[first : first + len(norms)])
+                if carried
+                else (np.zeros(len(norms), dtype=np.int64), np.zeros((len(norms), 0), dtype=np.float32))
+            )
+            cells = _stale_cells(first, norms, consecutive, max(0, since - 1 - lo), closing - 1 - lo, before)
+            return first, at, hit, ~present[hit, at[hit]], cells
+
+        for first, at, hit, none, cells in columns.map(judge, absent=ABSENT, first_row=first_row):
+            open_ = starved_at[first : first + len(at)] < 0  # a first run carried stays the first
+            starved_at[first + hit[open_[hit]]] = at[hit[open_[hit]]] + lo
+            none_at[first + hit[open_[hit]]] = none[open_[hit]]
+            stale.add(lo, *cells, first)
+        if stale.short:
+            return None
+        stale.finish()
+        return starved_at, none_at, stale
+
     def _stale(self, steps: np.ndarray, stale: _StaleCells, names: dict) -> list[Finding]:
         """Equal norms on consecutive steps that chance does not explain in a run of this length."""
-        if not stale.rows:
+        if not stale.rows.size:
             return []
-        rows, cols, cell = (np.concatenate(part) for part in (stale.rows, stale.cols, stale.norms))
+        rows, cols, cell = stale.rows, stale.cols, stale.norms
         order = np.unique(rows)  # the step pairs with equal cells
         from scipy.special import gammaln  # only a run with equal norms pays for scipy
 
@@ -207,65 +245,120 @@ def _first_run(mask: np.ndarray, length: int) -> np.ndarray:
 
 
 class _StaleCells:
-    """Equal non-zero norms on consecutive steps, gathered a block of tensors at a time, with what the chance
-    of each needs: per step pair, the tensors compared, the sum of the equal cells' log-chances and how many
-    of them start being equal there."""
+    """Equal non-zero norms on consecutive graded steps, gathered a block of tensors at a time, with what the
+    chance of each needs: per step pair the tensors compared; per tensor the density of its step-to-step changes
+    near 0; per step pair, once `finish`ed, the sum of the equal cells' log-chances and how many of them start
+    being equal there. Carried: the pairs before graded row `since` - 1 (their cells and counts), and per
+    tensor the count of its changes there and the smallest of them (enough for the k-th smallest of a longer
+    run; `short` when not)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, tensors: int, carried: dict | None, since: int):
         pairs = max(steps - 1, 0)
         self.compared = np.zeros(pairs, dtype=np.int64)
-        self.log_p, self.fresh = np.zeros(pairs), np.zeros(pairs)
-        self.rows: list[np.ndarray] = []
-        self.cols: list[np.ndarray] = []
-        self.norms: list[np.ndarray] = []
+        self.density = np.zeros(tensors)
+        self.closed_count = np.zeros(tensors, dtype=np.int64)
+        self.closed_smallest = np.zeros((tensors, 0), dtype=np.float32)
+        self.short = False
+        self.cells: list[tuple] = []
+        self.carried_count = carried["count"] if carried else np.zeros(tensors, dtype=np.int64)
+        self.smallest = carried["smallest"] if carried else None
+        if carried:
+            self.compared[: carried["compared"].size] = carried["compared"]
+            self.cells.append(tuple(carried[f"cell_{i}"] for i in range(4)))
 
-    def add(self, compared: np.ndarray, rows: np.ndarray, cols: np.ndarray, cell: np.ndarray, log_p, new) -> None:
-        self.compared += compared
-        if rows.size:
-            self.log_p += np.bincount(rows, weights=log_p, minlength=self.log_p.size)
-            self.fresh += np.bincount(rows, weights=new, minlength=self.fresh.size)
-            self.rows.append(rows)
-            self.cols.append(cols)
-            self.norms.append(cell)
+    def add(self, lo: int, compared, cells: tuple, count, smallest, density, short: bool, first: int) -> None:
+        """A block's part, its pairs numbered from graded row `lo` (the cells' and `compared`'s)."""
+        self.compared[self.compared.size - compared.size :] += compared
+        rows, cols, cell, new = cells
+        self.cells.append((rows + lo, cols, cell, new))
+        last = first + count.size
+        self.closed_count[first:last] = count
+        if smallest.shape[1] > self.closed_smallest.shape[1]:
+            wider = np.full((self.closed_smallest.shape[0], smallest.shape[1]), np.inf, dtype=np.float32)
+            wider[:, : self.closed_smallest.shape[1]] = self.closed_smallest
+            self.closed_smallest = wider
+        self.closed_smallest[first:last, : smallest.shape[1]] = smallest
+        self.density[first:last] = density
+        self.short |= short
+
+    def finish(self) -> None:
+        """The cells in the order a fresh audit finds them (by tensor, then step pair) and their log-chances."""
+        rows, cols, cell, new = (np.concatenate(part) for part in zip(*self.cells))
+        order = np.lexsort((rows, cols))
+        self.rows, self.cols, self.norms, self.new = rows[order], cols[order], cell[order], new[order]
+        chance = np.spacing(self.norms).astype(np.float64) / self.norms * self.density[self.cols]
+        # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
+        log_p = np.log(np.where(self.density[self.cols] > 0, np.minimum(1.0, chance), 1.0))
+        self.log_p = np.bincount(self.rows, weights=log_p, minlength=self.compared.size)
+        self.fresh = np.bincount(self.rows, weights=self.new, minlength=self.compared.size)
+
+    def carried(self, starved_at: np.ndarray, none_at: np.ndarray, closing: int) -> dict:
+        """What the next audit takes as it is: the first starved runs ending before graded row `closing`, the
+        pairs before `closing` - 1, the changes there."""
+        final = (starved_at >= 0) & (starved_at < closing)
+        pairs = max(closing - 1, 0)
+        before = self.rows < pairs
+        return {
+            "starved_at": np.where(final, starved_at, -1),
+            "none_at": none_at & final,
+            "compared": self.compared[:pairs],
+            "count": self.closed_count,
+            "smallest": self.closed_smallest,
+            **{f"cell_{i}": a[before] for i, a in enumerate((self.rows, self.cols, self.norms, self.new))},
+        }
 
 
-def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray) -> tuple:
-    """One block of tensors' part of `_StaleCells`: per step pair the tensors compared, and each equal cell's
-    step pair, tensor, norm, log-chance and whether it starts being equal there."""
+def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_from: int, close_pair: int, carried):
+    """One block of tensors' part of `_StaleCells`, its pairs from `pair_from` on: per pair the tensors compared;
+    each equal cell's pair, tensor, norm and whether it starts being equal there; per tensor the count and the
+    smallest of its changes in the pairs before `close_pair` (with the `carried` ones: count, smallest), its
+    change density and whether the carried changes were too few for it."""
     with np.errstate(invalid="ignore"):
         valid = np.isfinite(norms) & (norms > 0)
     both = valid[:, 1:] & valid[:, :-1] & consecutive
     del valid
-    compared = both.sum(axis=0)
+    compared = both[:, pair_from:].sum(axis=0)
     equal = both & (norms[:, 1:] == norms[:, :-1])
-    tensors = np.flatnonzero(equal.any(axis=1))
-    if not tensors.size:
-        none = np.zeros(0, dtype=np.intp)
-        return compared, none, none, np.zeros(0, np.float32), np.zeros(0), np.zeros(0, bool)
-    equal, both, norms = equal[tensors], both[tensors], norms[tensors]
-    density = _change_density(norms, both, equal)
-    cols, rows = np.nonzero(equal)
+    cols, rows = np.nonzero(equal[:, pair_from:])
+    rows += pair_from
     cell = norms[cols, rows + 1]
-    chance = np.spacing(cell).astype(np.float64) / cell * density[cols]
-    # A tensor whose changes could not be measured: p = 1 (log 0), an equal norm is no evidence.
-    log_p = np.log(np.where(density[cols] > 0, np.minimum(1.0, chance), 1.0))
     new = (rows == 0) | ~equal[cols, np.maximum(rows - 1, 0)]
-    return compared, rows, tensors[cols] + first, cell, log_p, new
-
-
-def _change_density(norms: np.ndarray, both: np.ndarray, equal: np.ndarray) -> np.ndarray:
-    """Per tensor (row): the density near 0 of its step-to-step relative change |n_t / n_(t-1) - 1|, from
-    the smallest 1% of its nonzero changes (k of them below h: k / (2 h count)); 0 for a tensor with too
-    few (an equal norm of it is then no evidence)."""
-    usable = both & ~equal
-    count = usable.sum(axis=1)
-    k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
+    usable = (both & ~equal)[:, pair_from:]
+    del both, equal
     with np.errstate(invalid="ignore", divide="ignore"):
-        change = np.where(usable, np.abs(norms[:, 1:] / norms[:, :-1] - 1), np.inf).astype(np.float32)
-    h = np.full(len(norms), np.inf)
-    if change.shape[1]:
-        kth = np.minimum(k, change.shape[1]) - 1
-        h = np.take_along_axis(np.partition(change, np.unique(kth), axis=1), kth[:, None], axis=1)[:, 0]
-        h = h.astype(np.float64)
+        change = np.where(usable, np.abs(norms[:, pair_from + 1 :] / norms[:, pair_from:-1] - 1), np.inf)
+    change = change.astype(np.float32)
+    split = max(0, close_pair - pair_from)
+    carried_count, carried_smallest = carried
+    closed = usable[:, :split].sum(axis=1) + carried_count
+    count = closed + usable[:, split:].sum(axis=1)
+    k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
+    # The closed changes' smallest, enough for the k-th smallest of a run a quarter longer.
+    k_closed = np.maximum(1, np.ceil(0.01 * closed).astype(np.int64))
+    keep = _smallest(np.concatenate([carried_smallest, change[:, :split]], axis=1), k_closed + k_closed // 4 + 16)
+    short = bool(((k > carried_smallest.shape[1]) & (carried_count > carried_smallest.shape[1])).any())
+    enough = ((k <= keep.shape[1]) | (closed <= keep.shape[1])).all()
+    h = _kth_smallest(
+        np.concatenate([keep if enough else carried_smallest, change[:, split if enough else 0 :]], axis=1), k
+    )
     ok = np.isfinite(h) & (h > 0) & (count >= k)
-    return np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
+    density = np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
+    return compared, (rows, cols + first, cell, new), closed, keep, density, short
+
+
+def _smallest(values: np.ndarray, how_many: np.ndarray) -> np.ndarray:
+    """Each row's `how_many` smallest values (the most any row needs; inf past a row's own), in no order."""
+    width = int(min(values.shape[1], how_many.max(initial=0)))
+    if width == 0 or width == values.shape[1]:
+        return values[:, :width] if width == 0 else values
+    return np.partition(values, width - 1, axis=1)[:, :width]
+
+
+def _kth_smallest(values: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Each row's `k`-th smallest value (float64; inf where the row is shorter)."""
+    h = np.full(len(values), np.inf)
+    if values.shape[1]:
+        kth = np.minimum(k, values.shape[1]) - 1
+        h = np.take_along_axis(np.partition(values, np.unique(kth), axis=1), kth[:, None], axis=1)[:, 0]
+        h = h.astype(np.float64)
+    return h
