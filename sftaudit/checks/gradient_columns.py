@@ -46,6 +46,9 @@ from ..store.rundb import database_dir, first_row, has_table
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
+# Steps per range at most: a range is carried once closed, so a run of few tensors (16 tensors would make a
+# range of 524,288 steps) still carries what it judged every 8,192 steps, as `watch` re-audits it.
+RANGE_STEPS = 1 << 13
 BLOCK_VALUES = 1 << 24  # norms per block of tensors handed to a check (64 MB as float32)
 # Per-step sums across tensors are added a group of this many tensors at a time, in tensor order: the same sums
 # whatever the blocks (they are as wide as the run is short), so carried sums equal a fresh audit's.
@@ -69,7 +72,7 @@ class GradientColumns:
         n, k = self.steps.size, len(self.names)
         self.graded = np.zeros(n, dtype=bool)
         self.nonfinite = np.zeros(n, dtype=bool)  # per step: a recorded norm is NaN or inf
-        self._rows = max(1, STEP_VALUES // max(k, 1))  # steps per range
+        self._rows = max(1, min(RANGE_STEPS, STEP_VALUES // max(k, 1)))  # steps per range
         # A sharded run (the whole tensors' norms are the reduction ingest stored) or a schema-1 run (the norms
         # are rows of a table) is read through the view; the shim's series from its parts, into the carried copy.
         viewed = has_table(con, "grad_norms_reduced") or first_row(
@@ -482,7 +485,7 @@ class CarriedCopy:
     closed ranges were built from (``grad-columns.json``, written last and whole) and their per-step flags
     (``grad-columns.npz``). The run's lock is held while it is read or written (the audit's)."""
 
-    FORMAT = 1
+    FORMAT = 2  # 2: ranges of at most RANGE_STEPS steps
     DATA, STATE, FLAGS = "grad-columns.f32", "grad-columns.json", "grad-columns.npz"
 
     def __init__(self, run_dir):

@@ -133,3 +133,15 @@ def test_a_part_rewritten_in_a_closed_range_builds_the_copy_again(tmp_path):
     fresh = read_columns(tmp_path / "fresh")
     for a, b in zip(again, fresh):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_of_few_tensors_closes_ranges_of_at_most_range_steps(tmp_path, monkeypatch):
+    """Ranges are sized by norms (STEP_VALUES) but capped in steps: a run of few tensors still closes, and carries,
+    a range every RANGE_STEPS steps instead of one range of hundreds of thousands."""
+    monkeypatch.setattr(gradient_columns, "STEP_VALUES", 1 << 20)
+    monkeypatch.setattr(gradient_columns, "RANGE_STEPS", RANGE_STEPS)
+    run = tmp_path / "run"
+    write_live_run(run, 40, close=False, roll_steps=PART_STEPS)
+    read_columns(run)
+    state = json.loads((database_dir(run) / gradient_columns.CarriedCopy.STATE).read_text())
+    assert state["rows"] == 35  # 5 ranges of 7 steps closed, not one open range of every step
