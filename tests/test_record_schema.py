@@ -14,12 +14,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from sftaudit.fixtures import load_dataset
 from sftaudit.fixtures.train import build_tokenizer, train_hf
 
 from sftaudit.commands.preflight import preflight
-from sftaudit.core.artifacts import artifact_root
+from sftaudit.core.artifacts import COLUMNAR_IMPORT_KINDS, artifact_root
 from sftaudit.imports import import_run
 from sftaudit.schema.records import DATASET, IMPORT, PARAM_FIELDS, RECORDS, SERIES, SHIM
 from sftaudit.store.ingest import _PARAM_FIELDS, _PARAM_OPTIONAL, _manifest_problem
@@ -40,12 +41,17 @@ RARE = {
 
 
 def _files(run: Path) -> dict[str, list[dict]]:
-    """Every record of every rank folder, by kind (a file of an undeclared kind fails here)."""
+    """Every record of every rank folder, by kind (a file of an undeclared kind fails here): JSONL, and the typed
+    Parquet an import writes for its columnar kinds (a row's null fields are keys it did not write)."""
     records: dict[str, list[dict]] = defaultdict(list)
     for folder in sorted(artifact_root(run).glob("rank-*")):
         for path in sorted(folder.glob("*.jsonl")):
             assert path.stem in RECORDS, f"{path}: a record kind not declared in sftaudit/schema/records.py"
             records[path.stem] += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        for path in sorted(folder.glob("*.parquet")):
+            assert path.stem in COLUMNAR_IMPORT_KINDS, f"{path}: not a kind an import writes as Parquet"
+            rows = pq.read_table(path).to_pylist()
+            records[path.stem] += [{k: v for k, v in row.items() if v is not None} for row in rows]
     return records
 
 
