@@ -36,7 +36,8 @@ class LossDynamics(Check):
     Statistic:
         Spikes are judged against the run's own noise at its logging resolution, from the first logged steps, never a
         fixed floor. On log(loss) (a loss's noise scales with its level): each logged value's residual from the median
-        of the 5 values before it, over the noise of such a residual where the value lies: the robust sigma (1.4826 MAD
+        of the 5 values before it (at least 3: a level of 2 is their mean, which one dip drags down, so the return to
+        trend after it would read as a spike), over the noise of such a residual where the value lies: the robust sigma (1.4826 MAD
         / sqrt 6) of second differences of log loss pooled over a centred window of at least 32 logged values (second
         differences leave a trend out, even a fine-tune's steep first fall), floored at one rounding step of the log at
         that level (0.0002 after 0.0001 in a 4-decimal log is one step, not a doubling). One-sided: a value below its

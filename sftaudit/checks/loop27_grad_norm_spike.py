@@ -29,7 +29,7 @@ class LoggedGradientNormSpike(Check):
         and a spike in the first few hundred steps of a run deserves the same judgement as a later one.
     Statistic:
         On log(gradient norm), exactly as the loss is judged (LOOP-10): each logged norm's residual from the
-        median of the 5 norms before it, over the run's own noise where it lies (the robust sigma of second
+        median of the 5 norms before it (at least 3), over the run's own noise where it lies (the robust sigma of second
         differences of log norm pooled over at least 32 logged values, available from the second logged step),
         with the run's upper-tail factor; one-sided. The first logged norm has no norms before it: it is
         compared with the median of the 5 norms logged after it (not the whole run: a run that memorises its

@@ -303,3 +303,17 @@ def test_a_window_far_above_the_rest_of_a_6_window_log_is_a_peak_and_noise_of_a_
     # Five per-step values of a few rows each: 2.4 is 1.26x the highest of the others, ordinary noise.
     noisy = [2.1, 1.8, 2.4, 1.9, 1.7]
     assert findings(audited(trainer_run(tmp_path / "noisy", noisy)), "LOOP-10", ("warn", "fail")) == []
+
+
+# LLaMA-Factory's 9 per-step windows of a short clean start (the lf-tiny-9steps run): smooth, falling.
+TINY_START = [3.3418, 3.1575, 2.9602, 2.7927, 2.7235, 2.637, 2.4834, 2.3997, 2.3993]
+
+
+def test_the_return_to_trend_after_a_dip_in_the_first_windows_is_no_spike(tmp_path):
+    """A running level of fewer than 3 values is their mean: a dip among them would make the next window, back on
+    trend, read as a spike. A dip is never a finding; a real spike at that window still is."""
+    dipped = list(TINY_START)
+    dipped[1] *= 0.5
+    assert findings(audited(trainer_run(tmp_path / "dip", dipped)), "LOOP-10", ("warn", "fail")) == []
+    [spike] = findings(audited(trainer_run(tmp_path / "spike", _spiky(TINY_START, 2, 3.0))), "LOOP-10", ("warn",))
+    assert spike["step"] == 3

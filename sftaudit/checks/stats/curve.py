@@ -33,6 +33,7 @@ import numpy as np
 from .rolling import MAD_TO_SIGMA, log_quantum, positive, rolling_level, row_nanmedian, tail_factor
 
 LEVEL_POINTS = 5  # the running level: the median of the values before
+MIN_LEVEL_POINTS = 3  # values before a row for its running level to judge it (a median robust to one outlier)
 NOISE_POINTS = 32  # at least this many values pooled for a value's noise
 NOISE_REACH = 2  # blocks pooled on each side of a value's own block
 MIN_DIFFERENCES = 5  # second differences needed for a noise estimate
@@ -106,8 +107,11 @@ def excursions(
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
     tail = tail_factor(z[np.isfinite(z)])
     threshold = sigma * tail
+    # A level of fewer than 3 values is their mean, not a robust median: one dip among them drags it down and
+    # the return to trend after it would read as a spike; those first rows are the neighbour rules' (lone_peaks).
+    robust = np.minimum(np.arange(x.size), level_points) >= MIN_LEVEL_POINTS
     with np.errstate(invalid="ignore"):
-        elevated = (z >= threshold) & (residual >= math.log(min_effect))
+        elevated = robust & (z >= threshold) & (residual >= math.log(min_effect))
     starts = np.flatnonzero(elevated & ~np.r_[False, elevated[:-1]])
     episodes = []
     for s in starts:  # one pass per episode (a handful), each vectorised over the rows after it
