@@ -34,6 +34,8 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
@@ -479,23 +481,12 @@ def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS)
     its rows no more than it writes. Returns (its distinct steps, its ingest_state row)."""
     import numpy as np  # only a run with a columnar series needs these
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     again = "the shim writes these parts: delete the file to audit the rest, or record the run again"
     fd, st = files.open(path)
     try:
-        if not (st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"):
-            raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
         head = _head(fd, st.st_size)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            try:
-                part = pq.ParquetFile(f)
-                rows = part.metadata.num_rows
-                columns = {
-                    part.schema.column(i).name: part.schema.column(i).physical_type for i in range(len(part.schema))
-                }
-            except (pa.ArrowException, OSError, ValueError) as exc:
-                raise InputError(f"{path}: not a readable Parquet part ({_arrow_error(exc)}); {again}") from None
+        with _parquet_footer(path, fd, st.st_size, "Parquet part", again) as (part, columns, rows, unpacked):
             wrong = [f"{k} {columns.get(k, 'missing')}" for k, v in _PART_COLUMNS.items() if columns.get(k) != v]
             if wrong:
                 raise InputError(
@@ -507,7 +498,6 @@ def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS)
                     f"{path}: claims {rows} rows, more than the {max_rows} a part of the shim holds "
                     f"(a decompression bomb, or not the shim's); {again}"
                 )
-            unpacked = sum(part.metadata.row_group(i).total_byte_size for i in range(part.metadata.num_row_groups))
             if not 0 <= unpacked <= rows * PART_ROW_BYTES + PART_SLACK_BYTES:
                 raise InputError(
                     f"{path}: claims {unpacked} bytes uncompressed for {rows} rows, more than a part of the shim "
@@ -542,7 +532,6 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
     claim no more rows than its size holds. A record without a segment is counted as a bad line, as a JSONL
     line without one is. Returns the records read (none when the file was ingested before)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if not os.path.lexists(path):
         return 0
@@ -553,16 +542,8 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
     columns = RECORD_COLUMNS[kind]
     fd, st = files.open(path)
     try:
-        if not (st.st_size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, st.st_size - 4) == b"PAR1"):
-            raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
         head = _head(fd, st.st_size)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            try:
-                table = pq.ParquetFile(f)
-                meta, schema = table.metadata, table.schema
-                found = {schema.column(i).name: schema.column(i).physical_type for i in range(len(schema))}
-            except (pa.ArrowException, OSError, ValueError) as exc:
-                raise InputError(f"{path}: not a readable Parquet file ({_arrow_error(exc)}); {again}") from None
+        with _parquet_footer(path, fd, st.st_size, "Parquet file", again) as (table, found, rows, unpacked):
             wrong = [f"{k} {found.get(k, 'missing')}" for k, v in columns.items() if found.get(k) != _PARQUET_TYPES[v]]
             if wrong or len(found) != len(columns):
                 expected = ", ".join(f"{k} {_PARQUET_TYPES[v]}" for k, v in columns.items())
@@ -570,8 +551,6 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
                     f"{path}: not an import's {kind} (expected {expected}; found "
                     f"{', '.join(f'{k} {v}' for k, v in found.items())}); {again}"
                 )
-            rows = meta.num_rows
-            unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
             if not (
                 0 <= rows <= COLUMNAR_ROWS_PER_BYTE * st.st_size
                 and 0 <= unpacked <= rows * COLUMNAR_ROW_BYTES + PART_SLACK_BYTES
@@ -601,6 +580,27 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
         [key, st.st_size, kept, rows - kept, rows, st.st_dev, st.st_ino, head],
     )
     return kept
+
+
+@contextmanager
+def _parquet_footer(path: Path, fd: int, size: int, what: str, again: str) -> Iterator[tuple]:
+    """A Parquet file on its descriptor, its PAR1 header and footer checked and its footer parsed, before any
+    of its data is read: yields the file, each column's physical type, the rows and the bytes its row groups
+    claim uncompressed (what a caller bounds before reading)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not (size >= 12 and os.pread(fd, 4, 0) == b"PAR1" and os.pread(fd, 4, size - 4) == b"PAR1"):
+        raise InputError(f"{path}: not a Parquet file (no PAR1 header and footer); {again}")
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            file = pq.ParquetFile(f)
+            meta, schema = file.metadata, file.schema
+            types = {schema.column(i).name: schema.column(i).physical_type for i in range(len(schema))}
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise InputError(f"{path}: not a readable {what} ({_arrow_error(exc)}); {again}") from None
+        unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        yield file, types, meta.num_rows, unpacked
 
 
 def _arrow_error(exc: BaseException) -> str:
