@@ -29,7 +29,8 @@ class MemorisedTrainingSet(Check):
         The first later epoch whose loss is at most 1/`factor` (10) of the first pass's: warn at its first logged
         step (the checkpoints before it are the ones to keep). A healthy multi-epoch fine-tune's later epochs
         sit lower by a factor of 1.2-4 (each revisit is easier); a tenth is the model reproducing what it saw.
-        Not judged: a run that logged an evaluation (over-fitting is judged on it: LOOP-26), under two epochs,
+        Not judged: a run that logged an evaluation, or whose eval set the shim generated on (over-fitting is
+        judged on them: LOOP-26, LOOP-08), under two epochs,
         no training loss logged in the second half of epoch 1, preference and policy-gradient losses (not a fit to
         the data), or a log without epochs.
     Evidence:
@@ -49,8 +50,8 @@ class MemorisedTrainingSet(Check):
         if family != "sft":
             raise CannotJudge(f"a {family} loss (logged {', '.join(keys[:3])}) is not a fit to the data")
         evaluated = ctx.row("SELECT 1 FROM metrics WHERE rank = 0 AND name LIKE 'eval\\_%' ESCAPE '\\' LIMIT 1")
-        if evaluated:
-            raise CannotJudge("the run logged evaluations: over-fitting is judged on them (LOOP-26)")
+        if evaluated or ctx.has_rows("evals"):  # the Trainer's evaluations, or the shim's eval-set generations
+            raise CannotJudge("the run logged evaluations: over-fitting is judged on them (LOOP-26, LOOP-08)")
         frame = step_frame(ctx, "loss")
         epochs = ctx.frame(
             "SELECT step, avg(value) AS epoch FROM metrics WHERE rank = 0 AND name = 'epoch' "

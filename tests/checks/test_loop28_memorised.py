@@ -3,6 +3,9 @@ had not yet seen) is memorisation; a healthy multi-epoch staircase, a run with e
 are not judged by it."""
 
 import numpy as np
+import pytest
+
+from sftaudit.verdict.audit import audit
 
 from .curve_runs import audit_state, evaluations, history
 from .logged_runs import findings, status
@@ -45,3 +48,24 @@ def test_with_evaluations_or_a_preference_loss_it_is_not_judged(tmp_path):
     margins = {"rewards/margins": lambda n: np.linspace(0.1, 5, n), "logps/chosen": lambda n: np.full(n, -50.0)}
     preference = _epochs(MEMORISING, keys=margins)
     assert status(audit_state(tmp_path / "dpo", preference), "LOOP-28")[0] == "not_run"
+
+
+@pytest.mark.slow  # trains a Trainer run
+def test_a_recording_whose_eval_set_the_shim_generated_on_is_judged_on_that_not_here(tmp_path, tokenizer_cache):
+    """The Trainer logs no eval_* here; the shim's eval-set generations are the evaluation (LOOP-08 judges them),
+    so LOOP-28 does not claim that none was logged."""
+    from sftaudit.fixtures.train import train_hf
+
+    run = train_hf(
+        tmp_path / "trainer",
+        steps=4,
+        save_steps=2,
+        batch_size=4,
+        max_length=64,
+        probe_every=0,
+        generate_every=0,
+        eval_every=2,
+        tokenizer_cache=tokenizer_cache,
+    )
+    state, reason = status(audit(run), "LOOP-28")
+    assert state == "not_run" and "logged evaluations" in reason
