@@ -112,12 +112,15 @@ class Log:
 
 
 def read_metrics(folder: Path) -> list[dict]:
-    """An imported rank's metric records: the import writes them as typed Parquet, the shim as JSONL."""
+    """An imported rank's metric records, as the import wrote them: typed Parquet, or JSONL (none: no file)."""
+    rows: list[dict] = []
     if (folder / "metrics.parquet").is_file():
         import pyarrow.parquet as pq
 
-        return pq.read_table(folder / "metrics.parquet").to_pylist()
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        rows += pq.read_table(folder / "metrics.parquet").to_pylist()
+    if (folder / "metrics.jsonl").is_file():
+        rows += [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return rows
 
 
 def read_log(run: Path) -> Log:
