@@ -202,8 +202,9 @@ class LossDivergence(Check):
             "trend",
             "warn",
             f"loss trended up from its best level ({level[lo]:.4g} around step {steps[lo]}) to the end: "
-            f"{trend['factor']:.3g}x over the {trend['values']} logged steps since by the median of their pairwise "
-            f"slopes (Mann-Kendall z {trend['z']:.1f}, threshold {self.params['trend_sigmas']:g}), under way by step "
+            f"{trend['factor']:.3g}x over the {trend['values']} logged steps since, by the median of the pairwise "
+            f"slopes of {trend['tested']} of them evenly spaced (Mann-Kendall z {trend['z']:.1f}, threshold "
+            f"{self.params['trend_sigmas']:g}), under way by step "
             f"{steps[at]}; it rose {self._why(steps, lr, lo, last, at)}",
             step=steps[at],
             value=float(level[at]),
@@ -215,7 +216,8 @@ class LossDivergence(Check):
             p_value=normal_sf(trend["z"]),
             threshold=self.params["trend_sigmas"],
             min_factor=self.params["rise_factor"],
-            values_tested=trend["values"],
+            values_since_minimum=trend["values"],
+            values_tested=trend["tested"],
             noise=trend["noise"],
             smoothing_points=trend["width"],
             lr_at_minimum=lr[lo],

@@ -291,8 +291,8 @@ def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) 
     it (run length / 40 of them, 5 at least; never after it) stands `TREND_LEVEL_SIGMAS` of its own noise above the
     best level; else the last row. None: no such trend, or fewer than `min_points` finite values from the minimum on.
 
-    Returns the rows of the minimum and of the dating, z, the rise factor, the values tested, the level's values
-    and the run's noise."""
+    Returns the rows of the minimum and of the dating, z, the rise factor, the values from the minimum on and the
+    evenly spaced ones of them tested (at most `TREND_VALUES`), the level's values and the run's noise."""
     x = log_values(values)
     if np.isfinite(x).sum() < min_points:
         return None
@@ -330,6 +330,7 @@ def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) 
         "z": z,
         "factor": float(math.exp(rise)),
         "values": int(rows.size),
+        "tested": int(picked.size),
         "level": np.exp(level),
         "noise": typical,
         "width": points,
