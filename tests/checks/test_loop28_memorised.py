@@ -1,4 +1,4 @@
-"""LOOP-28: with no evaluation, a later epoch's training loss far below the first pass's (the loss on data the model
+"""LOOP-28: with no evaluation (or too few to judge), a later epoch's training loss far below the first pass's (the loss on data the model
 had not yet seen) is memorisation; a healthy multi-epoch staircase, a run with evaluations and a preference loss
 are not judged by it."""
 
@@ -42,8 +42,27 @@ def test_a_healthy_staircase_is_silent(tmp_path):
     assert status(verdict, "LOOP-28") == ("ran", None) and findings(verdict, "LOOP-28") == []
 
 
-def test_with_evaluations_or_a_preference_loss_it_is_not_judged(tmp_path):
-    evaluated = _epochs(MEMORISING) + evaluations([PER_EPOCH * 3, PER_EPOCH * 9], eval_loss=[1.3, 1.9])
+def test_a_log_sparser_than_an_epoch_is_judged_from_its_earliest_logged_epoch(tmp_path):
+    """Logged every 1.5 epochs, from epoch 2 on: no first pass in the log; the earliest later epoch stands in."""
+    sparse = [e for e in _epochs(MEMORISING) if e["step"] % (PER_EPOCH * 3 // 2) == 0]
+    assert min(e["epoch"] for e in sparse) > 1
+    [finding] = findings(audit_state(tmp_path / "memorised", sparse), "LOOP-28")
+    assert finding["evidence"]["first_pass_epoch"] == 2 and finding["evidence"]["epoch"] == 8
+    assert finding["step"] == 6 * PER_EPOCH + 1 and "earliest logged after the first" in finding["message"]
+    healthy = [e for e in _epochs(HEALTHY + [0.35, 0.3]) if e["step"] % (PER_EPOCH * 3 // 2) == 0]
+    verdict = audit_state(tmp_path / "healthy", healthy)
+    assert status(verdict, "LOOP-28") == ("ran", None) and findings(verdict, "LOOP-28") == []
+
+
+def test_one_final_evaluation_as_low_as_the_memorised_loss_is_said(tmp_path):
+    evaluated = _epochs(MEMORISING) + evaluations([PER_EPOCH * 9], eval_loss=[0.07])
+    [finding] = findings(audit_state(tmp_path / "eval", evaluated), "LOOP-28")
+    assert finding["step"] == 6 * PER_EPOCH + 1 and "eval set is no held-out measure" in finding["message"]
+
+
+def test_with_enough_evaluations_or_a_preference_loss_it_is_not_judged(tmp_path):
+    steps = [PER_EPOCH * k for k in range(1, 10)]
+    evaluated = _epochs(MEMORISING) + evaluations(steps, eval_loss=np.linspace(1.3, 1.9, len(steps)).tolist())
     assert status(audit_state(tmp_path / "eval", evaluated), "LOOP-28")[0] == "not_run"
     margins = {"rewards/margins": lambda n: np.linspace(0.1, 5, n), "logps/chosen": lambda n: np.full(n, -50.0)}
     preference = _epochs(MEMORISING, keys=margins)
