@@ -45,7 +45,9 @@ class EvalSelection(Check):
         end, by more than the eval's own noise: over-fitting, or a jump that then plateaus (WER 17.7 at step 250,
         then 28-31 to the end). The same metric worsening while eval_loss keeps falling; eval_loss rising while the
         selection metric keeps improving (a Whisper run whose WER falls as its loss rises is not over-fitting by
-        its own measure). A metric at a degenerate level to the end: a word or character error rate of 95% or more
+        its own measure), and told apart from it, eval_loss stepping up between two evaluations and staying there
+        (the eval set or its scoring changed, or a break the selection metric does not see). A metric at a
+        degenerate level to the end: a word or character error rate of 95% or more
         (a WER of 99% while eval_loss falls to 0.0006), a classifier's accuracy at chance (1 / its labels).
     Why it matters:
         The run's own selection metric says which checkpoint to ship; eval_loss alone can point the other way.
@@ -69,7 +71,10 @@ class EvalSelection(Check):
         evaluations at least): warn. Worse than all before, at (n - 2) / C(n, m) <= `rank_alpha` (0.01; 13 evaluations
         at least, 4 worse at the end of 15) or at a one-sided normal p of the mean's shift <= `rank_alpha` / (n - 2),
         and earlier than the band's turn: warn, in its stead. eval_loss so, while
-        the selection metric is not: info. An error rate >= `error_rate_level` (95%; read in percent when a value
+        the selection metric is not: info; but where eval_loss stepped up by more than the band between two
+        evaluations and stayed within the band of that level to the end (a step, not a drift): warn, a risk that
+        neither dates the run nor moves the rollback (the selection metric says the model did not get worse).
+        An error rate >= `error_rate_level` (95%; read in percent when a value
         exceeds 1.5, not judged when the scale cannot be told) or a classifier's accuracy within max(`chance_margin`
         (5%) of chance, the band) of 1 / its labels, from some evaluation to the end: fail. Each is an anomaly dated
         where the run turned: the evaluation window that ends at the first such evaluation (from the step after the
@@ -86,6 +91,7 @@ class EvalSelection(Check):
         "best-before-end": "the selection metric was best mid-run and worse to the end",
         "worse-than-all-before": "every evaluation of the selection metric from some step on was worse than all before",
         "eval-loss-rose": "eval_loss rose while the selection metric did not worsen",
+        "eval-loss-jumped": "eval_loss stepped up and stayed while the selection metric did not worsen",
         "metric-degenerate": "an eval metric sits at a degenerate level at the last evaluation",
     }
     needs = ("metrics",)
@@ -206,6 +212,8 @@ class EvalSelection(Check):
         if turned is None:
             return []
         b, t = turned
+        if loss[t] - loss[t - 1] > band and abs(loss[-1] - loss[t]) <= band:
+            return [self._loss_jumped(loss_steps, loss, band, metric, steps, values, best, context, t)]
         return [
             self.finding(
                 "eval-loss-rose",
@@ -225,6 +233,29 @@ class EvalSelection(Check):
                 **context,
             )
         ]
+
+    def _loss_jumped(self, loss_steps, loss, band, metric, steps, values, best, context, t) -> Finding:
+        """eval_loss stepped up between two evaluations and stayed, the selection metric unharmed: a risk to look
+        at, not over-fitting by the run's measure (it neither dates the run nor moves the rollback)."""
+        return self.finding(
+            "eval-loss-jumped",
+            "warn",
+            f"eval_loss jumped from {loss[t - 1]:.4g} to {loss[t]:.4g} between the evaluations at steps "
+            f"{loss_steps[t - 1]} and {loss_steps[t]} (more than its noise band, {band:.3g}) and stayed there (last "
+            f"{loss[-1]:.4g}), while {metric}, the metric the run selects checkpoints on, did not worsen (best "
+            f"{values[best]:.4g} at step {steps[best]}): a step, not a drift, so look at what changed at step "
+            f"{loss_steps[t]}: the eval set or how it is scored (a resume with other arguments, the eval batch or "
+            f"padding, labels), or a break that {metric} does not measure; checkpoints stay judged on {metric}",
+            **turn(loss_steps, t),
+            category="risk",
+            eval_loss_before=loss[t - 1],
+            eval_loss_jumped_to=loss[t],
+            eval_loss_last=loss[-1],
+            eval_loss_band=band,
+            best_step=steps[best],
+            best_value=values[best],
+            **context,
+        )
 
     @staticmethod
     def _loss_over(series, first: int, last: int) -> dict | None:

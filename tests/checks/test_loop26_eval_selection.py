@@ -75,6 +75,20 @@ def test_eval_loss_rising_while_the_selection_metric_improves_is_not_over_fittin
     assert [f["severity"] for f in findings(by_loss, "LOOP-10")] == ["warn"]
 
 
+def test_eval_loss_stepping_up_while_the_selection_metric_improves_is_a_risk_that_does_not_date_the_run(tmp_path):
+    stepped = [0.60, 0.55, 0.52, 0.50, 0.80, 0.79, 0.81, 0.80, 0.79, 0.80]  # the eval changed at step 500
+    verdict = audited(eval_run(tmp_path / "fault", {"eval_loss": stepped, "eval_wer": IMPROVING_WER}, best="eval_wer"))
+    [finding] = findings(verdict)
+    assert (finding["severity"], finding["category"], finding["step"]) == ("warn", "risk", 401)
+    assert finding["rule"] == "LOOP-26/eval-loss-jumped" and "from 0.5 to 0.8" in finding["message"]
+    assert verdict["first_anomalous_step"] is None and verdict["rollback_checkpoint"] is None
+    drifted = [0.60, 0.55, 0.52, 0.50, 0.53, 0.57, 0.61, 0.66, 0.70, 0.74]  # a rise over many evaluations
+    [drift] = findings(
+        audited(eval_run(tmp_path / "drift", {"eval_loss": drifted, "eval_wer": IMPROVING_WER}, best="eval_wer"))
+    )
+    assert (drift["severity"], drift["rule"]) == ("info", "LOOP-26/eval-loss-rose")
+
+
 def test_an_eval_that_jumps_and_plateaus_is_found_by_best_against_last(tmp_path):
     # No best_metric recorded: eval_loss, the Trainer's default. One rise, then flat: no 3 rises in a row.
     jumped = [1.00, 0.80, 0.70, 0.65, 0.62, 0.85, 0.84, 0.86, 0.85, 0.84]
