@@ -49,7 +49,9 @@ class LossDynamics(Check):
         `reward` logged) is no fit of the data: no spikes or plateaus judged. A running level of the values before lags
         a loss that falls fast (a short log halving in a few windows), so each value is also judged against the midpoint
         of its two neighbours (minus half the second difference of log loss: a trend leaves it out), over the noise of
-        such a residual (the sigma above x sqrt(3/2)), scaled by its own tail factor. A log too short for a noise
+        such a residual (the sigma above x sqrt(3/2)), scaled by its own tail factor; and so again on the square root of
+        the loss (a low loss is a mean of rare errors whose noise grows like the square root of its level: its log
+        swings with every window that happens to hold none, and a spike hides in the swing). A log too short for a noise
         estimate (6 values or fewer) is judged against the rest of the log: a value (from the third to the one before
         last) against the highest of the other values after the first. Learning-rate ratio lr[s] / lr[s-1] after warmup
         (a step the fp16 loss scaler skipped, LR held, does not end it). Plateau: relative change of the block median
@@ -61,8 +63,9 @@ class LossDynamics(Check):
         Spike: z >= `sigma_spike` (6) x tail factor and at least `min_effect` (1.2) x the running level, back below that
         bar within `diverge_steps` (5) logged steps: warn (longer, or through the end, is LOOP-19's divergence). Peak (a
         value the running level missed): z >= `sigma_spike` x its tail factor and at least `min_effect` x each
-        neighbour: warn. Short log: at least `short_log_effect` (1.5) x every other value after the first: warn. A
-        one-sided normal p of 1e-9 at z 6 keeps false spikes under 1% even over a 10-million-point log (family-wise
+        neighbour, on either the log or the square root: warn. Short log: at least `short_log_effect` (1.5) x every
+        other value after the first: warn. A one-sided normal p of 1e-9 at z 6 (2e-9 over two lenses) keeps false
+        spikes under 1% even over a 10-million-point log (family-wise
         control; Benjamini-Hochberg over normal p-values raised false spikes on per-step logs whose tails outrun the
         factor). Learning-rate jump: ratio >= `lr_jump` (10x) or <= 1/`lr_jump`, unless the step keeps (within 50%) the
         per-step slope of the interval before it (a decay reaching 0): warn; not judged on a run imported from its logs
@@ -190,8 +193,9 @@ class LossDynamics(Check):
                     "warn",
                     f"loss spiked at step {steps[i]} to {loss[i]:.4g}, {loss[i] / midpoint:.3g}x the midpoint of its "
                     f"neighbours ({loss[i - 1]:.4g} at step {steps[i - 1]}, {loss[i + 1]:.4g} at step "
-                    f"{steps[i + 1]}; z {z:.1f} against the run's own noise of one value against its neighbours, threshold "
-                    f"{peaks['threshold']:.1f}) and was back at the next log; inspect the batches of steps "
+                    f"{steps[i + 1]}; z {z:.1f} against the run's own noise of one value against its neighbours, "
+                    f"on the {peaks['lens'][i]} of the loss, threshold {peaks['threshold'][i]:.1f}) and was back at "
+                    f"the next log; inspect the batches of steps "
                     f"{steps[i - 1] + 1}-{steps[i]} for corrupt samples, and the learning rate if the spike recurs",
                     step=steps[i],
                     value=loss[i],
@@ -200,9 +204,10 @@ class LossDynamics(Check):
                     p_value=normal_sf(z),
                     effect_size=float(loss[i] / midpoint),
                     over_neighbours=float(np.exp(peaks["prominence"][i])),
-                    threshold=peaks["threshold"],
+                    threshold=float(peaks["threshold"][i]),
                     min_effect=p["min_effect"],
-                    tail_factor=peaks["tail"],
+                    lens=str(peaks["lens"][i]),
+                    tail_factor=peaks["tails"][peaks["lens"][i]],
                     rows_per_log=rows,
                 )
             )

@@ -317,3 +317,23 @@ def test_the_return_to_trend_after_a_dip_in_the_first_windows_is_no_spike(tmp_pa
     assert findings(audited(trainer_run(tmp_path / "dip", dipped)), "LOOP-10", ("warn", "fail")) == []
     [spike] = findings(audited(trainer_run(tmp_path / "spike", _spiky(TINY_START, 2, 3.0))), "LOOP-10", ("warn",))
     assert spike["step"] == 3
+
+
+# 60 windows of a Whisper fine-tune's low loss (whisper-large-flemish-15k, steps 4100-6000): a mean of rare errors,
+# its log swinging 5x between windows that hold an error and windows that hold none.
+LOW_NOISY = [
+    0.0596, 0.0889, 0.0699, 0.1914, 0.1299, 0.1244, 0.079, 0.0565, 0.0424, 0.0578, 0.0527, 0.0582, 0.024, 0.0562,
+    0.0607, 0.0512, 0.0434, 0.0901, 0.0687, 0.0198, 0.0909, 0.0906, 0.0599, 0.0607, 0.0932, 0.0902, 0.0183, 0.0264,
+    0.0254, 0.0924, 0.092, 0.0653, 0.0986, 0.1079, 0.0404, 0.0623, 0.0219, 0.0433, 0.0555, 0.0242, 0.0146, 0.0162,
+    0.0422, 0.0466, 0.0264, 0.0444, 0.0785, 0.0803, 0.0507, 0.0468, 0.0714, 0.0877, 0.0888, 0.1097, 0.0995, 0.0074,
+    0.0372, 0.028, 0.0528, 0.007,
+]  # fmt: skip
+
+
+def test_a_spike_in_a_noisy_low_loss_is_a_peak_on_its_square_root_where_its_log_swings_too_wide(tmp_path):
+    [peak] = findings(
+        audited(trainer_run(tmp_path / "peak", _spiky(LOW_NOISY, 33, 5.0), every=100)), "LOOP-10", ("warn", "fail")
+    )
+    assert (peak["rule"], peak["step"], peak["evidence"]["lens"]) == ("LOOP-10/loss-peak", 3301, "square root")
+    assert "on the square root of the loss" in peak["message"]
+    assert findings(audited(trainer_run(tmp_path / "clean", LOW_NOISY, every=100)), "LOOP-10", ("warn", "fail")) == []

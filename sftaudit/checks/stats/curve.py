@@ -150,38 +150,67 @@ def rows_above(x: np.ndarray, start: int, bar: float) -> int:
 def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     """Single logged values standing above both neighbours, judged against the run's own noise of such a stand.
 
-    Each inner value's residual from the midpoint of its two neighbours (log space: minus half the second
-    difference, so a trend, even the steep fall of a short log, leaves it out where a running level of the values
-    before lags behind it), over the noise of such a residual (`point_noise` x sqrt(3 / 2): the value's own noise
-    and half of each neighbour's), floored at one rounding step of the log at that level (no noise estimate: not
-    judged). A peak: z >= `sigma` x the upper-tail factor of these z, and the value at least `min_effect` x each
-    neighbour (a step down after a plateau puts its last value over the midpoint, never over both neighbours).
+    Each inner value's residual from the midpoint of its two neighbours (minus half the second difference, so a
+    trend, even the steep fall of a short log, leaves it out where a running level of the values before lags behind
+    it), over the noise of such a residual (`point_noise` x sqrt(3 / 2): the value's own noise and half of each
+    neighbour's), floored at one rounding step at that level (no noise estimate: not judged), judged through two
+    lenses (`LENSES`): the log (noise in proportion to the level) and the square root (the noise of a mean of rare
+    errors, a low loss's, grows like the square root of its level: its log swings with every window that happens
+    to hold no error, and a spike hides in the swing). A peak: in either lens, z >= `sigma` x the upper-tail factor
+    of that lens's z, and the value at least `min_effect` x each neighbour (a step down after a plateau puts its
+    last value over the midpoint, never over both neighbours).
 
-    Returns residual, scale, z, tail, threshold, the peak rows and each value over its higher neighbour (log)."""
+    Returns, per row, the lens judged (the one whose z stands furthest over its threshold), its z and threshold;
+    the log residual, the lenses' tail factors, the peak rows and each value over its higher neighbour (log)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     n = x.size
-    residual = np.full(n, np.nan)
+    quantum = log_quantum(v)
     prominence = np.full(n, np.nan)
     if n >= 3:
-        residual[1:-1] = x[1:-1] - (x[:-2] + x[2:]) / 2
         prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
-    scale = floored_scale(point_noise(x) * math.sqrt(1.5), x - residual, log_quantum(v))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
-    tail = tail_factor(z[np.isfinite(z)])
-    threshold = sigma * tail
+    judged = {name: _neighbour_z(lens(x), lens, inverse, quantum, sigma) for name, (lens, inverse) in LENSES.items()}
+    over = np.stack([np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf) for j in judged.values()])
+    pick = np.argmax(over, axis=0)
+    names = np.array(list(judged))
+    z = np.choose(pick, [j["z"] for j in judged.values()])
+    threshold = np.choose(pick, [np.full(n, j["threshold"]) for j in judged.values()])
     with np.errstate(invalid="ignore"):
-        peaks = np.flatnonzero((z >= threshold) & (prominence >= math.log(min_effect)))
+        peaks = np.flatnonzero((over.max(axis=0) >= 1) & (prominence >= math.log(min_effect)))
     return {
-        "residual": residual,
-        "scale": scale,
+        "residual": judged["log"]["residual"],
         "z": z,
-        "tail": tail,
         "threshold": threshold,
+        "lens": names[pick],
+        "tails": {name: j["tail"] for name, j in judged.items()},
         "peaks": peaks,
         "prominence": prominence,
     }
+
+
+# The lenses a lone peak is judged through: the transform of a logged value's log, and back.
+LENSES = {
+    "log": (lambda x: x, lambda t: t),
+    "square root": (lambda x: np.exp(x / 2), lambda t: 2 * np.log(t)),
+}
+
+
+def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float) -> dict:
+    """Through one lens (`t` = lens(log value)): each inner value's residual from its neighbours' midpoint, z over
+    the noise of such a residual floored at one rounding step of the log at the midpoint, the tail factor and the
+    threshold (`sigma` x tail)."""
+    n = t.size
+    residual = np.full(n, np.nan)
+    if n >= 3:
+        residual[1:-1] = t[1:-1] - (t[:-2] + t[2:]) / 2
+    midpoint = inverse(t - residual)  # log space
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        step = lens(np.log(np.exp(midpoint) + quantum)) - lens(midpoint) if quantum else np.zeros(n)
+        noise = point_noise(t) * math.sqrt(1.5)
+        scale = np.where(np.isfinite(noise), np.fmax(noise, step), np.nan)
+        z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
+    tail = tail_factor(z[np.isfinite(z)])
+    return {"residual": residual, "z": z, "tail": tail, "threshold": sigma * tail}
 
 
 def short_log_peaks(values, min_effect: float) -> np.ndarray:
