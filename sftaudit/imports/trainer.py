@@ -33,8 +33,11 @@ import os
 import re
 import shutil
 from bisect import bisect_right
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..core.safe_io import LFS_HINT, UnsafeFile, is_lfs_pointer, open_regular, regular_file
@@ -263,8 +266,14 @@ def import_run(
 
     records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "checkpoints", "events")}
     # Each logged entry with its segment: an abandoned branch's with the segment the resume ended.
-    at = (lambda step: 0) if not starts else (lambda step: bisect_right(starts, step))
-    steps, metrics = series([(before_resume[r], e) for e, r in abandoned] + [(at(e["step"]), e) for e in timeline])
+    logged_steps = np.fromiter(map(itemgetter("step"), timeline), dtype=np.int64, count=len(timeline))
+    segs = np.concatenate(
+        [
+            np.array([before_resume[r] for _, r in abandoned], dtype=np.int64),
+            np.searchsorted(np.array(starts, dtype=np.int64), logged_steps, side="right"),
+        ]
+    )
+    steps, metrics = series(segs, [e for e, _ in abandoned] + timeline)
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -660,7 +669,7 @@ def _described(
     params = _params(folders[:-1])
     vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
     adapter = next(_json_files(run_dir, checkpoints, "adapter_config.json"), None)
-    keys = {k for e in timeline for k in e if k != "step"}
+    keys = set().union(*timeline) - {"step"}
     task = describe_task(model.get("config"), adapter, keys)
     task["vocab_size"] = task["vocab_size"] or vocab_size
     return {

@@ -11,8 +11,13 @@ them, every double exactly), ``metrics`` by Polars' Parquet writer; the few othe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from itertools import compress, repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..core.artifacts import COLUMNAR_IMPORT_KINDS, DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
@@ -23,45 +28,56 @@ SUMMARY_KEYS = ("train_runtime", "train_loss")
 SERIES = ("steps", "metrics")
 
 
-def series(logged: list[tuple[int, dict[str, Any]]]):
-    """The ``steps`` and ``metrics`` records of the logged entries, each given with its segment, as polars frames
+def series(segs: Any, entries: list[dict[str, Any]]):
+    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment), as polars frames
     built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
     small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
     learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
-    ``step`` (records of one name keep the entries' order)."""
+    ``step`` (records of one name keep the entries' order). A key's values are gathered in C (`map`), and taken as
+    they are when all are floats or absent, as a per-step log's are; looked at one by one otherwise."""
     import polars as pl
 
-    entries = [e for _, e in logged]
     names = sorted(set().union(*entries) - {"step"}) if entries else []
     # the name once, each record its index (a million records of eight names hold eight strings)
     kind = pl.Enum(names)
     logs = pl.DataFrame(
         [
-            pl.Series("seg", [seg for seg, _ in logged], pl.Int32),
-            pl.Series("step", [e["step"] for e in entries], pl.Int64),
+            pl.Series("seg", segs, pl.Int32),
+            pl.Series("step", list(map(itemgetter("step"), entries)), pl.Int64),
         ]
     )
     parts = [
-        logs.with_columns(
-            name=pl.lit(name, kind),
-            value=pl.Series(
-                [v if type(v) is float else None for v in (e.get(name) for e in entries)], dtype=pl.Float64
-            ),
-        ).drop_nulls("value")
+        logs.with_columns(name=pl.lit(name, kind), value=_floats(_values(entries, name), None)).drop_nulls("value")
         for name in names
     ]
     metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
     summary, last = SUMMARY_KEYS
-    training = pl.Series([("loss" in e and summary not in e and last not in e) for e in entries], dtype=pl.Boolean)
-    chosen = [e for e, keep in zip(entries, training) if keep]
-
-    def column(key: str):
-        return pl.Series([v if type(v) is float else number(v) for v in (e.get(key) for e in chosen)], dtype=pl.Float64)
-
-    steps = logs.filter(training).with_columns(
-        loss=column("loss"), lr=column("learning_rate"), grad_norm=column("grad_norm")
+    training = _holds(entries, "loss") & ~_holds(entries, summary) & ~_holds(entries, last)
+    chosen = list(compress(entries, training))
+    steps = logs.filter(pl.Series(training)).with_columns(
+        loss=_floats(_values(chosen, "loss"), number),
+        lr=_floats(_values(chosen, "learning_rate"), number),
+        grad_norm=_floats(_values(chosen, "grad_norm"), number),
     )
     return steps, metrics
+
+
+def _values(entries: list[dict[str, Any]], key: str) -> list[Any]:
+    return list(map(dict.get, entries, repeat(key)))
+
+
+def _holds(entries: list[dict[str, Any]], key: str) -> np.ndarray:
+    return np.fromiter(map(dict.__contains__, entries, repeat(key)), dtype=bool, count=len(entries))
+
+
+def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
+    """`values` as a float column: a float as it is, None as null, any other value as `other` makes it (null
+    without `other`)."""
+    import polars as pl
+
+    if not set(map(type, values)) <= {float, type(None)}:
+        values = [v if type(v) is float else other(v) if other else None for v in values]
+    return pl.Series(values, dtype=pl.Float64)
 
 
 def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[str, Any]) -> None:
