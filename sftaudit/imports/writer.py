@@ -1,11 +1,10 @@
 """The one writer of an imported run's artifacts: whatever source the logs came from, the same
 ``RUN_DIR/sftaudit/rank-0/*.jsonl`` files the shim writes, but for the kinds declared columnar for an import
-(``metrics``: a record per logged number, millions for a per-step log of a long run), written as
-``<kind>.parquet``, a typed column per field.
+(``steps`` and ``metrics``: a record per training log and per logged number, millions for a per-step log of a long
+run), written as ``<kind>.parquet``, a typed column per field an import writes.
 
-The logged series (a record per training log in ``steps``, a record per logged number in ``metrics``) are built
-a column at a time; ``steps`` written by DuckDB's JSON writer (``NaN`` and ``Infinity`` as Python's json writes
-them, every double exactly), ``metrics`` by Polars' Parquet writer; the few other records with the json module.
+The logged series are built a column at a time and written by Polars' Parquet writer (NaN and infinities as the
+doubles they are); the few other records with the json module.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.artifacts import COLUMNAR_IMPORT_KINDS, DATABASE_FILE, artifact_root, rank_dir
+from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
 from .logs import number
 
@@ -82,7 +81,8 @@ def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
 
 def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[str, Any]) -> None:
     """Replace an earlier import's files (and its database: ingest is incremental by file offset) with `records`
-    (lists of records) and `tables` (frames of records); the records `sftaudit probe` added are kept."""
+        (lists of records, as JSONL) and `tables` (frames of records of the kinds written as Parquet,
+    `COLUMNAR_IMPORT_KINDS`); the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
     for kind in [*records, *tables]:
         for suffix in ("jsonl", "parquet"):
@@ -91,37 +91,22 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
     folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in records.items():
         (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    for kind in [k for k in tables if k in COLUMNAR_IMPORT_KINDS]:
-        _write_columnar(folder, kind, tables.pop(kind))
-    if tables:
-        import duckdb
-
-        con = duckdb.connect()
-        try:
-            # One thread writes the records in order as it reads them (no buffering to restore the order).
-            con.execute("SET enable_progress_bar = false; SET threads = 1")
-            for kind, table in tables.items():
-                path = (folder / f"{kind}.jsonl").absolute()
-                con.register("records", table)
-                literal = str(path).replace("'", "''")
-                con.execute(f"COPY records TO '{literal}' (FORMAT JSON)")
-                con.unregister("records")
-        finally:
-            con.close()
+    for kind, table in tables.items():
+        _write_columnar(folder, kind, table)
 
 
 _POLARS_TYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "DOUBLE": "Float64"}
 
 
 def _write_columnar(folder: Path, kind: str, table: Any) -> None:
-    """`table` as ``<kind>.parquet``: its declared fields in their order, each of its declared type (text as it is:
+    """`table` as ``<kind>.parquet``: the fields an import writes in their order, each of its declared type (text as it is:
     a name column of a few names is an Enum, written as dictionary-encoded text without a string per record),
     written to a hidden name and renamed (a reader never sees half a file)."""
     import polars as pl
 
     columns = [
         pl.col(f.name).cast(getattr(pl, _POLARS_TYPES[f.type])) if f.type in _POLARS_TYPES else pl.col(f.name)
-        for f in RECORDS[kind].fields
+        for f in RECORDS[kind].columnar_fields()
     ]
     hidden = folder / f".{kind}.parquet.tmp"
     table.select(columns).write_parquet(hidden, statistics=False)
