@@ -11,6 +11,8 @@ from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, read_bytes
 
 # Other loggers' names for the Trainer's log keys (custom trainers logging `lr`, W&B/TensorBoard-style
@@ -118,6 +120,21 @@ def all_normalised(entries: list[dict[str, Any]]) -> bool:
         return False
     values = sum(map(len, entries))
     return list(map(type, chain.from_iterable(map(dict.values, entries)))).count(float) == values - len(entries)
+
+
+def holding(entries: list[dict[str, Any]], key: str) -> np.ndarray:
+    """Per log entry, whether it holds `key` (in C: a per-step log has a million)."""
+    return np.fromiter(map(dict.__contains__, entries, repeat(key)), dtype=bool, count=len(entries))
+
+
+# Keys of the end-of-training log entry: a summary of the run, not a training step.
+SUMMARY_KEYS = ("train_runtime", "train_loss")
+
+
+def training_logs(entries: list[dict[str, Any]]) -> np.ndarray:
+    """Per log entry, whether it is a training log: a loss, and not the end-of-training summary."""
+    summary, last = SUMMARY_KEYS
+    return holding(entries, "loss") & ~holding(entries, summary) & ~holding(entries, last)
 
 
 def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 from bisect import bisect_right
+from itertools import compress
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import latest_history, logging_interval, read_json
+from .logs import holding, latest_history, logging_interval, read_json
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
@@ -558,7 +559,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
     for step in epoch_restarts(newest["history"]):
         resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
-    logged = sorted(e["step"] for e in newest["history"] if "loss" in e)
+    history = newest["history"]
+    logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
     chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
     for before, after in zip(chain, chain[1:]):
         if plans_differ(plan(before), plan(after)):

@@ -16,14 +16,10 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
-from .logs import number
+from .logs import number, training_logs
 
-# Keys of the end-of-training log entry: a summary of the run, not a training step.
-SUMMARY_KEYS = ("train_runtime", "train_loss")
 SERIES = ("steps", "metrics")
 
 
@@ -50,8 +46,7 @@ def series(segs: Any, entries: list[dict[str, Any]]):
         for name in names
     ]
     metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
-    summary, last = SUMMARY_KEYS
-    training = _holds(entries, "loss") & ~_holds(entries, summary) & ~_holds(entries, last)
+    training = training_logs(entries)
     chosen = list(compress(entries, training))
     steps = logs.filter(pl.Series(training)).with_columns(
         loss=_floats(_values(chosen, "loss"), number),
@@ -63,10 +58,6 @@ def series(segs: Any, entries: list[dict[str, Any]]):
 
 def _values(entries: list[dict[str, Any]], key: str) -> list[Any]:
     return list(map(dict.get, entries, repeat(key)))
-
-
-def _holds(entries: list[dict[str, Any]], key: str) -> np.ndarray:
-    return np.fromiter(map(dict.__contains__, entries, repeat(key)), dtype=bool, count=len(entries))
 
 
 def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
