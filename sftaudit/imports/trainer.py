@@ -259,7 +259,7 @@ def import_run(
     if segments:
         timeline, abandoned, resumes = _with_log(timeline, abandoned, resumes, segments)
     # A resume whose abandoned steps lie beyond the run's end: nothing replaced them.
-    last_step = max((e["step"] for e in timeline), default=0)
+    last_step = max(map(itemgetter("step"), timeline), default=0)
     resumes = {r: src for r, src in resumes.items() if r <= last_step}
     abandoned = [(e, r) for e, r in abandoned if r in resumes]
     starts = sorted(resumes)  # segment k + 1 starts at starts[k]
@@ -515,7 +515,7 @@ def _with_log(timeline, abandoned, resumes, segments):
             resumes.setdefault(restart, None)
             lost += dropped
     abandoned = sorted(abandoned + lost, key=lambda x: x[0]["step"])
-    last = max((e["step"] for e in timeline), default=0)
+    last = max(map(itemgetter("step"), timeline), default=0)
     return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumes
 
 

@@ -219,7 +219,7 @@ class _Stream:
             entries = self.decoder.decode("[" + self.buf[self.pos : meets[-1]] + "]")
         except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
             return False
-        if len(entries) != len(meets) or any(type(e) is not dict for e in entries):
+        if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
             return False
         history, ends, kept = read.history, read.ends, read.kept
         offset = self.base - read.start if read.start is not None and self.ascii else None
