@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .logs import holding
+
 # Fields of a trainer state that describe a run's plan: equal in every state of one run unless a resume changed it.
 PLAN_FIELDS = ("max_steps", "train_batch_size", "logging_steps")
 
@@ -71,8 +73,7 @@ def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:
     """(the index of the last reset, 0 if none; the indices where the epoch count restarted instead). The training
     logs' steps and epochs as arrays (an evaluation shares a training log's step); only the places where one goes
     back are looked at one by one."""
-    holds_loss = np.fromiter(map(dict.__contains__, history, repeat("loss")), dtype=bool, count=len(history))
-    index = np.flatnonzero(holds_loss).tolist()
+    index = np.flatnonzero(holding(history, "loss")).tolist()
     if len(index) < 2:
         return 0, []
     trained = list(map(history.__getitem__, index))

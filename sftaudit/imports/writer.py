@@ -20,8 +20,6 @@ from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
 from .logs import number, training_logs
 
-SERIES = ("steps", "metrics")
-
 
 def series(segs: Any, entries: list[dict[str, Any]]):
     """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment), as polars frames
