@@ -111,15 +111,16 @@ class Log:
 # ---------------------------------------------------------------------------- reading and writing logs
 
 
-def read_metrics(folder: Path) -> list[dict]:
-    """An imported rank's metric records, as the import wrote them: typed Parquet, or JSONL (none: no file)."""
+def read_records(folder: Path, kind: str) -> list[dict]:
+    """An imported rank's records of `kind` (steps, metrics), as the import wrote them: typed Parquet, or JSONL
+    (none: no file)."""
     rows: list[dict] = []
-    if (folder / "metrics.parquet").is_file():
+    if (folder / f"{kind}.parquet").is_file():
         import pyarrow.parquet as pq
 
-        rows += pq.read_table(folder / "metrics.parquet").to_pylist()
-    if (folder / "metrics.jsonl").is_file():
-        rows += [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        rows += pq.read_table(folder / f"{kind}.parquet").to_pylist()
+    if (folder / f"{kind}.jsonl").is_file():
+        rows += [json.loads(line) for line in (folder / f"{kind}.jsonl").read_text().splitlines()]
     return rows
 
 
@@ -137,8 +138,8 @@ def read_log(run: Path) -> Log:
         import_run(copy)
         folder = rank_dir(copy, 0)
         manifest = json.loads((folder / "manifest.jsonl").read_text().splitlines()[0])
-        steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
-        metrics = read_metrics(folder)
+        steps = read_records(folder, "steps")
+        metrics = read_records(folder, "metrics")
     last = {}
     for s in steps:  # the run as it ended: a later segment's step replaces an earlier one's
         last[s["step"]] = s

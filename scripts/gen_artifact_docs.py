@@ -67,9 +67,10 @@ killed run loses at most the step in flight; sftaudit's ingest reads it, other e
 tables, *type* is the DuckDB type of the Parquet column (`FLOAT`: float32).
 """
 
-COLUMNAR_NOTE = """An import (no shim) writes these as `{kind}.parquet` instead: a column per field, of its type
-(`INTEGER`: int32, `BIGINT`: int64, `DOUBLE`, `VARCHAR`: UTF-8 text), written whole and renamed into place; a per-step
-log of a long run gives millions of these records, which ingest reads typed rather than parsing JSON.
+COLUMNAR_NOTE = """An import (no shim) writes these as `{kind}.parquet` instead: a column per field an import writes
+(*written by*: import), of its type (`INTEGER`: int32, `BIGINT`: int64, `DOUBLE`, `VARCHAR`: UTF-8 text), written whole
+and renamed into place; a per-step log of a long run gives millions of these records, which ingest reads typed rather
+than parsing JSON.
 """
 
 PROBE_NOTE = """With more than one rank the probe rows are split: rank r writes rows r, r + world size, ... of each probe batch (probe prompts; generation rows prompt x sample; eval items), so the three kinds are read across every rank's folder.
@@ -135,6 +136,8 @@ window. The verdict's `resolution` gives the run's `logging_steps` and `first_an
 ```sql
 -- loss and global gradient norm per step
 SELECT step, loss, grad_norm FROM read_json_auto('RUN_DIR/sftaudit/rank-0/steps.jsonl') ORDER BY step;
+-- the same of an imported run (no shim)
+SELECT step, loss, grad_norm FROM read_parquet('RUN_DIR/sftaudit/rank-0/steps.parquet') ORDER BY step;
 -- which samples were trained at step 120
 SELECT unnest(sample_ids) FROM read_json_auto('RUN_DIR/sftaudit/rank-0/batches.jsonl') WHERE step = 120;
 ```

@@ -2,6 +2,7 @@
 nested torch.save dicts, PEFT adapters, DDP-wrapped models. Each layout: a clean run audits
 and gates as it should, a planted fault gates 1 (or 2 where it cannot be judged)."""
 
+import json
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ from sftaudit.fixtures import layouts
 from sftaudit.fixtures.faults.checkpoints import NAN_TENSOR
 
 from sftaudit.cli import main
+from sftaudit.readers.inspection import STATE_HEAD_BYTES, state_parts
 from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 
@@ -154,3 +156,18 @@ def test_reaudit_reads_only_changed_checkpoints(clean_run, tmp_path):
     weights.write_bytes(weights.read_bytes() + b"\0" * 8)  # changed after the shim hashed it
     [changed] = loop09(audit(run))
     assert changed["checkpoint"] == "checkpoint-20" and "changed or vanished" in changed["message"]
+
+
+def test_a_trainer_states_step_is_read_from_its_head_unless_the_save_was_cut_short(tmp_path):
+    """A long run's state (its log past the head read) gives its global_step from the fields before the log, as
+    the Trainer sorts them; keys in another order are read whole; a save cut short gives none."""
+    history = [{"loss": 1.0, "step": s} for s in range(1, 5001)]
+    sorted_keys = json.dumps({"global_step": 5000, "log_history": history}, indent=2, sort_keys=True)
+    log_first = json.dumps({"log_history": history, "global_step": 5000}, indent=2)
+    assert len(sorted_keys) > STATE_HEAD_BYTES
+    for name, text in [("sorted", sorted_keys), ("log-first", log_first), ("cut", sorted_keys[:-100])]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(text)
+    for name in ("sorted", "log-first"):
+        assert {"step", "data_position"} <= set(state_parts(tmp_path / name, {})[0])
+    assert not {"step", "data_position"} & set(state_parts(tmp_path / "cut", {})[0])

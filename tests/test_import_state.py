@@ -71,7 +71,7 @@ def test_a_changed_source_or_artifact_is_imported_again(tmp_path):
     imported = _manifest_identity(run)
     code, verdict = _audit(run, tmp_path / "out")
     assert _manifest_identity(run) != imported and code == 1  # read again: the NaN is found
-    steps = rank_dir(run, 0) / "steps.jsonl"
+    steps = rank_dir(run, 0) / "steps.parquet"
     steps.write_text("")  # an artifact emptied: the import wrote it otherwise, so it is written again
     _audit(run, tmp_path / "out")
     assert steps.stat().st_size > 0

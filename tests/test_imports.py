@@ -306,7 +306,7 @@ def test_llamafactory_trainer_log_adds_what_the_trainer_states_lost(window_run, 
     done = import_run(run)
     assert done["resumed_at"] == 10 and done["abandoned_steps"] == [10]
     assert done["steps"] == 5  # 5, 10, 15 from the states, 20 from the log, and the abandoned 10
-    steps = [json.loads(line) for line in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text().splitlines()]
+    steps = pq.read_table(run / "sftaudit" / "rank-0" / "steps.parquet").to_pylist()
     assert [(s["seg"], s["step"], s["loss"]) for s in steps if s["step"] in (10, 20)][0] == (0, 10, 9.5)
     assert steps[-1]["step"] == 20 and steps[-1]["grad_norm"] is None
 

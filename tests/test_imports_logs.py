@@ -80,9 +80,7 @@ def _manifest(run: Path) -> dict:
 
 
 def _steps(run: Path) -> list[dict]:
-    return [
-        json.loads(x) for x in (run / "sftaudit" / "rank-0" / "steps.jsonl").read_text(encoding="utf-8").splitlines()
-    ]
+    return pq.read_table(run / "sftaudit" / "rank-0" / "steps.parquet").to_pylist()
 
 
 # ---------------------------------------------------------------------------- several writers of one log

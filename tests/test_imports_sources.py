@@ -12,6 +12,7 @@ import json
 import pkgutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 import sftaudit.imports.sources as sources_package
@@ -92,7 +93,7 @@ def test_every_source_is_imported_through_the_one_writer(module, tmp_path):
     rank = run / "sftaudit" / "rank-0"
     manifest = json.loads((rank / "manifest.jsonl").read_text(encoding="utf-8").splitlines()[-1])
     assert manifest["imported"] and manifest["source"] == source.provenance
-    steps = [json.loads(line) for line in (rank / "steps.jsonl").read_text(encoding="utf-8").splitlines()]
+    steps = pq.read_table(rank / "steps.parquet").to_pylist()
     assert [(s["step"], s["loss"]) for s in steps] == [(s, example_loss(s)) for s in EXAMPLE_STEPS]
     # The same run named by its log file's own path (the CLI takes its folder as the run).
     assert main(["import", str(first)]) == 0

@@ -292,6 +292,28 @@ def test_an_imports_columnar_metrics_are_ingested_typed_once_and_again_when_repl
     con.close()
 
 
+def test_an_imports_columnar_steps_hold_the_fields_an_import_writes_and_no_other(tmp_path):
+    run = recorded_run(tmp_path)
+    (rank_dir(run, 0) / "steps.jsonl").unlink()
+    path = rank_dir(run, 0) / "steps.parquet"
+    columns = {
+        "seg": pa.array([0, 0], pa.int32()),
+        "step": pa.array([1, 2], pa.int64()),
+        "loss": pa.array([2.0, float("nan")]),
+        "lr": pa.array([1e-4, None], pa.float64()),
+        "grad_norm": pa.array([0.5, 0.6]),
+    }
+    pq.write_table(pa.table(columns), path)
+    assert ingest(run)["steps"] == 2
+    con = connect(run, read_only=True)
+    rows = con.execute("SELECT seg, step, loss, lr, grad_norm, time FROM steps ORDER BY step").fetchall()
+    con.close()
+    assert rows[0] == (0, 1, 2.0, 1e-4, 0.5, None) and math.isnan(rows[1][2]) and rows[1][3] is None
+    pq.write_table(pa.table({**columns, "time": pa.array([1.0, 2.0])}), path)  # a field only the shim writes
+    with pytest.raises(InputError, match=r"steps.parquet: not an import's steps \(expected seg INT32, step INT64"):
+        ingest(run)
+
+
 def test_a_columnar_file_of_other_columns_or_claiming_more_rows_than_it_holds_is_refused(tmp_path):
     run = recorded_run(tmp_path)
     path = rank_dir(run, 0) / "metrics.parquet"

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..core.safe_io import MAX_WHOLE_FILE_BYTES, UnsafeFile, read_bytes
 
@@ -90,7 +93,7 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
             value = v if (v := number(value)) is not None else value
         name = names.get(key)
         if name is None:
-            name = ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+            name = _trainer_name(key)
             if len(names) < MAX_NAMES:
                 names[key] = name
         if name != key and (name in entry or name in out):
@@ -100,6 +103,38 @@ def normalised(entry: dict[str, Any]) -> dict[str, Any]:
     if len(_OWN_NAMES) < MAX_NAMES and all(names.get(key) == key for key in keys):
         _OWN_NAMES.add(keys)
     return out
+
+
+def _trainer_name(key: str) -> str:
+    return ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
+
+
+def all_normalised(entries: list[dict[str, Any]]) -> bool:
+    """Whether each of `entries` (log entries decoded from JSON) is as `normalised` gives it already and has a
+    step: every key the Trainer's own name, every value a float but the step, an integer of 64 bits. Checked in C
+    over the whole batch (a per-step log's entries all are: then none is looked at one by one)."""
+    if any(_trainer_name(key) != key for key in set().union(*entries)):
+        return False
+    steps = list(map(dict.get, entries, repeat("step")))
+    if set(map(type, steps)) != {int} or not (-(2**63) <= min(steps) and max(steps) < 2**63):
+        return False
+    values = sum(map(len, entries))
+    return list(map(type, chain.from_iterable(map(dict.values, entries)))).count(float) == values - len(entries)
+
+
+def holding(entries: list[dict[str, Any]], key: str) -> np.ndarray:
+    """Per log entry, whether it holds `key` (in C: a per-step log has a million)."""
+    return np.fromiter(map(dict.__contains__, entries, repeat(key)), dtype=bool, count=len(entries))
+
+
+# Keys of the end-of-training log entry: a summary of the run, not a training step.
+SUMMARY_KEYS = ("train_runtime", "train_loss")
+
+
+def training_logs(entries: list[dict[str, Any]]) -> np.ndarray:
+    """Per log entry, whether it is a training log: a loss, and not the end-of-training summary."""
+    summary, last = SUMMARY_KEYS
+    return holding(entries, "loss") & ~holding(entries, summary) & ~holding(entries, last)
 
 
 def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:

@@ -4,10 +4,14 @@ the manifest's ``import_notes`` (the verdict's ``resolution.notes``). Decided fr
 
 from __future__ import annotations
 
-import math
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
 from ..core.safe_io import LFS_HINT
+from .logs import training_logs
 
 # The stable keys, in the order the notes are listed.
 KEYS = (
@@ -106,7 +110,7 @@ def log_limits(
     """What the judged run's log cannot show (see `KEYS`); `ended`: the newest state says training ended there
     (its plan reached, or the Trainer told to stop), so a log that ends with it misses nothing."""
     out = []
-    training = [e for e in timeline if "loss" in e and "train_runtime" not in e and "train_loss" not in e]
+    training = list(compress(timeline, training_logs(timeline)))
     keys = set().union(*timeline) if timeline else set()
     last = newest["global_step"]
     if not training:
@@ -140,8 +144,10 @@ def log_limits(
                 logging_steps=logging_steps,
             )
         )
-    losses = [e["loss"] for e in training if isinstance(e["loss"], float)]
-    if losses and all(math.isfinite(v) for v in losses):
+    losses = list(map(itemgetter("loss"), training))
+    if not set(map(type, losses)) <= {float}:  # a per-step log's are all floats: gathered in C
+        losses = [v for v in losses if isinstance(v, float)]
+    if losses and np.isfinite(np.array(losses, dtype=np.float64)).all():
         out.append(
             note(
                 "nan_inf_filter",

@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
+
+from .logs import holding
 
 # Fields of a trainer state that describe a run's plan: equal in every state of one run unless a resume changed it.
 PLAN_FIELDS = ("max_steps", "train_batch_size", "logging_steps")
@@ -69,11 +73,12 @@ def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:
     """(the index of the last reset, 0 if none; the indices where the epoch count restarted instead). The training
     logs' steps and epochs as arrays (an evaluation shares a training log's step); only the places where one goes
     back are looked at one by one."""
-    index = [i for i, e in enumerate(history) if "loss" in e]
+    index = np.flatnonzero(holding(history, "loss")).tolist()
     if len(index) < 2:
         return 0, []
-    steps = np.array([history[i]["step"] for i in index], dtype=np.int64)
-    epochs = np.array([_epoch(history[i].get("epoch")) for i in index], dtype=np.float64)  # NaN: none
+    trained = list(map(history.__getitem__, index))
+    steps = np.fromiter(map(itemgetter("step"), trained), dtype=np.int64, count=len(trained))
+    epochs = _epochs(list(map(dict.get, trained, repeat("epoch"))))  # NaN: none
     back = steps[1:] < steps[:-1]
     candidates = np.flatnonzero(back | (epochs[1:] < epochs[:-1])) + 1
     finite = np.flatnonzero(~np.isnan(epochs))
@@ -92,8 +97,14 @@ def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:
     return cut, restarts
 
 
-def _epoch(value: Any) -> float:
-    return value if type(value) is float and math.isfinite(value) else math.nan
+def _epochs(values: list[Any]) -> np.ndarray:
+    """Each logged epoch that is a finite float, NaN for any other value (floats or absent: in C, as a per-step
+    log's are; one by one otherwise)."""
+    if set(map(type, values)) <= {float, type(None)}:
+        epochs = np.array(values, dtype=np.float64)  # None: NaN
+        epochs[~np.isfinite(epochs)] = np.nan
+        return epochs
+    return np.array([v if type(v) is float and math.isfinite(v) else math.nan for v in values], dtype=np.float64)
 
 
 def _counts_from_zero(first: tuple[int, float], last: tuple[int, float]) -> bool:

@@ -33,8 +33,12 @@ import os
 import re
 import shutil
 from bisect import bisect_right
+from itertools import compress
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..core.artifacts import SCHEMA_VERSION, TOKENIZER_DIR, artifact_root, rank_dir
 from ..core.safe_io import LFS_HINT, UnsafeFile, is_lfs_pointer, open_regular, regular_file
@@ -47,7 +51,7 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import latest_history, logging_interval, read_json
+from .logs import holding, latest_history, logging_interval, read_json
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
@@ -255,7 +259,7 @@ def import_run(
     if segments:
         timeline, abandoned, resumes = _with_log(timeline, abandoned, resumes, segments)
     # A resume whose abandoned steps lie beyond the run's end: nothing replaced them.
-    last_step = max((e["step"] for e in timeline), default=0)
+    last_step = max(map(itemgetter("step"), timeline), default=0)
     resumes = {r: src for r, src in resumes.items() if r <= last_step}
     abandoned = [(e, r) for e, r in abandoned if r in resumes]
     starts = sorted(resumes)  # segment k + 1 starts at starts[k]
@@ -263,8 +267,14 @@ def import_run(
 
     records: dict[str, list[dict[str, Any]]] = {k: [] for k in ("manifest", "checkpoints", "events")}
     # Each logged entry with its segment: an abandoned branch's with the segment the resume ended.
-    at = (lambda step: 0) if not starts else (lambda step: bisect_right(starts, step))
-    steps, metrics = series([(before_resume[r], e) for e, r in abandoned] + [(at(e["step"]), e) for e in timeline])
+    logged_steps = np.fromiter(map(itemgetter("step"), timeline), dtype=np.int64, count=len(timeline))
+    segs = np.concatenate(
+        [
+            np.array([before_resume[r] for _, r in abandoned], dtype=np.int64),
+            np.searchsorted(np.array(starts, dtype=np.int64), logged_steps, side="right"),
+        ]
+    )
+    steps, metrics = series(segs, [e for e, _ in abandoned] + timeline)
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -505,7 +515,7 @@ def _with_log(timeline, abandoned, resumes, segments):
             resumes.setdefault(restart, None)
             lost += dropped
     abandoned = sorted(abandoned + lost, key=lambda x: x[0]["step"])
-    last = max((e["step"] for e in timeline), default=0)
+    last = max(map(itemgetter("step"), timeline), default=0)
     return timeline + [e for e in segments[-1] if e["step"] > last], abandoned, resumes
 
 
@@ -549,7 +559,8 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
     for step in epoch_restarts(newest["history"]):
         resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
-    logged = sorted(e["step"] for e in newest["history"] if "loss" in e)
+    history = newest["history"]
+    logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
     chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
     for before, after in zip(chain, chain[1:]):
         if plans_differ(plan(before), plan(after)):
@@ -660,7 +671,7 @@ def _described(
     params = _params(folders[:-1])
     vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
     adapter = next(_json_files(run_dir, checkpoints, "adapter_config.json"), None)
-    keys = {k for e in timeline for k in e if k != "step"}
+    keys = set().union(*timeline) - {"step"}
     task = describe_task(model.get("config"), adapter, keys)
     task["vocab_size"] = task["vocab_size"] or vocab_size
     return {

@@ -1,72 +1,77 @@
 """The one writer of an imported run's artifacts: whatever source the logs came from, the same
 ``RUN_DIR/sftaudit/rank-0/*.jsonl`` files the shim writes, but for the kinds declared columnar for an import
-(``metrics``: a record per logged number, millions for a per-step log of a long run), written as
-``<kind>.parquet``, a typed column per field.
+(``steps`` and ``metrics``: a record per training log and per logged number, millions for a per-step log of a long
+run), written as ``<kind>.parquet``, a typed column per field an import writes.
 
-The logged series (a record per training log in ``steps``, a record per logged number in ``metrics``) are built
-a column at a time; ``steps`` written by DuckDB's JSON writer (``NaN`` and ``Infinity`` as Python's json writes
-them, every double exactly), ``metrics`` by Polars' Parquet writer; the few other records with the json module.
+The logged series are built a column at a time and written by Polars' Parquet writer (NaN and infinities as the
+doubles they are); the few other records with the json module.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from itertools import compress, repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from ..core.artifacts import COLUMNAR_IMPORT_KINDS, DATABASE_FILE, artifact_root, rank_dir
+from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
-from .logs import number
-
-# Keys of the end-of-training log entry: a summary of the run, not a training step.
-SUMMARY_KEYS = ("train_runtime", "train_loss")
-SERIES = ("steps", "metrics")
+from .logs import number, training_logs
 
 
-def series(logged: list[tuple[int, dict[str, Any]]]):
-    """The ``steps`` and ``metrics`` records of the logged entries, each given with its segment, as polars frames
+def series(segs: Any, entries: list[dict[str, Any]]):
+    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment), as polars frames
     built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
     small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
     learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
-    ``step`` (records of one name keep the entries' order)."""
+    ``step`` (records of one name keep the entries' order). A key's values are gathered in C (`map`), and taken as
+    they are when all are floats or absent, as a per-step log's are; looked at one by one otherwise."""
     import polars as pl
 
-    entries = [e for _, e in logged]
     names = sorted(set().union(*entries) - {"step"}) if entries else []
     # the name once, each record its index (a million records of eight names hold eight strings)
     kind = pl.Enum(names)
     logs = pl.DataFrame(
         [
-            pl.Series("seg", [seg for seg, _ in logged], pl.Int32),
-            pl.Series("step", [e["step"] for e in entries], pl.Int64),
+            pl.Series("seg", segs, pl.Int32),
+            pl.Series("step", list(map(itemgetter("step"), entries)), pl.Int64),
         ]
     )
     parts = [
-        logs.with_columns(
-            name=pl.lit(name, kind),
-            value=pl.Series(
-                [v if type(v) is float else None for v in (e.get(name) for e in entries)], dtype=pl.Float64
-            ),
-        ).drop_nulls("value")
+        logs.with_columns(name=pl.lit(name, kind), value=_floats(_values(entries, name), None)).drop_nulls("value")
         for name in names
     ]
     metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
-    summary, last = SUMMARY_KEYS
-    training = pl.Series([("loss" in e and summary not in e and last not in e) for e in entries], dtype=pl.Boolean)
-    chosen = [e for e, keep in zip(entries, training) if keep]
-
-    def column(key: str):
-        return pl.Series([v if type(v) is float else number(v) for v in (e.get(key) for e in chosen)], dtype=pl.Float64)
-
-    steps = logs.filter(training).with_columns(
-        loss=column("loss"), lr=column("learning_rate"), grad_norm=column("grad_norm")
+    training = training_logs(entries)
+    chosen = list(compress(entries, training))
+    steps = logs.filter(pl.Series(training)).with_columns(
+        loss=_floats(_values(chosen, "loss"), number),
+        lr=_floats(_values(chosen, "learning_rate"), number),
+        grad_norm=_floats(_values(chosen, "grad_norm"), number),
     )
     return steps, metrics
 
 
+def _values(entries: list[dict[str, Any]], key: str) -> list[Any]:
+    return list(map(dict.get, entries, repeat(key)))
+
+
+def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
+    """`values` as a float column: a float as it is, None as null, any other value as `other` makes it (null
+    without `other`)."""
+    import polars as pl
+
+    if not set(map(type, values)) <= {float, type(None)}:
+        values = [v if type(v) is float else other(v) if other else None for v in values]
+    return pl.Series(values, dtype=pl.Float64)
+
+
 def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[str, Any]) -> None:
     """Replace an earlier import's files (and its database: ingest is incremental by file offset) with `records`
-    (lists of records) and `tables` (frames of records); the records `sftaudit probe` added are kept."""
+        (lists of records, as JSONL) and `tables` (frames of records of the kinds written as Parquet,
+    `COLUMNAR_IMPORT_KINDS`); the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
     for kind in [*records, *tables]:
         for suffix in ("jsonl", "parquet"):
@@ -75,37 +80,22 @@ def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[
     folder.mkdir(parents=True, exist_ok=True)
     for kind, rows in records.items():
         (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    for kind in [k for k in tables if k in COLUMNAR_IMPORT_KINDS]:
-        _write_columnar(folder, kind, tables.pop(kind))
-    if tables:
-        import duckdb
-
-        con = duckdb.connect()
-        try:
-            # One thread writes the records in order as it reads them (no buffering to restore the order).
-            con.execute("SET enable_progress_bar = false; SET threads = 1")
-            for kind, table in tables.items():
-                path = (folder / f"{kind}.jsonl").absolute()
-                con.register("records", table)
-                literal = str(path).replace("'", "''")
-                con.execute(f"COPY records TO '{literal}' (FORMAT JSON)")
-                con.unregister("records")
-        finally:
-            con.close()
+    for kind, table in tables.items():
+        _write_columnar(folder, kind, table)
 
 
 _POLARS_TYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "DOUBLE": "Float64"}
 
 
 def _write_columnar(folder: Path, kind: str, table: Any) -> None:
-    """`table` as ``<kind>.parquet``: its declared fields in their order, each of its declared type (text as it is:
+    """`table` as ``<kind>.parquet``: the fields an import writes in their order, each of its declared type (text as it is:
     a name column of a few names is an Enum, written as dictionary-encoded text without a string per record),
     written to a hidden name and renamed (a reader never sees half a file)."""
     import polars as pl
 
     columns = [
         pl.col(f.name).cast(getattr(pl, _POLARS_TYPES[f.type])) if f.type in _POLARS_TYPES else pl.col(f.name)
-        for f in RECORDS[kind].fields
+        for f in RECORDS[kind].columnar_fields()
     ]
     hidden = folder / f".{kind}.parquet.tmp"
     table.select(columns).write_parquet(hidden, statistics=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from collections import Counter
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from typing import Any
 import duckdb
 
 from ..core.hashing import file_sha256
-from ..core.safe_io import is_lfs_pointer, kind_of, read_json
+from ..core.safe_io import is_lfs_pointer, kind_of, open_regular, read_json
 from ..errors import InputError
 from .checkpoints import (
     TRAINER_GLOBALS,
@@ -651,11 +652,11 @@ def state_parts(folder: Path | None, pickles: dict[str, PickleContents]) -> tupl
             found.setdefault("scheduler", value)
         if stem.startswith("rng_state"):
             found.setdefault("rng_states", value)
-    trainer_state = _json(folder / "trainer_state.json") if folder else None
-    if isinstance(trainer_state, dict) and "global_step" in trainer_state:
+    global_step = _state_global_step(folder / "trainer_state.json") if folder else None
+    if global_step is not None:
         # The Trainer resumes its data position by skipping global_step batches.
-        found.setdefault("step", trainer_state["global_step"])
-        found.setdefault("data_position", trainer_state["global_step"])
+        found.setdefault("step", global_step)
+        found.setdefault("data_position", global_step)
     if folder and (folder / "collator.json").is_file():
         found.setdefault("collator", "collator.json")
     rng = found.get("rng_states")
@@ -678,6 +679,60 @@ def state_folder(run_dir: Path, path: Path, own_path: str, checkpoint_paths: Seq
         return None
     others = [(root / p).resolve() for p in checkpoint_paths if p != own_path]
     return None if any(o == folder or folder in o.parents for o in others) else folder
+
+
+# How much of a trainer_state.json is read for its ``global_step``: the Trainer sorts the state's keys, so its few
+# scalar fields come before ``log_history``, which a long per-step run makes hundreds of MB (never decoded here).
+STATE_HEAD_BYTES = 1 << 16
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _state_global_step(path: Path) -> Any:
+    """A trainer_state.json's ``global_step`` (None: no regular file, not a JSON object, no such field, or a save
+    cut short: a state that does not end with its closing brace). Of a state larger than its head, taken from the
+    fields before the log, decoded one at a time; the whole file is read only when the field is not among them."""
+    try:
+        with open_regular(path) as f:
+            start = f.read(STATE_HEAD_BYTES)
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - 64, 0))
+            end = f.read(64).rstrip(b" \t\n\r")
+    except (OSError, InputError):
+        return None
+    found, value = False, None
+    if size > len(start) and end.endswith(b"}"):
+        found, value = _leading_field(start.decode("utf-8", errors="replace"), "global_step")
+    if not found:
+        state = _json(path)
+        value = state.get("global_step") if isinstance(state, dict) else None
+    return value
+
+
+def _leading_field(text: str, key: str) -> tuple[bool, Any]:
+    """Whether the JSON object that `text` (a file's head) begins holds `key` among the fields wholly in it, and
+    its value; (False, None) where it is not found before the text ends or stops being a JSON object."""
+    decoder, space = json.JSONDecoder(), _JSON_SPACE
+    pos = space.match(text).end()
+    if text[pos : pos + 1] != "{":
+        return False, None
+    pos += 1
+    while True:
+        try:
+            name, pos = decoder.raw_decode(text, space.match(text, pos).end())
+            pos = space.match(text, pos).end()
+            if text[pos : pos + 1] != ":":
+                return False, None
+            value, pos = decoder.raw_decode(text, space.match(text, pos + 1).end())
+        except (ValueError, RecursionError):
+            return False, None
+        pos = space.match(text, pos).end()
+        if pos >= len(text):  # a number at the head's end may go on past it
+            return False, None
+        if name == key:
+            return True, value
+        if text[pos : pos + 1] != ",":
+            return False, None
+        pos += 1
 
 
 def _json(path: Path) -> Any:

@@ -44,10 +44,14 @@ class RecordKind:
     name: str
     per: str  # one record per ...
     fields: tuple[Field, ...]
-    # An import writes this kind as `<kind>.parquet` (a column per field, of its type) rather than JSONL: a
-    # per-step log of a long run gives millions of its records, which a typed column reads in a fraction of
-    # the time JSON takes.
+    # An import writes this kind as `<kind>.parquet` (a column per field it writes, of its type) rather than
+    # JSONL: a per-step log of a long run gives millions of its records, which a typed column reads in a fraction
+    # of the time JSON takes.
     columnar_import: bool = False
+
+    def columnar_fields(self) -> tuple[Field, ...]:
+        """The columns of an import's ``<kind>.parquet``, in their order: the fields an import writes."""
+        return tuple(f for f in self.fields if IMPORT in f.writers)
 
     def names(self, writer: str | None = None, required: bool = False) -> list[str]:
         """The field names (those `writer` writes; only the required ones)."""
@@ -393,6 +397,7 @@ STEPS = RecordKind(
         ),
         Field("grad_norm_source", "VARCHAR", "`post_clip` at a step whose norms could only be read after the clip"),
     ),
+    columnar_import=True,
 )
 
 BATCHES = RecordKind(

@@ -52,6 +52,7 @@ from ..core.artifacts import (
     read_journal,
 )
 from ..errors import InputError
+from ..schema.records import RECORDS
 from .rundb import (
     DATABASE_FORMAT,
     RECORD_COLUMNS,
@@ -539,7 +540,7 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
     if first_row(con, "SELECT 1 FROM ingest_state WHERE file = ?", [key]):
         return 0  # unchanged (`_stale` rebuilt the database otherwise)
     again = "sftaudit import writes it: import the run again"
-    columns = RECORD_COLUMNS[kind]
+    columns = {f.name: f.type for f in RECORDS[kind].columnar_fields()}
     fd, st = files.open(path)
     try:
         head = _head(fd, st.st_size)

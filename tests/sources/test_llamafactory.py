@@ -53,7 +53,7 @@ def test_the_log_named_by_its_own_path_is_imported_from_its_folder(tmp_path):
     renamed = path.with_name("run3.log")  # a name no pattern finds: the file given, read as the source it holds
     path.rename(renamed)
     done = import_run(tmp_path / "run", file=renamed)
-    assert done["steps"] == 10 and (tmp_path / "run" / "sftaudit" / "rank-0" / "steps.jsonl").is_file()
+    assert done["steps"] == 10 and (tmp_path / "run" / "sftaudit" / "rank-0" / "steps.parquet").is_file()
 
 
 def test_detected_by_its_first_line(tmp_path):

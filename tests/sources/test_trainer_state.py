@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sftaudit.errors import InputError
-from sftaudit.imports.logs import normalised
+from sftaudit.imports.logs import all_normalised, normalised
 from sftaudit.imports.sources.trainer_state import TrainerState
 
 from . import EXAMPLE_STEPS, example_loss
@@ -92,6 +92,7 @@ def test_older_states_are_taken_from_the_largest_where_they_repeat_it(tmp_path, 
     other = _state_file(tmp_path / "checkpoint-15" / "trainer_state.json", branch, global_step=15)
     decoded = []
     monkeypatch.setattr(module, "normalised", lambda e: decoded.append(e["step"]) or dict(e))
+    monkeypatch.setattr(module, "all_normalised", lambda entries: False)  # every entry through `normalised`
     logs = TrainerState().read_all([older, empty, other, newest], tmp_path)
     assert [len(log.segments[0]) for log in logs] == [20, 0, 15, 40]
     assert logs[0].segments[0][19] is logs[3].segments[0][19]  # the same entry, never decoded twice
@@ -155,3 +156,21 @@ def test_a_value_too_large_to_be_a_state_field_is_refused(tmp_path, monkeypatch)
     path.write_text('{"log_history": [], "x": "' + "y" * 5000 + '"}', encoding="utf-8")
     with pytest.raises(InputError, match="a value of more than"):
         TrainerState().read([path], tmp_path)
+
+
+def test_a_batch_of_entries_is_kept_as_decoded_only_where_normalising_keeps_each_one():
+    clean = [{"loss": 1.0, "step": 1}, {"epoch": 0.1, "loss": float("nan"), "step": 2}]
+    assert all_normalised(clean) and [normalised(e) for e in clean] == clean
+    odd = [
+        {"lr": 1e-4, "step": 3},  # another logger's name
+        {"eval/loss": 1.0, "step": 3},
+        {"loss": "1.0", "step": 3},  # a number as text
+        {"loss": 1, "step": 3},  # an integer
+        {"loss": True, "step": 3},
+        {"rewards": {"chosen": 1.0}, "step": 3},  # a nested group
+        {"loss": 1.0, "step": 2**63},  # past 64 bits
+        {"loss": 1.0, "step": 3.0},
+        {"loss": 1.0},  # no step
+    ]
+    for entry in odd:
+        assert not all_normalised([*clean, entry]), entry

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from ...core.safe_io import head, open_regular
 from ...errors import InputError
-from ..logs import MAX_LOG_BYTES, is_step, normalised
+from ..logs import MAX_LOG_BYTES, all_normalised, is_step, normalised
 from ..source import LogSource, SourceLog, numbers_only
 
 TRAINER_STATE = "trainer_state.json"
@@ -219,16 +219,22 @@ class _Stream:
             entries = self.decoder.decode("[" + self.buf[self.pos : meets[-1]] + "]")
         except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
             return False
-        if len(entries) != len(meets) or any(type(e) is not dict for e in entries):
+        if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
             return False
         history, ends, kept = read.history, read.ends, read.kept
         offset = self.base - read.start if read.start is not None and self.ascii else None
-        for entry, end in zip(entries, meets):
-            if is_step(entry.get("step")):
-                history.append(normalised(entry))
+        if all_normalised(entries):  # a per-step log's: each kept as it is
+            history.extend(entries)
             if offset is not None:
-                ends.append(offset + end)
-                kept.append(len(history))
+                ends.extend(map(offset.__add__, meets))
+                kept.extend(range(len(history) - len(entries) + 1, len(history) + 1))
+        else:
+            for entry, end in zip(entries, meets):
+                if is_step(entry.get("step")):
+                    history.append(normalised(entry))
+                if offset is not None:
+                    ends.append(offset + end)
+                    kept.append(len(history))
         read.records += len(entries)
         self.pos = meets[-1]
         return True
