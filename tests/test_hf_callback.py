@@ -48,6 +48,7 @@ def test_trainer_nan_is_found_at_its_step(trainer_nan_run):
 
 
 def test_trainer_records_batches_sample_ids_and_pre_clip_norm(trainer_nan_run):
+    ingest(trainer_nan_run)  # not left to the test before it: each test of the module stands alone
     con = connect(trainer_nan_run, read_only=True)
     assert [s for (s,) in con.execute("SELECT step FROM steps ORDER BY step").fetchall()] == list(range(1, 13))
     ids = con.execute("SELECT sample_ids FROM batches WHERE step = 1").fetchall()[0][0]
