@@ -65,7 +65,8 @@ class AuditContext:
         """A named statistic over steps (sequences or numpy/polars columns of equal length).
         `sole_condition`: crossing `threshold` alone fires the check (else the report labels the line
         as one condition of several)."""
-        steps, values = list(steps), list(values)
+        # Kept as columns (a series of a million steps as Python lists costs a conversion each way).
+        steps, values = pl.Series(steps, dtype=pl.Int64), pl.Series(values, dtype=pl.Float64, strict=False)
         if len(steps) != len(values):
             raise ValueError(f"{code} series {name!r}: {len(steps)} steps but {len(values)} values")
         self.series.append(

@@ -132,8 +132,8 @@ class LossDynamics(Check):
         ctx.add_series(
             self.code,
             "loss z vs its own step-to-step noise",
-            steps.tolist(),
-            np.nan_to_num(z, posinf=0.0, neginf=0.0).tolist(),
+            steps,
+            np.nan_to_num(z, posinf=0.0, neginf=0.0),
             threshold,
             sole_condition=True,
         )

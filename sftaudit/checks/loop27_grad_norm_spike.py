@@ -75,8 +75,8 @@ class LoggedGradientNormSpike(Check):
         ctx.add_series(
             self.code,
             "log gradient norm z vs its own step-to-step noise",
-            steps.tolist(),
-            np.nan_to_num(found["z"], posinf=0.0, neginf=0.0).tolist(),
+            steps,
+            np.nan_to_num(found["z"], posinf=0.0, neginf=0.0),
             found["threshold"],
             sole_condition=False,
         )
