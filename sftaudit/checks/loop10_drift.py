@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
+from .carried_noise import carried_point_noise
 from .gradient_columns import gradient_columns
 from .stats.curve import excursions, lone_peaks, short_log_peaks
 from .stats.rolling import (
@@ -127,7 +128,8 @@ class LossDynamics(Check):
 
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
         p = self.params
-        found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"])
+        noise = carried_point_noise(ctx, "loss", loss)
+        found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"], noise=noise)
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(
             self.code,
@@ -171,13 +173,13 @@ class LossDynamics(Check):
                     spike_steps=steps[s : e + 1].tolist()[:50],
                 )
             )
-        return findings + self._peaks(steps, loss, end, reported, rows)
+        return findings + self._peaks(steps, loss, end, reported, rows, noise)
 
-    def _peaks(self, steps, loss, end, reported, rows) -> list[Finding]:
+    def _peaks(self, steps, loss, end, reported, rows, noise) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
         too short for a noise estimate, values far above all the others; before a divergence only."""
         p = self.params
-        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"])
+        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noise=noise)
         findings = []
         for i in peaks["peaks"]:
             if i >= end or reported[i]:
@@ -206,7 +208,7 @@ class LossDynamics(Check):
                     rows_per_log=rows,
                 )
             )
-        for i in short_log_peaks(loss, p["short_log_effect"]):
+        for i in short_log_peaks(loss, p["short_log_effect"], noise=noise):
             if i >= end or reported[i]:
                 continue
             others = np.delete(loss[1:], i - 1)

@@ -55,26 +55,39 @@ def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOIS
     fewer than `MIN_DIFFERENCES` second differences are near (a log of 6 values or fewer has no noise to judge a
     value against: its bounds do)."""
     x = np.asarray(x, dtype=float)
+    return np.repeat(block_noise(x, min_points, reach), noise_block(x.size, min_points, reach))[: x.size]
+
+
+def noise_block(n: int, min_points: int = NOISE_POINTS, reach: int = NOISE_REACH) -> int:
+    """The rows in one block of `point_noise` for a log of `n` values."""
+    return max(int(np.clip(n // 32, 4, 64)), -(-min_points // (2 * reach + 1)))
+
+
+def block_noise(
+    x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOISE_REACH, first_block: int = 0
+) -> np.ndarray:
+    """`point_noise` a block at a time (`noise_block` rows), of the blocks from `first_block` on: each block's
+    sigma depends only on the values of the blocks it pools, so a carried one is computed once."""
+    x = np.asarray(x, dtype=float)
     n = x.size
     d2 = np.full(n, np.nan)
     if n >= 3:
         d2[1:-1] = x[2:] - 2 * x[1:-1] + x[:-2]
     width = 2 * reach + 1
-    block = max(int(np.clip(n // 32, 4, 64)), -(-min_points // width))
+    block = noise_block(n, min_points, reach)
     blocks = -(-n // block)
     padded = np.full(blocks * block, np.nan)
     padded[:n] = d2
     rows = padded.reshape(blocks, block)
     k = min(width, blocks)
-    start = np.clip(np.arange(blocks) - reach, 0, blocks - k)
-    pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(blocks, k * block)
+    start = np.clip(np.arange(first_block, blocks) - reach, 0, blocks - k)
+    pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(start.size, k * block)
     with warnings.catch_warnings():  # a window without finite values has no noise
         warnings.simplefilter("ignore", RuntimeWarning)
         centre = row_nanmedian(pooled)
         sigma = MAD_TO_SIGMA * row_nanmedian(np.abs(pooled - centre[:, None])) / math.sqrt(6)
     finite = np.count_nonzero(np.isfinite(pooled), axis=1)
-    sigma = np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
-    return np.repeat(sigma, block)[:n]
+    return np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
 
 
 def excursions(
@@ -83,6 +96,7 @@ def excursions(
     diverge_steps: int,
     min_effect: float,
     level_points: int = LEVEL_POINTS,
+    noise: np.ndarray | None = None,
 ) -> dict:
     """Logged values judged against the run's own noise, and their excursions above their running level.
 
@@ -95,13 +109,15 @@ def excursions(
     run (2 rows at least).
 
     Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
-    sustained)."""
+    sustained). `noise`: `point_noise` of the log values when known (carried from the audit before)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     level = rolling_level(x, level_points)
     residual = x - level
     quantum = log_quantum(v)
-    scale = floored_scale(point_noise(x) * math.sqrt(1 + math.pi / (2 * level_points)), level, quantum)
+    scale = floored_scale(
+        (point_noise(x) if noise is None else noise) * math.sqrt(1 + math.pi / (2 * level_points)), level, quantum
+    )
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
@@ -147,7 +163,7 @@ def rows_above(x: np.ndarray, start: int, bar: float) -> int:
     return int(below[0]) if below.size else x.size - start
 
 
-def lone_peaks(values, sigma: float, min_effect: float) -> dict:
+def lone_peaks(values, sigma: float, min_effect: float, noise: np.ndarray | None = None) -> dict:
     """Single logged values standing above both neighbours, judged against the run's own noise of such a stand.
 
     Each inner value's residual from the midpoint of its two neighbours (log space: minus half the second
@@ -157,7 +173,8 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     judged). A peak: z >= `sigma` x the upper-tail factor of these z, and the value at least `min_effect` x each
     neighbour (a step down after a plateau puts its last value over the midpoint, never over both neighbours).
 
-    Returns residual, scale, z, tail, threshold, the peak rows and each value over its higher neighbour (log)."""
+    Returns residual, scale, z, tail, threshold, the peak rows and each value over its higher neighbour (log).
+    `noise`: `point_noise` of the log values when known."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     n = x.size
@@ -166,7 +183,7 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     if n >= 3:
         residual[1:-1] = x[1:-1] - (x[:-2] + x[2:]) / 2
         prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
-    scale = floored_scale(point_noise(x) * math.sqrt(1.5), x - residual, log_quantum(v))
+    scale = floored_scale((point_noise(x) if noise is None else noise) * math.sqrt(1.5), x - residual, log_quantum(v))
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
     tail = tail_factor(z[np.isfinite(z)])
@@ -184,14 +201,14 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     }
 
 
-def short_log_peaks(values, min_effect: float) -> np.ndarray:
+def short_log_peaks(values, min_effect: float, noise: np.ndarray | None = None) -> np.ndarray:
     """In a log too short for a noise estimate (`point_noise` has none), the rows whose value stands at least
     `min_effect` x every other value after the first (the untrained start) and is followed by a lower one: the
     rest of the log is the bound, not a history it does not have. The second row is not judged (a falling loss
     puts it above all that follow) nor the last (a rise that ends the log may be the start of a divergence)."""
     x = log_values(values)
     n = x.size
-    if n < 4 or np.isfinite(point_noise(x)).any():
+    if n < 4 or np.isfinite(point_noise(x) if noise is None else noise).any():
         return np.zeros(0, dtype=int)
     rest = np.where(np.isfinite(x[1:]), x[1:], -np.inf)
     top, second = np.sort(rest)[::-1][:2]
