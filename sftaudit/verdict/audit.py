@@ -436,16 +436,25 @@ def audited(
         if config is None:  # its limits are ingest's too
             config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
         added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
-        stored = _stored(run_dir) if judge != "always" else None
+        yield Audited(_judged(run_dir, config, judge), added)
+
+
+def _judged(run_dir: Path, config: AuditConfig, judge: str) -> dict[str, Any] | None:
+    """The verdict `audited` yields: the stored one read and, when it must be judged again, judged on the same
+    connection (one opening of the database a poll of `watch`, not two)."""
+    try:
+        con = connect(run_dir, read_only=judge == "never")
+    except InputError:
+        if judge != "never":
+            raise
+        return None  # nothing ingested, and not to be judged: no database
+    try:
+        stored = _stored_in(con) if judge != "always" else None
         if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
-            con = connect(run_dir)
-            try:
-                verdict = judge_database(con, run_dir, config)
-            finally:
-                con.close()
-        else:
-            verdict = stored["verdict"] if stored else None
-        yield Audited(verdict, added)
+            return judge_database(con, run_dir, config)
+        return stored["verdict"] if stored else None
+    finally:
+        con.close()
 
 
 def audit(
@@ -477,12 +486,17 @@ def _stored(run_dir: Path) -> dict[str, Any] | None:
     except InputError:
         return None
     try:
-        if not has_table(con, "audit_verdict"):
-            return None
-        row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
-        now = first_row(con, _INGESTED)[0]
+        return _stored_in(con)
     finally:
         con.close()
+
+
+def _stored_in(con) -> dict[str, Any] | None:
+    """`_stored` of an open database."""
+    if not has_table(con, "audit_verdict"):
+        return None
+    row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
+    now = first_row(con, _INGESTED)[0]
     if row is None:
         return None
     verdict, config, version, ingested = row
