@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
-from .carried_noise import carried_point_noise
+from .carried_curve import carried_curve
 from .gradient_columns import gradient_columns
 from .stats.curve import excursions, lone_peaks, short_log_peaks
 from .stats.rolling import (
@@ -128,8 +128,10 @@ class LossDynamics(Check):
 
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
         p = self.params
-        noise = carried_point_noise(ctx, "loss", loss)
-        found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"], noise=noise)
+        curve = carried_curve(ctx, "loss", loss)
+        found = excursions(
+            loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level
+        )
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(
             self.code,
@@ -173,7 +175,7 @@ class LossDynamics(Check):
                     spike_steps=steps[s : e + 1].tolist()[:50],
                 )
             )
-        return findings + self._peaks(steps, loss, end, reported, rows, noise)
+        return findings + self._peaks(steps, loss, end, reported, rows, curve.noise)
 
     def _peaks(self, steps, loss, end, reported, rows, noise) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log

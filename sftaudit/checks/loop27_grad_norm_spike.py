@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .carried_noise import carried_point_noise
+from .carried_curve import carried_curve
 from .stats.curve import excursions
 from .stats.rolling import column, step_frame
 
@@ -72,8 +72,8 @@ class LoggedGradientNormSpike(Check):
             )
         steps, norm, loss = frame["step"].to_numpy()[usable], norm[usable], loss[usable]
         p = self.params
-        noise = carried_point_noise(ctx, "grad_norm", norm)
-        found = excursions(norm, p["sigma"], p["diverge_steps"], p["min_effect"], noise=noise)
+        curve = carried_curve(ctx, "grad_norm", norm)
+        found = excursions(norm, p["sigma"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level)
         ctx.add_series(
             self.code,
             "log gradient norm z vs its own step-to-step noise",

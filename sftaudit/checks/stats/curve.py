@@ -97,6 +97,7 @@ def excursions(
     min_effect: float,
     level_points: int = LEVEL_POINTS,
     noise: np.ndarray | None = None,
+    level: np.ndarray | None = None,
 ) -> dict:
     """Logged values judged against the run's own noise, and their excursions above their running level.
 
@@ -109,10 +110,11 @@ def excursions(
     run (2 rows at least).
 
     Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
-    sustained). `noise`: `point_noise` of the log values when known (carried from the audit before)."""
+    sustained). `noise`, `level`: `point_noise` and `rolling_level` of the log values when known (carried from the
+    audit before)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
-    level = rolling_level(x, level_points)
+    level = rolling_level(x, level_points) if level is None else level
     residual = x - level
     quantum = log_quantum(v)
     scale = floored_scale(

@@ -1,6 +1,6 @@
-"""The run's own noise carried from one audit to the next (`carried_point_noise`) equals `point_noise` of the whole
-series, bit for bit, however the series grew or changed since: appended values, a resume that rewrote its end, a
-value changed anywhere, a log cut shorter."""
+"""A logged series' noise and running level carried from one audit to the next (`carried_curve`) equal
+`point_noise` and `rolling_level` of the whole series, bit for bit, however it grew or changed since: appended
+values, a resume that rewrote its end, a value changed anywhere, a log cut shorter."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sftaudit.checks import AuditContext
-from sftaudit.checks.carried_noise import carried_point_noise
-from sftaudit.checks.stats.curve import log_values, point_noise
+from sftaudit.checks.carried_curve import carried_curve
+from sftaudit.checks.stats.curve import LEVEL_POINTS, log_values, point_noise
+from sftaudit.checks.stats.rolling import rolling_level
 from sftaudit.store.rundb import database_dir
 
 
@@ -35,10 +36,10 @@ def loss_log(seed: int, n: int) -> np.ndarray:
     change=st.sampled_from(["appended", "end rewritten", "a value changed", "cut shorter"]),
     at=st.floats(0, 1),
 )
-def test_carried_noise_equals_the_noise_of_the_whole_series(tmp_path_factory, seed, first, grown, change, at):
+def test_a_carried_curve_equals_the_statistics_of_the_whole_series(tmp_path_factory, seed, first, grown, change, at):
     run = tmp_path_factory.mktemp("run")
     before = loss_log(seed, first)
-    carried_point_noise(audit_context(run), "loss", before)
+    carried_curve(audit_context(run), "loss", before)
     after = np.concatenate([before, loss_log(seed + 1, grown)])
     row = int(at * (after.size - 1))
     if change == "end rewritten":  # a resume from an earlier step: the steps after it logged again
@@ -47,24 +48,25 @@ def test_carried_noise_equals_the_noise_of_the_whole_series(tmp_path_factory, se
         after[row] *= 3.0
     elif change == "cut shorter":
         after = after[: max(3, row)]
-    noise = carried_point_noise(audit_context(run), "loss", after)
-    expected = point_noise(log_values(after))
-    assert noise.view(np.int64).tolist() == expected.view(np.int64).tolist()
+    curve = carried_curve(audit_context(run), "loss", after)
+    x = log_values(after)
+    assert curve.noise.view(np.int64).tolist() == point_noise(x).view(np.int64).tolist()
+    assert curve.level.view(np.int64).tolist() == rolling_level(x, LEVEL_POINTS).view(np.int64).tolist()
 
 
 def test_what_a_later_audit_computes_is_only_the_blocks_near_what_is_new(tmp_path, monkeypatch):
-    from sftaudit.checks import carried_noise
+    from sftaudit.checks import carried_curve as module
 
     computed_from = []
-    original = carried_noise.block_noise
+    original = module.block_noise
 
     def recorded(x, *args, first_block=0, **kwargs):
         computed_from.append(first_block)
         return original(x, *args, first_block=first_block, **kwargs)
 
-    monkeypatch.setattr(carried_noise, "block_noise", recorded)
+    monkeypatch.setattr(module, "block_noise", recorded)
     loss = loss_log(1, 100_000)
-    carried_point_noise(audit_context(tmp_path), "loss", loss[:99_000])
-    carried_point_noise(audit_context(tmp_path), "loss", loss)
+    carried_curve(audit_context(tmp_path), "loss", loss[:99_000])
+    carried_curve(audit_context(tmp_path), "loss", loss)
     # Blocks of 64 rows: the last old value's block (1546) and the 2 blocks pooled before it are computed again.
     assert computed_from == [0, 98_999 // 64 - 2]
