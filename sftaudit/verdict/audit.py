@@ -231,6 +231,8 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
     were recorded but whose step record is gone), leaving out the steps after the shim switched that
     component off. Batches after the last step record are the step a crash interrupted, not a gap."""
     out = []
+    # The recorded steps once for every kind (a CTE named several times is computed each time: a million steps).
+    con.execute("CREATE OR REPLACE TEMP TABLE recorded_steps AS SELECT DISTINCT rank, step FROM steps")
     for table, component, words in PER_STEP_EVIDENCE:
         con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
         stopped = [
@@ -248,11 +250,11 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
                   AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
         )
         rows = con.execute(f"""
-            WITH s AS (SELECT DISTINCT rank, step FROM steps),
-                 e AS (SELECT DISTINCT rank, step FROM "{table}"),
+            WITH s AS (SELECT rank, step FROM recorded_steps),
+                 e AS MATERIALIZED (SELECT DISTINCT rank, step FROM "{table}"),
                  last AS (SELECT rank, max(step) AS last FROM s GROUP BY rank),
                  gaps AS (SELECT rank, step FROM s ANTI JOIN e USING (rank, step) {orphans}),
-                 counted AS (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
+                 counted AS MATERIALIZED (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
                              FROM stopped_from GROUP BY rank) f USING (rank)
                              WHERE f.from_step IS NULL OR g.step < f.from_step)
             SELECT s.rank, count(*), (SELECT count(*) FROM counted c WHERE c.rank = s.rank),
@@ -264,6 +266,7 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
             for rank, total, gaps, first_gap in rows
             if gaps
         ]
+    con.execute("DROP TABLE recorded_steps")
     return out
 
 
