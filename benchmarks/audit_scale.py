@@ -8,7 +8,9 @@ writer (the per-tensor norms into the columnar series), then times `ingest` and 
 separately, each check on its own (top 5 printed), and prints bytes per recorded value, the peak
 RSS of this process and whether every planted anomaly is found at its step; then, `--reaudits` times,
 appends 1,000 clean steps and times the re-ingest and the re-audit (median and spread; the slowest checks). `--schema 1` writes
-the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparison.
+the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparison. `--keep DIR --reuse` times only
+more re-audits of a run an earlier `--keep DIR` wrote and audited (its database and carried state in the cache beside
+it, DIR-cache, unless SFTAUDIT_CACHE_DIR says where): a 10^6-step run is written and first audited once.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from synthetic_run import append_steps, write_synthetic_run  # noqa: E402
 
 from sftaudit.checks import registered_checks  # noqa: E402
 from sftaudit.store.ingest import ingest  # noqa: E402
-from sftaudit.store.rundb import CACHE_ENV  # noqa: E402
+from sftaudit.store.rundb import CACHE_ENV, connect  # noqa: E402
 from sftaudit.verdict.audit import audit  # noqa: E402
 
 
@@ -59,11 +61,19 @@ def main() -> int:
     parser.add_argument("--schema", type=int, default=2, choices=(1, 2))
     parser.add_argument("--reaudits", type=int, default=3, help="rounds of 1,000 more steps and a re-audit")
     parser.add_argument("--keep", type=Path, help="write the run here and keep it (default: a temporary folder)")
+    parser.add_argument("--reuse", action="store_true", help="re-audit the run --keep names, written before")
     args = parser.parse_args()
+    if args.reuse and not (args.keep and (args.keep / "sftaudit").is_dir()):
+        parser.error("--reuse needs --keep DIR naming a run an earlier --keep wrote")
     with tempfile.TemporaryDirectory() as tmp:
-        # The run's database and columnar copy (4 bytes a norm) go with the temporary folder unless a cache is set.
-        os.environ.setdefault(CACHE_ENV, str(Path(tmp) / "cache"))
+        # The run's database and columnar copy (4 bytes a norm) go with the temporary folder unless a cache is set,
+        # or beside a run kept.
+        cache = args.keep.with_name(args.keep.name + "-cache") if args.keep else Path(tmp) / "cache"
+        os.environ.setdefault(CACHE_ENV, str(cache))
         run = args.keep or Path(tmp) / "synthetic"
+        if args.reuse:
+            spent = _timed_checks()
+            return _reaudits(args, run, audit(run), spent, None)
         t0 = time.perf_counter()
         planted = write_synthetic_run(run, steps=args.steps, tensors=args.tensors, schema_version=args.schema)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -112,37 +122,55 @@ def main() -> int:
         )
         for f in verdict["findings"]:
             print(f"  {f['code']} {f['severity']} step {f['step']}: {f['message'][:110]}")
-        # The run goes on: 1,000 more steps at a time, each followed by a re-audit (the carried columnar copy:
-        # only the ranges of steps still open are read and written again).
-        reaudits, appended, after = [], [], args.steps
-        for _ in range(args.reaudits):
-            t4 = time.perf_counter()
-            append_steps(run, after, args.tensors, 1_000)
-            after += 1_000
-            t5 = time.perf_counter()
-            ingest(run)
-            t6, c6 = time.perf_counter(), time.process_time()
-            spent.clear()
-            again = audit(run)
-            t7, c7 = time.perf_counter(), time.process_time()
-            reaudits.append((t7 - t6, c7 - c6))
-            appended.append((t5 - t4, t6 - t5))
-            top = ", ".join(f"{code} {s:.1f} s" for code, s in sorted(spent.items(), key=lambda kv: -kv[1])[:3])
-            print(
-                f"re-audit after 1,000 more steps (step {after:,}): {t7 - t6:.1f} s (CPU {c7 - c6:.1f} s); written in "
-                f"{t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s; slowest checks: {top}"
-            )
-        walls = sorted(w for w, _ in reaudits)
-        print(
-            f"incremental: re-audit median {statistics.median(walls):.1f} s wall (min {walls[0]:.1f}, max "
-            f"{walls[-1]:.1f}; CPU median {statistics.median(c for _, c in reaudits):.1f} s) over {len(walls)} "
-            f"re-audits, against {t3 - t2:.1f} s wall (CPU {c3 - c2:.1f} s) for the first audit; ingest of the new "
-            f"steps median {statistics.median(i for _, i in appended):.2f} s (the first ingest took {t2 - t1:.1f} s)"
-        )
-        new = {(f["code"], f["severity"], f["step"]) for f in again["findings"]} - found
-        print(f"findings the appended clean steps added: {sorted(new) or 'none'}")
         ok = all(key in found for key in expected.values()) and verdict["first_anomalous_step"] == first
+        _reaudits(args, run, verdict, spent, (t3 - t2, c3 - c2, t2 - t1))
         return 0 if ok else 1
+
+
+def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, float, float] | None) -> int:
+    """`--reaudits` rounds of 1,000 more steps and a re-audit of `run`, last judged as `verdict` (`spent`: the
+    checks' times, `_timed_checks`); `first`: the first audit's wall and CPU seconds and the first ingest's wall
+    seconds, when this invocation took them."""
+    found = {(f["code"], f["severity"], f["step"]) for f in verdict["findings"]}
+    # The run goes on: 1,000 more steps at a time, each followed by a re-audit (the carried columnar copy:
+    # only the ranges of steps still open are read and written again).
+    reaudits, appended = [], []
+    con = connect(run, read_only=True)
+    after = int(con.execute("SELECT max(step) FROM steps WHERE rank = 0").fetchone()[0])
+    con.close()
+    for _ in range(args.reaudits):
+        t4 = time.perf_counter()
+        append_steps(run, after, args.tensors, 1_000)
+        after += 1_000
+        t5 = time.perf_counter()
+        ingest(run)
+        t6, c6 = time.perf_counter(), time.process_time()
+        spent.clear()
+        again = audit(run)
+        t7, c7 = time.perf_counter(), time.process_time()
+        reaudits.append((t7 - t6, c7 - c6))
+        appended.append((t5 - t4, t6 - t5))
+        top = ", ".join(f"{code} {s:.1f} s" for code, s in sorted(spent.items(), key=lambda kv: -kv[1])[:3])
+        print(
+            f"re-audit after 1,000 more steps (step {after:,}): {t7 - t6:.1f} s (CPU {c7 - c6:.1f} s); written in "
+            f"{t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s; slowest checks: {top}"
+        )
+    walls = sorted(w for w, _ in reaudits)
+    print(
+        f"incremental: re-audit median {statistics.median(walls):.1f} s wall (min {walls[0]:.1f}, max "
+        f"{walls[-1]:.1f}; CPU median {statistics.median(c for _, c in reaudits):.1f} s) over {len(walls)} "
+        f"re-audits"
+        + (
+            f", against {first[0]:.1f} s wall (CPU {first[1]:.1f} s) for the first audit"
+            if first
+            else " (of a run written and first audited before: --reuse)"
+        )
+        + f"; ingest of the new steps median {statistics.median(i for _, i in appended):.2f} s"
+        + (f" (the first ingest took {first[2]:.1f} s)" if first else "")
+    )
+    new = {(f["code"], f["severity"], f["step"]) for f in again["findings"]} - found
+    print(f"findings the appended clean steps added: {sorted(new) or 'none'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class AuditContext:
         """A named statistic over steps (sequences or numpy/polars columns of equal length), kept as typed
         columns (a million steps as Python lists took 40 MB a column). `sole_condition`: crossing `threshold`
         alone fires the check (else the report labels the line as one condition of several)."""
-        steps, values = pl.Series(steps, dtype=pl.Int64), pl.Series(values, dtype=pl.Float64)
+        steps, values = pl.Series(steps, dtype=pl.Int64), pl.Series(values, dtype=pl.Float64, strict=False)
         if len(steps) != len(values):
             raise ValueError(f"{code} series {name!r}: {len(steps)} steps but {len(values)} values")
         self.series.append(

@@ -227,8 +227,8 @@ class GradientNormAnomaly(Check):
         ctx.add_series(
             self.code,
             "largest tensor's gradient norm / its running median (a spike must also stand out from the typical tensor)",
-            steps.tolist(),
-            np.nan_to_num(np.exp(largest)).tolist(),
+            steps,
+            np.nan_to_num(np.exp(largest)),
             self.params["min_ratio"],
         )
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -236,8 +236,8 @@ class GradientNormAnomaly(Check):
         ctx.add_series(
             self.code,
             "typical tensor's gradient norm / its running median (rising with the largest: a model-wide burst)",
-            steps.tolist(),
-            np.nan_to_num(typical, nan=1.0).tolist(),
+            steps,
+            np.nan_to_num(typical, nan=1.0),
         )
 
         findings: list[Finding] = self._collapses(steps, names, collapsed, count)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
+from .carried_curve import carried_curve
 from .gradient_columns import gradient_columns
-from .stats.curve import excursions, lone_peaks, short_log_peaks
+from .stats.curve import LENSES, excursions, lone_peaks, short_log_peaks
 from .stats.rolling import (
     adaptive_window,
     column,
@@ -130,13 +131,16 @@ class LossDynamics(Check):
 
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
         p = self.params
-        found = excursions(loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"])
+        curve = carried_curve(ctx, "loss", loss)
+        found = excursions(
+            loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level
+        )
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(
             self.code,
             "loss z vs its own step-to-step noise",
-            steps.tolist(),
-            np.nan_to_num(z, posinf=0.0, neginf=0.0).tolist(),
+            steps,
+            np.nan_to_num(z, posinf=0.0, neginf=0.0),
             threshold,
             sole_condition=True,
         )
@@ -174,13 +178,14 @@ class LossDynamics(Check):
                     spike_steps=steps[s : e + 1].tolist()[:50],
                 )
             )
-        return findings + self._peaks(steps, loss, end, reported, rows)
+        root = carried_curve(ctx, "loss-square-root", loss, LENSES["square root"][0])
+        return findings + self._peaks(steps, loss, end, reported, rows, {"log": curve.noise, "square root": root.noise})
 
-    def _peaks(self, steps, loss, end, reported, rows) -> list[Finding]:
+    def _peaks(self, steps, loss, end, reported, rows, noises) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
         too short for a noise estimate, values far above all the others; before a divergence only."""
         p = self.params
-        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"])
+        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noises=noises)
         findings = []
         for i in peaks["peaks"]:
             if i >= end or reported[i]:
@@ -211,7 +216,7 @@ class LossDynamics(Check):
                     rows_per_log=rows,
                 )
             )
-        for i in short_log_peaks(loss, p["short_log_effect"]):
+        for i in short_log_peaks(loss, p["short_log_effect"], noise=noises["log"]):
             if i >= end or reported[i]:
                 continue
             others = np.delete(loss[1:], i - 1)

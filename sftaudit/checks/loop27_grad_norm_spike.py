@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
+from .carried_curve import carried_curve
 from .stats.curve import excursions
 from .stats.rolling import column, step_frame
 
@@ -71,12 +72,13 @@ class LoggedGradientNormSpike(Check):
             )
         steps, norm, loss = frame["step"].to_numpy()[usable], norm[usable], loss[usable]
         p = self.params
-        found = excursions(norm, p["sigma"], p["diverge_steps"], p["min_effect"])
+        curve = carried_curve(ctx, "grad_norm", norm)
+        found = excursions(norm, p["sigma"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level)
         ctx.add_series(
             self.code,
             "log gradient norm z vs its own step-to-step noise",
-            steps.tolist(),
-            np.nan_to_num(found["z"], posinf=0.0, neginf=0.0).tolist(),
+            steps,
+            np.nan_to_num(found["z"], posinf=0.0, neginf=0.0),
             found["threshold"],
             sole_condition=False,
         )

@@ -231,6 +231,8 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
     were recorded but whose step record is gone), leaving out the steps after the shim switched that
     component off. Batches after the last step record are the step a crash interrupted, not a gap."""
     out = []
+    # The recorded steps once for every kind (a CTE named several times is computed each time: a million steps).
+    con.execute("CREATE OR REPLACE TEMP TABLE recorded_steps AS SELECT DISTINCT rank, step FROM steps")
     for table, component, words in PER_STEP_EVIDENCE:
         con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
         stopped = [
@@ -248,11 +250,11 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
                   AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
         )
         rows = con.execute(f"""
-            WITH s AS (SELECT DISTINCT rank, step FROM steps),
-                 e AS (SELECT DISTINCT rank, step FROM "{table}"),
+            WITH s AS (SELECT rank, step FROM recorded_steps),
+                 e AS MATERIALIZED (SELECT DISTINCT rank, step FROM "{table}"),
                  last AS (SELECT rank, max(step) AS last FROM s GROUP BY rank),
                  gaps AS (SELECT rank, step FROM s ANTI JOIN e USING (rank, step) {orphans}),
-                 counted AS (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
+                 counted AS MATERIALIZED (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
                              FROM stopped_from GROUP BY rank) f USING (rank)
                              WHERE f.from_step IS NULL OR g.step < f.from_step)
             SELECT s.rank, count(*), (SELECT count(*) FROM counted c WHERE c.rank = s.rank),
@@ -264,6 +266,7 @@ def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]
             for rank, total, gaps, first_gap in rows
             if gaps
         ]
+    con.execute("DROP TABLE recorded_steps")
     return out
 
 
@@ -436,16 +439,25 @@ def audited(
         if config is None:  # its limits are ingest's too
             config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
         added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
-        stored = _stored(run_dir) if judge != "always" else None
+        yield Audited(_judged(run_dir, config, judge), added)
+
+
+def _judged(run_dir: Path, config: AuditConfig, judge: str) -> dict[str, Any] | None:
+    """The verdict `audited` yields: the stored one read and, when it must be judged again, judged on the same
+    connection (one opening of the database a poll of `watch`, not two)."""
+    try:
+        con = connect(run_dir, read_only=judge == "never")
+    except InputError:
+        if judge != "never":
+            raise
+        return None  # nothing ingested, and not to be judged: no database
+    try:
+        stored = _stored_in(con) if judge != "always" else None
         if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
-            con = connect(run_dir)
-            try:
-                verdict = judge_database(con, run_dir, config)
-            finally:
-                con.close()
-        else:
-            verdict = stored["verdict"] if stored else None
-        yield Audited(verdict, added)
+            return judge_database(con, run_dir, config)
+        return stored["verdict"] if stored else None
+    finally:
+        con.close()
 
 
 def audit(
@@ -477,12 +489,17 @@ def _stored(run_dir: Path) -> dict[str, Any] | None:
     except InputError:
         return None
     try:
-        if not has_table(con, "audit_verdict"):
-            return None
-        row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
-        now = first_row(con, _INGESTED)[0]
+        return _stored_in(con)
     finally:
         con.close()
+
+
+def _stored_in(con) -> dict[str, Any] | None:
+    """`_stored` of an open database."""
+    if not has_table(con, "audit_verdict"):
+        return None
+    row = first_row(con, "SELECT verdict, config, sftaudit, ingested FROM audit_verdict")
+    now = first_row(con, _INGESTED)[0]
     if row is None:
         return None
     verdict, config, version, ingested = row
@@ -578,32 +595,108 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
 
 
 def _store_series(con, series: list[dict[str, Any]]) -> None:
-    con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
-                   threshold DOUBLE, sole_condition BOOLEAN)""")
-    if not series:
-        return
+    """The checks' series into the `series` table. A re-audit of a grown run finds most points as it stored them
+    (a running statistic of a step judged before does not change): when the stored series are the same ones, in
+    the same order, each with ascending steps, only each series' points from the first that differs on are
+    replaced (a DuckDB insert costs about 0.2 s of CPU a million points; a run of 10^6 steps has several such
+    series). Else the table is written anew. Either way it holds what a fresh audit stores."""
     import numpy as np
     import polars as pl
 
-    # The values of every series in one frame (a list bound as a parameter is converted value by value: 1.5 s a 10^5
-    # steps; pyarrow's conversion of a list imports pandas), each row naming its series (from 1); the series' own
-    # fields looked up by it in the statement.
-    con.register(
-        "series_rows",
-        pl.DataFrame(
-            {
-                "series": np.repeat(np.arange(1, len(series) + 1), [len(s["steps"]) for s in series]),
-                "step": pl.concat([pl.Series(s["steps"], dtype=pl.Int64) for s in series]),
-                "value": pl.concat([pl.Series(s["values"], dtype=pl.Float64) for s in series]),
-            }
-        ),
-    )
-    con.execute(
-        "INSERT INTO series SELECT (?::VARCHAR[])[series], (?::VARCHAR[])[series], step, value, "
-        "(?::DOUBLE[])[series], (?::BOOLEAN[])[series] FROM series_rows",
-        [[s[key] for s in series] for key in ("code", "name", "threshold", "sole_condition")],
-    )
-    con.unregister("series_rows")
+    series = [s for s in series if len(s["steps"])]  # a series of no points stores no row
+    con.execute("BEGIN TRANSACTION")
+    try:
+        kept = _stored_prefixes(con, series)
+        if kept is None:
+            con.execute("""CREATE OR REPLACE TABLE series (code VARCHAR, name VARCHAR, step BIGINT, value DOUBLE,
+                           threshold DOUBLE, sole_condition BOOLEAN)""")
+            kept = [0] * len(series)
+        for s, rows in zip(series, kept):
+            if rows:  # the points after the last one kept go (a series may have shrunk or changed at its end)
+                con.execute(
+                    "DELETE FROM series WHERE code = ? AND name = ? AND step > ?",
+                    [s["code"], s["name"], s["steps"][rows - 1]],
+                )
+        new = [(i, s, rows) for i, (s, rows) in enumerate(zip(series, kept)) if rows < len(s["steps"])]
+        if new:
+            # The points in one frame, each row naming its series (from 1); the series' own fields looked up by it
+            # in the statement (a list bound as a parameter is converted value by value).
+            con.register(
+                "series_rows",
+                pl.DataFrame(
+                    {
+                        "series": np.repeat([i + 1 for i, _, _ in new], [len(s["steps"]) - rows for _, s, rows in new]),
+                        "step": pl.concat([s["steps"][rows:] for _, s, rows in new]),
+                        "value": pl.concat([s["values"][rows:] for _, s, rows in new]),
+                    }
+                ),
+            )
+            con.execute(
+                "INSERT INTO series SELECT (?::VARCHAR[])[series], (?::VARCHAR[])[series], step, value, "
+                "(?::DOUBLE[])[series], (?::BOOLEAN[])[series] FROM series_rows",
+                [[s[key] for s in series] for key in ("code", "name", "threshold", "sole_condition")],
+            )
+            con.unregister("series_rows")
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+
+
+def _stored_prefixes(con, series: list[dict[str, Any]]) -> list[int] | None:
+    """Per series, how many of its first points the `series` table holds as they are (steps, values bit for bit,
+    nulls), its threshold set anew; None when the table does not hold these series, in this order, each with
+    strictly ascending steps (a point is then found by its step)."""
+    import numpy as np
+
+    if not has_table(con, "series"):
+        return None
+    columns = [c[0] for c in con.execute("DESCRIBE series").fetchall()]
+    if columns != ["code", "name", "step", "value", "threshold", "sole_condition"]:
+        return None
+    stored = con.execute(
+        "SELECT code, name, any_value(threshold), bool_or(sole_condition) FROM series GROUP BY code, name "
+        "ORDER BY min(rowid)"
+    ).fetchall()
+    if [(code, name, sole) for code, name, _, sole in stored] != [
+        (s["code"], s["name"], s["sole_condition"]) for s in series
+    ]:
+        return None
+    for (_, _, threshold, _), s in zip(stored, series):  # a threshold scaled by a whole-run statistic moves
+        if threshold != s["threshold"]:
+            con.execute(
+                "UPDATE series SET threshold = ? WHERE code = ? AND name = ?", [s["threshold"], s["code"], s["name"]]
+            )
+    kept = []
+    for s in series:
+        steps = s["steps"].to_numpy()
+        if steps.size > 1 and not (np.diff(steps) > 0).all():
+            return None
+        old = con.sql(
+            "SELECT step, value FROM series WHERE code = ? AND name = ? ORDER BY step", params=[s["code"], s["name"]]
+        ).pl()
+        m = min(old.height, steps.size)
+        old_steps = old["step"].to_numpy()
+        if old_steps.size > 1 and not (np.diff(old_steps) > 0).all():
+            return None
+        old_values, new_values = old["value"][:m], s["values"][:m]
+        differ = (
+            (old_steps[:m] != steps[:m])
+            | (old_values.is_null().to_numpy() != new_values.is_null().to_numpy())
+            | (_bits(old_values) != _bits(new_values))
+        )
+        first = int(np.argmax(differ)) if differ.any() else m
+        if first == 0:  # its first point changed: where the series stands among the others would change
+            return None
+        kept.append(first)
+    return kept
+
+
+def _bits(values) -> Any:
+    """A float column's bits (a null as 0.0's): equal bits, equal values, NaN included."""
+    import numpy as np
+
+    return values.fill_null(0.0).to_numpy().view(np.int64)
 
 
 def stored_verdict(run_dir: str | Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from sftaudit.fixtures.recording import bare_manifest
 from sftaudit.checks import gradient_columns
 from sftaudit.core.artifacts import rank_dir
 from sftaudit.shim.writer import JsonlWriter
-from sftaudit.store.rundb import database_dir
+from sftaudit.store.rundb import connect, database_dir
 from sftaudit.verdict.audit import audit
 
 TENSORS, RANGE_STEPS, PART_STEPS = 24, 7, 5  # small ranges and parts: many of each, parts straddling ranges
@@ -103,6 +103,20 @@ def comparable(verdict: dict) -> list:
     return sorted(json.dumps(f, sort_keys=True) for f in verdict["findings"])
 
 
+def stored_series(run: Path) -> tuple[list, list]:
+    """The series the audit stored for the report: the series in the order the report draws them, and every
+    point (NaN compared as a string)."""
+    con = connect(run, read_only=True)
+    try:
+        order = con.execute("SELECT code, name FROM series GROUP BY code, name ORDER BY min(rowid)").fetchall()
+        points = con.execute(
+            "SELECT code, name, step, value::VARCHAR, threshold, sole_condition FROM series ORDER BY code, name, step"
+        ).fetchall()
+    finally:
+        con.close()
+    return order, points
+
+
 def grown_and_fresh(run: Path, seed: int, faults: dict, cuts: list[int], how: str, back: int) -> tuple[dict, dict]:
     """Audit the run at each cut as it is written, then grow it to TOTAL as `how` says, audit it again, and audit
     a copy of it from nothing (another folder: another database and carried state)."""
@@ -147,6 +161,7 @@ def test_an_audit_carried_through_random_cuts_equals_a_fresh_one(tmp_path_factor
     run = tmp_path_factory.mktemp("incremental") / "run"
     final, fresh = grown_and_fresh(run, seed, faults, cuts, how, back)
     assert comparable(final) == comparable(fresh)
+    assert stored_series(run) == stored_series(run.parent / "fresh")
 
 
 @pytest.mark.parametrize("how", ["grown", "resumed", "rewritten"])
@@ -157,6 +172,7 @@ def test_the_planted_faults_are_found_after_an_incremental_audit(tmp_path, how):
     assert {("LOOP-05", "fail", 100), ("LOOP-05", "fail", 110)} <= found
     assert any(code == "LOOP-15" and step in (120, 121) for code, _, step in found)
     assert comparable(final) == comparable(fresh)
+    assert stored_series(tmp_path / "run") == stored_series(tmp_path / "fresh")
 
 
 def test_only_the_steps_past_what_was_carried_are_judged_again(tmp_path, monkeypatch):

@@ -55,26 +55,39 @@ def point_noise(x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOIS
     fewer than `MIN_DIFFERENCES` second differences are near (a log of 6 values or fewer has no noise to judge a
     value against: its bounds do)."""
     x = np.asarray(x, dtype=float)
+    return np.repeat(block_noise(x, min_points, reach), noise_block(x.size, min_points, reach))[: x.size]
+
+
+def noise_block(n: int, min_points: int = NOISE_POINTS, reach: int = NOISE_REACH) -> int:
+    """The rows in one block of `point_noise` for a log of `n` values."""
+    return max(int(np.clip(n // 32, 4, 64)), -(-min_points // (2 * reach + 1)))
+
+
+def block_noise(
+    x: np.ndarray, min_points: int = NOISE_POINTS, reach: int = NOISE_REACH, first_block: int = 0
+) -> np.ndarray:
+    """`point_noise` a block at a time (`noise_block` rows), of the blocks from `first_block` on: each block's
+    sigma depends only on the values of the blocks it pools, so a carried one is computed once."""
+    x = np.asarray(x, dtype=float)
     n = x.size
     d2 = np.full(n, np.nan)
     if n >= 3:
         d2[1:-1] = x[2:] - 2 * x[1:-1] + x[:-2]
     width = 2 * reach + 1
-    block = max(int(np.clip(n // 32, 4, 64)), -(-min_points // width))
+    block = noise_block(n, min_points, reach)
     blocks = -(-n // block)
     padded = np.full(blocks * block, np.nan)
     padded[:n] = d2
     rows = padded.reshape(blocks, block)
     k = min(width, blocks)
-    start = np.clip(np.arange(blocks) - reach, 0, blocks - k)
-    pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(blocks, k * block)
+    start = np.clip(np.arange(first_block, blocks) - reach, 0, blocks - k)
+    pooled = rows[start[:, None] + np.arange(k)[None, :]].reshape(start.size, k * block)
     with warnings.catch_warnings():  # a window without finite values has no noise
         warnings.simplefilter("ignore", RuntimeWarning)
         centre = row_nanmedian(pooled)
         sigma = MAD_TO_SIGMA * row_nanmedian(np.abs(pooled - centre[:, None])) / math.sqrt(6)
     finite = np.count_nonzero(np.isfinite(pooled), axis=1)
-    sigma = np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
-    return np.repeat(sigma, block)[:n]
+    return np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
 
 
 def excursions(
@@ -83,6 +96,8 @@ def excursions(
     diverge_steps: int,
     min_effect: float,
     level_points: int = LEVEL_POINTS,
+    noise: np.ndarray | None = None,
+    level: np.ndarray | None = None,
 ) -> dict:
     """Logged values judged against the run's own noise, and their excursions above their running level.
 
@@ -95,13 +110,16 @@ def excursions(
     run (2 rows at least).
 
     Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
-    sustained)."""
+    sustained). `noise`, `level`: `point_noise` and `rolling_level` of the log values when known (carried from the
+    audit before)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
-    level = rolling_level(x, level_points)
+    level = rolling_level(x, level_points) if level is None else level
     residual = x - level
     quantum = log_quantum(v)
-    scale = floored_scale(point_noise(x) * math.sqrt(1 + math.pi / (2 * level_points)), level, quantum)
+    scale = floored_scale(
+        (point_noise(x) if noise is None else noise) * math.sqrt(1 + math.pi / (2 * level_points)), level, quantum
+    )
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
@@ -147,7 +165,7 @@ def rows_above(x: np.ndarray, start: int, bar: float) -> int:
     return int(below[0]) if below.size else x.size - start
 
 
-def lone_peaks(values, sigma: float, min_effect: float) -> dict:
+def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = None) -> dict:
     """Single logged values standing above both neighbours, judged against the run's own noise of such a stand.
 
     Each inner value's residual from the midpoint of its two neighbours (minus half the second difference, so a
@@ -161,7 +179,8 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     last value over the midpoint, never over both neighbours).
 
     Returns, per row, the lens judged (the one whose z stands furthest over its threshold), its z and threshold;
-    the log residual, the lenses' tail factors, the peak rows and each value over its higher neighbour (log)."""
+    the log residual, the lenses' tail factors, the peak rows and each value over its higher neighbour (log).
+    `noises`: per lens, `point_noise` of the values through it when known (carried from the audit before)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     n = x.size
@@ -169,7 +188,11 @@ def lone_peaks(values, sigma: float, min_effect: float) -> dict:
     prominence = np.full(n, np.nan)
     if n >= 3:
         prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
-    judged = {name: _neighbour_z(lens(x), lens, inverse, quantum, sigma) for name, (lens, inverse) in LENSES.items()}
+    known = noises or {}
+    judged = {
+        name: _neighbour_z(lens(x), lens, inverse, quantum, sigma, known.get(name))
+        for name, (lens, inverse) in LENSES.items()
+    }
     over = np.stack([np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf) for j in judged.values()])
     pick = np.argmax(over, axis=0)
     names = np.array(list(judged))
@@ -195,10 +218,10 @@ LENSES = {
 }
 
 
-def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float) -> dict:
+def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float, noise: np.ndarray | None) -> dict:
     """Through one lens (`t` = lens(log value)): each inner value's residual from its neighbours' midpoint, z over
-    the noise of such a residual floored at one rounding step of the log at the midpoint, the tail factor and the
-    threshold (`sigma` x tail)."""
+    the noise of such a residual (`noise`: `point_noise` of `t` when known) floored at one rounding step of the log
+    at the midpoint, the tail factor and the threshold (`sigma` x tail)."""
     n = t.size
     residual = np.full(n, np.nan)
     if n >= 3:
@@ -206,21 +229,21 @@ def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float) -> 
     midpoint = inverse(t - residual)  # log space
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         step = lens(np.log(np.exp(midpoint) + quantum)) - lens(midpoint) if quantum else np.zeros(n)
-        noise = point_noise(t) * math.sqrt(1.5)
+        noise = (point_noise(t) if noise is None else noise) * math.sqrt(1.5)
         scale = np.where(np.isfinite(noise), np.fmax(noise, step), np.nan)
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
     tail = tail_factor(z[np.isfinite(z)])
     return {"residual": residual, "z": z, "tail": tail, "threshold": sigma * tail}
 
 
-def short_log_peaks(values, min_effect: float) -> np.ndarray:
+def short_log_peaks(values, min_effect: float, noise: np.ndarray | None = None) -> np.ndarray:
     """In a log too short for a noise estimate (`point_noise` has none), the rows whose value stands at least
     `min_effect` x every other value after the first (the untrained start) and is followed by a lower one: the
     rest of the log is the bound, not a history it does not have. The second row is not judged (a falling loss
     puts it above all that follow) nor the last (a rise that ends the log may be the start of a divergence)."""
     x = log_values(values)
     n = x.size
-    if n < 4 or np.isfinite(point_noise(x)).any():
+    if n < 4 or np.isfinite(point_noise(x) if noise is None else noise).any():
         return np.zeros(0, dtype=int)
     rest = np.where(np.isfinite(x[1:]), x[1:], -np.inf)
     top, second = np.sort(rest)[::-1][:2]

@@ -144,11 +144,23 @@ def dominant_period(steps: np.ndarray, min_events: int = 4, share: float = 0.75)
     return best if best > 1 and counts.max() >= share * gaps.size else None
 
 
+LOGGED = ("loss", "lr", "grad_norm")  # the per-step values the curve checks judge
+
+
 def step_frame(ctx, *columns: str):
     """Rank 0's per-step columns in step order (one row per step: ingest sets abandoned resumed steps aside);
-    numeric columns as DOUBLE, so a column that is all NULL (a log without a learning rate) is still a column."""
-    cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" if c in ("loss", "lr", "grad_norm") else c for c in columns)
-    return ctx.frame(f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step")
+    numeric columns as DOUBLE, so a column that is all NULL (a log without a learning rate) is still a column.
+    The logged values are read once an audit for every check that asks (a million steps: a read each costs)."""
+    if not set(columns) <= set(LOGGED):
+        cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" if c in LOGGED else c for c in columns)
+        return ctx.frame(f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step")
+    logged = ctx.__dict__.get("_logged_steps")
+    if logged is None:
+        cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" for c in LOGGED)
+        logged = ctx.__dict__["_logged_steps"] = ctx.frame(
+            f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step"
+        )
+    return logged.select("step", *columns)
 
 
 def column(frame, name: str) -> np.ndarray:
@@ -276,12 +288,14 @@ def rows_per_log(ctx) -> int | None:
 
 def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm."""
-    f = ctx.frame(
-        "SELECT step, coalesce(NOT isfinite(loss), false) AS bad_loss, "
-        "coalesce(NOT isfinite(grad_norm), false) AS bad_norm, grad_norm IS NOT NULL AS has_norm "
-        "FROM steps WHERE rank = 0 ORDER BY step"
+    f = step_frame(ctx, "loss", "grad_norm")
+    loss, norm = f["loss"], f["grad_norm"]
+    return (
+        f["step"].to_numpy(),
+        (~loss.is_finite()).fill_null(False).to_numpy(),
+        (~norm.is_finite()).fill_null(False).to_numpy(),
+        norm.is_not_null().to_numpy(),
     )
-    return f["step"].to_numpy(), f["bad_loss"].to_numpy(), f["bad_norm"].to_numpy(), f["has_norm"].to_numpy()
 
 
 def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray, manifest: dict) -> np.ndarray:

@@ -1,0 +1,125 @@
+"""The statistics of a logged series the loss-curve rules judge each value against, carried from one audit to the next.
+
+The loss-curve rules (LOOP-10, LOOP-19, LOOP-27) judge each value against the run's own noise around it
+(`point_noise`: the robust sigma of the second differences pooled over a few blocks of rows, a median per block)
+and against its running level (`rolling_level`: the median of the values before it), a median a row in a run of
+10^6 steps. A block's noise depends only on the values of the blocks it pools, a row's level only on the values
+before it, so neither changes while those values stay as they were. The audit keeps each series' values, block
+noise and levels beside the run's database (``carried-curve-<name>.npz``) and the next one computes only what
+reads a value that changed or is new. What was carried is checked against the values themselves, bit for bit, so
+a resume that rewrote the end of the log, or any other change, is judged again from where it begins.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+from ..store.rundb import database_dir
+from .stats.curve import LEVEL_POINTS, NOISE_POINTS, NOISE_REACH, block_noise, log_values, noise_block
+from .stats.rolling import rolling_level
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A series' log values, each one's `point_noise` and its running level (`rolling_level` of `LEVEL_POINTS`)."""
+
+    x: np.ndarray
+    noise: np.ndarray
+    level: np.ndarray
+
+
+def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
+    """`Curve` of `values`, what the audit before computed for the same values taken as it was; within an audit,
+    computed once per `name` (the checks that judge the same series share it). `lens`: a transform of the log
+    values to judge them through instead (`stats.curve.LENSES`), under a `name` of its own."""
+    x = log_values(values) if lens is None else lens(log_values(values))
+    done = ctx.__dict__.setdefault("_carried_curves", {})
+    if name in done and _same(done[name].x, x):
+        return done[name]
+    folder = _folder(ctx.run_dir)
+    path = folder / f"carried-curve-{name}.npz" if folder else None
+    old = _load(path) if path else None
+    block = noise_block(x.size)
+    changed = _first_changed(old.x, x) if old else 0
+    keep = _unchanged_blocks(old, x.size, block, changed) if old else 0
+    sigma = np.concatenate([old.noise[:keep] if keep else np.zeros(0), block_noise(x, first_block=keep)])
+    # A row's level reads the LEVEL_POINTS rows before it: the rows up to the first changed one are as they were.
+    rows = changed if changed >= LEVEL_POINTS else 0
+    if rows:
+        fresh = rolling_level(x[rows - LEVEL_POINTS :], LEVEL_POINTS)[LEVEL_POINTS:]
+        level = np.concatenate([old.level[:rows], fresh])
+    else:
+        level = rolling_level(x, LEVEL_POINTS)
+    if path:
+        _save(path, Curve(x, sigma, level))
+    curve = done[name] = Curve(x, np.repeat(sigma, block)[: x.size], level)
+    return curve
+
+
+def _first_changed(old_x: np.ndarray, x: np.ndarray) -> int:
+    """The first row whose value differs (bit for bit), or the shorter length."""
+    m = min(old_x.size, x.size)
+    differ = old_x[:m].view(np.int64) != x[:m].view(np.int64)
+    return int(np.argmax(differ)) if differ.any() else m
+
+
+def _unchanged_blocks(old: Curve, n: int, block: int, changed: int) -> int:
+    """How many leading blocks of noise pool only second differences that are as they were: each block pools
+    `reach` blocks on each side, shifted inward at the run's ends; a second difference at row i reads rows
+    i - 1..i + 1, and the old values' last row had none."""
+    width = 2 * NOISE_REACH + 1
+    old_blocks = -(-old.x.size // block)
+    if noise_block(old.x.size) != block or old.noise.size != old_blocks:
+        return 0
+    if old_blocks < width or -(-n // block) < width:  # a window clipped at both ends: none is carried
+        return 0
+    changed_block = max(0, min(changed - 1, old.x.size - 1)) // block
+    # Block b pools blocks max(b, reach) - reach .. max(b, reach) + reach: the first ones all pool 0..2 x reach.
+    return changed_block - NOISE_REACH if changed_block > 2 * NOISE_REACH else 0
+
+
+def _folder(run_dir) -> Path | None:
+    """The run's cache folder when the audit made one (a check judged on a bare context has none)."""
+    try:
+        folder = database_dir(run_dir)
+    except InputError:
+        return None
+    return folder if folder.is_dir() else None
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool((a.view(np.int64) == b.view(np.int64)).all())
+
+
+def _load(path) -> Curve | None:
+    """The carried block noise (in `Curve.noise`) and levels, or None when absent, torn or of another kind."""
+    try:
+        with np.load(path, allow_pickle=False) as state:
+            meta, x, noise, level = state["meta"], state["x"], state["noise"], state["level"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    if meta.tolist() != [FORMAT, NOISE_POINTS, NOISE_REACH, LEVEL_POINTS] or level.shape != x.shape:
+        return None
+    if not all(a.dtype == np.float64 and a.ndim == 1 for a in (x, noise, level)):
+        return None
+    return Curve(x, noise, level)
+
+
+def _save(path, carried: Curve) -> None:
+    """Written whole or not at all; a cache folder that cannot be written only costs the next audit the work."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            meta = np.array([FORMAT, NOISE_POINTS, NOISE_REACH, LEVEL_POINTS])
+            np.savez(f, meta=meta, x=carried.x, noise=carried.noise, level=carried.level)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
