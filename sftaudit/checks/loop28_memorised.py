@@ -70,7 +70,7 @@ class MemorisedTrainingSet(Check):
         )
         if epochs.height == 0:
             raise CannotJudge("no epoch logged: the first pass over the data cannot be told")
-        joined = frame.join(epochs, on="step", how="inner")
+        joined = frame.join(epochs, on="step", how="inner").sort("step")  # a join keeps no order
         steps, loss, epoch = joined["step"].to_numpy(), column(joined, "loss"), column(joined, "epoch")
         keep = np.isfinite(loss) & (loss > 0)
         steps, loss, epoch = steps[keep], loss[keep], epoch[keep]
