@@ -38,17 +38,22 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+CHECK_CPU: dict[str, float] = {}  # each check's CPU seconds (all threads: the checks run one after another)
+
+
 def _timed_checks() -> dict[str, float]:
-    """Each check's `run` wrapped to add its wall time to the returned dict (code -> seconds)."""
+    """Each check's `run` wrapped to add its wall time to the returned dict (code -> seconds), its CPU time to
+    `CHECK_CPU`."""
     spent: dict[str, float] = {}
     for cls in registered_checks():
 
         def timed(self, ctx, _run=cls.run, _code=cls.code):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             try:
                 return _run(self, ctx)
             finally:
                 spent[_code] = spent.get(_code, 0.0) + time.perf_counter() - t
+                CHECK_CPU[_code] = CHECK_CPU.get(_code, 0.0) + time.process_time() - c
 
         cls.run = timed
     return spent
@@ -62,6 +67,7 @@ def main() -> int:
     parser.add_argument("--reaudits", type=int, default=3, help="rounds of 1,000 more steps and a re-audit")
     parser.add_argument("--keep", type=Path, help="write the run here and keep it (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true", help="re-audit the run --keep names, written before")
+    parser.add_argument("--show", nargs="*", default=["LOOP-15"], help="checks whose re-audit time is always printed")
     args = parser.parse_args()
     if args.reuse and not (args.keep and (args.keep / "sftaudit").is_dir()):
         parser.error("--reuse needs --keep DIR naming a run an earlier --keep wrote")
@@ -146,11 +152,15 @@ def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, f
         ingest(run)
         t6, c6 = time.perf_counter(), time.process_time()
         spent.clear()
+        CHECK_CPU.clear()
         again = audit(run)
         t7, c7 = time.perf_counter(), time.process_time()
         reaudits.append((t7 - t6, c7 - c6))
         appended.append((t5 - t4, t6 - t5))
         top = ", ".join(f"{code} {s:.1f} s" for code, s in sorted(spent.items(), key=lambda kv: -kv[1])[:3])
+        top += "".join(
+            f"; {code} {spent.get(code, 0):.2f} s (CPU {CHECK_CPU.get(code, 0):.2f} s)" for code in args.show
+        )
         print(
             f"re-audit after 1,000 more steps (step {after:,}): {t7 - t6:.1f} s (CPU {c7 - c6:.1f} s); written in "
             f"{t5 - t4:.1f} s, ingested in {t6 - t5:.2f} s; slowest checks: {top}"

@@ -110,14 +110,16 @@ class TrainableSetConformance(Check):
         inside = idx < n_params
         requires[idx[inside]] = params["requires_grad"].fill_null(False).to_numpy()[inside]
         k = min(self.params["min_steps"], steps.size)
-        key = {"format": 1, "min_steps": k, "requires": np.packbits(requires).tobytes().hex()}
+        key = {"format": 2, "min_steps": k, "requires": np.packbits(requires).tobytes().hex()}
         carried = columns.carried(self.code, key)
         judged = self._judge(columns, requires, k, carried)
         if judged is None:  # the run outgrew the changes carried for its change densities: judged whole
+            carried = None
             judged = self._judge(columns, requires, k, None)
         starved_at, none_at, stale = judged
-        closing = int(columns.graded[: columns.closing_rows].sum())
-        columns.carry(self.code, key, columns.closing_rows, stale.carried(starved_at, none_at, closing))
+        if carried is None or carried["rows"] != columns.closing_rows:  # else what it carried is what it would
+            closing = int(columns.graded[: columns.closing_rows].sum())
+            columns.carry(self.code, key, columns.closing_rows, stale.carried(starved_at, none_at, closing))
         findings = []
         if (starved_at >= 0).any():
             row = int(starved_at[starved_at >= 0].min())
@@ -249,15 +251,16 @@ class _StaleCells:
     chance of each needs: per step pair the tensors compared; per tensor the density of its step-to-step changes
     near 0; per step pair, once `finish`ed, the sum of the equal cells' log-chances and how many of them start
     being equal there. Carried: the pairs before graded row `since` - 1 (their cells and counts), and per
-    tensor the count of its changes there and the smallest of them (enough for the k-th smallest of a longer
-    run; `short` when not)."""
+    tensor the count of its changes there and the smallest of them, sorted (enough for the k-th smallest of a
+    longer run; `short` when not)."""
 
     def __init__(self, steps: int, tensors: int, carried: dict | None, since: int):
         pairs = max(steps - 1, 0)
         self.compared = np.zeros(pairs, dtype=np.int64)
         self.density = np.zeros(tensors)
-        self.closed_count = np.zeros(tensors, dtype=np.int64)
-        self.closed_smallest = np.zeros((tensors, 0), dtype=np.float32)
+        # Each block's own rows replaced once it is judged (every block keeps as many smallest).
+        self.closed_count = carried["count"].copy() if carried else np.zeros(tensors, dtype=np.int64)
+        self.closed_smallest = carried["smallest"] if carried else None
         self.short = False
         self.cells: list[tuple] = []
         self.carried_count = carried["count"] if carried else np.zeros(tensors, dtype=np.int64)
@@ -273,11 +276,9 @@ class _StaleCells:
         self.cells.append((rows + lo, cols, cell, new))
         last = first + count.size
         self.closed_count[first:last] = count
-        if smallest.shape[1] > self.closed_smallest.shape[1]:
-            wider = np.full((self.closed_smallest.shape[0], smallest.shape[1]), np.inf, dtype=np.float32)
-            wider[:, : self.closed_smallest.shape[1]] = self.closed_smallest
-            self.closed_smallest = wider
-        self.closed_smallest[first:last, : smallest.shape[1]] = smallest
+        if self.closed_smallest is None:
+            self.closed_smallest = np.empty((self.density.size, smallest.shape[1]), dtype=np.float32)
+        self.closed_smallest[first:last] = smallest
         self.density[first:last] = density
         self.short |= short
 
@@ -311,8 +312,8 @@ class _StaleCells:
 def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_from: int, close_pair: int, carried):
     """One block of tensors' part of `_StaleCells`, its pairs from `pair_from` on: per pair the tensors compared;
     each equal cell's pair, tensor, norm and whether it starts being equal there; per tensor the count and the
-    smallest of its changes in the pairs before `close_pair` (with the `carried` ones: count, smallest), its
-    change density and whether the carried changes were too few for it."""
+    smallest of its changes in the pairs before `close_pair` (with the `carried` ones: count, smallest, sorted),
+    its change density and whether the carried changes were too few for it."""
     with np.errstate(invalid="ignore"):
         valid = np.isfinite(norms) & (norms > 0)
     both = valid[:, 1:] & valid[:, :-1] & consecutive
@@ -333,25 +334,86 @@ def _stale_cells(first: int, norms: np.ndarray, consecutive: np.ndarray, pair_fr
     closed = usable[:, :split].sum(axis=1) + carried_count
     count = closed + usable[:, split:].sum(axis=1)
     k = np.maximum(1, np.ceil(0.01 * count).astype(np.int64))
-    # The closed changes' smallest, enough for the k-th smallest of a run a quarter longer.
-    k_closed = np.maximum(1, np.ceil(0.01 * closed).astype(np.int64))
-    keep = _smallest(np.concatenate([carried_smallest, change[:, :split]], axis=1), k_closed + k_closed // 4 + 16)
-    short = bool(((k > carried_smallest.shape[1]) & (carried_count > carried_smallest.shape[1])).any())
-    enough = ((k <= keep.shape[1]) | (closed <= keep.shape[1])).all()
-    h = _kth_smallest(
-        np.concatenate([keep if enough else carried_smallest, change[:, split if enough else 0 :]], axis=1), k
-    )
+    width = carried_smallest.shape[1]
+    if width:  # carried: only the new changes below a tensor's kept ones are merged in
+        short = bool(((k > width) & (carried_count > width)).any())
+        keep = _insert_smallest(carried_smallest, change[:, :split])
+        h = _kth_of_union(carried_smallest, change, k)
+    else:  # the closed changes' smallest, enough for the k-th smallest of a run a quarter longer (every block alike)
+        k_closed = max(1, -(-split // 100))
+        keep = _smallest(change[:, :split], k_closed + k_closed // 4 + 16)
+        short = False
+        enough = ((k <= keep.shape[1]) | (closed <= keep.shape[1])).all()
+        h = _kth_of_union(keep, change[:, split:], k) if enough else _kth_smallest(change, k)
     ok = np.isfinite(h) & (h > 0) & (count >= k)
     density = np.where(ok, k / (2 * np.where(ok, h, 1.0) * np.maximum(count, 1)), 0.0)
     return compared, (rows, cols + first, cell, new), closed, keep, density, short
 
 
-def _smallest(values: np.ndarray, how_many: np.ndarray) -> np.ndarray:
-    """Each row's `how_many` smallest values (the most any row needs; inf past a row's own), in no order."""
-    width = int(min(values.shape[1], how_many.max(initial=0)))
-    if width == 0 or width == values.shape[1]:
-        return values[:, :width] if width == 0 else values
-    return np.partition(values, width - 1, axis=1)[:, :width]
+def _smallest(values: np.ndarray, width: int) -> np.ndarray:
+    """Each row's `width` smallest values, sorted (inf past a row's own)."""
+    if width < values.shape[1]:
+        values = np.partition(values, width - 1, axis=1)[:, :width]
+    padded = np.full((len(values), width), np.inf, dtype=values.dtype)
+    padded[:, : values.shape[1]] = np.sort(values, axis=1)
+    return padded
+
+
+def _places(smallest: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Where each of `values` goes in its row of `smallest` (sorted rows): after the equal ones (a binary search,
+    all values at once)."""
+    width = smallest.shape[1]
+    lo, hi = np.zeros(rows.size, dtype=np.int64), np.full(rows.size, width, dtype=np.int64)
+    for _ in range(width.bit_length()):
+        mid = (lo + hi) // 2
+        searching = lo < hi
+        after = smallest[rows, np.minimum(mid, width - 1)] <= values
+        lo = np.where(searching & after, mid + 1, lo)
+        hi = np.where(searching & ~after, mid, hi)
+    return lo
+
+
+def _below(bound: np.ndarray, values: np.ndarray):
+    """The `values` below their row's `bound`: rows and values, by row then value."""
+    rows, cols = np.nonzero(values < bound[:, None])
+    picked = values[rows, cols]
+    order = np.lexsort((picked, rows))
+    return rows[order], picked[order]
+
+
+def _insert_smallest(smallest: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The sorted rows of `smallest` with each row's `values` below its largest merged in, kept to their width:
+    the new changes' share, the kept ones only moved along."""
+    rows, below = _below(smallest[:, -1], values)
+    if not rows.size:
+        return smallest
+    width = smallest.shape[1]
+    merged = np.insert(smallest.ravel(), rows * width + _places(smallest, rows, below), below)
+    # Row r holds width + (its new values) in `merged`, after the rows before it and theirs: drop its last ones.
+    kept = np.ones(merged.size, dtype=bool)
+    kept[(rows + 1) * width + np.arange(rows.size)] = False
+    return merged[kept].reshape(smallest.shape)
+
+
+def _kth_of_union(smallest: np.ndarray, values: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Each row's `k`-th smallest of its sorted `smallest` (the row's smallest values so far, inf-padded) and
+    its `values`: only the values below the row's k-th kept one can move it, and with m of them it lies among
+    the kept ones from the (k - m)-th on."""
+    width = smallest.shape[1]
+    bound = np.full(len(smallest), np.inf, dtype=smallest.dtype)
+    inside = k <= width
+    bound[inside] = smallest[inside, k[inside] - 1]
+    rows, below = _below(bound, values)
+    many = np.bincount(rows, minlength=len(smallest))
+    start = np.cumsum(many) - many
+    most = int(many.max(initial=0))
+    new = np.full((len(smallest), most), np.inf, dtype=smallest.dtype)
+    new[rows, np.arange(rows.size) - start[rows]] = below
+    first = np.maximum(0, k - 1 - many)  # the kept ones before it are below it whatever the new ones are
+    at = first[:, None] + np.arange(most + 1)
+    kept = np.where(at < width, np.take_along_axis(smallest, np.minimum(at, width - 1), axis=1), np.inf)
+    window = np.sort(np.concatenate([kept, new], axis=1), axis=1)
+    return np.take_along_axis(window, (k - 1 - first)[:, None], axis=1)[:, 0].astype(np.float64)
 
 
 def _kth_smallest(values: np.ndarray, k: np.ndarray) -> np.ndarray:

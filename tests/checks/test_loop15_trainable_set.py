@@ -1,6 +1,10 @@
 """LOOP-15: layers without gradients under reentrant checkpointing (Z26), a module declared trainable
 but frozen (Z27) and stale gradients (Z29) are found at their step; clean runs stay quiet."""
 
+import numpy as np
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from sftaudit.verdict.audit import audit
 
 from .dynamics_runs import STALE_STEP, of, run
@@ -81,3 +85,54 @@ def test_one_tensor_repeated_twice_is_beyond_chance_too(tmp_path):
     run_dir = _series(tmp_path, "single", stale=[(5_000, [7], 2)])
     [finding] = [f for f in of(audit(run_dir), "LOOP-15") if "bit-identical" in f["message"]]
     assert (finding["step"], finding["evidence"]["tensor_count"]) == (5_000, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@example(seed=1, tensors=2, levels=0, cuts=[900] + [100] * 39, open_steps=0, rises=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tensors=st.integers(1, 4),
+    levels=st.sampled_from([0, 5, 40]),  # 0: continuous norms; else norms from so many values (ties, equal neighbours)
+    cuts=st.lists(st.integers(1, 900), min_size=1, max_size=40),
+    open_steps=st.integers(0, 300),
+    rises=st.booleans(),
+)
+def test_the_carried_smallest_changes_give_a_fresh_audits_change_densities(
+    seed, tensors, levels, cuts, open_steps, rises
+):
+    """Audits as the run grows, each carrying the sorted smallest closed changes to the next (judged whole when
+    they fall short, as the check does): each one's change densities, counts and kept smallest equal a fresh
+    audit's, and the kept ones are the true smallest of the closed changes. The run grows past a quarter of
+    what was kept, so the carried ones fall short too; `rises`: the norms vary ten times more after the first audit
+    (few new changes among the kept smallest, which a kept list widened with new changes got wrong)."""
+    from sftaudit.checks.loop15_trainable_set import _stale_cells
+
+    rng = np.random.default_rng(seed)
+    steps = sum(cuts) + open_steps + 2
+    noise = np.where(rises & (np.arange(steps) > cuts[0]), 1.5, 0.15)
+    norms = np.exp(noise * rng.standard_normal((tensors, steps))).astype(np.float32)
+    if levels:
+        norms = rng.choice(norms[:, :levels].ravel(), size=norms.shape)
+    norms[rng.random(norms.shape) < 0.02] = np.nan
+    norms[rng.random(norms.shape) < 0.02] = 0.0
+    consecutive = np.ones(steps - 1, dtype=bool)
+    none = (np.zeros(tensors, dtype=np.int64), np.zeros((tensors, 0), dtype=np.float32))
+    carried, closed_pairs = none, 0
+    for closing in np.cumsum(cuts):
+        end = closing + 1 + open_steps  # the audit sees the steps past what it closes too
+        fresh = _stale_cells(0, norms[:, :end], consecutive[: end - 1], 0, closing, none)
+        grown = _stale_cells(0, norms[:, :end], consecutive[: end - 1], closed_pairs, closing, carried)
+        if grown[-1]:  # short: judged whole
+            grown = fresh
+        np.testing.assert_array_equal(grown[4], fresh[4])  # density
+        np.testing.assert_array_equal(grown[2], fresh[2])  # closed count
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.abs(norms[:, 1 : closing + 1] / norms[:, :closing] - 1).astype(np.float32)
+            before, after = norms[:, :closing], norms[:, 1 : closing + 1]
+            usable = np.isfinite(ratio) & (before > 0) & (after > 0) & (before != after)
+        truth = np.sort(np.where(usable, ratio, np.inf), axis=1)
+        kept = grown[3]
+        width = min(kept.shape[1], truth.shape[1])
+        np.testing.assert_array_equal(kept[:, :width], truth[:, :width])
+        assert np.isinf(kept[:, width:]).all()
+        carried, closed_pairs = (grown[2], kept), closing
