@@ -216,9 +216,10 @@ def has_rows(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     return has_table(con, table) and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
 
 
-def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(run_dir: str | Path, read_only: bool = False, views: bool = True) -> duckdb.DuckDBPyConnection:
     """The run's database, opened as every connection is (external access off, configuration locked) with
-    the gradient-norm views made. It may read the parts ingest validated and nothing else; a writable one
+    the gradient-norm views made (`views`; a reader of the record tables alone skips them: over thousands of
+    parts they cost a tenth of a second). It may read the parts ingest validated and nothing else; a writable one
     (ingest's) also its staging folder and the run's series folder (the parts it is about to validate).
     Writable: a database that is not this sftaudit's (no DuckDB file, or holding foreign objects) is replaced
     by an empty one. Read-only: InputError when there is none yet, or it is not this sftaudit's."""
@@ -253,7 +254,7 @@ def connect(run_dir: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConn
         parts = validated_parts(con, run_dir) if ours else []
         folders = [] if read_only else [str(path.parent / STAGING_DIR), *_series_folder(run_dir)]
         _lock_down(con, [f for p in parts for f in (p, _literal(p))], [f for p in folders for f in (p, _literal(p))])
-        if ours:
+        if ours and views:
             gradient_views(con, parts)
     except BaseException:
         con.close()
