@@ -152,13 +152,19 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
     _supersede_abandoned_steps(con)
     parts = validated_parts(con, run_dir)
     gradient_views(con, parts)
+    reduced = _reduced_tables(con)
     _reduce_gradients(con, "grad_pieces", "grad_norms_reduced")
     if has_table(con, "superseded_grad_pieces"):
         _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms_reduced")
-    gradient_views(con, parts)
+    if _reduced_tables(con) != reduced:  # grad_norms reads the reduction or the pieces, whichever is there now
+        gradient_views(con, parts)
     _reduced_step_totals(con)
     con.commit()
     return added
+
+
+def _reduced_tables(con: duckdb.DuckDBPyConnection) -> list[bool]:
+    return [has_table(con, t) for t in ("grad_norms_reduced", "superseded_grad_norms_reduced")]
 
 
 def _refuse_repeated_steps(con: duckdb.DuckDBPyConnection) -> None:

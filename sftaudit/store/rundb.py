@@ -347,7 +347,16 @@ def validated_parts(con: duckdb.DuckDBPyConnection, run_dir: str | Path) -> list
     keys = con.execute(
         "SELECT file FROM ingest_state WHERE starts_with(file, ?) AND records > 0 ORDER BY file", [f"{SERIES_DIR}/"]
     ).fetchall()
-    return [os.path.realpath(os.path.join(root, key)) for (key,) in keys]
+    # Each folder resolved once (a part's own name resolved only where it is a link): a thousand parts share one.
+    folders: dict[str, str] = {}
+    parts = []
+    for (key,) in keys:
+        folder, name = os.path.split(os.path.join(root, key))
+        if folder not in folders:
+            folders[folder] = os.path.realpath(folder)
+        part = os.path.join(folders[folder], name)
+        parts.append(os.path.realpath(part) if os.path.islink(part) else part)
+    return parts
 
 
 def _series_folder(run_dir: str | Path) -> list[str]:
