@@ -251,7 +251,8 @@ def connect(run_dir: str | Path, read_only: bool = False, views: bool = True) ->
             raise InputError(f"{path}: cannot make the run's database there; set {CACHE_ENV} to a writable folder")
     try:
         ours = database_format(con) == DATABASE_FORMAT
-        parts = validated_parts(con, run_dir) if ours else []
+        # A reader without the views reads no part; ingest's views are made after it validated the new ones.
+        parts = validated_parts(con, run_dir) if ours and (views or not read_only) else []
         folders = [] if read_only else [str(path.parent / STAGING_DIR), *_series_folder(run_dir)]
         _lock_down(con, [f for p in parts for f in (p, _literal(p))], [f for p in folders for f in (p, _literal(p))])
         if ours and views:
