@@ -7,7 +7,8 @@ Writes a synthetic run (benchmarks/synthetic_run.py) with planted anomalies thro
 writer (the per-tensor norms into the columnar series), then times `ingest` and the checks + verdict
 separately, each check on its own (top 5 printed), and prints bytes per recorded value, the peak
 RSS of this process and whether every planted anomaly is found at its step; then, `--reaudits` times,
-appends 1,000 clean steps and times the re-ingest and the re-audit (median and spread; the slowest checks). `--schema 1` writes
+appends 1,000 clean steps and times the re-ingest and the re-audit (median and spread; the slowest checks; with
+`--profile`, the re-audits' calls that open the run database and ingest, per call). `--schema 1` writes
 the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparison. `--keep DIR --reuse` times only
 more re-audits of a run an earlier `--keep DIR` wrote and audited (its database and carried state in the cache beside
 it, DIR-cache, unless SFTAUDIT_CACHE_DIR says where): a 10^6-step run is written and first audited once.
@@ -16,7 +17,9 @@ it, DIR-cache, unless SFTAUDIT_CACHE_DIR says where): a 10^6-step run is written
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import resource
 import statistics
 import sys
@@ -68,6 +71,9 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="write the run here and keep it (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true", help="re-audit the run --keep names, written before")
     parser.add_argument("--show", nargs="*", default=["LOOP-15"], help="checks whose re-audit time is always printed")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the re-audits' time in opening the database and ingesting"
+    )
     args = parser.parse_args()
     if args.reuse and not (args.keep and (args.keep / "sftaudit").is_dir()):
         parser.error("--reuse needs --keep DIR naming a run an earlier --keep wrote")
@@ -141,6 +147,7 @@ def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, f
     # The run goes on: 1,000 more steps at a time, each followed by a re-audit (the carried columnar copy:
     # only the ranges of steps still open are read and written again).
     reaudits, appended = [], []
+    profile = cProfile.Profile() if args.profile else None
     con = connect(run, read_only=True)
     after = int(con.execute("SELECT max(step) FROM steps WHERE rank = 0").fetchone()[0])
     con.close()
@@ -153,7 +160,7 @@ def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, f
         t6, c6 = time.perf_counter(), time.process_time()
         spent.clear()
         CHECK_CPU.clear()
-        again = audit(run)
+        again = profile.runcall(audit, run) if profile else audit(run)
         t7, c7 = time.perf_counter(), time.process_time()
         reaudits.append((t7 - t6, c7 - c6))
         appended.append((t5 - t4, t6 - t5))
@@ -178,6 +185,8 @@ def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, f
         + f"; ingest of the new steps median {statistics.median(i for _, i in appended):.2f} s"
         + (f" (the first ingest took {first[2]:.1f} s)" if first else "")
     )
+    if profile:  # per call over the re-audits (cProfile's wall clock; its overhead inflates the times)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(r"store/(rundb|ingest)\.py", 12)
     new = {(f["code"], f["severity"], f["step"]) for f in again["findings"]} - found
     print(f"findings the appended clean steps added: {sorted(new) or 'none'}")
     return 0

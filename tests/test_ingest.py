@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 
 from sftaudit.core.artifacts import DATABASE_FILE, artifact_root, rank_dir, series_dir
 from sftaudit.errors import InputError
-from sftaudit.store.ingest import _COPY_BLOCK, _copy_complete_lines, _readable, ingest
+from sftaudit.store.ingest import _COPY_BLOCK, _copy_complete_lines, _readable, ingest, ingested
 from sftaudit.store.rundb import (
     cache_root,
     connect,
     database_dir,
     database_path,
     foreign_objects,
+    has_table,
     run_lock,
     validated_parts,
 )
@@ -133,6 +134,30 @@ def test_every_connection_is_locked_down(tmp_path):
     finally:
         con.close()
     assert not (tmp_path / "other.duckdb").exists() and not (tmp_path / "out.csv").exists()
+
+
+def test_an_audit_judges_on_ingests_connection_whose_views_name_only_the_validated_parts(tmp_path):
+    """`audited` judges on the connection `ingested` yields (one opening of the database an audit): its gradient
+    views read the parts ingest validated, named one by one, never the series folder as a pattern. A reader that
+    asks for no views gets none, and may read no part."""
+    run = recorded_run(tmp_path, "run")
+    with ingested(run) as (con, added):
+        assert added["steps"] == 30
+        parts = validated_parts(con, run)
+        assert parts and con.execute("SELECT count(*) FROM grad_norms").fetchone() == (30 * 4,)
+        named = set()
+        for (sql,) in con.execute(
+            "SELECT sql FROM duckdb_views() WHERE temporary AND sql LIKE '%read_parquet%'"
+        ).fetchall():
+            named |= set(re.findall(r"'([^']*\.parquet)'", sql))
+        assert named == set(parts)
+    con = connect(run, read_only=True, views=False)
+    try:
+        assert not has_table(con, "grad_norms")
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"SELECT count(*) FROM read_parquet('{parts[0]}')")
+    finally:
+        con.close()
 
 
 @pytest.mark.parametrize(

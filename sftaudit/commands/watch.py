@@ -113,7 +113,7 @@ class Watch:
         ) as done:
             if done.verdict is None:
                 raise InputError(f"{self.run_dir}: nothing recorded yet")
-            con = connect(self.run_dir, read_only=True)
+            con = connect(self.run_dir, read_only=True, views=False)  # its events alone
             try:
                 end = None
                 if has_table(con, "events") and has_table(con, "manifest"):

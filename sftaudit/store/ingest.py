@@ -105,16 +105,29 @@ def ingest(
     """Load new records into the run's database; returns the number of new records per kind.
     A database that no longer matches the artifacts (a file replaced, shortened or rewritten, rows
     deleted) is rebuilt from scratch: offsets are only trusted for the files they were taken on."""
+    with ingested(run_dir, max_record_bytes, max_file_bytes) as (_, added):
+        return added
+
+
+@contextmanager
+def ingested(
+    run_dir: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Iterator[tuple[duckdb.DuckDBPyConnection, dict[str, int]]]:
+    """`ingest`, yielding its connection, still open under the run's lock, and the new records per kind: an audit
+    judges on it (each opening of the database costs a catalog check and the views over every part). Its gradient
+    views name the parts validated, no other file."""
     ranks = rank_folders(run_dir)
     files = _RunFiles(run_dir, max_record_bytes, max_file_bytes)
     with run_lock(run_dir):
-        con = connect(run_dir)
+        # The views are made by `_ingest_all`, over the parts it validated: none over the parts before.
+        con = connect(run_dir, views=False)
         try:
             if _stale(con, files):
                 con.close()
                 remove_database(run_dir)
-                con = connect(run_dir)
-            return _ingest_all(con, files, ranks)
+                con = connect(run_dir, views=False)
+            added = _ingest_all(con, files, ranks)
+            yield con, added
         finally:
             con.close()
 
@@ -139,13 +152,19 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
     _supersede_abandoned_steps(con)
     parts = validated_parts(con, run_dir)
     gradient_views(con, parts)
+    reduced = _reduced_tables(con)
     _reduce_gradients(con, "grad_pieces", "grad_norms_reduced")
     if has_table(con, "superseded_grad_pieces"):
         _reduce_gradients(con, "superseded_grad_pieces", "superseded_grad_norms_reduced")
-    gradient_views(con, parts)
+    if _reduced_tables(con) != reduced:  # grad_norms reads the reduction or the pieces, whichever is there now
+        gradient_views(con, parts)
     _reduced_step_totals(con)
     con.commit()
     return added
+
+
+def _reduced_tables(con: duckdb.DuckDBPyConnection) -> list[bool]:
+    return [has_table(con, t) for t in ("grad_norms_reduced", "superseded_grad_norms_reduced")]
 
 
 def _refuse_repeated_steps(con: duckdb.DuckDBPyConnection) -> None:

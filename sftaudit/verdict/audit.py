@@ -23,7 +23,7 @@ from ..readers.checkpoints import CheckpointError, inside_run
 from ..readers.layouts import final_model_files
 from ..schema.verdict import CheckCoverage, RunResolution
 from ..store.import_state import imported_if_changed
-from ..store.ingest import ingest
+from ..store.ingest import ingested
 from ..store.rundb import (
     connect,
     first_row,
@@ -438,26 +438,18 @@ def audited(
             )
         if config is None:  # its limits are ingest's too
             config = _judged_with(_stored(run_dir)) if judge == "if_stale" else AuditConfig()
-        added = ingest(run_dir, config.max_record_bytes, config.max_file_bytes)
-        yield Audited(_judged(run_dir, config, judge), added)
+        with ingested(run_dir, config.max_record_bytes, config.max_file_bytes) as (con, added):
+            verdict = _judged(con, run_dir, config, judge)
+        yield Audited(verdict, added)
 
 
-def _judged(run_dir: Path, config: AuditConfig, judge: str) -> dict[str, Any] | None:
-    """The verdict `audited` yields: the stored one read and, when it must be judged again, judged on the same
-    connection (one opening of the database a poll of `watch`, not two)."""
-    try:
-        con = connect(run_dir, read_only=judge == "never")
-    except InputError:
-        if judge != "never":
-            raise
-        return None  # nothing ingested, and not to be judged: no database
-    try:
-        stored = _stored_in(con) if judge != "always" else None
-        if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
-            return judge_database(con, run_dir, config)
-        return stored["verdict"] if stored else None
-    finally:
-        con.close()
+def _judged(con, run_dir: Path, config: AuditConfig, judge: str) -> dict[str, Any] | None:
+    """The verdict `audited` yields, on ingest's connection (one opening of the database an audit, not two): the
+    stored one read and, when it must be judged again, judged."""
+    stored = _stored_in(con) if judge != "always" else None
+    if judge == "always" or (judge == "if_stale" and _stale(stored, config)):
+        return judge_database(con, run_dir, config)
+    return stored["verdict"] if stored else None
 
 
 def audit(
@@ -485,7 +477,7 @@ def _stored(run_dir: Path) -> dict[str, Any] | None:
     """The stored verdict, the config it was judged with, the sftaudit version that judged it, what the
     database held then and holds now; None when there is no database or no verdict in it."""
     try:
-        con = connect(run_dir, read_only=True)
+        con = connect(run_dir, read_only=True, views=False)
     except InputError:
         return None
     try:
