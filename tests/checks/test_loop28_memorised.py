@@ -8,7 +8,7 @@ import pytest
 from sftaudit.verdict.audit import audit
 
 from .curve_runs import audit_state, evaluations, history
-from .logged_runs import findings, status
+from .logged_runs import REALRUNS, audited, findings, status
 
 PER_EPOCH = 40
 
@@ -88,3 +88,20 @@ def test_a_recording_whose_eval_set_the_shim_generated_on_is_judged_on_that_not_
     )
     state, reason = status(audit(run), "LOOP-28")
     assert state == "not_run" and "logged evaluations" in reason
+
+
+@pytest.mark.skipif(not (REALRUNS / "gpt2-ja-tb").is_dir(), reason="../shared/realruns not present")
+@pytest.mark.slow  # real runs
+def test_real_memorising_runs_warn_at_the_first_logged_step_of_the_epoch(tmp_path):
+    """gpt2-ja-tb logged every 500 steps from epoch 16 (no first pass): the stand-in dates it at the window of step
+    1000. hf-baize-perstep's epoch 7 starts at step 4459 (epoch 6.0013), the first step the log holds in it."""
+    import shutil
+
+    dated = {}
+    for name in ("gpt2-ja-tb", "hf-baize-perstep"):
+        shutil.copytree(REALRUNS / name, tmp_path / name)
+        for p in [tmp_path / name, *(tmp_path / name).rglob("*")]:
+            p.chmod(p.stat().st_mode | 0o200)
+        [finding] = findings(audited(tmp_path / name), "LOOP-28")
+        dated[name] = (finding["step"], finding["evidence"]["epoch"], finding["evidence"]["first_pass_epoch"])
+    assert dated == {"gpt2-ja-tb": (501, 33, 17), "hf-baize-perstep": (4459, 7, 1)}
