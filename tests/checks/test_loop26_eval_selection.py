@@ -1,6 +1,9 @@
 """LOOP-26: eval metrics judged by their direction and by the metric the run selected on, each rule proven on
 its fault and silent on the clean twin (Trainer outputs written in the test)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -87,6 +90,30 @@ def test_eval_loss_stepping_up_while_the_selection_metric_improves_is_a_risk_tha
         audited(eval_run(tmp_path / "drift", {"eval_loss": drifted, "eval_wer": IMPROVING_WER}, best="eval_wer"))
     )
     assert (drift["severity"], drift["rule"]) == ("info", "LOOP-26/eval-loss-rose")
+
+
+WHISPER = Path(__file__).resolve().parents[2] / ".." / "shared" / "realruns2" / "whisper-large-flemish-15k"
+
+
+@pytest.mark.skipif(not WHISPER.is_dir(), reason="../shared/realruns2 not present")
+def test_a_real_whisper_runs_eval_loss_doubled_from_its_8th_evaluation_is_a_risk_its_clean_log_is_not(tmp_path):
+    """The real run selects on WER (best_metric 9.6 at step 15000) and its WER keeps falling; its eval_loss,
+    noisy at 0.21-0.27, doubled from the evaluation at step 8000 on: a step its selection metric does not see."""
+    state = json.loads((WHISPER / "trainer_state.json").read_text())
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "trainer_state.json").write_text(json.dumps(state))
+    assert findings(audited(clean)) == []
+    for entry in state["log_history"]:
+        if "eval_loss" in entry and entry["step"] >= 8000:
+            entry["eval_loss"] *= 2
+    stepped = tmp_path / "stepped"
+    stepped.mkdir()
+    (stepped / "trainer_state.json").write_text(json.dumps(state))
+    verdict = audited(stepped)
+    [found] = findings(verdict)
+    assert (found["rule"], found["category"], found["step"]) == ("LOOP-26/eval-loss-jumped", "risk", 7001)
+    assert found["evidence"]["metric"] == "eval_wer" and verdict["first_anomalous_step"] is None
 
 
 def test_an_eval_that_jumps_and_plateaus_is_found_by_best_against_last(tmp_path):
