@@ -23,7 +23,7 @@ TENSORS = 6
 # The shim's writer in a training-like loop; the norms name their segment and step, so the audit can
 # tell which process wrote what. Tensor 1 never has a gradient (no row); tensor 2 is NaN on odd steps.
 CHILD = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 from sftaudit.shim.writer import JsonlWriter
 from sftaudit.core.artifacts import SCHEMA_VERSION
@@ -41,6 +41,7 @@ while not last or step <= last:
     w.write("steps", {"seg": seg, "step": step, "loss": 1.0, "grad_norm": 1.0, "grad_norms": norms})
     os.write(out, b"%%d\\n" %% step)
     step += 1
+    time.sleep(0.002)  # a few hundred steps before a kill, not thousands: the same kills, fewer parts to check
 w.close()
 """ % (TENSORS, TENSORS)
 
