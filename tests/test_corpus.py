@@ -157,13 +157,33 @@ def incremental_collator(tokenizer, rows, max_length=4096):
     }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def saved_tokenizers_root(tmp_path_factory):
+    SAVED_TOKENIZERS["root"] = tmp_path_factory.mktemp("saved-tokenizers")
+    yield
+    SAVED_TOKENIZERS.clear()
+
+
+SAVED_TOKENIZERS: dict[str, Path] = {}
+
+
+def saved_tokenizer(tokenizers, family, template_name, **edits) -> Path:
+    """The family's tokenizer with the template and edits, saved once for this module (preflight only reads
+    it): a save takes a second with a released vocabulary."""
+    name = "-".join([family, template_name, *map(str, sorted(edits.items()))])
+    folder = SAVED_TOKENIZERS["root"] / name
+    if not folder.is_dir():
+        tokenizer = copy.deepcopy(tokenizers[family])
+        tokenizer.chat_template = template(template_name)
+        for key, value in edits.items():
+            setattr(tokenizer, key, value)
+        tokenizer.save_pretrained(str(folder))
+    return folder
+
+
 def run_preflight(tmp_path, tokenizers, family, template_name, chats, collator=None, config=None, **edits):
-    tokenizer = copy.deepcopy(tokenizers[family])
-    tokenizer.chat_template = template(template_name)
-    for key, value in edits.items():
-        setattr(tokenizer, key, value)
-    folder = tmp_path / "tokenizer"
-    tokenizer.save_pretrained(str(folder))
+    folder = saved_tokenizer(tokenizers, family, template_name, **edits)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = write_rows(tmp_path / "data.jsonl", chats)
     verdict = preflight(data, folder, tmp_path / "out", collator=collator, config=config, progress=False)
     return verdict, [(f["code"], f["severity"], f["message"]) for f in verdict["findings"] if f["severity"] != "info"]
@@ -536,13 +556,12 @@ def test_end_of_turn_outside_the_generation_block_fails_loop04(tmp_path, tokeniz
     """Labels exactly as transformers' assistant mask gives them (preflight's standard collator, what TRL's
     assistant_only_loss trains): with the block closed before `<|eot_id|>`, 0 of the markers are trained."""
     findings = {}
+    tokenizers["llama3"].save_pretrained(str(tmp_path / "tokenizer"))
     for name, source in (("short", LLAMA3_GENERATION_SHORT), ("whole", LLAMA3_GENERATION)):
         (tmp_path / f"{name}.jinja").write_text(source)
-        tokenizer = tokenizers["llama3"]
-        tokenizer.save_pretrained(str(tmp_path / name))
         verdict = preflight(
             write_rows(tmp_path / "data.jsonl", CLEAN_CHATS),
-            tmp_path / name,
+            tmp_path / "tokenizer",
             tmp_path / f"out-{name}",
             template=tmp_path / f"{name}.jinja",
             progress=False,
