@@ -51,21 +51,25 @@ def one(run: Path, nan_at: int, args) -> tuple[float, float, float]:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    writer = subprocess.Popen(
-        [sys.executable, "-m", "sftaudit.fixtures.live_run", str(run), "--steps", str(nan_at + 600)]
-        + ["--rate", str(args.rate), "--nan-at", str(nan_at), "--history", str(args.history)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # The writer's step times go to a file, not a pipe: a pipe read only at the end fills with a long history's
+    # lines and stalls the writer, and the watch then sees a run that stopped.
+    times = run.parent / f"{run.name}-written.txt"
+    with times.open("w") as out:
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "sftaudit.fixtures.live_run", str(run), "--steps", str(nan_at + 600)]
+            + ["--rate", str(args.rate), "--nan-at", str(nan_at), "--history", str(args.history)],
+            stdout=out,
+        )
     try:
         _, status, usage = os.wait4(watch.pid, 0)
         watch.returncode = os.waitstatus_to_exitcode(status)
         wall = time.time() - started
     finally:
         writer.kill()
-        written = writer.communicate()[0]
+        writer.wait()
         reader.join(5)
-    at = {int(s): float(t) for s, t in (line.split() for line in written.splitlines())}
+    # The writer is killed once the watch has exited: its last line may be cut short.
+    at = {int(f[0]): float(f[1]) for f in (line.split() for line in times.read_text().splitlines()) if len(f) == 2}
     if watch.returncode != 1 or "fail" not in printed or nan_at not in at:
         raise SystemExit(f"the watch did not report the planted fail (exit {watch.returncode})")
     return printed["fail"] - at[nan_at], usage.ru_utime + usage.ru_stime, wall
