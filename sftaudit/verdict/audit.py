@@ -229,45 +229,61 @@ PER_STEP_EVIDENCE = (
 def missing_step_evidence(con, off: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rank and kind of per-step evidence: recorded steps without it (and steps whose batches
     were recorded but whose step record is gone), leaving out the steps after the shim switched that
-    component off. Batches after the last step record are the step a crash interrupted, not a gap."""
+    component off. Batches after the last step record are the step a crash interrupted, not a gap.
+
+    Compared as each rank's distinct steps in numpy (integer set lookups by table): DuckDB's distinct and anti joins
+    of a million steps cost 0.4 s of CPU at each audit."""
+    import numpy as np
+
+    recorded, unstepped = _steps_by_rank(con, "steps")
     out = []
-    # The recorded steps once for every kind (a CTE named several times is computed each time: a million steps).
-    con.execute("CREATE OR REPLACE TEMP TABLE recorded_steps AS SELECT DISTINCT rank, step FROM steps")
     for table, component, words in PER_STEP_EVIDENCE:
-        con.execute("CREATE OR REPLACE TEMP TABLE stopped_from (rank INTEGER, from_step BIGINT)")
-        stopped = [
-            (o["rank"], o["from_step"] if o["from_step"] is not None else -1)
-            for o in off
-            if o["component"] == component
-        ]
-        if stopped:
-            con.executemany("INSERT INTO stopped_from VALUES (?, ?)", stopped)
-        orphans = (
-            ""
-            if table != "batches"
-            else """
-            UNION SELECT e.rank, e.step FROM e JOIN last USING (rank) WHERE e.step < last.last
-                  AND NOT EXISTS (SELECT 1 FROM s WHERE s.rank = e.rank AND s.step = e.step)"""
-        )
-        rows = con.execute(f"""
-            WITH s AS (SELECT rank, step FROM recorded_steps),
-                 e AS MATERIALIZED (SELECT DISTINCT rank, step FROM "{table}"),
-                 last AS (SELECT rank, max(step) AS last FROM s GROUP BY rank),
-                 gaps AS (SELECT rank, step FROM s ANTI JOIN e USING (rank, step) {orphans}),
-                 counted AS MATERIALIZED (SELECT g.rank, g.step FROM gaps g LEFT JOIN (SELECT rank, min(from_step) AS from_step
-                             FROM stopped_from GROUP BY rank) f USING (rank)
-                             WHERE f.from_step IS NULL OR g.step < f.from_step)
-            SELECT s.rank, count(*), (SELECT count(*) FROM counted c WHERE c.rank = s.rank),
-                   (SELECT min(step) FROM counted c WHERE c.rank = s.rank)
-            FROM s GROUP BY s.rank ORDER BY s.rank""").fetchall()
-        con.execute("DROP TABLE stopped_from")
-        out += [
-            {"rank": rank, "evidence": words, "steps": int(gaps), "of": int(total), "first_step": first_gap}
-            for rank, total, gaps, first_gap in rows
-            if gaps
-        ]
-    con.execute("DROP TABLE recorded_steps")
+        have, _ = _steps_by_rank(con, table)
+        stopped: dict[int, int] = {}  # rank -> the first step the component was off from (-1: from the start)
+        for o in off:
+            if o["component"] == component:
+                from_step = o["from_step"] if o["from_step"] is not None else -1
+                stopped[o["rank"]] = min(stopped.get(o["rank"], from_step), from_step)
+        for rank in sorted(recorded.keys() | unstepped):
+            steps = recorded.get(rank, np.zeros(0, dtype=np.int64))
+            seen = have.get(rank, np.zeros(0, dtype=np.int64))
+            gaps = steps[~np.isin(steps, seen)]
+            if table == "batches" and steps.size:  # batches of a step whose record is gone
+                gaps = np.concatenate([gaps, seen[(seen < steps[-1]) & ~np.isin(seen, steps)]])
+            if rank in stopped:
+                gaps = gaps[gaps < stopped[rank]]
+            # A step record without a step matches no evidence: a gap, unless the component was off.
+            missing = int(gaps.size) + (rank in unstepped and rank not in stopped)
+            if missing:
+                out.append(
+                    {
+                        "rank": rank,
+                        "evidence": words,
+                        "steps": missing,
+                        "of": int(steps.size) + (rank in unstepped),
+                        "first_step": int(gaps.min()) if gaps.size else None,
+                    }
+                )
     return out
+
+
+def _steps_by_rank(con, table: str) -> tuple[dict[int, Any], set[int]]:
+    """Per rank, the distinct steps of `table`, ascending (int64); and the ranks with a record of no step."""
+    import numpy as np
+
+    rows = con.sql(f'SELECT rank, step FROM "{table}" WHERE step IS NOT NULL').fetchnumpy()
+    rank, step = np.asarray(rows["rank"], dtype=np.int64), np.asarray(rows["step"], dtype=np.int64)
+    # Ingested in order, a table is sorted by rank and step already but where a log repeats a step.
+    ordered = (np.diff(rank) > 0) | ((np.diff(rank) == 0) & (np.diff(step) > 0))
+    if not ordered.all():
+        order = np.lexsort((step, rank))
+        rank, step = rank[order], step[order]
+        distinct = np.r_[True, (np.diff(rank) != 0) | (np.diff(step) != 0)]
+        rank, step = rank[distinct], step[distinct]
+    starts = np.flatnonzero(np.r_[True, np.diff(rank) != 0]) if rank.size else rank
+    by_rank = dict(zip(rank[starts].tolist(), np.split(step, starts[1:])))
+    unstepped = {r for (r,) in con.execute(f'SELECT DISTINCT rank FROM "{table}" WHERE step IS NULL').fetchall()}
+    return by_rank, unstepped
 
 
 def preflight_coverage(
