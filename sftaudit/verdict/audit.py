@@ -685,9 +685,9 @@ def _stored_prefixes(con, series: list[dict[str, Any]]) -> list[int] | None:
         steps = s["steps"].to_numpy()
         if steps.size > 1 and not (np.diff(steps) > 0).all():
             return None
-        old = con.sql(
-            "SELECT step, value FROM series WHERE code = ? AND name = ? ORDER BY step", params=[s["code"], s["name"]]
-        ).pl()
+        # In the order stored (DuckDB keeps insertion order): ascending steps, as written, unless it is not
+        # (then written anew); sorting a million points costs 0.06 s of CPU.
+        old = con.sql("SELECT step, value FROM series WHERE code = ? AND name = ?", params=[s["code"], s["name"]]).pl()
         m = min(old.height, steps.size)
         old_steps = old["step"].to_numpy()
         if old_steps.size > 1 and not (np.diff(old_steps) > 0).all():

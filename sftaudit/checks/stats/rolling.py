@@ -245,13 +245,17 @@ def tail_factor(residuals: np.ndarray, min_count: int = 200) -> float:
     to 10% outliers: a few spikes do not raise it. 1 with fewer than `min_count` residuals: a 90th percentile
     of the upward deviations needs about a hundred of them (a short log's few high values would set it)."""
     r = np.asarray(residuals, dtype=float)
-    r = r[np.isfinite(r)]
+    r = r[np.isfinite(r)]  # a copy: the statistics below need no order, so each partitions it in place
     if r.size < min_count:
         return 1.0
-    dev = r - np.median(r)
-    mad = np.median(np.abs(dev))
+    dev = np.subtract(r, np.median(r, overwrite_input=True), out=r)
     up = dev[dev > 0]
-    return 1.0 if mad <= 0 or up.size < 10 else max(1.0, float(np.quantile(up, 0.9) / mad / GAUSS_Q90_OVER_MAD))
+    mad = np.median(np.abs(dev, out=dev), overwrite_input=True)
+    return (
+        1.0
+        if mad <= 0 or up.size < 10
+        else max(1.0, float(np.quantile(up, 0.9, overwrite_input=True) / mad / GAUSS_Q90_OVER_MAD))
+    )
 
 
 def run_config(manifest: dict) -> dict:
