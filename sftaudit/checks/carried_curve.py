@@ -21,7 +21,16 @@ import numpy as np
 from ..errors import InputError
 from ..store.rundb import database_dir
 from .carried_arrays import load_arrays, save_arrays
-from .stats.curve import LEVEL_POINTS, NOISE_POINTS, NOISE_REACH, block_noise, log_values, noise_block
+from .stats.curve import (
+    LEVEL_POINTS,
+    NOISE_POINTS,
+    NOISE_REACH,
+    block_noise,
+    excursion_scores,
+    excursions,
+    log_values,
+    noise_block,
+)
 from .stats.rolling import rolling_level
 
 FORMAT = 1
@@ -62,6 +71,17 @@ def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
         _save(path, Curve(x, sigma, level))
     curve = done[name] = Curve(x, np.repeat(sigma, block)[: x.size], level)
     return curve
+
+
+def carried_excursions(ctx, name: str, values: np.ndarray, sigma: float, diverge_steps: int, min_effect: float) -> dict:
+    """`excursions` of `values` against their `carried_curve`; the scores it judges (z, the tail factor: a few
+    passes over every value) computed once an audit per `name` for the checks that judge the same series with their
+    own thresholds (LOOP-10 and LOOP-19 the loss)."""
+    curve = carried_curve(ctx, name, values)
+    scored = ctx.__dict__.setdefault("_curve_scores", {})
+    if name not in scored or scored[name][0] is not curve:
+        scored[name] = (curve, excursion_scores(values, noise=curve.noise, level=curve.level))
+    return excursions(values, sigma, diverge_steps, min_effect, scores=scored[name][1])
 
 
 def _first_changed(old_x: np.ndarray, x: np.ndarray) -> int:

@@ -395,14 +395,15 @@ class GradientNormAnomaly(Check):
             found, first_runs = tuple(a[order] for a in found), tuple(a[by_tensor] for a in first_runs)
         rows = columns.closing_rows
         done = first_runs[1] + run_length <= rows  # a collapse wholly in the closed rows: no later one is first
-        columns.carry(
-            self.code,
-            key,
-            rows,
-            {name: values[:rows] for name, values in per_step.items()}
-            | {f"found_{i}": a[found[1] < rows] for i, a in enumerate(found)}
-            | {f"run_{i}": a[done] for i, a in enumerate(first_runs)},
-        )
+        if not carried or carried["rows"] != rows:  # else what it carried is what it would save (40 MB at 10^6)
+            columns.carry(
+                self.code,
+                key,
+                rows,
+                {name: values[:rows] for name, values in per_step.items()}
+                | {f"found_{i}": a[found[1] < rows] for i, a in enumerate(found)}
+                | {f"run_{i}": a[done] for i, a in enumerate(first_runs)},
+            )
         return (
             found,
             per_step["largest"],
