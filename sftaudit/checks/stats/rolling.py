@@ -298,15 +298,22 @@ def rows_per_log(ctx) -> int | None:
 
 
 def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm."""
-    f = step_frame(ctx, "loss", "grad_norm")
-    loss, norm = f["loss"], f["grad_norm"]
-    return (
-        f["step"].to_numpy(),
-        (~loss.is_finite()).fill_null(False).to_numpy(),
-        (~norm.is_finite()).fill_null(False).to_numpy(),
-        norm.is_not_null().to_numpy(),
-    )
+    """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm. Once
+    an audit (four checks ask), read-only."""
+    found = ctx.__dict__.get("_nonfinite_logged")
+    if found is None:
+        f = step_frame(ctx, "loss", "grad_norm")
+        loss, norm = f["loss"], f["grad_norm"]
+        found = (
+            f["step"].to_numpy(),
+            (~loss.is_finite()).fill_null(False).to_numpy(),
+            (~norm.is_finite()).fill_null(False).to_numpy(),
+            norm.is_not_null().to_numpy(),
+        )
+        for values in found:
+            values.flags.writeable = False
+        ctx.__dict__["_nonfinite_logged"] = found
+    return found
 
 
 def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray, manifest: dict) -> np.ndarray:
