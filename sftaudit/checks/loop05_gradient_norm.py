@@ -108,13 +108,13 @@ class GradientNormAnomaly(Check):
     }
 
     def run(self, ctx: AuditContext) -> list[Finding]:
-        _, _, bad_norm, has_norm = nonfinite_logged(ctx)
+        logged_steps, _, bad_norm, has_norm = nonfinite_logged(ctx)
         # With no loss scaler (nor DeepSpeed's overflow check) nothing skipped a step: finite gradients after a
         # non-finite one do not make it a benign skip.
         skipped = skipped_updates(bad_norm, has_norm, ctx.manifest)
         return (
             self._nonfinite_loss(ctx)
-            + self._nonfinite_grads(ctx, skipped)
+            + self._nonfinite_grads(ctx, logged_steps[skipped])
             + self._spikes(ctx, skipped)
             + self._weights_not_moving(ctx)
         )
@@ -151,9 +151,8 @@ class GradientNormAnomaly(Check):
             )
         ]
 
-    def _nonfinite_grads(self, ctx: AuditContext, skipped: np.ndarray) -> list[Finding]:
-        # A step the optimizer skipped (the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
-        skips = ctx.frame("SELECT step FROM steps WHERE rank = 0 ORDER BY step")["step"].to_numpy()[skipped]
+    def _nonfinite_grads(self, ctx: AuditContext, skips: np.ndarray) -> list[Finding]:
+        # A step the optimizer skipped (`skips`: the fp16 loss scaler) did not reach the weights: LOOP-25 counts those.
         columns = gradient_columns(ctx)
         bad = columns.steps[columns.nonfinite & ~np.isin(columns.steps, skips)]  # rank 0's, read once already
         others = ctx.frame(  # the other ranks' (hive-partitioned by rank: rank 0's parts are not read again)
