@@ -38,19 +38,22 @@ from .config import DEFAULT_MAX_MISSING_SHARE, AuditConfig
 from .resolution import at_logging_resolution, first_window
 
 
-def run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
-    """Every registered, enabled check that can judge what was recorded (`cannot_run`); a check that
-    crashes is reported, not fatal (the verdict is then unjudged). A check that finds too little to
-    judge (`CannotJudge`) goes in `ctx.not_judged` with its reason."""
+def run_checks(
+    ctx: AuditContext, config: AuditConfig, recorded: dict[str, bool]
+) -> tuple[list[Finding], list[dict[str, str]]]:
+    """Every registered, enabled check that can judge what was recorded (`recorded`: `recorded_evidence`; see
+    `cannot_run`); a check that crashes is reported, not fatal (the verdict is then unjudged). A check that finds
+    too little to judge (`CannotJudge`) goes in `ctx.not_judged` with its reason."""
     try:
-        return _run_checks(ctx, config)
+        return _run_checks(ctx, config, recorded)
     finally:
         ctx.close()
 
 
-def _run_checks(ctx: AuditContext, config: AuditConfig) -> tuple[list[Finding], list[dict[str, str]]]:
+def _run_checks(
+    ctx: AuditContext, config: AuditConfig, recorded: dict[str, bool]
+) -> tuple[list[Finding], list[dict[str, str]]]:
     findings, errors = [], []
-    recorded = recorded_evidence(ctx.con, ctx.manifest)
     for check_cls in registered_checks():
         if check_cls.code in config.disabled or cannot_run(check_cls, recorded, ctx.manifest):
             continue
@@ -363,7 +366,7 @@ def cannot_run(check, recorded: dict[str, bool], manifest: dict[str, Any]) -> st
 
 
 def check_coverage(
-    con,
+    recorded: dict[str, bool],
     manifest: dict[str, Any],
     config: AuditConfig,
     check_errors: list[dict[str, str]],
@@ -375,8 +378,7 @@ def check_coverage(
     judges more finely with was not recorded, or the check judged only part of what was: `partly_judged`), "not_run"
     (evidence it needs was not recorded, or does not carry what it judges), "disabled" (by config) or
     "error"; with the reason and
-    the evidence it ran on."""
-    recorded = recorded_evidence(con, manifest)
+    the evidence it ran on (`recorded`: `recorded_evidence`)."""
     stopped = {COMPONENT_TABLES.get(o["component"]): o for o in (evidence or {}).get("components_off", [])}
     errors = {e["code"]: e["error"] for e in check_errors}
     source = "dataset (preflight)" if manifest.get("profile") == "preflight" else manifest.get("source", "shim")
@@ -558,7 +560,9 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     """Run the checks on an ingested database, store findings + verdict + series in it."""
     manifest = with_final_model(con, run_dir, load_manifest(con))
     ctx = AuditContext(con, run_dir, manifest)
-    findings, errors = run_checks(ctx, config)
+    # Once an audit: a table's first row is one query each, a view over every part a bind of them all.
+    recorded = recorded_evidence(con, manifest)
+    findings, errors = run_checks(ctx, config, recorded)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.
     evidence = (
@@ -566,7 +570,7 @@ def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
         if manifest.get("profile") == "preflight"
         else evidence_coverage(con, errors, ctx.not_judged, manifest, config.max_missing_share)
     )
-    checks = check_coverage(con, manifest, config, errors, evidence, ctx.not_judged, ctx.partly_judged)
+    checks = check_coverage(recorded, manifest, config, errors, evidence, ctx.not_judged, ctx.partly_judged)
     if not any(c["status"] in ("ran", "partial") for c in checks) and not evidence["cannot_judge"]:
         evidence["cannot_judge"] = (
             "no check could run on what was recorded ("
