@@ -40,6 +40,6 @@ def load_arrays(path: Path) -> dict[str, np.ndarray] | None:
             arrays = {str(name): np.lib.format.read_array(f, allow_pickle=False) for name in names}
             if f.read(1):  # more than was written
                 return None
-    except (OSError, ValueError, EOFError):
+    except (OSError, ValueError, EOFError, MemoryError):  # MemoryError: a header naming a shape far past the file
         return None
     return arrays if len(arrays) == len(names) else None
