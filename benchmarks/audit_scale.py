@@ -8,7 +8,8 @@ writer (the per-tensor norms into the columnar series), then times `ingest` and 
 separately, each check on its own (top 5 printed), and prints bytes per recorded value, the peak
 RSS of this process and whether every planted anomaly is found at its step; then, `--reaudits` times,
 appends 1,000 clean steps and times the re-ingest and the re-audit (median and spread; the slowest checks; with
-`--profile`, the re-audits' calls that open the run database and ingest, per call). `--schema 1` writes
+`--profile`, the re-audits' calls that open the run database and ingest, sftaudit's calls by cumulative time and
+every call by its own time). `--schema 1` writes
 the older layout (the norms inside steps.jsonl, copied into DuckDB) for comparison. `--keep DIR --reuse` times only
 more re-audits of a run an earlier `--keep DIR` wrote and audited (its database and carried state in the cache beside
 it, DIR-cache, unless SFTAUDIT_CACHE_DIR says where): a 10^6-step run is written and first audited once.
@@ -72,7 +73,9 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="re-audit the run --keep names, written before")
     parser.add_argument("--show", nargs="*", default=["LOOP-15"], help="checks whose re-audit time is always printed")
     parser.add_argument(
-        "--profile", action="store_true", help="print the re-audits' time in opening the database and ingesting"
+        "--profile",
+        action="store_true",
+        help="profile the re-audits (cProfile): the database opening and ingest, the slowest calls",
     )
     args = parser.parse_args()
     if args.reuse and not (args.keep and (args.keep / "sftaudit").is_dir()):
@@ -187,6 +190,9 @@ def _reaudits(args, run: Path, verdict: dict, spent: dict, first: tuple[float, f
     )
     if profile:  # per call over the re-audits (cProfile's wall clock; its overhead inflates the times)
         pstats.Stats(profile).sort_stats("cumulative").print_stats(r"store/(rundb|ingest)\.py", 12)
+        # Where the rest goes: sftaudit's own calls by cumulative time, and every call by its own time.
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(r"sftaudit/", 45)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     new = {(f["code"], f["severity"], f["step"]) for f in again["findings"]} - found
     print(f"findings the appended clean steps added: {sorted(new) or 'none'}")
     return 0

@@ -95,7 +95,12 @@ class AuditContext:
         return first_row(self.con, sql, params)
 
     def has_rows(self, table: str) -> bool:
-        return has_rows(self.con, table)
+        """Whether `table` exists and holds a row: asked once an audit (checks only read; a view over the gradient
+        parts is a bind of every part each time it is asked)."""
+        known = self.__dict__.setdefault("_has_rows", {})
+        if table not in known:
+            known[table] = has_rows(self.con, table)
+        return known[table]
 
 
 def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:

@@ -5,15 +5,14 @@ The loss-curve rules (LOOP-10, LOOP-19, LOOP-27) judge each value against the ru
 and against its running level (`rolling_level`: the median of the values before it), a median a row in a run of
 10^6 steps. A block's noise depends only on the values of the blocks it pools, a row's level only on the values
 before it, so neither changes while those values stay as they were. The audit keeps each series' values, block
-noise and levels beside the run's database (``carried-curve-<name>.npz``) and the next one computes only what
+noise and levels beside the run's database (``carried-curve-<name>.arrays``) and the next one computes only what
 reads a value that changed or is new. What was carried is checked against the values themselves, bit for bit, so
 a resume that rewrote the end of the log, or any other change, is judged again from where it begins.
 """
 
 from __future__ import annotations
 
-import os
-import zipfile
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,17 @@ import numpy as np
 
 from ..errors import InputError
 from ..store.rundb import database_dir
-from .stats.curve import LEVEL_POINTS, NOISE_POINTS, NOISE_REACH, block_noise, log_values, noise_block
+from .carried_arrays import load_arrays, save_arrays
+from .stats.curve import (
+    LEVEL_POINTS,
+    NOISE_POINTS,
+    NOISE_REACH,
+    block_noise,
+    excursion_scores,
+    excursions,
+    log_values,
+    noise_block,
+)
 from .stats.rolling import rolling_level
 
 FORMAT = 1
@@ -45,7 +54,7 @@ def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
     if name in done and _same(done[name].x, x):
         return done[name]
     folder = _folder(ctx.run_dir)
-    path = folder / f"carried-curve-{name}.npz" if folder else None
+    path = folder / f"carried-curve-{name}.arrays" if folder else None
     old = _load(path) if path else None
     block = noise_block(x.size)
     changed = _first_changed(old.x, x) if old else 0
@@ -62,6 +71,17 @@ def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
         _save(path, Curve(x, sigma, level))
     curve = done[name] = Curve(x, np.repeat(sigma, block)[: x.size], level)
     return curve
+
+
+def carried_excursions(ctx, name: str, values: np.ndarray, sigma: float, diverge_steps: int, min_effect: float) -> dict:
+    """`excursions` of `values` against their `carried_curve`; the scores it judges (z, the tail factor: a few
+    passes over every value) computed once an audit per `name` for the checks that judge the same series with their
+    own thresholds (LOOP-10 and LOOP-19 the loss)."""
+    curve = carried_curve(ctx, name, values)
+    scored = ctx.__dict__.setdefault("_curve_scores", {})
+    if name not in scored or scored[name][0] is not curve:
+        scored[name] = (curve, excursion_scores(values, noise=curve.noise, level=curve.level))
+    return excursions(values, sigma, diverge_steps, min_effect, scores=scored[name][1])
 
 
 def _first_changed(old_x: np.ndarray, x: np.ndarray) -> int:
@@ -101,10 +121,10 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _load(path) -> Curve | None:
     """The carried block noise (in `Curve.noise`) and levels, or None when absent, torn or of another kind."""
+    state = load_arrays(path)
     try:
-        with np.load(path, allow_pickle=False) as state:
-            meta, x, noise, level = state["meta"], state["x"], state["noise"], state["level"]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        meta, x, noise, level = state["meta"], state["x"], state["noise"], state["level"]
+    except (TypeError, KeyError):  # none, or not what `_save` writes
         return None
     if meta.tolist() != [FORMAT, NOISE_POINTS, NOISE_REACH, LEVEL_POINTS] or level.shape != x.shape:
         return None
@@ -115,11 +135,6 @@ def _load(path) -> Curve | None:
 
 def _save(path, carried: Curve) -> None:
     """Written whole or not at all; a cache folder that cannot be written only costs the next audit the work."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            meta = np.array([FORMAT, NOISE_POINTS, NOISE_REACH, LEVEL_POINTS])
-            np.savez(f, meta=meta, x=carried.x, noise=carried.noise, level=carried.level)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    meta = np.array([FORMAT, NOISE_POINTS, NOISE_REACH, LEVEL_POINTS])
+    with contextlib.suppress(OSError):
+        save_arrays(path, {"meta": meta, "x": carried.x, "noise": carried.noise, "level": carried.level})

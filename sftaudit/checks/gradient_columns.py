@@ -19,7 +19,7 @@ in a closed range, the copy is built again from the start. Any other gradient so
 norms, a schema-1 run's rows) is copied into a private temporary file, unlinked at creation, at each audit.
 
 **What the checks carry.** A check's statistics of the closed step rows never change once later rows exist, so
-LOOP-05, LOOP-10 and LOOP-15 keep them beside the copy (`GradientColumns.carried` / `carry`, one ``.npz`` a check)
+LOOP-05, LOOP-10 and LOOP-15 keep them beside the copy (`GradientColumns.carried` / `carry`, one file a check)
 and judge again only the rows past them, plus the history those rows are judged against (`map(first_row=...)`).
 What a check carries is tied to the copy's generation (a new one each time the copy is built from the start: a
 resume that abandoned a closed step, a rewritten part) and to a key of everything else it depends on (its options,
@@ -33,7 +33,6 @@ import json
 import os
 import tempfile
 import uuid
-import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 
 from ..core.artifacts import GRAD_SERIES, SERIES_DIR, artifact_root
 from ..store.rundb import database_dir, first_row, has_table
+from .carried_arrays import load_arrays, save_arrays
 
 ABSENT = np.float32(-1.0)  # no norm recorded for that tensor at that step (a norm is never negative)
 STEP_VALUES = 1 << 23  # norms per range of steps read from DuckDB (32 MB as float32)
@@ -201,11 +201,10 @@ class GradientColumns:
         depend on) is the same; else None."""
         if self.generation is None:
             return None
+        arrays = load_arrays(self._carried.folder / f"carried-{name}.arrays")
         try:
-            with np.load(self._carried.folder / f"carried-{name}.npz", allow_pickle=False) as state:
-                arrays = {a: state[a] for a in state.files}
             meta = json.loads(str(arrays.pop("meta")))
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        except (AttributeError, KeyError, ValueError):  # none, or not what `carry` writes
             return None
         rows = meta.get("rows") if isinstance(meta, dict) else None
         if meta != {"generation": self.generation, "key": key, "rows": rows}:
@@ -219,11 +218,7 @@ class GradientColumns:
         if self.generation is None or rows <= 0:
             return
         meta = json.dumps({"generation": self.generation, "key": key, "rows": rows})
-        path = self._carried.folder / f"carried-{name}.npz"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=np.array(meta), **arrays)
-        os.replace(tmp, path)
+        save_arrays(self._carried.folder / f"carried-{name}.arrays", {"meta": np.array(meta), **arrays})
 
 
 def sum_by_group(values: np.ndarray) -> np.ndarray:
@@ -487,10 +482,10 @@ class _Kept:
 class CarriedCopy:
     """The run's columnar copy of rank 0's norms in sftaudit's cache (``grad-columns.f32``), with what its
     closed ranges were built from (``grad-columns.json``, written last and whole) and their per-step flags
-    (``grad-columns.npz``). The run's lock is held while it is read or written (the audit's)."""
+    (``grad-columns.flags``). The run's lock is held while it is read or written (the audit's)."""
 
     FORMAT = 3  # 2: ranges of at most 8,192 steps; 3: of 2,048 (RANGE_STEPS)
-    DATA, STATE, FLAGS = "grad-columns.f32", "grad-columns.json", "grad-columns.npz"
+    DATA, STATE, FLAGS = "grad-columns.f32", "grad-columns.json", "grad-columns.flags"
 
     def __init__(self, run_dir):
         self.folder = database_dir(run_dir)
@@ -530,8 +525,8 @@ class CarriedCopy:
             )
             if not same:
                 return None
-            with np.load(self.folder / self.FLAGS, allow_pickle=False) as flags:
-                graded, nonfinite = flags["graded"], flags["nonfinite"]
+            flags = load_arrays(self.folder / self.FLAGS)
+            graded, nonfinite = flags["graded"], flags["nonfinite"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         if graded.shape != (rows,) or nonfinite.shape != (rows,) or graded.dtype != bool or nonfinite.dtype != bool:
@@ -545,9 +540,7 @@ class CarriedCopy:
         if not rows:
             return
         self.file.flush()
-        flags = self.folder / self.FLAGS
-        with open(flags, "wb") as f:
-            np.savez(f, graded=columns.graded[:rows], nonfinite=columns.nonfinite[:rows])
+        save_arrays(self.folder / self.FLAGS, {"graded": columns.graded[:rows], "nonfinite": columns.nonfinite[:rows]})
         state = {
             "format": self.FORMAT,
             "generation": generation,

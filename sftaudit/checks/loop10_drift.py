@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
-from .carried_curve import carried_curve
+from .carried_curve import carried_curve, carried_excursions
 from .gradient_columns import gradient_columns
-from .stats.curve import LENSES, excursions, lone_peaks, short_log_peaks
+from .stats.curve import LENSES, lone_peaks, short_log_peaks
 from .stats.rolling import (
     adaptive_window,
     column,
@@ -132,9 +132,7 @@ class LossDynamics(Check):
     def _loss_spikes(self, ctx, steps, loss) -> list[Finding]:
         p = self.params
         curve = carried_curve(ctx, "loss", loss)
-        found = excursions(
-            loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level
-        )
+        found = carried_excursions(ctx, "loss", loss, p["sigma_spike"], p["diverge_steps"], p["min_effect"])
         z, threshold = found["z"], found["threshold"]
         ctx.add_series(
             self.code,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .carried_curve import carried_curve
-from .stats.curve import LEVEL_POINTS, excursions, rise_from_minimum, rising_trend, rows_above
+from .carried_curve import carried_excursions
+from .stats.curve import LEVEL_POINTS, rise_from_minimum, rising_trend, rows_above
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, normal_sf, step_frame
 
 
@@ -93,8 +93,7 @@ class LossDivergence(Check):
         steps = frame["step"].to_numpy()
         lr = column(frame, "lr")
         p = self.params
-        curve = carried_curve(ctx, "loss", loss)
-        found = excursions(loss, p["sigma"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level)
+        found = carried_excursions(ctx, "loss", loss, p["sigma"], p["diverge_steps"], p["min_effect"])
         peak_lr = float(np.nanmax(lr)) if np.isfinite(lr).any() else None
         advice = f"lower the learning rate (peak {peak_lr:.3g})" if peak_lr else "lower the learning rate"
         episode = next(self._sustained_past_dips(found), None)

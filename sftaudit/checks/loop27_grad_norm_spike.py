@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .carried_curve import carried_curve
-from .stats.curve import excursions
+from .carried_curve import carried_excursions
 from .stats.rolling import column, step_frame
 
 # The first logged norm is compared with the norms logged right after it (not the whole run: a run that
@@ -72,8 +71,7 @@ class LoggedGradientNormSpike(Check):
             )
         steps, norm, loss = frame["step"].to_numpy()[usable], norm[usable], loss[usable]
         p = self.params
-        curve = carried_curve(ctx, "grad_norm", norm)
-        found = excursions(norm, p["sigma"], p["diverge_steps"], p["min_effect"], noise=curve.noise, level=curve.level)
+        found = carried_excursions(ctx, "grad_norm", norm, p["sigma"], p["diverge_steps"], p["min_effect"])
         ctx.add_series(
             self.code,
             "log gradient norm z vs its own step-to-step noise",

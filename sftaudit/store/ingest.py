@@ -147,7 +147,8 @@ def _ingest_all(con: duckdb.DuckDBPyConnection, files: _RunFiles, ranks: list[tu
             f"{run_dir}: artifacts have no manifest record (none in rank-<r>/manifest.jsonl could be read); "
             f"the shim writes it when recording starts: record the run again"
         )
-    _refuse_repeated_steps(con)
+    if added["steps"]:  # steps ingested before were refused then, or found once each
+        _refuse_repeated_steps(con)
     _ingest_series(con, files)
     _supersede_abandoned_steps(con)
     parts = validated_parts(con, run_dir)

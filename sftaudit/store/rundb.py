@@ -254,7 +254,12 @@ def connect(run_dir: str | Path, read_only: bool = False, views: bool = True) ->
         # A reader without the views reads no part; ingest's views are made after it validated the new ones.
         parts = validated_parts(con, run_dir) if ours and (views or not read_only) else []
         folders = [] if read_only else [str(path.parent / STAGING_DIR), *_series_folder(run_dir)]
-        _lock_down(con, [f for p in parts for f in (p, _literal(p))], [f for p in folders for f in (p, _literal(p))])
+        # Each path once (a path without glob characters is its own literal): DuckDB's lock-down costs per path.
+        _lock_down(
+            con,
+            list(dict.fromkeys(f for p in parts for f in (p, _literal(p)))),
+            list(dict.fromkeys(f for p in folders for f in (p, _literal(p)))),
+        )
         if ours and views:
             gradient_views(con, parts)
     except BaseException:

@@ -222,8 +222,8 @@ def test_what_a_check_carried_is_judged_again_when_unreadable(tmp_path):
     norms = planted_norms(11, {"spike": 120, "stale": 70})
     write_steps(run, norms, 1, 100, header=True)
     audit(run)
-    carried = sorted(database_dir(run).glob("carried-LOOP-*.npz"))
-    assert [p.name for p in carried] == ["carried-LOOP-05.npz", "carried-LOOP-10.npz", "carried-LOOP-15.npz"]
+    carried = sorted(database_dir(run).glob("carried-LOOP-*.arrays"))
+    assert [p.name for p in carried] == ["carried-LOOP-05.arrays", "carried-LOOP-10.arrays", "carried-LOOP-15.arrays"]
     carried[0].write_bytes(b"PK\x03\x04 torn")
     carried[2].write_bytes(b"")
     write_steps(run, norms, 101, TOTAL)

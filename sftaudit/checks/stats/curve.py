@@ -90,28 +90,12 @@ def block_noise(
     return np.where(finite >= MIN_DIFFERENCES, sigma, np.nan)
 
 
-def excursions(
-    values,
-    sigma: float,
-    diverge_steps: int,
-    min_effect: float,
-    level_points: int = LEVEL_POINTS,
-    noise: np.ndarray | None = None,
-    level: np.ndarray | None = None,
+def excursion_scores(
+    values, level_points: int = LEVEL_POINTS, noise: np.ndarray | None = None, level: np.ndarray | None = None
 ) -> dict:
-    """Logged values judged against the run's own noise, and their excursions above their running level.
-
-    Each value's residual from the median of the `level_points` values before it (log space), over the noise of
-    such a residual (`point_noise` x sqrt(1 + pi / (2 x level_points)): the value's own noise and its level's),
-    floored at one rounding step of the log at that level (no noise estimate: not judged); z >= `sigma` x the
-    run's upper-tail factor and a residual >= log(`min_effect`) is elevated. One-sided: a value below its level
-    never is. An episode starts at an elevated row and stays up while the values keep above the level before it
-    began (by the same threshold); it is sustained when it lasts `diverge_steps` rows, or through the end of the
-    run (2 rows at least).
-
-    Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
-    sustained). `noise`, `level`: `point_noise` and `rolling_level` of the log values when known (carried from the
-    audit before)."""
+    """What `excursions` judges each logged value by, whatever its thresholds: x (log), level, residual, scale, z,
+    quantum and tail (the run's upper-tail factor of z). `noise`, `level`: `point_noise` and `rolling_level` of the
+    log values when known (carried from the audit before)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     level = rolling_level(x, level_points) if level is None else level
@@ -124,7 +108,35 @@ def excursions(
         flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
     tail = tail_factor(z[np.isfinite(z)])
-    threshold = sigma * tail
+    return {"x": x, "level": level, "residual": residual, "scale": scale, "z": z, "quantum": quantum, "tail": tail}
+
+
+def excursions(
+    values,
+    sigma: float,
+    diverge_steps: int,
+    min_effect: float,
+    level_points: int = LEVEL_POINTS,
+    noise: np.ndarray | None = None,
+    level: np.ndarray | None = None,
+    scores: dict | None = None,
+) -> dict:
+    """Logged values judged against the run's own noise, and their excursions above their running level.
+
+    Each value's residual from the median of the `level_points` values before it (log space), over the noise of
+    such a residual (`point_noise` x sqrt(1 + pi / (2 x level_points)): the value's own noise and its level's),
+    floored at one rounding step of the log at that level (no noise estimate: not judged); z >= `sigma` x the
+    run's upper-tail factor and a residual >= log(`min_effect`) is elevated. One-sided: a value below its level
+    never is. An episode starts at an elevated row and stays up while the values keep above the level before it
+    began (by the same threshold); it is sustained when it lasts `diverge_steps` rows, or through the end of the
+    run (2 rows at least).
+
+    Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
+    sustained). `noise`, `level`: as `excursion_scores`; `scores`: its result for these values when known (checks
+    judging the same series with other thresholds share it)."""
+    found = excursion_scores(values, level_points, noise, level) if scores is None else scores
+    x, level, residual, scale, z = (found[k] for k in ("x", "level", "residual", "scale", "z"))
+    threshold = sigma * found["tail"]
     # A level of fewer than 3 values is their mean, not a robust median: one dip among them drags it down and
     # the return to trend after it would read as a spike; those first rows are the neighbour rules' (lone_peaks).
     robust = np.minimum(np.arange(x.size), level_points) >= MIN_LEVEL_POINTS
@@ -137,17 +149,7 @@ def excursions(
         length = rows_above(x, s, bar)
         sustained = length >= diverge_steps or (s + length == x.size and length >= 2)
         episodes.append((int(s), length, bool(sustained)))
-    return {
-        "x": x,
-        "level": level,
-        "residual": residual,
-        "scale": scale,
-        "z": z,
-        "quantum": quantum,
-        "tail": tail,
-        "threshold": threshold,
-        "episodes": episodes,
-    }
+    return {**found, "threshold": threshold, "episodes": episodes}
 
 
 def floored_scale(noise: np.ndarray, level: np.ndarray, quantum: float) -> np.ndarray:
@@ -226,9 +228,12 @@ def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float, noi
     residual = np.full(n, np.nan)
     if n >= 3:
         residual[1:-1] = t[1:-1] - (t[:-2] + t[2:]) / 2
-    midpoint = inverse(t - residual)  # log space
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        step = lens(np.log(np.exp(midpoint) + quantum)) - lens(midpoint) if quantum else np.zeros(n)
+        if quantum:
+            midpoint = inverse(t - residual)  # log space
+            step = lens(np.log(np.exp(midpoint) + quantum)) - lens(midpoint)
+        else:
+            step = np.zeros(n)
         noise = (point_noise(t) if noise is None else noise) * math.sqrt(1.5)
         scale = np.where(np.isfinite(noise), np.fmax(noise, step), np.nan)
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
