@@ -53,7 +53,7 @@ from .dataset import (
 )
 from .logs import holding, latest_history, logging_interval, read_json
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
-from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
+from .runs import describe, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
 from .source import SourceLog
 from .sources import find_log, missing_extras, registered_sources
@@ -453,11 +453,11 @@ def _latest_start(
 
 
 def _cut_glued(run_dir: Path, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Cut each state's history at its last reset (`runs.split_glued`); the other run's part, described once
-    per file that held one."""
+    """Cut each state's history at its last reset (`runs.split_glued`), noting where its epoch count started again
+    (``epoch_restarts``); the other run's part, described once per file that held one."""
     out = []
     for s in states:
-        before, after = split_glued(s["history"])
+        before, after, s["epoch_restarts"] = split_glued(s["history"])
         if not before:
             continue
         s["history"] = after
@@ -539,7 +539,7 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     entries from that step are the abandoned branch, and the run resumed there. A state that agrees but
     planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
     changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
-    count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
+    count starts again from the step it fell at (`runs.split_glued`), the run resumed on a streamed dataset."""
     current: dict[tuple, dict[str, Any]] = {}  # the newest's entries by step and keys (made when first needed)
     abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
     resumes: dict[int, str | None] = {}
@@ -557,13 +557,15 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         diverged = s["diverged"] = min(differing)
         resumes.setdefault(diverged, None)
         abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
-    for step in epoch_restarts(newest["history"]):
+    for step in newest["epoch_restarts"]:
         resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
     history = newest["history"]
-    logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
+    logged = None  # the training logs' steps, sorted (made when a plan changed)
     chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
     for before, after in zip(chain, chain[1:]):
         if plans_differ(plan(before), plan(after)):
+            if logged is None:
+                logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
             i = bisect_right(logged, before["global_step"])
             if i < len(logged):
                 resumes.setdefault(logged[i], None if before["top_level"] else before["folder"].name)
