@@ -206,11 +206,16 @@ def log_quantum(values: np.ndarray) -> float:
     v = v[np.isfinite(v)]
     if v.size < 3:
         return 0.0
+    sample = v[:: max(v.size // 1024, 1)]  # rounded as the whole log is, if it is: tried first, the whole only then
     for k in range(9):
-        scaled = v * 10.0**k
-        if np.all(np.abs(scaled - np.round(scaled)) <= 1e-4):
+        if _rounded(sample, k) and _rounded(v, k):
             return 10.0**-k
     return 0.0
+
+
+def _rounded(v: np.ndarray, places: int) -> bool:
+    scaled = v * 10.0**places
+    return bool(np.all(np.abs(scaled - np.round(scaled)) <= 1e-4))
 
 
 def row_nanmedian(rows: np.ndarray) -> np.ndarray:
