@@ -454,10 +454,21 @@ def _latest_start(
 
 def _cut_glued(run_dir: Path, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Cut each state's history at its last reset (`runs.split_glued`), noting where its epoch count started again
-    (``epoch_restarts``); the other run's part, described once per file that held one."""
+    (``epoch_restarts``); the other run's part, described once per file that held one. A history that begins
+    another's (an earlier checkpoint's, its entries the same objects: compared in C) where that one has no reset
+    and no restart has none either (they are found between consecutive training logs): not looked at again."""
+    splits, whole = {}, []  # whole: the histories with no reset and no restart, longest first
+    for s in sorted(states, key=lambda s: len(s["history"]), reverse=True):
+        history = s["history"]
+        if any(w[: len(history)] == history for w in whole):
+            splits[id(s)] = [], history, []
+            continue
+        splits[id(s)] = split = split_glued(history)
+        if not split[0] and not split[2]:
+            whole.append(history)
     out = []
     for s in states:
-        before, after, s["epoch_restarts"] = split_glued(s["history"])
+        before, after, s["epoch_restarts"] = splits[id(s)]
         if not before:
             continue
         s["history"] = after
