@@ -51,7 +51,7 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import holding, latest_history, logging_interval, read_json
+from .logs import holding, latest_history, logging_interval, read_json, training_logs
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
 from .runs import describe, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
@@ -274,7 +274,11 @@ def import_run(
             np.searchsorted(np.array(starts, dtype=np.int64), logged_steps, side="right"),
         ]
     )
-    steps, metrics = series(segs, [e for e, _ in abandoned] + timeline)
+    # What the import's parts each need of the log, gathered once: the training logs, the keys logged.
+    logged = [e for e, _ in abandoned] + timeline
+    training = training_logs(logged)
+    keys = set().union(*timeline)
+    steps, metrics = series(segs, logged, training, keys.union(*(e for e, _ in abandoned)))
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -316,7 +320,7 @@ def import_run(
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
-    described = _described(run_dir, checkpoints, newest, tokenizer, timeline)
+    described = _described(run_dir, checkpoints, newest, tokenizer, keys)
     notes = (
         other_runs(others)
         + earlier_run_in_log(earlier)
@@ -327,6 +331,8 @@ def import_run(
         )
         + log_limits(
             timeline,
+            training[len(abandoned) :],
+            keys,
             newest,
             _logging_steps(newest),
             log_beyond_checkpoints=newest["top_level"] or bool(segments),
@@ -675,17 +681,16 @@ def _described(
     checkpoints: list[tuple[int, Path]],
     newest: dict[str, Any],
     tokenizer: dict[str, Any] | None,
-    timeline: list[dict[str, Any]],
+    keys: set[str],
 ) -> dict[str, Any]:
     """What the manifest says of the model, once for every segment: ``model``, ``params``, ``vocab_size``,
-    ``task`` (`task.describe_task`: config.json or adapter_config.json, and the keys the log holds)."""
+    ``task`` (`task.describe_task`: config.json or adapter_config.json, and the `keys` the log holds)."""
     model = _model(run_dir, checkpoints, newest.get("model_config"))
     folders = [p for _, p in reversed(checkpoints)] + [run_dir]
     params = _params(folders[:-1])
     vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
     adapter = next(_json_files(run_dir, checkpoints, "adapter_config.json"), None)
-    keys = set().union(*timeline) - {"step"}
-    task = describe_task(model.get("config"), adapter, keys)
+    task = describe_task(model.get("config"), adapter, keys - {"step"})
     task["vocab_size"] = task["vocab_size"] or vocab_size
     return {
         "model": model,

@@ -16,13 +16,16 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
-from .logs import number, training_logs
+from .logs import number
 
 
-def series(segs: Any, entries: list[dict[str, Any]]):
-    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment), as polars frames
+def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys: set[str]):
+    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment; `training`: which
+    are training logs, `logs.training_logs`; `keys`: the keys they hold), as polars frames
     built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
     small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
     learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
@@ -31,7 +34,7 @@ def series(segs: Any, entries: list[dict[str, Any]]):
     rows of the metrics' own); looked at one by one otherwise."""
     import polars as pl
 
-    names = sorted(set().union(*entries) - {"step"}) if entries else []
+    names = sorted(keys - {"step"})
     # the name once, each record its index (a million records of eight names hold eight strings)
     kind = pl.Enum(names)
     logs = pl.DataFrame(
@@ -44,7 +47,6 @@ def series(segs: Any, entries: list[dict[str, Any]]):
     columns = {name: _floats(values[name], None) for name in names}
     parts = [logs.with_columns(name=pl.lit(name, kind), value=columns[name]).drop_nulls("value") for name in names]
     metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
-    training = training_logs(entries)
     mask = pl.Series(training)
 
     def logged(key: str):
