@@ -7,8 +7,7 @@ the Trainer output importer reads them all and tells the runs and branches of th
 A per-step log of a long run is large (10^6 entries: hundreds of MB to GBs, in every checkpoint), so a state is
 read as a stream: the standard library's decoder takes one value at a time (a log entry, a field) from a chunk of
 the file in memory, after a size check (ijson cannot read the ``NaN`` and ``Infinity`` the Trainer writes for a
-non-finite loss, and DuckDB's JSON reader holds the whole object, several times its size); the log entries wholly
-in a chunk together, by pyarrow's JSON reader where they are all a per-step log's floats. The states of one
+non-finite loss, and DuckDB's JSON reader holds the whole object, several times its size). The states of one
 output mostly repeat each other: an older checkpoint's log is the newer one's beginning, byte for byte, as the
 Trainer writes them. So the largest state is read whole and each other one is compared with it byte by byte, its
 log taken as the largest one's first entries where it is their exact copy (read in full only where it is not).
