@@ -109,16 +109,11 @@ def _trainer_name(key: str) -> str:
     return ALIASES.get(key) or (f"eval_{key[5:]}" if key[:5] == "eval/" else key)
 
 
-def not_own(key: str) -> bool:
-    """Whether `key` is not the Trainer's own name for what it logs (another logger's, `ALIASES`)."""
-    return _trainer_name(key) != key
-
-
 def all_normalised(entries: list[dict[str, Any]]) -> bool:
     """Whether each of `entries` (log entries decoded from JSON) is as `normalised` gives it already and has a
     step: every key the Trainer's own name, every value a float but the step, an integer of 64 bits. Checked in C
     over the whole batch (a per-step log's entries all are: then none is looked at one by one)."""
-    if any(map(not_own, set().union(*entries))):
+    if any(_trainer_name(key) != key for key in set().union(*entries)):
         return False
     steps = list(map(dict.get, entries, repeat("step")))
     if set(map(type, steps)) != {int} or not (-(2**63) <= min(steps) and max(steps) < 2**63):

@@ -20,13 +20,12 @@ import codecs
 import json
 import re
 from array import array
-from itertools import repeat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...core.safe_io import head, open_regular
 from ...errors import InputError
-from ..logs import MAX_LOG_BYTES, all_normalised, is_step, normalised, not_own
+from ..logs import MAX_LOG_BYTES, all_normalised, is_step, normalised
 from ..source import LogSource, SourceLog, numbers_only
 
 TRAINER_STATE = "trainer_state.json"
@@ -216,20 +215,15 @@ class _Stream:
         meets = [m.start() + 1 for m in _ENTRY_MEET.finditer(self.buf, self.pos)]
         if not meets:
             return False
-        text = self.buf[self.pos : meets[-1]]
-        entries = _read_columns(text, len(meets))
-        normal = entries is not None
-        if entries is None:
-            try:
-                entries = self.decoder.decode("[" + text + "]")
-            except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
-                return False
-            if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
-                return False
-            normal = all_normalised(entries)
+        try:
+            entries = self.decoder.decode("[" + self.buf[self.pos : meets[-1]] + "]")
+        except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
+            return False
+        if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
+            return False
         history, ends, kept = read.history, read.ends, read.kept
         offset = self.base - read.start if read.start is not None and self.ascii else None
-        if normal:  # a per-step log's: each kept as it is
+        if all_normalised(entries):  # a per-step log's: each kept as it is
             history.extend(entries)
             if offset is not None:
                 ends.extend(map(offset.__add__, meets))
@@ -318,39 +312,6 @@ class _Stream:
     def fail(self, what: str) -> None:
         where = f" at byte {self.base + self.pos:,}" if self.ascii else ""
         raise InputError(f"{self.path}: not a readable trainer state ({what}{where})")
-
-
-def _read_columns(text: str, count: int) -> list[dict[str, Any]] | None:
-    """The `count` log entries of `text` (objects that `_ENTRY_MEET` parts) read by pyarrow's JSON reader into typed
-    columns, then made dicts (less CPU than the json module's decoder and `logs.all_normalised` together): when every
-    entry holds the same keys, each a Trainer name, every value a float but the step, an integer of 64 bits (what
-    `all_normalised` asks of a batch). None otherwise, the text then decoded by the json module: a value of another
-    type (text, a list, null, a number beyond a double), a key missing or twice in an entry (pyarrow refuses that),
-    any escape (a lone surrogate is kept as text only by the json module). The entries are made lines at each
-    ``},``: a meet written otherwise leaves them fewer than `count`, a key holding one is no name of the Trainer's."""
-    if "\\" in text:
-        return None
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    lines = text.replace("},", "}\n").encode()
-    try:
-        table = pj.read_json(
-            pa.BufferReader(lines),
-            read_options=pj.ReadOptions(use_threads=False, block_size=len(lines) + 1),
-            parse_options=pj.ParseOptions(newlines_in_values=True),
-        )
-    except (pa.ArrowException, ValueError):  # not JSON to it (a number beyond a double, a key twice)
-        return None
-    names = table.column_names
-    if table.num_rows != count or "step" not in names:
-        return None
-    for name, column in zip(names, table.columns):
-        wanted = pa.int64() if name == "step" else pa.float64()
-        if column.null_count or column.type != wanted or not_own(name) or "}" in name:
-            return None
-    values = [column.to_numpy().tolist() for column in table.columns]
-    return list(map(dict, map(zip, repeat(names), zip(*values))))
 
 
 def _common_prefix(f: BinaryIO, start: int, other: Path, other_start: int) -> int:
