@@ -171,3 +171,21 @@ def test_a_trainer_states_step_is_read_from_its_head_unless_the_save_was_cut_sho
     for name in ("sorted", "log-first"):
         assert {"step", "data_position"} <= set(state_parts(tmp_path / name, {})[0])
     assert not {"step", "data_position"} & set(state_parts(tmp_path / "cut", {})[0])
+
+
+def test_a_trainer_states_duplicate_step_is_the_last_as_the_json_module_reads_it(tmp_path):
+    """Of duplicate ``global_step`` keys the json module (the import) keeps the last: so does the head read, whether
+    the duplicate is in the head or after the log (then the file is read whole)."""
+    log = json.dumps([{"loss": 1.0, "step": s} for s in range(1, 5001)], indent=2)
+    texts = {
+        "null-last-in-head": '{"global_step": 5000, "global_step": null, "log_history": %s}' % log,
+        "step-last-in-head": '{"global_step": null, "global_step": 5000, "log_history": %s}' % log,
+        "null-after-log": '{"global_step": 5000, "log_history": %s, "global_step": null}' % log,
+        "escaped-after-log": '{"global_step": 5000, "log_history": %s, "global\\u005fstep": null}' % log,
+    }
+    for name, text in texts.items():
+        assert len(text) > STATE_HEAD_BYTES
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(text)
+        has_step = json.loads(text)["global_step"] is not None
+        assert ("data_position" in state_parts(tmp_path / name, {})[0]) is has_step, name

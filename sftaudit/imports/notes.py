@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from ..core.safe_io import LFS_HINT
-from .logs import training_logs
 
 # The stable keys, in the order the notes are listed.
 KEYS = (
@@ -101,17 +100,19 @@ def ignored_values(ignored: dict[str, str], file: str) -> list[dict[str, Any]]:
 
 def log_limits(
     timeline: list[dict[str, Any]],
+    training_mask: np.ndarray,
+    keys: set[str],
     newest: dict[str, Any],
     logging_steps: int | None,
     log_beyond_checkpoints: bool,
     ended: bool,
     scaler_in: list[str],
 ) -> list[dict[str, Any]]:
-    """What the judged run's log cannot show (see `KEYS`); `ended`: the newest state says training ended there
-    (its plan reached, or the Trainer told to stop), so a log that ends with it misses nothing."""
+    """What the judged run's log cannot show (see `KEYS`); `training_mask`: which of the `timeline`'s entries are
+    training logs (`logs.training_logs`), `keys`: the keys it holds; `ended`: the newest state says training ended
+    there (its plan reached, or the Trainer told to stop), so a log that ends with it misses nothing."""
     out = []
-    training = list(compress(timeline, training_logs(timeline)))
-    keys = set().union(*timeline) if timeline else set()
+    training = list(compress(timeline, training_mask))
     last = newest["global_step"]
     if not training:
         configured = newest.get("logging_steps")

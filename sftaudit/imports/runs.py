@@ -53,20 +53,15 @@ def plans_differ(a: dict[str, int], b: dict[str, int]) -> bool:
     return any(a[k] != b[k] for k in a.keys() & b.keys())
 
 
-def split_glued(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A log history cut at its last reset: (the entries before it, another run's; the entries from it on);
-    ([], history) when nothing resets. A reset is a training log whose step is below the one before it, or whose
-    epoch is and the epoch after it counts from step 0 with another epoch length (the data changed). An epoch that
-    counts again from the step where it fell is one run resumed on a streamed dataset, whose position in its
-    epoch the Trainer cannot restore: not a reset."""
-    cut, _ = _resets(history)
-    return history[:cut], history[cut:]
-
-
-def epoch_restarts(history: list[dict[str, Any]]) -> list[int]:
-    """The steps where the epoch count started again at a resume (on a streamed dataset): resumes the log shows."""
+def split_glued(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """A log history cut at its last reset: (the entries before it, another run's; the entries from it on; the steps
+    among those where the epoch count started again at a resume); ([], history, ...) when nothing resets. A reset
+    is a training log whose step is below the one before it, or whose epoch is and the epoch after it counts from
+    step 0 with another epoch length (the data changed). An epoch that counts again from the step where it fell is
+    one run resumed on a streamed dataset, whose position in its epoch the Trainer cannot restore: not a reset but
+    a resume the log shows."""
     cut, restarts = _resets(history)
-    return [history[i]["step"] for i in restarts if i >= cut]
+    return history[:cut], history[cut:], [history[i]["step"] for i in restarts if i >= cut]
 
 
 def _resets(history: list[dict[str, Any]]) -> tuple[int, list[int]]:

@@ -51,9 +51,9 @@ from .dataset import (
     dataset_records,
     failure_events,
 )
-from .logs import holding, latest_history, logging_interval, read_json
+from .logs import holding, latest_history, logging_interval, read_json, training_logs
 from .notes import earlier_run_in_log, ignored_values, lfs, log_limits, other_runs, skipped_records
-from .runs import describe, epoch_restarts, group_runs, later, latest, plan, plans_differ, split_glued, tip
+from .runs import describe, group_runs, later, latest, plan, plans_differ, split_glued, tip
 from .selection import run_selection
 from .source import SourceLog
 from .sources import find_log, missing_extras, registered_sources
@@ -274,7 +274,11 @@ def import_run(
             np.searchsorted(np.array(starts, dtype=np.int64), logged_steps, side="right"),
         ]
     )
-    steps, metrics = series(segs, [e for e, _ in abandoned] + timeline)
+    # What the import's parts each need of the log, gathered once: the training logs, the keys logged.
+    logged = [e for e, _ in abandoned] + timeline
+    training = training_logs(logged)
+    keys = set().union(*timeline)
+    steps, metrics = series(segs, logged, training, keys.union(*(e for e, _ in abandoned)))
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)
@@ -316,7 +320,7 @@ def import_run(
         records.update(dataset_records(run_dir, data, newest["train_batch_size"], progress))
     dataset = dataset_description(run_dir)  # this --data, or an earlier one's (its records are kept)
     records["events"] += failure_events(dataset or {})
-    described = _described(run_dir, checkpoints, newest, tokenizer, timeline)
+    described = _described(run_dir, checkpoints, newest, tokenizer, keys)
     notes = (
         other_runs(others)
         + earlier_run_in_log(earlier)
@@ -327,6 +331,8 @@ def import_run(
         )
         + log_limits(
             timeline,
+            training[len(abandoned) :],
+            keys,
             newest,
             _logging_steps(newest),
             log_beyond_checkpoints=newest["top_level"] or bool(segments),
@@ -453,11 +459,22 @@ def _latest_start(
 
 
 def _cut_glued(run_dir: Path, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Cut each state's history at its last reset (`runs.split_glued`); the other run's part, described once
-    per file that held one."""
+    """Cut each state's history at its last reset (`runs.split_glued`), noting where its epoch count started again
+    (``epoch_restarts``); the other run's part, described once per file that held one. A history that begins
+    another's (an earlier checkpoint's, its entries the same objects: compared in C) where that one has no reset
+    and no restart has none either (they are found between consecutive training logs): not looked at again."""
+    splits, whole = {}, []  # whole: the histories with no reset and no restart, longest first
+    for s in sorted(states, key=lambda s: len(s["history"]), reverse=True):
+        history = s["history"]
+        if any(w[: len(history)] == history for w in whole):
+            splits[id(s)] = [], history, []
+            continue
+        splits[id(s)] = split = split_glued(history)
+        if not split[0] and not split[2]:
+            whole.append(history)
     out = []
     for s in states:
-        before, after = split_glued(s["history"])
+        before, after, s["epoch_restarts"] = splits[id(s)]
         if not before:
             continue
         s["history"] = after
@@ -539,7 +556,7 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
     entries from that step are the abandoned branch, and the run resumed there. A state that agrees but
     planned otherwise (another ``max_steps``, batch size or ``logging_steps``) was saved before a resume that
     changed the plan: the run resumed at the first step logged after it, from it. Where the newest log's epoch
-    count starts again from the step it fell at (`runs.epoch_restarts`), the run resumed on a streamed dataset."""
+    count starts again from the step it fell at (`runs.split_glued`), the run resumed on a streamed dataset."""
     current: dict[tuple, dict[str, Any]] = {}  # the newest's entries by step and keys (made when first needed)
     abandoned: dict[tuple, tuple[dict[str, Any], int]] = {}
     resumes: dict[int, str | None] = {}
@@ -557,13 +574,15 @@ def _timeline(newest: dict[str, Any], run: list[dict[str, Any]]):
         diverged = s["diverged"] = min(differing)
         resumes.setdefault(diverged, None)
         abandoned.update({_key(e): (e, diverged) for e in s["history"] if e["step"] >= diverged})
-    for step in epoch_restarts(newest["history"]):
+    for step in newest["epoch_restarts"]:
         resumes.setdefault(step, None)  # a resume on a streamed dataset: its epoch count started again
     history = newest["history"]
-    logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
+    logged = None  # the training logs' steps, sorted (made when a plan changed)
     chain = sorted(agreeing + [newest], key=lambda s: (s["global_step"], s["top_level"]))
     for before, after in zip(chain, chain[1:]):
         if plans_differ(plan(before), plan(after)):
+            if logged is None:
+                logged = sorted(compress(map(itemgetter("step"), history), holding(history, "loss")))
             i = bisect_right(logged, before["global_step"])
             if i < len(logged):
                 resumes.setdefault(logged[i], None if before["top_level"] else before["folder"].name)
@@ -662,17 +681,16 @@ def _described(
     checkpoints: list[tuple[int, Path]],
     newest: dict[str, Any],
     tokenizer: dict[str, Any] | None,
-    timeline: list[dict[str, Any]],
+    keys: set[str],
 ) -> dict[str, Any]:
     """What the manifest says of the model, once for every segment: ``model``, ``params``, ``vocab_size``,
-    ``task`` (`task.describe_task`: config.json or adapter_config.json, and the keys the log holds)."""
+    ``task`` (`task.describe_task`: config.json or adapter_config.json, and the `keys` the log holds)."""
     model = _model(run_dir, checkpoints, newest.get("model_config"))
     folders = [p for _, p in reversed(checkpoints)] + [run_dir]
     params = _params(folders[:-1])
     vocab_size = _vocab_size(model, params or _params([run_dir]), tokenizer, folders)
     adapter = next(_json_files(run_dir, checkpoints, "adapter_config.json"), None)
-    keys = set().union(*timeline) - {"step"}
-    task = describe_task(model.get("config"), adapter, keys)
+    task = describe_task(model.get("config"), adapter, keys - {"step"})
     task["vocab_size"] = task["vocab_size"] or vocab_size
     return {
         "model": model,

@@ -16,21 +16,25 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
 from ..schema.records import RECORDS
-from .logs import number, training_logs
+from .logs import number
 
 
-def series(segs: Any, entries: list[dict[str, Any]]):
-    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment), as polars frames
+def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys: set[str]):
+    """The ``steps`` and ``metrics`` records of the logged `entries` (`segs`: each one's segment; `training`: which
+    are training logs, `logs.training_logs`; `keys`: the keys they hold), as polars frames
     built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
     small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
     learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
-    ``step`` (records of one name keep the entries' order). A key's values are gathered in C (`map`), and taken as
-    they are when all are floats or absent, as a per-step log's are; looked at one by one otherwise."""
+    ``step`` (records of one name keep the entries' order). A key's values are gathered once, in C (`map`), and taken
+    as they are when all are floats or absent, as a per-step log's are (the steps' columns then the training logs'
+    rows of the metrics' own); looked at one by one otherwise."""
     import polars as pl
 
-    names = sorted(set().union(*entries) - {"step"}) if entries else []
+    names = sorted(keys - {"step"})
     # the name once, each record its index (a million records of eight names hold eight strings)
     kind = pl.Enum(names)
     logs = pl.DataFrame(
@@ -39,17 +43,23 @@ def series(segs: Any, entries: list[dict[str, Any]]):
             pl.Series("step", list(map(itemgetter("step"), entries)), pl.Int64),
         ]
     )
-    parts = [
-        logs.with_columns(name=pl.lit(name, kind), value=_floats(_values(entries, name), None)).drop_nulls("value")
-        for name in names
-    ]
+    values = {name: _values(entries, name) for name in names}
+    columns = {name: _floats(values[name], None) for name in names}
+    parts = [logs.with_columns(name=pl.lit(name, kind), value=columns[name]).drop_nulls("value") for name in names]
     metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
-    training = training_logs(entries)
-    chosen = list(compress(entries, training))
-    steps = logs.filter(pl.Series(training)).with_columns(
-        loss=_floats(_values(chosen, "loss"), number),
-        lr=_floats(_values(chosen, "learning_rate"), number),
-        grad_norm=_floats(_values(chosen, "grad_norm"), number),
+    mask = pl.Series(training)
+
+    def logged(key: str):
+        """The training logs' `key`: the metric's column where every value was a float or absent, else each value
+        made a number by `number` (text spelling one)."""
+        if key not in values:
+            return pl.lit(None, pl.Float64)
+        if _clean(values[key]):
+            return columns[key].filter(mask)
+        return _floats(list(compress(values[key], training)), number)
+
+    steps = logs.filter(mask).with_columns(
+        loss=logged("loss"), lr=logged("learning_rate"), grad_norm=logged("grad_norm")
     )
     return steps, metrics
 
@@ -58,12 +68,16 @@ def _values(entries: list[dict[str, Any]], key: str) -> list[Any]:
     return list(map(dict.get, entries, repeat(key)))
 
 
+def _clean(values: list[Any]) -> bool:
+    return set(map(type, values)) <= {float, type(None)}
+
+
 def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
     """`values` as a float column: a float as it is, None as null, any other value as `other` makes it (null
     without `other`)."""
     import polars as pl
 
-    if not set(map(type, values)) <= {float, type(None)}:
+    if not _clean(values):
         values = [v if type(v) is float else other(v) if other else None for v in values]
     return pl.Series(values, dtype=pl.Float64)
 

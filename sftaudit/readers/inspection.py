@@ -690,48 +690,71 @@ _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 def _state_global_step(path: Path) -> Any:
     """A trainer_state.json's ``global_step`` (None: no regular file, not a JSON object, no such field, or a save
     cut short: a state that does not end with its closing brace). Of a state larger than its head, taken from the
-    fields before the log, decoded one at a time; the whole file is read only when the field is not among them."""
+    fields before the log, decoded one at a time: the last of them so named, as the json module keeps the last of
+    duplicate keys (so the import reads the state). The whole file is read when the field is not among them, or when
+    the rest of the file may name it again (its name there, or an escape: ``\\u`` could spell it)."""
     try:
         with open_regular(path) as f:
             start = f.read(STATE_HEAD_BYTES)
             size = f.seek(0, os.SEEK_END)
             f.seek(max(size - 64, 0))
             end = f.read(64).rstrip(b" \t\n\r")
+            found, value = False, None
+            if size > len(start) and end.endswith(b"}") and start.isascii():
+                found, value, scanned = _leading_field(start.decode("ascii"), "global_step")
+                found = found and not _holds_any(f, scanned, (b"global_step", b"\\"))
     except (OSError, InputError):
         return None
-    found, value = False, None
-    if size > len(start) and end.endswith(b"}"):
-        found, value = _leading_field(start.decode("utf-8", errors="replace"), "global_step")
     if not found:
         state = _json(path)
         value = state.get("global_step") if isinstance(state, dict) else None
     return value
 
 
-def _leading_field(text: str, key: str) -> tuple[bool, Any]:
-    """Whether the JSON object that `text` (a file's head) begins holds `key` among the fields wholly in it, and
-    its value; (False, None) where it is not found before the text ends or stops being a JSON object."""
+def _holds_any(f: Any, offset: int, needles: tuple[bytes, ...]) -> bool:
+    """Whether the file from byte `offset` on holds any of `needles`: read into one buffer a block at a time
+    (bounded memory, none allocated per block), the buffer starting with the end of the block before (a needle
+    across two blocks), each needle found by the bytes' own search, in C."""
+    overlap = max(map(len, needles)) - 1
+    buffer = bytearray(overlap + (1 << 20))
+    f.seek(offset)
+    kept = 0  # bytes of the block before at the buffer's start
+    while read := f.readinto(memoryview(buffer)[kept:]):
+        end = kept + read
+        if any(buffer.find(needle, 0, end) >= 0 for needle in needles):
+            return True
+        kept = min(overlap, end)
+        buffer[:kept] = buffer[end - kept : end]
+    return False
+
+
+def _leading_field(text: str, key: str) -> tuple[bool, Any, int]:
+    """Whether the JSON object that `text` (a file's head) begins holds `key` among the fields wholly in it, the
+    value of the last one so named, and where the fields read end (the start of one cut short by the head's end,
+    or of what is not a field); (False, None, where) where it is not found."""
     decoder, space = json.JSONDecoder(), _JSON_SPACE
     pos = space.match(text).end()
+    found, value = False, None
     if text[pos : pos + 1] != "{":
-        return False, None
+        return False, None, pos
     pos += 1
     while True:
+        field = pos
         try:
             name, pos = decoder.raw_decode(text, space.match(text, pos).end())
             pos = space.match(text, pos).end()
             if text[pos : pos + 1] != ":":
-                return False, None
-            value, pos = decoder.raw_decode(text, space.match(text, pos + 1).end())
+                return found, value, field
+            read, pos = decoder.raw_decode(text, space.match(text, pos + 1).end())
         except (ValueError, RecursionError):
-            return False, None
+            return found, value, field
         pos = space.match(text, pos).end()
         if pos >= len(text):  # a number at the head's end may go on past it
-            return False, None
+            return found, value, field
         if name == key:
-            return True, value
+            found, value = True, read
         if text[pos : pos + 1] != ",":
-            return False, None
+            return found, value, pos
         pos += 1
 
 

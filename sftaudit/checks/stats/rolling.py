@@ -222,11 +222,12 @@ def _rounded_to(values: np.ndarray, places: int) -> bool:
 
 def row_nanmedian(rows: np.ndarray) -> np.ndarray:
     """`np.nanmedian(rows, axis=1)`, by `np.median` for the rows without a NaN (numpy's NaN-aware median of short
-    rows goes through masked arrays: six times slower)."""
+    rows goes through masked arrays: six times slower). Each selection of rows is a copy of its own, partitioned in
+    place (not copied again: a million-row log's blocks of noise are 90 MB)."""
     gaps = np.isnan(rows).any(axis=1)
     out = np.empty(rows.shape[0])
-    out[~gaps] = np.median(rows[~gaps], axis=1)
-    out[gaps] = np.nanmedian(rows[gaps], axis=1)
+    out[~gaps] = np.median(rows[~gaps], axis=1, overwrite_input=True)
+    out[gaps] = np.nanmedian(rows[gaps], axis=1, overwrite_input=True)
     return out
 
 
