@@ -94,10 +94,9 @@ def write(shape: str, n: int, run_dir: Path) -> None:
     (run_dir / "trainer_log.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def write_trl(shape: str, n: int, run_dir: Path) -> int:
-    """A TRL SFT run's output_dir as the Trainer saves it; returns the bytes of its trainer_state.json."""
-    run_dir.mkdir(parents=True)
-    history = [
+def trl_history(n: int) -> list[dict]:
+    """The log of a TRL SFT run of `n` steps, logged at each: its eight keys, as TRL names them."""
+    return [
         {
             "entropy": 1.2 + (s % 13) * 1e-3,
             "epoch": 3 * s / n,
@@ -110,6 +109,12 @@ def write_trl(shape: str, n: int, run_dir: Path) -> int:
         }
         for s in range(1, n + 1)
     ]
+
+
+def write_trl(shape: str, n: int, run_dir: Path) -> int:
+    """A TRL SFT run's output_dir as the Trainer saves it; returns the bytes of its trainer_state.json."""
+    run_dir.mkdir(parents=True)
+    history = trl_history(n)
 
     def save(folder: Path, upto: int) -> int:
         state = {

@@ -17,24 +17,14 @@ import statistics
 import time
 from itertools import repeat
 
+from import_scale import trl_history  # this folder's: run as a script, the folder is on the path
+
 from sftaudit.imports.logs import all_normalised
 
 
 def chunk(n: int) -> str:
     """The log entries of a TRL SFT state, as the text between its ``[`` and ``]``."""
-    history = [
-        {
-            "entropy": 1.2 + (s % 13) * 1e-3,
-            "epoch": 3 * s / n,
-            "grad_norm": 0.8 + (s % 7) * 0.01,
-            "learning_rate": 2e-5 * (1 - s / n),
-            "loss": 2.0 / (1 + s / n) + (s % 5) * 1e-3,
-            "mean_token_accuracy": 0.6 + (s % 11) * 1e-3,
-            "num_tokens": 4096.0 * s,
-            "step": s,
-        }
-        for s in range(1, n + 1)
-    ]
+    history = trl_history(n)
     return json.dumps(history, indent=2, sort_keys=True)[1:-1]
 
 
