@@ -188,6 +188,7 @@ class LossDynamics(Check):
         for i in peaks["peaks"]:
             if i >= end or reported[i]:
                 continue
+            lens = peaks["lenses"][peaks["lens"][i]]
             midpoint = float(np.exp(np.log(loss[i]) - peaks["residual"][i]))
             z = float(peaks["z"][i])
             findings.append(
@@ -197,7 +198,7 @@ class LossDynamics(Check):
                     f"loss spiked at step {steps[i]} to {loss[i]:.4g}, {loss[i] / midpoint:.3g}x the midpoint of its "
                     f"neighbours ({loss[i - 1]:.4g} at step {steps[i - 1]}, {loss[i + 1]:.4g} at step "
                     f"{steps[i + 1]}; z {z:.1f} against the run's own noise of one value against its neighbours, "
-                    f"on the {peaks['lens'][i]} of the loss, threshold {peaks['threshold'][i]:.1f}) and was back at "
+                    f"on the {lens} of the loss, threshold {peaks['threshold'][i]:.1f}) and was back at "
                     f"the next log; inspect the batches of steps "
                     f"{steps[i - 1] + 1}-{steps[i]} for corrupt samples, and the learning rate if the spike recurs",
                     step=steps[i],
@@ -209,8 +210,8 @@ class LossDynamics(Check):
                     over_neighbours=float(np.exp(peaks["prominence"][i])),
                     threshold=float(peaks["threshold"][i]),
                     min_effect=p["min_effect"],
-                    lens=str(peaks["lens"][i]),
-                    tail_factor=peaks["tails"][peaks["lens"][i]],
+                    lens=lens,
+                    tail_factor=peaks["tails"][lens],
                     rows_per_log=rows,
                 )
             )

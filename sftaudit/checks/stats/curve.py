@@ -180,7 +180,8 @@ def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = No
     of that lens's z, and the value at least `min_effect` x each neighbour (a step down after a plateau puts its
     last value over the midpoint, never over both neighbours).
 
-    Returns, per row, the lens judged (the one whose z stands furthest over its threshold), its z and threshold;
+    Returns, per row, the lens judged (the one whose z stands furthest over its threshold: its index in `lenses`),
+    its z and threshold;
     the log residual, the lenses' tail factors, the peak rows and each value over its higher neighbour (log).
     `noises`: per lens, `point_noise` of the values through it when known (carried from the audit before)."""
     v = np.asarray(values, dtype=float)
@@ -195,18 +196,22 @@ def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = No
         name: _neighbour_z(lens(x), lens, inverse, quantum, sigma, known.get(name))
         for name, (lens, inverse) in LENSES.items()
     }
-    over = np.stack([np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf) for j in judged.values()])
-    pick = np.argmax(over, axis=0)
-    names = np.array(list(judged))
-    z = np.choose(pick, [j["z"] for j in judged.values()])
-    threshold = np.choose(pick, [np.full(n, j["threshold"]) for j in judged.values()])
+    (log, log_over), (root, root_over) = (
+        (j, np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf)) for j in (judged["log"], judged["square root"])
+    )
+    # Two lenses: the square root is picked where it stands strictly further over (argmax keeps the first of a tie);
+    # per row an index, not a name (a million names are 44 MB to fill).
+    pick = root_over > log_over
+    z = np.where(pick, root["z"], log["z"])
+    threshold = np.where(pick, root["threshold"], log["threshold"])
     with np.errstate(invalid="ignore"):
-        peaks = np.flatnonzero((over.max(axis=0) >= 1) & (prominence >= math.log(min_effect)))
+        peaks = np.flatnonzero((np.maximum(log_over, root_over) >= 1) & (prominence >= math.log(min_effect)))
     return {
-        "residual": judged["log"]["residual"],
+        "residual": log["residual"],
         "z": z,
         "threshold": threshold,
-        "lens": names[pick],
+        "lens": pick.view(np.int8),
+        "lenses": ("log", "square root"),
         "tails": {name: j["tail"] for name, j in judged.items()},
         "peaks": peaks,
         "prominence": prominence,
