@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
-from .carried_curve import carried_curve, carried_excursions
+from .carried_curve import carried_curve, carried_excursions, carried_tail
 from .gradient_columns import gradient_columns
 from .stats.curve import LENSES, lone_peaks, short_log_peaks
 from .stats.rolling import (
@@ -177,13 +177,18 @@ class LossDynamics(Check):
                 )
             )
         root = carried_curve(ctx, "loss-square-root", loss, LENSES["square root"][0])
-        return findings + self._peaks(steps, loss, end, reported, rows, {"log": curve.noise, "square root": root.noise})
+        return findings + self._peaks(
+            ctx, steps, loss, end, reported, rows, {"log": curve.noise, "square root": root.noise}
+        )
 
-    def _peaks(self, steps, loss, end, reported, rows, noises) -> list[Finding]:
+    def _peaks(self, ctx, steps, loss, end, reported, rows, noises) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
         too short for a noise estimate, values far above all the others; before a divergence only."""
         p = self.params
-        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noises=noises)
+        tails = {
+            lens: lambda z, lens=lens: carried_tail(ctx, f"loss-peak-{lens.replace(' ', '-')}", z) for lens in noises
+        }
+        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noises=noises, tails=tails)
         findings = []
         for i in peaks["peaks"]:
             if i >= end or reported[i]:
