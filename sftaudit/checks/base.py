@@ -52,6 +52,8 @@ class AuditContext:
     # check code -> what of its evidence it could not judge (it judged the rest: the check ran on partial evidence)
     partly_judged: dict[str, str] = field(default_factory=dict)
     resources: list[Any] = field(default_factory=list)  # what checks share and `close` releases (temporary files)
+    # table -> whether it holds a row, as far as the audit has asked (`has_rows`)
+    known_rows: dict[str, bool] = field(default_factory=dict)
 
     def add_series(
         self,
@@ -97,10 +99,9 @@ class AuditContext:
     def has_rows(self, table: str) -> bool:
         """Whether `table` exists and holds a row: asked once an audit (checks only read; a view over the gradient
         parts is a bind of every part each time it is asked)."""
-        known = self.__dict__.setdefault("_has_rows", {})
-        if table not in known:
-            known[table] = has_rows(self.con, table)
-        return known[table]
+        if table not in self.known_rows:
+            self.known_rows[table] = has_rows(self.con, table)
+        return self.known_rows[table]
 
 
 def alternatives(check: type[Check] | Check) -> list[tuple[str, ...]]:

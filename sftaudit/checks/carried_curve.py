@@ -8,6 +8,11 @@ before it, so neither changes while those values stay as they were. The audit ke
 noise and levels beside the run's database (``carried-curve-<name>.arrays``) and the next one computes only what
 reads a value that changed or is new. What was carried is checked against the values themselves, bit for bit, so
 a resume that rewrote the end of the log, or any other change, is judged again from where it begins.
+
+The rules' thresholds scale with the run's upper-tail factor of the values' z (`tail_factor`: a median, a median
+absolute deviation and a quantile of a million z each). The z of the closed rows (all but the last ones, a multiple
+of `TAIL_CHUNK`) are carried sorted (``carried-tail-<name>.arrays``, beside the z themselves, which the next audit
+compares with its own bit for bit); the open rows' are merged in and the factor read off the sorted whole.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from .stats.curve import (
     log_values,
     noise_block,
 )
-from .stats.rolling import rolling_level
+from .stats.rolling import rolling_level, sorted_tail_factor, tail_factor
 
 FORMAT = 1
+TAIL_CHUNK = 1 << 16  # rows of z closed into the carried sorted ones at a time: saved once in so many new rows
+TAIL_OPEN = 1024  # the last rows stay open: their z moves with the rows after them (a block's noise, a neighbour)
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,48 @@ def carried_excursions(ctx, name: str, values: np.ndarray, sigma: float, diverge
     curve = carried_curve(ctx, name, values)
     scored = ctx.__dict__.setdefault("_curve_scores", {})
     if name not in scored or scored[name][0] is not curve:
-        scored[name] = (curve, excursion_scores(values, noise=curve.noise, level=curve.level))
+        scored[name] = (
+            curve,
+            excursion_scores(
+                values, noise=curve.noise, level=curve.level, tail_of=lambda z: carried_tail(ctx, f"{name}-rise", z)
+            ),
+        )
     return excursions(values, sigma, diverge_steps, min_effect, scores=scored[name][1])
+
+
+def carried_tail(ctx, name: str, z: np.ndarray) -> float:
+    """`tail_factor` of the finite values of `z` (every row's, NaN where not judged), bit for bit: the sorted finite
+    z of the closed rows (the first multiple of `TAIL_CHUNK` rows short of the last `TAIL_OPEN`) taken from the
+    audit before when those rows' z are as they were, the others sorted and merged in."""
+    closed = max(0, (z.size - TAIL_OPEN) // TAIL_CHUNK * TAIL_CHUNK)
+    folder = _folder(ctx.run_dir)
+    if not closed or folder is None:
+        return tail_factor(z[np.isfinite(z)])
+    path = folder / f"carried-tail-{name}.arrays"
+    state = load_arrays(path) or {}
+    old_z, old_sorted = state.get("z"), state.get("sorted")
+    if (
+        isinstance(old_z, np.ndarray)
+        and isinstance(old_sorted, np.ndarray)
+        and old_z.dtype == old_sorted.dtype == np.float64
+        and old_z.ndim == old_sorted.ndim == 1
+        and old_z.size <= closed
+        and _same(old_z, z[: old_z.size])
+    ):
+        done, ascending = old_z.size, old_sorted
+    else:
+        done, ascending = 0, np.zeros(0)
+    if closed > done:
+        ascending = _merged(ascending, z[done:closed])
+        with contextlib.suppress(OSError):  # a cache folder that cannot be written only costs the next audit
+            save_arrays(path, {"z": z[:closed], "sorted": ascending})
+    return sorted_tail_factor(_merged(ascending, z[closed:]))
+
+
+def _merged(ascending: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The sorted `ascending` with the finite values of `z` merged in, sorted."""
+    new = np.sort(z[np.isfinite(z)])
+    return np.insert(ascending, np.searchsorted(ascending, new), new)
 
 
 def _first_changed(old_x: np.ndarray, x: np.ndarray) -> int:

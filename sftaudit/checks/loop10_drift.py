@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive, probability
-from .carried_curve import carried_curve, carried_excursions
+from .carried_curve import carried_curve, carried_excursions, carried_tail
 from .gradient_columns import gradient_columns
 from .stats.curve import LENSES, lone_peaks, short_log_peaks
 from .stats.rolling import (
@@ -177,17 +177,23 @@ class LossDynamics(Check):
                 )
             )
         root = carried_curve(ctx, "loss-square-root", loss, LENSES["square root"][0])
-        return findings + self._peaks(steps, loss, end, reported, rows, {"log": curve.noise, "square root": root.noise})
+        return findings + self._peaks(
+            ctx, steps, loss, end, reported, rows, {"log": curve.noise, "square root": root.noise}
+        )
 
-    def _peaks(self, steps, loss, end, reported, rows, noises) -> list[Finding]:
+    def _peaks(self, ctx, steps, loss, end, reported, rows, noises) -> list[Finding]:
         """Lone values over both neighbours that the running level missed (it lags a falling loss), and in a log
         too short for a noise estimate, values far above all the others; before a divergence only."""
         p = self.params
-        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noises=noises)
+        tails = {
+            lens: lambda z, lens=lens: carried_tail(ctx, f"loss-peak-{lens.replace(' ', '-')}", z) for lens in noises
+        }
+        peaks = lone_peaks(loss, p["sigma_spike"], p["min_effect"], noises=noises, tails=tails)
         findings = []
         for i in peaks["peaks"]:
             if i >= end or reported[i]:
                 continue
+            lens = peaks["lenses"][peaks["lens"][i]]
             midpoint = float(np.exp(np.log(loss[i]) - peaks["residual"][i]))
             z = float(peaks["z"][i])
             findings.append(
@@ -197,7 +203,7 @@ class LossDynamics(Check):
                     f"loss spiked at step {steps[i]} to {loss[i]:.4g}, {loss[i] / midpoint:.3g}x the midpoint of its "
                     f"neighbours ({loss[i - 1]:.4g} at step {steps[i - 1]}, {loss[i + 1]:.4g} at step "
                     f"{steps[i + 1]}; z {z:.1f} against the run's own noise of one value against its neighbours, "
-                    f"on the {peaks['lens'][i]} of the loss, threshold {peaks['threshold'][i]:.1f}) and was back at "
+                    f"on the {lens} of the loss, threshold {peaks['threshold'][i]:.1f}) and was back at "
                     f"the next log; inspect the batches of steps "
                     f"{steps[i - 1] + 1}-{steps[i]} for corrupt samples, and the learning rate if the spike recurs",
                     step=steps[i],
@@ -209,8 +215,8 @@ class LossDynamics(Check):
                     over_neighbours=float(np.exp(peaks["prominence"][i])),
                     threshold=float(peaks["threshold"][i]),
                     min_effect=p["min_effect"],
-                    lens=str(peaks["lens"][i]),
-                    tail_factor=peaks["tails"][peaks["lens"][i]],
+                    lens=lens,
+                    tail_factor=peaks["tails"][lens],
                     rows_per_log=rows,
                 )
             )

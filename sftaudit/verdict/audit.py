@@ -337,8 +337,13 @@ COMPONENT_TABLES = {
 }
 
 
+# The kinds of evidence the manifest tells; every other kind of `EVIDENCE` is a table of that name.
+MANIFEST_EVIDENCE = ("tokenizer", "chat_template", "final_model")
+EVIDENCE_TABLES = tuple(t for t in EVIDENCE if t not in MANIFEST_EVIDENCE)
+
+
 def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
-    """Per kind of evidence (`EVIDENCE`): whether the run has any."""
+    """Per kind of evidence (`EVIDENCE`): whether the run has any (a table: whether it holds a row)."""
     tokenizer = manifest.get("tokenizer") or {}
     recorded = {
         "tokenizer": bool(tokenizer),
@@ -346,7 +351,7 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
         "final_model": bool(manifest.get("final_model")),
     }
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    for table in set(EVIDENCE) - set(recorded):
+    for table in EVIDENCE_TABLES:
         recorded[table] = table in tables and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
     return recorded
 
@@ -559,9 +564,10 @@ def with_final_model(con, run_dir: Path, manifest: dict[str, Any]) -> dict[str, 
 def judge_database(con, run_dir: Path, config: AuditConfig) -> dict[str, Any]:
     """Run the checks on an ingested database, store findings + verdict + series in it."""
     manifest = with_final_model(con, run_dir, load_manifest(con))
-    ctx = AuditContext(con, run_dir, manifest)
-    # Once an audit: a table's first row is one query each, a view over every part a bind of them all.
+    # Once an audit: a table's first row is one query each, a view over every part a bind of them all (the
+    # checks' `has_rows` of an evidence table is this answer, not a second bind of the gradient parts).
     recorded = recorded_evidence(con, manifest)
+    ctx = AuditContext(con, run_dir, manifest, known_rows={t: recorded[t] for t in EVIDENCE_TABLES})
     findings, errors = run_checks(ctx, config, recorded)
     findings, resolution = at_logging_resolution(con, manifest, findings)
     # A preflight judges a dataset before any training: it has no steps to cover by design.

@@ -1,18 +1,21 @@
 """A logged series' noise and running level carried from one audit to the next (`carried_curve`) equal
 `point_noise` and `rolling_level` of the whole series, bit for bit, however it grew or changed since: appended
-values, a resume that rewrote its end, a value changed anywhere, a log cut shorter."""
+values, a resume that rewrote its end, a value changed anywhere, a log cut shorter. So does the tail factor of the
+series' z carried sorted (`carried_tail`) equal `tail_factor` of them all."""
 
 from __future__ import annotations
 
 import duckdb
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sftaudit.checks import AuditContext
-from sftaudit.checks.carried_curve import carried_curve
+from sftaudit.checks import carried_curve as carried
+from sftaudit.checks.carried_curve import carried_curve, carried_tail
 from sftaudit.checks.stats.curve import LENSES, LEVEL_POINTS, log_values, point_noise
-from sftaudit.checks.stats.rolling import rolling_level
+from sftaudit.checks.stats.rolling import rolling_level, sorted_tail_factor, tail_factor
 from sftaudit.store.rundb import database_dir
 
 
@@ -75,3 +78,52 @@ def test_what_a_later_audit_computes_is_only_the_blocks_near_what_is_new(tmp_pat
     carried_curve(audit_context(tmp_path), "loss", loss)
     # Blocks of 64 rows: the last old value's block (1546) and the 2 blocks pooled before it are computed again.
     assert computed_from == [0, 98_999 // 64 - 2]
+
+
+def z_scores(seed: int, n: int) -> np.ndarray:
+    """Heavy-tailed z with ties (rounded), rows not judged (NaN) and a noiseless rise (inf) among them."""
+    rng = np.random.default_rng(seed)
+    z = np.round(rng.standard_t(3, n), int(rng.integers(0, 3)))
+    if n:
+        z[rng.integers(0, n, n // 50 + 1)] = np.nan
+        z[rng.integers(0, n, n // 500 + 1)] = np.inf
+    return z
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(0, 3000))
+def test_the_tail_factor_of_sorted_values_is_the_tail_factor(seed, n):
+    z = z_scores(seed, n)
+    finite = z[np.isfinite(z)]
+    assert sorted_tail_factor(np.sort(finite)) == tail_factor(finite)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    first=st.integers(0, 1500),
+    grown=st.integers(0, 600),
+    change=st.sampled_from(["appended", "end rewritten", "a value changed", "cut shorter", "all moved"]),
+    at=st.floats(0, 1),
+)
+def test_a_carried_tail_factor_equals_the_tail_factor_of_the_whole_series(
+    tmp_path_factory, seed, first, grown, change, at
+):
+    run = tmp_path_factory.mktemp("run")
+    before = z_scores(seed, first)
+    after = np.concatenate([before, z_scores(seed + 1, grown)])
+    row = int(at * max(0, after.size - 1))
+    if change == "end rewritten":  # a resume from an earlier step: its rows judged again
+        after[row:] = z_scores(seed + 2, after.size - row)
+    elif change == "a value changed" and after.size:
+        after[row] = -after[row] if np.isfinite(after[row]) and after[row] else 7.0
+    elif change == "cut shorter":
+        after = after[:row]
+    elif change == "all moved":  # a new rounding step of the log rescales every z
+        after = after * 1.5
+    with pytest.MonkeyPatch.context() as small:  # chunks of a few hundred rows, so that some close
+        small.setattr(carried, "TAIL_CHUNK", 128)
+        small.setattr(carried, "TAIL_OPEN", 16)
+        ctx = audit_context(run)  # it keeps nothing between the calls but the cache folder's file
+        assert carried_tail(ctx, "z", before) == tail_factor(before[np.isfinite(before)])
+        assert carried_tail(ctx, "z", after) == tail_factor(after[np.isfinite(after)])

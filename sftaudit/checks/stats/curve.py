@@ -91,11 +91,16 @@ def block_noise(
 
 
 def excursion_scores(
-    values, level_points: int = LEVEL_POINTS, noise: np.ndarray | None = None, level: np.ndarray | None = None
+    values,
+    level_points: int = LEVEL_POINTS,
+    noise: np.ndarray | None = None,
+    level: np.ndarray | None = None,
+    tail_of=None,
 ) -> dict:
     """What `excursions` judges each logged value by, whatever its thresholds: x (log), level, residual, scale, z,
     quantum and tail (the run's upper-tail factor of z). `noise`, `level`: `point_noise` and `rolling_level` of the
-    log values when known (carried from the audit before)."""
+    log values when known (carried from the audit before); `tail_of`: the tail factor of every row's z (NaN where
+    not judged) when it is known another way (`finite_tail` is the whole-series one)."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     level = rolling_level(x, level_points) if level is None else level
@@ -107,7 +112,7 @@ def excursion_scores(
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         flat = np.where(residual > 0, np.inf, np.nan)  # a noiseless log (every value equal): any rise stands out
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.where(np.isnan(scale), np.nan, flat))
-    tail = tail_factor(z[np.isfinite(z)])
+    tail = (tail_of or finite_tail)(z)
     return {"x": x, "level": level, "residual": residual, "scale": scale, "z": z, "quantum": quantum, "tail": tail}
 
 
@@ -152,6 +157,11 @@ def excursions(
     return {**found, "threshold": threshold, "episodes": episodes}
 
 
+def finite_tail(z: np.ndarray) -> float:
+    """`tail_factor` of the finite values of `z` (the rows judged)."""
+    return tail_factor(z[np.isfinite(z)])
+
+
 def floored_scale(noise: np.ndarray, level: np.ndarray, quantum: float) -> np.ndarray:
     """A value's noise floored at one rounding step of the log at its `level` (log space); NaN where there is no
     noise estimate: not judged."""
@@ -167,7 +177,7 @@ def rows_above(x: np.ndarray, start: int, bar: float) -> int:
     return int(below[0]) if below.size else x.size - start
 
 
-def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = None) -> dict:
+def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = None, tails: dict | None = None) -> dict:
     """Single logged values standing above both neighbours, judged against the run's own noise of such a stand.
 
     Each inner value's residual from the midpoint of its two neighbours (minus half the second difference, so a
@@ -180,9 +190,11 @@ def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = No
     of that lens's z, and the value at least `min_effect` x each neighbour (a step down after a plateau puts its
     last value over the midpoint, never over both neighbours).
 
-    Returns, per row, the lens judged (the one whose z stands furthest over its threshold), its z and threshold;
+    Returns, per row, the lens judged (the one whose z stands furthest over its threshold: its index in `lenses`),
+    its z and threshold;
     the log residual, the lenses' tail factors, the peak rows and each value over its higher neighbour (log).
-    `noises`: per lens, `point_noise` of the values through it when known (carried from the audit before)."""
+    `noises`: per lens, `point_noise` of the values through it when known (carried from the audit before); `tails`:
+    per lens, the tail factor of its z as `excursion_scores`' `tail_of`."""
     v = np.asarray(values, dtype=float)
     x = log_values(v)
     n = x.size
@@ -190,23 +202,27 @@ def lone_peaks(values, sigma: float, min_effect: float, noises: dict | None = No
     prominence = np.full(n, np.nan)
     if n >= 3:
         prominence[1:-1] = x[1:-1] - np.fmax(x[:-2], x[2:])
-    known = noises or {}
+    known, tail_of = noises or {}, tails or {}
     judged = {
-        name: _neighbour_z(lens(x), lens, inverse, quantum, sigma, known.get(name))
+        name: _neighbour_z(lens(x), lens, inverse, quantum, sigma, known.get(name), tail_of.get(name, finite_tail))
         for name, (lens, inverse) in LENSES.items()
     }
-    over = np.stack([np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf) for j in judged.values()])
-    pick = np.argmax(over, axis=0)
-    names = np.array(list(judged))
-    z = np.choose(pick, [j["z"] for j in judged.values()])
-    threshold = np.choose(pick, [np.full(n, j["threshold"]) for j in judged.values()])
+    (log, log_over), (root, root_over) = (
+        (j, np.nan_to_num(j["z"] / j["threshold"], nan=-np.inf)) for j in (judged["log"], judged["square root"])
+    )
+    # Two lenses: the square root is picked where it stands strictly further over (argmax keeps the first of a tie);
+    # per row an index, not a name (a million names are 44 MB to fill).
+    pick = root_over > log_over
+    z = np.where(pick, root["z"], log["z"])
+    threshold = np.where(pick, root["threshold"], log["threshold"])
     with np.errstate(invalid="ignore"):
-        peaks = np.flatnonzero((over.max(axis=0) >= 1) & (prominence >= math.log(min_effect)))
+        peaks = np.flatnonzero((np.maximum(log_over, root_over) >= 1) & (prominence >= math.log(min_effect)))
     return {
-        "residual": judged["log"]["residual"],
+        "residual": log["residual"],
         "z": z,
         "threshold": threshold,
-        "lens": names[pick],
+        "lens": pick.view(np.int8),
+        "lenses": ("log", "square root"),
         "tails": {name: j["tail"] for name, j in judged.items()},
         "peaks": peaks,
         "prominence": prominence,
@@ -220,10 +236,10 @@ LENSES = {
 }
 
 
-def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float, noise: np.ndarray | None) -> dict:
+def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float, noise: np.ndarray | None, tail_of) -> dict:
     """Through one lens (`t` = lens(log value)): each inner value's residual from its neighbours' midpoint, z over
     the noise of such a residual (`noise`: `point_noise` of `t` when known) floored at one rounding step of the log
-    at the midpoint, the tail factor and the threshold (`sigma` x tail)."""
+    at the midpoint, the tail factor (`tail_of` its z) and the threshold (`sigma` x tail)."""
     n = t.size
     residual = np.full(n, np.nan)
     if n >= 3:
@@ -237,7 +253,7 @@ def _neighbour_z(t: np.ndarray, lens, inverse, quantum: float, sigma: float, noi
         noise = (point_noise(t) if noise is None else noise) * math.sqrt(1.5)
         scale = np.where(np.isfinite(noise), np.fmax(noise, step), np.nan)
         z = np.where(scale > 0, residual / np.where(scale > 0, scale, 1.0), np.nan)
-    tail = tail_factor(z[np.isfinite(z)])
+    tail = tail_of(z)
     return {"residual": residual, "z": z, "tail": tail, "threshold": sigma * tail}
 
 
