@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,6 +55,8 @@ class AuditContext:
     resources: list[Any] = field(default_factory=list)  # what checks share and `close` releases (temporary files)
     # table -> whether it holds a row, as far as the audit has asked (`has_rows`)
     known_rows: dict[str, bool] = field(default_factory=dict)
+    # what one check computed for the others that ask, once an audit (`shared`)
+    computed: dict[str, Any] = field(default_factory=dict)
 
     def add_series(
         self,
@@ -95,6 +98,13 @@ class AuditContext:
 
     def row(self, sql: str, params: list[Any] | None = None) -> tuple | None:
         return first_row(self.con, sql, params)
+
+    def shared(self, key: str, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once an audit under `key` for every check that asks (a million steps' reads and
+        statistics cost each time)."""
+        if key not in self.computed:
+            self.computed[key] = make()
+        return self.computed[key]
 
     def has_rows(self, table: str) -> bool:
         """Whether `table` exists and holds a row: asked once an audit (checks only read; a view over the gradient

@@ -57,7 +57,7 @@ def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
     computed once per `name` (the checks that judge the same series share it). `lens`: a transform of the log
     values to judge them through instead (`stats.curve.LENSES`), under a `name` of its own."""
     x = log_values(values) if lens is None else lens(log_values(values))
-    done = ctx.__dict__.setdefault("_carried_curves", {})
+    done = ctx.shared("carried_curves", dict)
     if name in done and _same(done[name].x, x):
         return done[name]
     folder = _folder(ctx.run_dir)
@@ -85,7 +85,7 @@ def carried_excursions(ctx, name: str, values: np.ndarray, sigma: float, diverge
     passes over every value) computed once an audit per `name` for the checks that judge the same series with their
     own thresholds (LOOP-10 and LOOP-19 the loss)."""
     curve = carried_curve(ctx, name, values)
-    scored = ctx.__dict__.setdefault("_curve_scores", {})
+    scored = ctx.shared("curve_scores", dict)
     if name not in scored or scored[name][0] is not curve:
         scored[name] = (
             curve,

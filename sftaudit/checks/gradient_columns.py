@@ -202,9 +202,11 @@ class GradientColumns:
         if self.generation is None:
             return None
         arrays = load_arrays(self._carried.folder / f"carried-{name}.arrays")
+        if arrays is None or "meta" not in arrays:
+            return None
         try:
             meta = json.loads(str(arrays.pop("meta")))
-        except (AttributeError, KeyError, ValueError):  # none, or not what `carry` writes
+        except ValueError:  # not what `carry` writes
             return None
         rows = meta.get("rows") if isinstance(meta, dict) else None
         if meta != {"generation": self.generation, "key": key, "rows": rows}:
@@ -400,11 +402,13 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 def gradient_columns(ctx) -> GradientColumns:
     """The audit's `GradientColumns`, written once and kept on the context for every check that reads it."""
-    cached = ctx.__dict__.get("_gradient_columns")
-    if cached is None:
-        cached = ctx.__dict__["_gradient_columns"] = GradientColumns(ctx.con, ctx.run_dir)
-        ctx.resources.append(cached)
-    return cached
+
+    def written() -> GradientColumns:
+        columns = GradientColumns(ctx.con, ctx.run_dir)
+        ctx.resources.append(columns)
+        return columns
+
+    return ctx.shared("gradient_columns", written)
 
 
 class _Stale(Exception):
@@ -526,6 +530,8 @@ class CarriedCopy:
             if not same:
                 return None
             flags = load_arrays(self.folder / self.FLAGS)
+            if flags is None:
+                return None
             graded, nonfinite = flags["graded"], flags["nonfinite"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None

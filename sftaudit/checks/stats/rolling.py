@@ -155,12 +155,10 @@ def step_frame(ctx, *columns: str):
     if not set(columns) <= set(LOGGED):
         cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" if c in LOGGED else c for c in columns)
         return ctx.frame(f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step")
-    logged = ctx.__dict__.get("_logged_steps")
-    if logged is None:
-        cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" for c in LOGGED)
-        logged = ctx.__dict__["_logged_steps"] = ctx.frame(
-            f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step"
-        )
+    cols = ", ".join(f"CAST({c} AS DOUBLE) AS {c}" for c in LOGGED)
+    logged = ctx.shared(
+        "logged_steps", lambda: ctx.frame(f"SELECT step, {cols} FROM steps WHERE rank = 0 ORDER BY step")
+    )
     return logged.select("step", *columns)
 
 
@@ -189,15 +187,14 @@ def loss_family(ctx) -> tuple[str, list[str]]:
     """The training objective's family, named from the log's keys, and the keys that named it: "preference"
     (DPO, ORPO, KTO, SimPO: sigmoid losses of a few pairs, heavy-tailed per step; `rewards/*`, `logps/*`), "rl"
     (GRPO, PPO, RLOO: a policy-gradient surrogate, not a fit; `kl`, `reward`) or "sft" (a token cross-entropy)."""
-    cached = ctx.__dict__.get("_loss_family")
-    if cached is None:
+
+    def named() -> tuple[str, list[str]]:
         names = {n for (n,) in ctx.con.execute("SELECT DISTINCT name FROM metrics WHERE rank = 0").fetchall()}
         preference = sorted(n for n in names if n in PREFERENCE_KEYS or n.startswith("logps/"))
         rl = sorted(n for n in names if n in RL_KEYS or n.startswith("completions/"))
-        cached = ctx.__dict__["_loss_family"] = (
-            ("preference", preference) if preference else ("rl", rl) if rl else ("sft", [])
-        )
-    return cached
+        return ("preference", preference) if preference else ("rl", rl) if rl else ("sft", [])
+
+    return ctx.shared("loss_family", named)
 
 
 def log_quantum(values: np.ndarray) -> float:
@@ -341,8 +338,8 @@ def rows_per_log(ctx) -> int | None:
 def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rank 0's steps; whether each logged a non-finite loss, a non-finite gradient norm, any gradient norm. Once
     an audit (four checks ask), read-only."""
-    found = ctx.__dict__.get("_nonfinite_logged")
-    if found is None:
+
+    def read() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         f = step_frame(ctx, "loss", "grad_norm")
         loss, norm = f["loss"], f["grad_norm"]
         found = (
@@ -353,8 +350,9 @@ def nonfinite_logged(ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         )
         for values in found:
             values.flags.writeable = False
-        ctx.__dict__["_nonfinite_logged"] = found
-    return found
+        return found
+
+    return ctx.shared("nonfinite_logged", read)
 
 
 def skipped_updates(bad_norm: np.ndarray, has_norm: np.ndarray, manifest: dict) -> np.ndarray:
