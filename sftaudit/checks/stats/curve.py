@@ -122,8 +122,6 @@ def excursions(
     diverge_steps: int,
     min_effect: float,
     level_points: int = LEVEL_POINTS,
-    noise: np.ndarray | None = None,
-    level: np.ndarray | None = None,
     scores: dict | None = None,
 ) -> dict:
     """Logged values judged against the run's own noise, and their excursions above their running level.
@@ -137,9 +135,9 @@ def excursions(
     run (2 rows at least).
 
     Returns x, level, residual, scale, z, quantum, tail, threshold and the episodes (first row, rows up,
-    sustained). `noise`, `level`: as `excursion_scores`; `scores`: its result for these values when known (checks
-    judging the same series with other thresholds share it)."""
-    found = excursion_scores(values, level_points, noise, level) if scores is None else scores
+    sustained). `scores`: `excursion_scores` of these values when known (carried from the audit before, and
+    shared by the checks judging the same series with other thresholds)."""
+    found = excursion_scores(values, level_points) if scores is None else scores
     x, level, residual, scale, z = (found[k] for k in ("x", "level", "residual", "scale", "z"))
     threshold = sigma * found["tail"]
     # A level of fewer than 3 values is their mean, not a robust median: one dip among them drags it down and
