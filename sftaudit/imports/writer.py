@@ -84,7 +84,7 @@ def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
 
 def write(run_dir: Path, records: dict[str, list[dict[str, Any]]], tables: dict[str, Any]) -> None:
     """Replace an earlier import's files (and its database: ingest is incremental by file offset) with `records`
-        (lists of records, as JSONL) and `tables` (frames of records of the kinds written as Parquet,
+    (lists of records, as JSONL) and `tables` (frames of records of the kinds written as Parquet,
     `COLUMNAR_IMPORT_KINDS`); the records `sftaudit probe` added are kept."""
     folder = rank_dir(run_dir, 0)
     for kind in [*records, *tables]:
