@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sftaudit.errors import InputError
 from sftaudit.imports.logs import all_normalised, normalised
-from sftaudit.imports.sources.trainer_state import TrainerState
+from sftaudit.imports.sources.trainer_state import TrainerState, decoded_entries
 
 from . import EXAMPLE_STEPS, example_loss
 
@@ -174,3 +177,55 @@ def test_a_batch_of_entries_is_kept_as_decoded_only_where_normalising_keeps_each
     ]
     for entry in odd:
         assert not all_normalised([*clean, entry]), entry
+
+
+_JSON_LEAVES = (
+    st.floats()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.lists(st.sampled_from(["a", "NaN", "Infinity", "-", '"', "\\", "\ud800", "é", " "]), max_size=4).map("".join)
+    | st.booleans()
+    | st.none()
+)
+_JSON_VALUES = st.recursive(
+    _JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["loss", "step", "NaN", "x"]), inner),
+    max_leaves=8,
+)
+
+
+def _as_quoted(value):
+    """A value as the fast path reads it: a non-finite float as the text spelling it, an integer past 64 bits as
+    the float it rounds to."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return float(value)
+    if isinstance(value, list):
+        return [_as_quoted(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_quoted(v) for k, v in value.items()}
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_JSON_VALUES | st.dictionaries(st.sampled_from(["loss", "step", "eval_loss"]), _JSON_LEAVES), max_size=6)
+)
+def test_entries_decoded_fast_are_the_standard_decoders_with_non_finite_numbers_as_text(entries):
+    """orjson where it can: the standard decoder's values, a bare ``NaN``/``Infinity`` as the text spelling it
+    (which `normalised` reads as that number), an integer past 64 bits as its float; the standard decoder's own
+    where orjson cannot (a ``NaN`` inside a string, a lone surrogate, a number too large for a double)."""
+    text = ",".join(json.dumps(e) for e in entries)
+    standard = json.loads("[" + text + "]")
+    assert json.dumps(decoded_entries(text, json.JSONDecoder())) in {
+        json.dumps(standard),
+        json.dumps([_as_quoted(e) for e in standard]),
+    }
+
+
+def test_a_non_finite_loss_is_decoded_fast_as_the_text_spelling_it():
+    text = '{"loss": NaN, "step": 1}, {"grad_norm": -Infinity, "note": "fine", "step": 2}'
+    assert decoded_entries(text, json.JSONDecoder()) == [
+        {"loss": "NaN", "step": 1},
+        {"grad_norm": "-Infinity", "note": "fine", "step": 2},
+    ]

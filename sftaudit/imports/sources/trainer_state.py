@@ -23,6 +23,8 @@ from array import array
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import orjson
+
 from ...core.safe_io import head, open_regular
 from ...errors import InputError
 from ..logs import MAX_LOG_BYTES, all_normalised, is_step, normalised
@@ -39,6 +41,24 @@ MAX_VALUE_BYTES = 1 << 26
 _SPACE = re.compile(r"[ \t\n\r]*")
 _SPACE_BYTES = b" \t\n\r"
 _ENTRY_MEET = re.compile(r"\}[ \t\n\r]*,[ \t\n\r]*(?=\{)")  # the end of an object, the next one's start
+
+
+_NON_FINITE = re.compile(r"-?Infinity|NaN")
+
+
+def decoded_entries(text: str, decoder: json.JSONDecoder) -> list[Any]:
+    """The JSON values of `text`, a comma-separated run of them, as the standard library's decoder gives them,
+    decoded by orjson (three times faster) where it can: the ``NaN`` and ``Infinity`` the Trainer writes, which
+    strict JSON lacks, are read as text spelling them (which `normalised` reads as the number; a bare one inside a
+    string breaks the text and sends it to the standard decoder, as does anything else orjson refuses)."""
+    if "NaN" in text or "Infinity" in text:
+        quoted = _NON_FINITE.sub(lambda m: '"' + m.group() + '"', text)
+    else:
+        quoted = text
+    try:
+        return orjson.loads("[" + quoted + "]")
+    except orjson.JSONDecodeError:
+        return decoder.decode("[" + text + "]")
 
 
 class TrainerState(LogSource):
@@ -216,7 +236,7 @@ class _Stream:
         if not meets:
             return False
         try:
-            entries = self.decoder.decode("[" + self.buf[self.pos : meets[-1]] + "]")
+            entries = decoded_entries(self.buf[self.pos : meets[-1]], self.decoder)
         except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
             return False
         if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
