@@ -348,6 +348,18 @@ def test_a_columnar_file_of_other_columns_or_claiming_more_rows_than_it_holds_is
     path.write_bytes(b"PAR1 a footer that is no footer PAR1")
     with pytest.raises(InputError, match="not a readable Parquet file"):
         ingest(run)
+    good = pa.table(
+        {"seg": pa.array([0] * 4096, pa.int32()), "step": range(4096), "name": ["x"] * 4096, "value": [1.0] * 4096}
+    )
+    pq.write_table(good, path, compression="snappy", use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    data[100:4000] = bytes(3900)  # the pages garbled, the footer sound
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        InputError, match=r"metrics.parquet: not a readable Parquet file \([^\n]*\); sftaudit import"
+    ) as exc:
+        ingest(run)
+    assert "Traceback" not in str(exc.value)
     n = 1 << 22  # four million identical rows: a few KB compressed
     table = pa.table(
         {
