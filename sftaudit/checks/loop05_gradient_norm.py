@@ -223,21 +223,24 @@ class GradientNormAnomaly(Check):
             flagged = z_across >= self.params["sigma_across"]
         # The largest tensor's excursion beside the typical tensor's: a spike is one tensor standing out from
         # the others; both rising together is a burst across the model (a hard batch), the global norm's rule.
-        ctx.add_series(
-            self.code,
-            "largest tensor's gradient norm / its running median (a spike must also stand out from the typical tensor)",
-            steps,
-            np.nan_to_num(np.exp(largest)),
-            self.params["min_ratio"],
-        )
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            typical = np.exp(np.where(count > 0, mean, 0.0))
-        ctx.add_series(
-            self.code,
-            "typical tensor's gradient norm / its running median (rising with the largest: a model-wide burst)",
-            steps,
-            np.nan_to_num(typical, nan=1.0),
-        )
+        # (Where no tensor's norm was recorded, as in an import, there is neither: no chart of constants.)
+        if names:
+            ctx.add_series(
+                self.code,
+                "largest tensor's gradient norm / its running median (a spike must also stand out from the typical "
+                "tensor)",
+                steps,
+                np.nan_to_num(np.exp(largest)),
+                self.params["min_ratio"],
+            )
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                typical = np.exp(np.where(count > 0, mean, 0.0))
+            ctx.add_series(
+                self.code,
+                "typical tensor's gradient norm / its running median (rising with the largest: a model-wide burst)",
+                steps,
+                np.nan_to_num(typical, nan=1.0),
+            )
 
         findings: list[Finding] = self._collapses(steps, names, collapsed, count)
         episodes: dict[int, list[dict]] = {}  # first step -> tensors whose spikes start there
