@@ -237,7 +237,8 @@ def test_a_new_run_appended_to_a_trainer_log_is_another_run_and_a_restart_past_i
 
 def test_every_logged_number_reaches_the_database_as_the_number_it_is(tmp_path):
     """NaN and Infinity (as the Trainer writes them), numbers written as text, keys with slashes, a nested group,
-    eval metrics of any name: each a metric at its step, a NaN as a NaN; a steps record keeps its step even when
+    eval metrics of any name: each a metric at its step (a training log's loss and gradient norm a column of its steps
+    record), a NaN as a NaN; a steps record keeps its step even when
     its learning rate was written as text. Values that are no number (a list, a bool, a word) are left out."""
     run = tmp_path / "run"
     history = [
@@ -270,9 +271,11 @@ def test_every_logged_number_reaches_the_database_as_the_number_it_is(tmp_path):
         steps = con.execute("SELECT step, loss, lr, grad_norm FROM steps ORDER BY step").fetchall()
     finally:
         con.close()
-    assert math.isnan(metrics[(1, "grad_norm")]) and metrics[(1, "rewards/margins")] == 0.2
-    assert math.isnan(metrics[(2, "loss")]) and math.isnan(metrics[(2, "logps/chosen")])
-    assert metrics[(2, "grad_norm")] == math.inf and metrics[(3, "kl")] == -math.inf
+    assert metrics[(1, "rewards/margins")] == 0.2 and math.isnan(metrics[(2, "logps/chosen")])
+    assert metrics[(3, "kl")] == -math.inf and metrics[(2, "learning_rate")] == 1e-4
+    # a training log's loss and gradient norm are its steps record's, not metrics too
+    assert not {(s, n) for s in (1, 2, 3) for n in ("loss", "grad_norm")} & metrics.keys()
+    assert math.isnan(steps[0][3]) and math.isnan(steps[1][1])
     assert math.isnan(metrics[(2, "eval_loss")])
     assert {n for s, n in metrics if s == 2 and n.startswith("eval_")} == {
         "eval_loss",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..schema.records import STEP_METRICS
 from .base import AuditContext, Check, Finding, count
 from .stats.rolling import column, nonfinite_logged, skipped_updates, step_frame
 
@@ -196,7 +197,7 @@ class NonFiniteLogs(Check):
     def _other_keys(self, ctx: AuditContext) -> list[Finding]:
         """Every other logged number: a warn per logged step where some are non-finite, a fail per key that is
         non-finite through the end."""
-        others = f"""metrics WHERE rank = 0 AND name NOT IN ({", ".join(f"'{k}'" for k in IN_STEPS)})"""
+        others = f"""metrics WHERE rank = 0 AND name NOT IN ({", ".join(f"'{k}'" for k in STEP_METRICS)})"""
         if not ctx.scalar(f"SELECT EXISTS (SELECT 1 FROM {others} AND NOT isfinite(value))"):
             return []  # every other logged number finite (most runs): the queries below would find nothing
         # A key's tail through the end is what follows its last finite step: aggregates and joins, no window
@@ -268,10 +269,6 @@ class NonFiniteLogs(Check):
         return bool(
             ctx.scalar("SELECT count(*) FROM grad_norms WHERE rank = 0 AND step = ? AND NOT isfinite(norm)", [step])
         )
-
-
-# Keys judged above from the steps table (the loss, the gradient norm).
-IN_STEPS = ("loss", "grad_norm")
 
 
 def _listed(names: list[str]) -> str:

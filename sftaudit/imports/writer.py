@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..core.artifacts import DATABASE_FILE, artifact_root, rank_dir
-from ..schema.records import RECORDS
+from ..schema.records import RECORDS, STEP_METRICS
 from .logs import number
 
 
@@ -29,7 +29,7 @@ def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys:
     built a column at a time (not pyarrow's conversion of lists, which imports pandas: a third of a second of a
     small audit): a step per training log (an entry with a loss that is not the end-of-training summary: its loss,
     learning rate and gradient norm, None where not a number), a metric per number an entry holds under any key but
-    ``step`` (records of one name keep the entries' order). A key's values are gathered once, in C (`map`), and taken
+    ``step`` and a training log's `STEP_METRICS` (records of one name keep the entries' order). A key's values are gathered once, in C (`map`), and taken
     as they are when all are floats or absent, as a per-step log's are (the steps' columns then the training logs'
     rows of the metrics' own); looked at one by one otherwise."""
     import polars as pl
@@ -45,9 +45,14 @@ def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys:
     )
     values = {name: _values(entries, name) for name in names}
     columns = {name: _floats(values[name], None) for name in names}
-    parts = [logs.with_columns(name=pl.lit(name, kind), value=columns[name]).drop_nulls("value") for name in names]
-    metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
     mask = pl.Series(training)
+    parts = [
+        logs.with_columns(name=pl.lit(name, kind), value=columns[name])
+        .filter(~mask if name in STEP_METRICS else True)  # a training log's own: in its steps record
+        .drop_nulls("value")
+        for name in names
+    ]
+    metrics = pl.concat(parts) if parts else logs.with_columns(name=pl.lit(None, kind), value=pl.lit(None, pl.Float64))
 
     def logged(key: str):
         """The training logs' `key`: the metric's column where every value was a float or absent, else each value

@@ -566,6 +566,10 @@ EVALS = RecordKind(
     ),
 )
 
+# The logged keys a `steps` record holds as its own columns: an import writes them as the training log's `steps`
+# record only (not a metric too: two copies of a million-step log), and the checks judge them there.
+STEP_METRICS = ("loss", "grad_norm")
+
 METRICS = RecordKind(
     "metrics",
     "logged scalar",
@@ -573,7 +577,12 @@ METRICS = RecordKind(
         _seg((SHIM, IMPORT)),
         _step("the step it was logged at", (SHIM, IMPORT)),
         Field(
-            "name", "VARCHAR", "the metric (e.g. the Trainer's pre-clip `grad_norm`, `eval_loss`)", (SHIM, IMPORT), True
+            "name",
+            "VARCHAR",
+            "the metric (e.g. the Trainer's pre-clip `grad_norm`, `eval_loss`); an import: every logged number but "
+            "a training log's `loss` and `grad_norm`, which are its `steps` record's",
+            (SHIM, IMPORT),
+            True,
         ),
         Field("value", "DOUBLE", "its value", (SHIM, IMPORT), True),
     ),
