@@ -104,6 +104,34 @@ def test_older_states_are_taken_from_the_largest_where_they_repeat_it(tmp_path, 
     assert sorted(decoded) == sorted(list(range(1, 41)) + list(range(1, 16)))  # the branch alone read again
 
 
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 23])
+@pytest.mark.parametrize("meeting_in_a_key", [False, True])
+def test_older_states_are_taken_from_a_batch_of_the_largest(tmp_path, monkeypatch, chunk, meeting_in_a_key):
+    """A per-step log decoded a batch at a time: an older state whose log ends within a batch takes the batch's first
+    entries, the same objects (their ends found in the file, where the older log ends); a key holding the text where
+    entries meet leaves the batch's ends unknown, and an older state ending within it is read in full, to the same
+    values."""
+    import sftaudit.imports.sources.trainer_state as module
+
+    monkeypatch.setattr(module, "CHUNK_BYTES", chunk)
+    history = [{"loss": 2.0 - s / 1000, "step": s} for s in range(1, 301)]
+    if meeting_in_a_key:
+        history[150] = {"loss}, {x": 1.0, "step": 151}
+    newest = _state_file(tmp_path / "trainer_state.json", history)
+    cuts = (1, 37, 150, 151, 299)
+    olders = [_state_file(tmp_path / f"checkpoint-{n}" / "trainer_state.json", history[:n]) for n in cuts]
+    logs = TrainerState().read_all([*olders, newest], tmp_path)
+    for n, log in zip(cuts, logs):
+        assert json.dumps(log.segments[0]) == json.dumps(history[:n]) and log.records == n
+    copied = [log.segments[0][-1] is logs[-1].segments[0][n - 1] for n, log in zip(cuts, logs)]
+    if not meeting_in_a_key:
+        assert copied == [True] * 5
+    elif chunk == 1 << 23:  # the whole log one batch but its last entry: a state ending within it is read in full
+        assert copied == [False, False, False, False, True]
+    else:  # the batches before the one holding the key
+        assert copied[:4] == [True, True, False, False]
+
+
 @pytest.mark.parametrize("chunk", [300, 1 << 23])
 @pytest.mark.parametrize(
     "odd",

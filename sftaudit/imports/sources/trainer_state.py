@@ -22,6 +22,7 @@ import contextlib
 import json
 import re
 from array import array
+from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -124,7 +125,9 @@ def regular_size(path: Path, run_dir: Path) -> int:
 class _Read:
     """A state as read: its fields but the log, the log's entries (normalised; those whose step is no integer left
     out), how many entries the log held, and where the log lies in the file (bytes, while the file is ASCII, as
-    the Trainer writes it): the offset of its ``[`` and of the end of each entry, relative to it."""
+    the Trainer writes it): the offset of its ``[``, and the entries' ends relative to it a span at a time (a batch
+    decoded together, or one entry): where the span's text begins and ends, and how many entries and history entries
+    the spans through it gave. A batch's own entry ends are found only where another state shares part of it."""
 
     def __init__(self) -> None:
         self.fields: dict[str, Any] = {}
@@ -132,8 +135,36 @@ class _Read:
         self.records = 0
         self.path: Path | None = None
         self.start: int | None = None
-        self.ends = array("q")
-        self.kept = array("q")  # per entry read: how many of the history's entries it and those before it gave
+        self.span_starts = array("q")
+        self.span_ends = array("q")
+        self.span_records = array("q")
+        self.span_kept = array("q")
+
+    def spanned(self, start: int, end: int) -> None:
+        """The entries read since the last span, their text from `start` to `end` (relative to the log's ``[``)."""
+        self.span_starts.append(start)
+        self.span_ends.append(end)
+        self.span_records.append(self.records)
+        self.span_kept.append(len(self.history))
+
+    def entries_within(self, size: int) -> tuple[int, int, int] | None:
+        """Of the log's first `size` bytes: (the entries wholly within them, the history entries those gave, the
+        offset of the last one's end; 1, past the ``[``, for none). A batch cut by `size` is read again from the file
+        for its entries' ends (a batch's entries are each kept: `_Stream.batch`); None when its text is not that
+        batch's entries as decoded."""
+        b = bisect.bisect_right(self.span_ends, size)
+        records, kept = (self.span_records[b - 1], self.span_kept[b - 1]) if b else (0, 0)
+        end = self.span_ends[b - 1] if b else 1
+        if b == len(self.span_ends) or self.span_records[b] - records < 2 or self.span_starts[b] >= size:
+            return records, kept, end
+        with open_regular(self.path.absolute()) as f:
+            f.seek(self.start + self.span_starts[b])
+            text = f.read(self.span_ends[b] - self.span_starts[b]).decode("ascii", "replace")
+        meets = [self.span_starts[b] + m.start() + 1 for m in _ENTRY_MEET.finditer(text)]
+        if len(meets) != self.span_records[b] - records - 1:  # a string holding where entries meet: not its ends
+            return None
+        inside = bisect.bisect_right(meets, size)
+        return (records + inside, kept + inside, meets[inside - 1]) if inside else (records, kept, end)
 
 
 def _read(path: Path, run_dir: Path, reference: _Read | None = None) -> _Read:
@@ -223,42 +254,44 @@ class _Stream:
         if type(entry) is dict and is_step(entry.get("step")):
             read.history.append(normalised(entry))
         if read.start is not None and self.ascii:
-            read.ends.append(self.base + end - read.start)
-            read.kept.append(len(read.history))
+            read.spanned(self.base + end - read.start, self.base + end - read.start)
 
     def batch(self, read: _Read) -> bool:
-        """The log entries wholly in the buffer decoded in one call, when they are all objects: the ends of the
-        objects among them are where ``}`` meets ``,`` and ``{``, and only the entries' own ends are when there
-        are as many as entries (a string holding that text adds more). False (nothing taken) otherwise: each of
-        them is then decoded alone."""
+        """The log entries wholly in the buffer decoded in one call, when they are all objects: up to the last place
+        where ``}`` meets ``,`` and ``{``, a place in a string or within an entry leaving text that does not decode
+        (a string or a bracket left open). Their ends are found one by one only where one is not kept as it is.
+        False (nothing taken) otherwise: each of them is then decoded alone."""
         if self.batched:  # once a chunk: text that fails it is read an entry at a time, not scanned again
             return False
         self.batched = True
-        meets = [m.start() + 1 for m in _ENTRY_MEET.finditer(self.buf, self.pos)]
-        if not meets:
+        cut = _last_meet(self.buf, self.pos)
+        if cut is None:
             return False
+        text = self.buf[self.pos : cut]
         try:
-            entries = decoded_entries(self.buf[self.pos : meets[-1]], self.decoder)
+            entries = decoded_entries(text, self.decoder)
         except (json.JSONDecodeError, RecursionError):  # one level deeper than the entries alone
             return False
-        if len(entries) != len(meets) or set(map(type, entries)) != {dict}:
+        if not entries or set(map(type, entries)) != {dict}:
             return False
-        history, ends, kept = read.history, read.ends, read.kept
         offset = self.base - read.start if read.start is not None and self.ascii else None
-        if all_normalised(entries):  # a per-step log's: each kept as it is
+        history = read.history
+        if all_normalised(entries):  # a per-step log's: each kept as it is, one span
             history.extend(entries)
+            read.records += len(entries)
             if offset is not None:
-                ends.extend(map(offset.__add__, meets))
-                kept.extend(range(len(history) - len(entries) + 1, len(history) + 1))
+                read.spanned(offset + self.pos, offset + cut)
         else:
+            meets = [self.pos + m.start() + 1 for m in _ENTRY_MEET.finditer(text)] + [cut]
+            if len(meets) != len(entries):  # a string holding where entries meet: each entry decoded alone
+                return False
             for entry, end in zip(entries, meets):
+                read.records += 1
                 if is_step(entry.get("step")):
                     history.append(normalised(entry))
                 if offset is not None:
-                    ends.append(offset + end)
-                    kept.append(len(history))
-        read.records += len(entries)
-        self.pos = meets[-1]
+                    read.spanned(offset + end, offset + end)
+        self.pos = cut
         return True
 
     def copied(self, read: _Read) -> bool:
@@ -266,8 +299,12 @@ class _Stream:
         the stream goes on past the log's ``]``; else the file is left where the stream had read it."""
         ref = self.reference
         same = _common_prefix(self.f, read.start, ref.path, ref.start)  # from the log's "[" on
-        count = bisect.bisect_right(ref.ends, same)  # the reference's entries wholly within the bytes they share
-        edge = read.start + (ref.ends[count - 1] if count else 1)
+        within = ref.entries_within(same)  # the reference's entries wholly within the bytes they share
+        if within is None:
+            self.f.seek(self.base + len(self.buf))
+            return False
+        count, kept, end = within
+        edge = read.start + end
         self.f.seek(edge)
         after = self.f.read(4096)
         rest = after.lstrip(_SPACE_BYTES)
@@ -277,7 +314,7 @@ class _Stream:
         self.base = edge + len(after) - len(rest) + 1
         self.f.seek(self.base)
         self.buf, self.pos = "", 0
-        read.history = ref.history[: ref.kept[count - 1] if count else 0]
+        read.history = ref.history[:kept]
         read.records = count
         return True
 
@@ -334,6 +371,19 @@ class _Stream:
     def fail(self, what: str) -> None:
         where = f" at byte {self.base + self.pos:,}" if self.ascii else ""
         raise InputError(f"{self.path}: not a readable trainer state ({what}{where})")
+
+
+def _last_meet(text: str, pos: int) -> int | None:
+    """The end of the last object in `text` from `pos` on that a ``,`` and another ``{`` follow (searched from the
+    end, a window widened until one is found)."""
+    window = 1 << 16
+    while True:
+        start = max(pos, len(text) - window)
+        if last := deque(_ENTRY_MEET.finditer(text, start), maxlen=1):
+            return last[0].start() + 1
+        if start == pos:
+            return None
+        window *= 8
 
 
 def _common_prefix(f: BinaryIO, start: int, other: Path, other_start: int) -> int:
