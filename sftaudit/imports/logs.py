@@ -131,10 +131,14 @@ def holding(entries: list[dict[str, Any]], key: str) -> np.ndarray:
 SUMMARY_KEYS = ("train_runtime", "train_loss")
 
 
-def training_logs(entries: list[dict[str, Any]]) -> np.ndarray:
-    """Per log entry, whether it is a training log: a loss, and not the end-of-training summary."""
-    summary, last = SUMMARY_KEYS
-    return holding(entries, "loss") & ~holding(entries, summary) & ~holding(entries, last)
+def training_logs(entries: list[dict[str, Any]], keys: set[str] | None = None) -> np.ndarray:
+    """Per log entry, whether it is a training log: a loss, and not the end-of-training summary. `keys`: the keys
+    the entries hold, when known (a summary key none of them holds is not looked for entry by entry)."""
+    mask = holding(entries, "loss")
+    for key in SUMMARY_KEYS:
+        if keys is None or key in keys:
+            mask &= ~holding(entries, key)
+    return mask
 
 
 def read_json(path: Path, root: Path, max_bytes: int = MAX_WHOLE_FILE_BYTES) -> Any:

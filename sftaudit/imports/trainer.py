@@ -276,9 +276,10 @@ def import_run(
     )
     # What the import's parts each need of the log, gathered once: the training logs, the keys logged.
     logged = [e for e, _ in abandoned] + timeline
-    training = training_logs(logged)
     keys = set().union(*timeline)
-    steps, metrics = series(segs, logged, training, keys.union(*(e for e, _ in abandoned)))
+    logged_keys = keys.union(*(e for e, _ in abandoned))
+    training = training_logs(logged, logged_keys)
+    steps, metrics = series(segs, logged, training, logged_keys)
     branch_of = {s["folder"]: s["diverged"] for s in judged if s.get("diverged") in resumes}
     outlines = {s["folder"]: s["outline"] for s in states if not s["top_level"]}
     tokenizer, fingerprints, refused = _tokenizer(run_dir, checkpoints)

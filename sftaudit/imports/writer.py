@@ -44,7 +44,8 @@ def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys:
         ]
     )
     values = {name: _values(entries, name) for name in names}
-    columns = {name: _floats(values[name], None) for name in names}
+    clean = {name: _clean(v) for name, v in values.items()}
+    columns = {name: _floats(values[name], None, clean[name]) for name in names}
     mask = pl.Series(training)
     parts = [
         logs.with_columns(name=pl.lit(name, kind), value=columns[name])
@@ -59,9 +60,10 @@ def series(segs: Any, entries: list[dict[str, Any]], training: np.ndarray, keys:
         made a number by `number` (text spelling one)."""
         if key not in values:
             return pl.lit(None, pl.Float64)
-        if _clean(values[key]):
+        if clean[key]:
             return columns[key].filter(mask)
-        return _floats(list(compress(values[key], training)), number)
+        kept = list(compress(values[key], training))
+        return _floats(kept, number, _clean(kept))
 
     steps = logs.filter(mask).with_columns(
         loss=logged("loss"), lr=logged("learning_rate"), grad_norm=logged("grad_norm")
@@ -77,12 +79,12 @@ def _clean(values: list[Any]) -> bool:
     return set(map(type, values)) <= {float, type(None)}
 
 
-def _floats(values: list[Any], other: Callable[[Any], float | None] | None):
+def _floats(values: list[Any], other: Callable[[Any], float | None] | None, clean: bool):
     """`values` as a float column: a float as it is, None as null, any other value as `other` makes it (null
-    without `other`)."""
+    without `other`); `clean`: whether all are floats or None (`_clean`)."""
     import polars as pl
 
-    if not _clean(values):
+    if not clean:
         values = [v if type(v) is float else other(v) if other else None for v in values]
     return pl.Series(values, dtype=pl.Float64)
 
