@@ -61,7 +61,7 @@ class BatchPaddingStrategy(Check):
         )
         if batches.is_empty():
             return []
-        per_step = batches.group_by("step", maintain_order=True).agg(pl.col("cv").max(), pl.col("padding_share").max())
+        per_step = _per_step_max(batches)
         ctx.add_series(
             self.code, "length CV", per_step["step"], per_step["cv"].fill_null(0), self.params["cv_threshold"]
         )
@@ -124,6 +124,25 @@ class BatchPaddingStrategy(Check):
                 grouped_saving=saving,
             )
         ]
+
+
+def _per_step_max(batches: pl.DataFrame) -> pl.DataFrame:
+    """Each step's largest CV and padding share, steps in their first batch's order. Batches come ordered by step
+    (a resume moves the steps it trains again out of the table) and mostly without nulls: numpy's maximum over each
+    run of a step, NaN left out as polars' `max` does (a polars group-by of a million batches cost 0.2 s of CPU);
+    else polars' group-by."""
+    steps = batches["step"].to_numpy()
+    if batches["cv"].null_count() or batches["padding_share"].null_count() or (np.diff(steps) < 0).any():
+        return batches.group_by("step", maintain_order=True).agg(pl.col("cv").max(), pl.col("padding_share").max())
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    with np.errstate(invalid="ignore"):
+        return pl.DataFrame(
+            {
+                "step": steps[starts],
+                "cv": np.fmax.reduceat(batches["cv"].to_numpy(), starts),
+                "padding_share": np.fmax.reduceat(batches["padding_share"].to_numpy(), starts),
+            }
+        )
 
 
 def _grouped_padded_tokens(lengths: np.ndarray, sizes: np.ndarray, group_batches: int) -> int:
