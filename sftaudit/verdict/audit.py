@@ -673,10 +673,11 @@ def _index_series(con, series: list[dict[str, Any]]) -> None:
     con.execute("""CREATE OR REPLACE TABLE series_index (position INTEGER, code VARCHAR, name VARCHAR,
                    threshold DOUBLE, sole_condition BOOLEAN, points BIGINT)""")
     points = first_row(con, "SELECT count(*) FROM series")[0]
-    con.executemany(
-        "INSERT INTO series_index VALUES (?, ?, ?, ?, ?, ?)",
-        [(i, s["code"], s["name"], s["threshold"], s["sole_condition"], points) for i, s in enumerate(series)],
-    )
+    if series:
+        con.executemany(
+            "INSERT INTO series_index VALUES (?, ?, ?, ?, ?, ?)",
+            [(i, s["code"], s["name"], s["threshold"], s["sole_condition"], points) for i, s in enumerate(series)],
+        )
 
 
 def _stored_series(con) -> list[tuple]:

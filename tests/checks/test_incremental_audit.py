@@ -259,6 +259,9 @@ def test_series_stored_again_from_their_index_or_without_one_equal_those_stored_
     def table(con) -> list:
         return con.execute("SELECT * FROM series ORDER BY rowid").fetchall()
 
+    none = duckdb.connect()
+    _store_series(none, [])  # a run no check drew a series for
+    assert none.execute("SELECT count(*) FROM series_index").fetchone() == (0,)
     fresh = duckdb.connect()
     _store_series(fresh, series(9, 2.0))
     for drop in (None, "DROP TABLE series_index", "UPDATE series_index SET points = 1"):
