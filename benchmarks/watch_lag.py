@@ -17,7 +17,10 @@ time. Prints, per tenth of the soak, the steps written by then, the watch's RSS 
 second in that tenth (flat: bounded over a long run; growing: each poll costs more as the run grows), then the
 time from the run's close record to the watch's exit.
 
-    .venv/bin/python benchmarks/watch_lag.py --soak 600 --rate 200 --interval 2
+    .venv/bin/python benchmarks/watch_lag.py --soak 600 --rate 200 --interval 2 [--keep DIR]
+
+``--keep DIR`` keeps the soak's run and cache in DIR (to profile a late poll: ``SFTAUDIT_CACHE_DIR=DIR/cache
+sftaudit audit DIR/run --no-report``).
 """
 
 from __future__ import annotations
@@ -141,11 +144,14 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.5, help="the watch's --interval")
     parser.add_argument("--history", type=int, default=0, help="steps written at once before the live ones")
     parser.add_argument("--soak", type=float, help="seconds of one long clean run, the watch's memory and CPU sampled")
+    parser.add_argument("--keep", type=Path, help="with --soak: the run and its cache kept in this new folder")
     args = parser.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory() as tmp:
-            os.environ.setdefault("SFTAUDIT_CACHE_DIR", str(Path(tmp) / "cache"))
-            soak(Path(tmp) / "run", args)
+            folder = args.keep or Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("SFTAUDIT_CACHE_DIR", str(folder / "cache"))
+            soak(folder / "run", args)
         return 0
     lags, cpu, wall = [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:

@@ -176,7 +176,8 @@ reduced view every check reads: each rank's norm of the *whole* tensor. A sharde
 pieces' squares)` over one replica group, a replicated one's is the lowest rank's (LOOP-17 compares the
 others), a local one's the rank's own; a tensor whose pieces do not cover all its elements at a step (a rank
 missing) has no row there, and for sharded runs `steps.grad_norm` becomes the reduced total (NULL at such
-steps). The audit adds `findings`, `series` (per-step statistics the checks computed) and `audit_verdict`
+steps). The audit adds `findings`, `series` (per-step statistics the checks computed; `series_index` lists them in
+their order, with the rows the table held when it was written) and `audit_verdict`
 (the verdict, the config it was judged with and the sftaudit version that judged it: `sftaudit report` judges
 again unless the run gained no records since and both are the same).
 

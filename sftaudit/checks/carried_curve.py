@@ -5,8 +5,9 @@ The loss-curve rules (LOOP-10, LOOP-19, LOOP-27) judge each value against the ru
 and against its running level (`rolling_level`: the median of the values before it), a median a row in a run of
 10^6 steps. A block's noise depends only on the values of the blocks it pools, a row's level only on the values
 before it, so neither changes while those values stay as they were. The audit keeps each series' values, block
-noise and levels beside the run's database (``carried-curve-<name>.arrays``) and the next one computes only what
-reads a value that changed or is new. What was carried is checked against the values themselves, bit for bit, so
+noise and levels beside the run's database (``carried-curve-<name>.arrays``; a long series' up to its last multiple
+of `CURVE_CHUNK` rows, written only when that moves) and the next one computes only what reads a value past them,
+changed or new. What was carried is checked against the values themselves, bit for bit, so
 a resume that rewrote the end of the log, or any other change, is judged again from where it begins.
 
 The rules' thresholds scale with the run's upper-tail factor of the values' z (`tail_factor`: a median, a median
@@ -41,6 +42,10 @@ from .stats.rolling import rolling_level, sorted_tail_factor, tail_factor
 FORMAT = 1
 TAIL_CHUNK = 1 << 16  # rows of z closed into the carried sorted ones at a time: saved once in so many new rows
 TAIL_OPEN = 1024  # the last rows stay open: their z moves with the rows after them (a block's noise, a neighbour)
+# A long series' curve is saved up to a multiple of this many rows, only when that moves: a watch's poll found a
+# few new rows and wrote the three carried curves whole (14 MB each at 860,000 steps); the next audit computes
+# again from there (at most this many rows' levels and their blocks' noise, a few ms).
+CURVE_CHUNK = 1 << 13
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,9 @@ def carried_curve(ctx, name: str, values: np.ndarray, lens=None) -> Curve:
         level = np.concatenate([old.level[:rows], fresh])
     else:
         level = rolling_level(x, LEVEL_POINTS)
-    if path:
-        _save(path, Curve(x, sigma, level))
+    saved = x.size // CURVE_CHUNK * CURVE_CHUNK or x.size  # a short series is saved whole
+    if path and (old is None or changed < old.x.size or saved != old.x.size):
+        _save(path, Curve(x[:saved], sigma[: -(-saved // block)], level[:saved]))
     curve = done[name] = Curve(x, np.repeat(sigma, block)[: x.size], level)
     return curve
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import AuditContext, CannotJudge, Check, Finding, at_least, count, positive
-from .carried_curve import carried_excursions
+from .carried_curve import carried_curve, carried_excursions
 from .stats.curve import LEVEL_POINTS, rise_from_minimum, rising_trend, rows_above
 from .stats.rolling import MAD_TO_SIGMA, column, loss_family, normal_sf, step_frame
 
@@ -101,13 +101,15 @@ class LossDivergence(Check):
         if start is not None and (episode is None or start <= episode[0]):
             worse = self._from_start(steps, loss, finite, start, found, advice, peak_lr, family)
             # A creep that ends above the start crosses it late; its trend dates the climb where it got under way.
-            trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"])
+            trend = rising_trend(
+                loss, p["rise_factor"], p["trend_sigmas"], noise=carried_curve(ctx, "loss", loss).noise
+            )
             if trend is not None and trend["crossing"] < start:
                 return [self._trend(steps, lr, trend, family), worse]
             return [worse]
         if episode is not None:
             return [self._from_level(steps, loss, episode, found, advice, peak_lr, family)]
-        return self._climb(steps, loss, lr, family)
+        return self._climb(steps, loss, lr, family, carried_curve(ctx, "loss", loss).noise)
 
     def _from_start(self, steps, loss, finite, i, found, advice, peak_lr, family) -> Finding:
         rise = int(finite[i:].sum())
@@ -155,10 +157,11 @@ class LossDivergence(Check):
             family=family,
         )
 
-    def _climb(self, steps, loss, lr, family) -> list[Finding]:
+    def _climb(self, steps, loss, lr, family, noise) -> list[Finding]:
+        """`noise`: the loss's `point_noise`, carried (`carried_curve`): a pass over every logged value otherwise."""
         p = self.params
-        rise = rise_from_minimum(loss, p["rise_factor"], p["rise_sigmas"])
-        trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"])
+        rise = rise_from_minimum(loss, p["rise_factor"], p["rise_sigmas"], noise=noise)
+        trend = rising_trend(loss, p["rise_factor"], p["trend_sigmas"], noise=noise)
         # The trend test uses every value after the minimum, so it tells a climb sooner and in noisier logs; the
         # level's climb also finds one that came back down before the end.
         if trend is not None and (rise is None or trend["crossing"] <= rise["crossing"]):

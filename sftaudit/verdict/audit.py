@@ -660,10 +660,39 @@ def _store_series(con, series: list[dict[str, Any]]) -> None:
                 [[s[key] for s in series] for key in ("code", "name", "threshold", "sole_condition")],
             )
             con.unregister("series_rows")
+        _index_series(con, series)
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
         raise
+
+
+def _index_series(con, series: list[dict[str, Any]]) -> None:
+    """The stored series, in their order, with the rows the `series` table holds now: what the next audit lists
+    them by (a group-by over every point, 4 million at 10^6 steps, cost 0.1 s of CPU an audit)."""
+    con.execute("""CREATE OR REPLACE TABLE series_index (position INTEGER, code VARCHAR, name VARCHAR,
+                   threshold DOUBLE, sole_condition BOOLEAN, points BIGINT)""")
+    points = first_row(con, "SELECT count(*) FROM series")[0]
+    if series:
+        con.executemany(
+            "INSERT INTO series_index VALUES (?, ?, ?, ?, ?, ?)",
+            [(i, s["code"], s["name"], s["threshold"], s["sole_condition"], points) for i, s in enumerate(series)],
+        )
+
+
+def _stored_series(con) -> list[tuple]:
+    """(code, name, threshold, sole_condition) of each stored series, in their order: from `series_index` while it
+    counts the rows the table holds (written by this sftaudit at the last audit), else from the points."""
+    if has_table(con, "series_index"):
+        listed = con.execute(
+            "SELECT code, name, threshold, sole_condition, points FROM series_index ORDER BY position"
+        ).fetchall()
+        if listed and listed[0][4] == first_row(con, "SELECT count(*) FROM series")[0]:
+            return [row[:4] for row in listed]
+    return con.execute(
+        "SELECT code, name, any_value(threshold), bool_or(sole_condition) FROM series GROUP BY code, name "
+        "ORDER BY min(rowid)"
+    ).fetchall()
 
 
 def _stored_prefixes(con, series: list[dict[str, Any]]) -> list[int] | None:
@@ -677,10 +706,7 @@ def _stored_prefixes(con, series: list[dict[str, Any]]) -> list[int] | None:
     columns = [c[0] for c in con.execute("DESCRIBE series").fetchall()]
     if columns != ["code", "name", "step", "value", "threshold", "sole_condition"]:
         return None
-    stored = con.execute(
-        "SELECT code, name, any_value(threshold), bool_or(sole_condition) FROM series GROUP BY code, name "
-        "ORDER BY min(rowid)"
-    ).fetchall()
+    stored = _stored_series(con)
     if [(code, name, sole) for code, name, _, sole in stored] != [
         (s["code"], s["name"], s["sole_condition"]) for s in series
     ]:

@@ -38,11 +38,18 @@ def loss_log(seed: int, n: int) -> np.ndarray:
     grown=st.integers(0, 3000),
     change=st.sampled_from(["appended", "end rewritten", "a value changed", "cut shorter"]),
     at=st.floats(0, 1),
+    chunk=st.sampled_from([carried.CURVE_CHUNK, 1000, 64, 7]),
 )
-def test_a_carried_curve_equals_the_statistics_of_the_whole_series(tmp_path_factory, seed, first, grown, change, at):
+def test_a_carried_curve_equals_the_statistics_of_the_whole_series(
+    tmp_path_factory, seed, first, grown, change, at, chunk
+):
     run = tmp_path_factory.mktemp("run")
     before = loss_log(seed, first)
-    carried_curve(audit_context(run), "loss", before)
+    saved_every, carried.CURVE_CHUNK = carried.CURVE_CHUNK, chunk  # cut short: the first audit saves part
+    try:
+        carried_curve(audit_context(run), "loss", before)
+    finally:
+        carried.CURVE_CHUNK = saved_every
     after = np.concatenate([before, loss_log(seed + 1, grown)])
     row = int(at * (after.size - 1))
     if change == "end rewritten":  # a resume from an earlier step: the steps after it logged again
@@ -76,8 +83,11 @@ def test_what_a_later_audit_computes_is_only_the_blocks_near_what_is_new(tmp_pat
     loss = loss_log(1, 100_000)
     carried_curve(audit_context(tmp_path), "loss", loss[:99_000])
     carried_curve(audit_context(tmp_path), "loss", loss)
-    # Blocks of 64 rows: the last old value's block (1546) and the 2 blocks pooled before it are computed again.
-    assert computed_from == [0, 98_999 // 64 - 2]
+    carried_curve(audit_context(tmp_path), "loss", np.r_[loss, loss_log(2, 500)])
+    # The curve is saved up to the last multiple of CURVE_CHUNK rows (98,304; written again only once that moves):
+    # blocks of 64 rows, the last saved value's block (1535) and the 2 blocks pooled before it are computed again.
+    saved = 99_000 // carried.CURVE_CHUNK * carried.CURVE_CHUNK
+    assert computed_from == [0, (saved - 1) // 64 - 2, (saved - 1) // 64 - 2]
 
 
 def z_scores(seed: int, n: int) -> np.ndarray:

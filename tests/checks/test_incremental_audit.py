@@ -231,3 +231,47 @@ def test_what_a_check_carried_is_judged_again_when_unreadable(tmp_path):
     shutil.copytree(run, tmp_path / "fresh")
     assert comparable(final) == comparable(audit(tmp_path / "fresh"))
     assert ("LOOP-05", "fail", 120) in {(f["code"], f["severity"], f["step"]) for f in final["findings"]}
+
+
+def test_series_stored_again_from_their_index_or_without_one_equal_those_stored_anew():
+    """A grown series is stored from its first changed point, its moved threshold updated, the series listed by
+    `series_index`; a database from before that index (or whose index no longer counts the table's rows) is listed
+    from the points themselves: either way the table holds what storing the series anew does."""
+    import duckdb
+    import polars as pl
+
+    from sftaudit.verdict.audit import _store_series
+
+    def series(n: int, threshold: float) -> list[dict]:
+        steps = pl.Series(np.arange(1, n + 1), dtype=pl.Int64)
+        return [
+            {
+                "code": c,
+                "name": "x",
+                "steps": steps,
+                "values": pl.Series(np.sqrt(steps.to_numpy() * k)),
+                "threshold": threshold * k,
+                "sole_condition": k == 2,
+            }
+            for k, c in ((1, "LOOP-05"), (2, "LOOP-10"))
+        ]
+
+    def table(con) -> list:
+        return con.execute("SELECT * FROM series ORDER BY rowid").fetchall()
+
+    none = duckdb.connect()
+    _store_series(none, [])  # a run no check drew a series for
+    assert none.execute("SELECT count(*) FROM series_index").fetchone() == (0,)
+    fresh = duckdb.connect()
+    _store_series(fresh, series(9, 2.0))
+    for drop in (None, "DROP TABLE series_index", "UPDATE series_index SET points = 1"):
+        con = duckdb.connect()
+        _store_series(con, series(6, 1.0))
+        if drop:
+            con.execute(drop)
+        _store_series(con, series(9, 2.0))
+        assert sorted(table(con)) == sorted(table(fresh))
+        assert con.execute("SELECT code, threshold FROM series_index ORDER BY position").fetchall() == [
+            ("LOOP-05", 2.0),
+            ("LOOP-10", 4.0),
+        ]

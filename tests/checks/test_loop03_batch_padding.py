@@ -2,8 +2,9 @@
 the info."""
 
 import numpy as np
+import polars as pl
 
-from sftaudit.checks.loop03_batch_padding import _grouped_padded_tokens
+from sftaudit.checks.loop03_batch_padding import _grouped_padded_tokens, _per_step_max
 from sftaudit.store.rundb import connect
 
 from .data_runs import audited, clean_data_findings, findings
@@ -30,6 +31,17 @@ def test_grouped_batching_pads_only_to_the_sorted_neighbours():
     # two batches of 2: [1, 9] and [8, 2] -> grouped [1, 2] and [8, 9]: padded 2*2 + 9*2 = 22 tokens
     assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=50) == 22
     assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=1) == 18 + 16
+
+
+def test_each_steps_largest_statistics_are_polars_group_maxima():
+    rng = np.random.default_rng(3)
+    for steps, nulls in (([1, 1, 2, 3, 3, 3, 5], False), ([1, 1, 2, 3, 3, 3, 5], True), ([2, 2, 1, 3, 1, 4, 4], False)):
+        cv = rng.random(len(steps))
+        cv[[1, 2]] = np.nan  # a step with only NaN, one with a NaN beside a number
+        share = [None if nulls and i == 3 else float(v) for i, v in enumerate(rng.random(len(steps)))]
+        batches = pl.DataFrame({"step": steps, "cv": cv, "padding_share": share}, schema_overrides={"step": pl.Int64})
+        expected = batches.group_by("step", maintain_order=True).agg(pl.col("cv").max(), pl.col("padding_share").max())
+        assert _per_step_max(batches).equals(expected)
 
 
 def test_clean_run_gets_only_the_waste_summary(clean_run):

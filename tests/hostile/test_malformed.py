@@ -197,6 +197,17 @@ def test_steps_recorded_twice_in_one_segment_are_refused_in_one_line(tmp_path):
     _one_line(audit(run, "--no-report"), "steps.jsonl records 10 step(s) more than once in segment 0 (first step 1)")
 
 
+def test_steps_repeated_by_lines_appended_after_an_audit_are_refused_in_one_line(tmp_path):
+    """The repeats checked at a re-audit are the new steps against every step, old and new."""
+    run = recorded_run(tmp_path)
+    assert audit(run, "--no-report").returncode in (0, 1)
+    path = next(run.rglob("steps.jsonl"))
+    lines = path.read_text().splitlines()
+    with path.open("a") as out:
+        out.write("\n".join(lines[2:5] + lines[3:4]) + "\n")
+    _one_line(audit(run, "--no-report"), "steps.jsonl records 3 step(s) more than once in segment 0 (first step 3)")
+
+
 def test_a_manifest_whose_special_tokens_are_no_table_is_refused_in_one_line(tmp_path):
     run = recorded_run(tmp_path)
     _manifest(run, lambda m: m.update(tokenizer={"special_tokens": 5}))

@@ -298,15 +298,17 @@ def smoothed_level(x: np.ndarray) -> tuple[np.ndarray, int]:
     return np.repeat(centred_median(coarse, width), block)[:n], width * block
 
 
-def level_noise(x: np.ndarray, points: int) -> tuple[float, float]:
+def level_noise(x: np.ndarray, points: int, noise: np.ndarray | None = None) -> tuple[float, float]:
     """The run's typical noise of one log value (the median of `point_noise`) and that of a median of `points`
-    such values (x sqrt(pi / (2 x points)))."""
-    noise = point_noise(x)
+    such values (x sqrt(pi / (2 x points))). `noise`: `point_noise(x)` when known (carried from the audit before)."""
+    noise = point_noise(x) if noise is None else noise
     typical = float(np.nanmedian(noise)) if np.isfinite(noise).any() else 0.0
     return typical, typical * math.sqrt(math.pi / (2 * points))
 
 
-def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: int = 8) -> dict | None:
+def rise_from_minimum(
+    values, min_factor: float, min_sigmas: float, min_points: int = 8, noise: np.ndarray | None = None
+) -> dict | None:
     """The largest climb of the loss above its own best level, when it is one.
 
     The level is `smoothed_level`; its running minimum is the best level so far. A rise is that level above the
@@ -314,7 +316,8 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
     such rise, or fewer than `min_points` finite values.
 
     Returns the rows of the minimum, of the first value over the bar, of the peak, whether the level is still
-    over the bar at the end, the level's values there and the run's noise."""
+    over the bar at the end, the level's values there and the run's noise. `noise`: `point_noise` of the log values
+    when known (carried from the audit before: a pass over every value)."""
     x = log_values(values)
     if np.isfinite(x).sum() < min_points:
         return None
@@ -322,7 +325,7 @@ def rise_from_minimum(values, min_factor: float, min_sigmas: float, min_points: 
     level, points = smoothed_level(x)
     best = np.fmin.accumulate(np.where(np.isfinite(level), level, np.inf))
     rise = level - best
-    typical, of_level = level_noise(x, points)
+    typical, of_level = level_noise(x, points, noise)
     bar = max(math.log(min_factor), min_sigmas * of_level)
     with np.errstate(invalid="ignore"):
         over = rise >= bar
@@ -349,7 +352,9 @@ TREND_VALUES = 400  # the trend test pairs at most this many evenly spaced value
 TREND_LEVEL_SIGMAS = 3  # a trend is dated where its recent values stay over the best level by this many sigmas
 
 
-def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) -> dict | None:
+def rising_trend(
+    values, min_factor: float, min_z: float, min_points: int = 10, noise: np.ndarray | None = None
+) -> dict | None:
     """The loss trending up from its best level to the end of the run, when it does.
 
     From the minimum of `smoothed_level` to the end: the one-sided Mann-Kendall statistic of the log values (later
@@ -363,7 +368,8 @@ def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) 
     best level; else the last row. None: no such trend, or fewer than `min_points` finite values from the minimum on.
 
     Returns the rows of the minimum and of the dating, z, the rise factor, the values from the minimum on and the
-    evenly spaced ones of them tested (at most `TREND_VALUES`), the level's values and the run's noise."""
+    evenly spaced ones of them tested (at most `TREND_VALUES`), the level's values and the run's noise. `noise`:
+    `point_noise` of the log values when known (as `rise_from_minimum`'s)."""
     x = log_values(values)
     if np.isfinite(x).sum() < min_points:
         return None
@@ -387,7 +393,7 @@ def rising_trend(values, min_factor: float, min_z: float, min_points: int = 10) 
     # before a jump) of a quarter of the level's values, from where it stays over the best level by its own noise
     # to the end (a multi-epoch loss drifts up within an epoch and falls back at the next before any fault).
     trailing = max(5, points // 4)
-    typical, of_trailing = level_noise(x, trailing)
+    typical, of_trailing = level_noise(x, trailing, noise)
     after = np.concatenate([np.full(trailing - 1, np.nan), x[minimum:]])
     with warnings.catch_warnings():  # a window without finite values has no median
         warnings.simplefilter("ignore", RuntimeWarning)
