@@ -287,3 +287,15 @@ def test_every_logged_number_reaches_the_database_as_the_number_it_is(tmp_path):
     assert not {(3, "flags"), (3, "is_best"), (3, "note")} & metrics.keys()
     assert [s[0] for s in steps] == [1, 2, 3] and steps[1][2] == 1e-4 and steps[1][3] == math.inf
     assert math.isnan(steps[1][1]) and math.isnan(steps[0][3])
+
+
+def test_a_log_of_the_loss_alone_is_logged_metrics_though_its_loss_is_stored_as_steps(tmp_path):
+    """A training log's loss is stored as its steps record's, not as a metric too: the checks that read logged
+    metrics still run on such a log and say what it lacks (no eval metric, no epoch), not that nothing was logged."""
+    run = tmp_path / "run"
+    history = [{"loss": 2.0 - s / 1000, "step": s} for s in range(1, 301)]
+    _save(run, ".", {"global_step": 300, "max_steps": 300, "logging_steps": 1, "log_history": history})
+    checks = {c["code"]: c for c in audit(run)["checks"]}
+    assert checks["LOOP-25"]["status"] == "ran"
+    assert checks["LOOP-26"]["reason"] == "no eval metric was logged"
+    assert checks["LOOP-28"]["reason"].startswith("no epoch logged")

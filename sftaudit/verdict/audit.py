@@ -353,6 +353,8 @@ def recorded_evidence(con, manifest: dict[str, Any]) -> dict[str, bool]:
     tables = {t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for table in EVIDENCE_TABLES:
         recorded[table] = table in tables and first_row(con, f'SELECT 1 FROM "{table}" LIMIT 1') is not None
+    if manifest.get("imported"):  # a training log's loss and gradient norm are its steps' (`STEP_METRICS`)
+        recorded["metrics"] = recorded["metrics"] or recorded["steps"]
     return recorded
 
 
