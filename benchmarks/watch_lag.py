@@ -13,7 +13,8 @@ spread, and the watch's CPU time per second of watching (what following a run co
 With ``--soak SECONDS``, one long clean run instead: the writer records `--rate` steps a second for SECONDS (a
 high rate stands in for a longer run: 200 steps a second for 600 s is 120,000 steps, a day and a half of a run
 that logs a step a second), and the watch is sampled every second from /proc: its resident memory and its CPU
-time. Prints, per tenth of the soak, the steps written by then, the watch's RSS and the CPU seconds it used per
+time. Prints, per tenth of the soak, the steps written by then, the watch's RSS and its peak so far (the
+kernel's high-water mark: a poll's peak, which a once-a-second sample can miss) and the CPU seconds it used per
 second in that tenth (flat: bounded over a long run; growing: each poll costs more as the run grows), then the
 time from the run's close record to the watch's exit.
 
@@ -78,16 +79,19 @@ def one(run: Path, nan_at: int, args) -> tuple[float, float, float]:
     return printed["fail"] - at[nan_at], usage.ru_utime + usage.ru_stime, wall
 
 
-def _proc_sample(pid: int) -> tuple[float, float] | None:
-    """(resident MB, user + system CPU s) of a live process, from /proc; None once it has gone."""
+def _proc_sample(pid: int) -> tuple[float, float, float] | None:
+    """(resident MB, its peak so far in MB, user + system CPU s) of a live process, from /proc; None once it has
+    gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    kb = {
+        line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmRSS", "VmHWM"))
+    }
     ticks = os.sysconf("SC_CLK_TCK")
-    return rss_kb / 1024, (int(stat[11]) + int(stat[12])) / ticks  # utime, stime: fields 14 and 15
+    return kb["VmRSS"] / 1024, kb["VmHWM"] / 1024, (int(stat[11]) + int(stat[12])) / ticks  # utime, stime: 14, 15
 
 
 def soak(run: Path, args) -> None:
@@ -103,7 +107,7 @@ def soak(run: Path, args) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    samples: list[tuple[float, int, float, float]] = []  # (seconds in, steps written, RSS MB, CPU s)
+    samples: list[tuple[float, int, float, float, float]] = []  # (seconds in, steps, RSS MB, peak MB, CPU s)
     written = 0
     started = time.time()
 
@@ -127,13 +131,13 @@ def soak(run: Path, args) -> None:
     if watch.returncode != 0 or not samples:
         raise SystemExit(f"the watch did not end clean at the run's close (exit {watch.returncode})")
     print(f"soak: {written:,} steps at {args.rate:g} steps/s, watch --interval {args.interval:g}")
-    print("| share of the soak | steps written | watch RSS MB | watch CPU s per s |")
-    print("| --- | --- | --- | --- |")
+    print("| share of the soak | steps written | watch RSS MB | watch peak RSS MB so far | watch CPU s per s |")
+    print("| --- | --- | --- | --- | --- |")
     tenth = max(1, len(samples) // 10)
     for i in range(0, len(samples) - tenth + 1, tenth):
         first, last = samples[i], samples[min(i + tenth, len(samples) - 1)]
-        cpu_rate = (last[3] - first[3]) / max(last[0] - first[0], 1e-9)
-        print(f"| {last[0] / samples[-1][0]:.0%} | {last[1]:,} | {last[2]:.0f} | {cpu_rate:.2f} |")
+        cpu_rate = (last[4] - first[4]) / max(last[0] - first[0], 1e-9)
+        print(f"| {last[0] / samples[-1][0]:.0%} | {last[1]:,} | {last[2]:.0f} | {last[3]:.0f} | {cpu_rate:.2f} |")
     print(f"the watch exited {time.time() - closed_at:.1f} s after the writer closed the run (exit 0, clean)")
 
 

@@ -85,6 +85,17 @@ def _seconds(low: float):
     return parse
 
 
+def _cpu_share(text: str) -> float:
+    """An argparse type: a share of one core's time, more than 0 (1: a whole core)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a share of a core above 0 (0.25: a quarter of one)")
+    return value
+
+
 def _webhook(text: str) -> str:
     """An argparse type: an http(s) URL with a host (never repeated in the error: a webhook's address is its secret)."""
     from urllib.parse import urlsplit
@@ -162,6 +173,14 @@ def _parser() -> argparse.ArgumentParser:
         type=_seconds(0),
         default=3600.0,
         help="stop watching after this many seconds without a new record (default 3600; 0: never)",
+    )
+    s.add_argument(
+        "--max-cpu",
+        type=_cpu_share,
+        default=0.25,
+        metavar="SHARE",
+        help="the most CPU time the watch takes, as a share of one core (default 0.25): a poll that took C CPU "
+        "seconds is followed by at least C / SHARE seconds before the next, so the polls space out as the run grows",
     )
     s.add_argument(
         "--exit-on",

@@ -16,7 +16,7 @@ import pytest
 from sftaudit.fixtures.live_run import next_segment, write_live_run
 
 from sftaudit.cli import main
-from sftaudit.commands.watch import Notifier
+from sftaudit.commands.watch import Notifier, Watch
 from sftaudit.core.artifacts import rank_dir, read_stop_request
 from sftaudit.outputs.webhook import DISCORD_CONTENT_LIMIT, payload
 
@@ -106,6 +106,29 @@ def test_without_exit_on_a_fail_is_printed_once_across_polls_until_the_run_goes_
     assert code == 1  # the final verdict's: fail
     assert out.out.count(f"LOOP-05 fail step {NAN_AT}:") == 1 and out.out.count("LOOP-03 info") == 1
     assert "no new record for 1 s (--idle-timeout): stopped watching at step 60; the run has not closed" in out.out
+
+
+def test_polls_space_out_to_keep_the_watch_within_its_cpu_share(tmp_path, capsys, monkeypatch):
+    """After the first judgement, each poll starts no sooner than the last one's CPU seconds / --max-cpu after
+    it (unpaced, this watch would poll every 0.1 s): the real polls timed, not replaced."""
+    run = tmp_path / "idle"
+    write_live_run(run, 60, close=False)
+    polls: list[tuple[float, float]] = []  # (start, CPU seconds) of each poll
+    poll = Watch._poll
+
+    def timed(self):
+        start, cpu = time.monotonic(), time.process_time()
+        try:
+            return poll(self)
+        finally:
+            polls.append((start, time.process_time() - cpu))
+
+    monkeypatch.setattr(Watch, "_poll", timed)
+    code = main(["watch", str(run), "--interval", "0.1", "--max-cpu", "0.1", "--idle-timeout", "2"])
+    assert code == 0, capsys.readouterr()
+    paced = [(following - start, cpu / 0.1) for (start, cpu), (following, _) in zip(polls[1:], polls[2:])]
+    assert paced and all(gap >= spacing for gap, spacing in paced)
+    assert max(spacing for _, spacing in paced) > 0.2  # each gap more than the interval: the pacing's own
 
 
 def test_a_close_by_the_guard_is_not_a_clean_end(tmp_path, capsys):

@@ -6,6 +6,10 @@ the first time its (code, severity, step, checkpoint) is seen: it is printed the
 a warn or fail, and annotated with `--github`. LOOP-24 (the run ended before its plan) is held back while the run
 trains: a run that has not ended has not stopped early. The watch ends at the first blocking finding
 (`--exit-on`), when the run's close record appears, or when nothing new came for `--idle-timeout` seconds.
+
+A poll still costs time in proportion to the run's length (the checks of the per-step log judge it whole), so
+the watch paces itself: the next poll starts no sooner than the last one's CPU seconds divided by `--max-cpu`.
+Its CPU share stays under that bound however long the run; what grows is the time between polls.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ def run(args) -> int:
                 error(notifier.summary())
 
 
+def poll_spacing(interval: float, cpu_spent: float, max_cpu: float) -> float:
+    """Seconds from one poll's start to the next: `interval`, or longer when the poll took more than `max_cpu`
+    (a share of one core) of that time in CPU (`process_time`: DuckDB's threads included)."""
+    return max(interval, cpu_spent / max_cpu)
+
+
 def finding_key(f: dict[str, Any]) -> tuple:
     """What makes a finding the same finding from one poll to the next (its message may grow with the run)."""
     return (f["code"], f["severity"], f["step"], f.get("checkpoint"))
@@ -62,12 +72,16 @@ class Watch:
 
     def follow(self) -> int:
         say(
-            f"watching {shown(self.run_dir)} every {self.args.interval:g} s"
+            f"watching {shown(self.run_dir)} every {self.args.interval:g} s or more, taking at most "
+            f"{self.args.max_cpu:.0%} of a core"
             + (f" (until {self.args.idle_timeout:g} s without a new record)" if self.args.idle_timeout else "")
         )
         last_news, waiting, verdict = time.monotonic(), None, None
         while True:
-            polled = time.monotonic()
+            polled, cpu = time.monotonic(), time.process_time()
+            # The first judgement of a run found under way reads its history: not paced, so what it holds is
+            # reported at once; every later poll is.
+            paced = verdict is not None
             try:
                 verdict, grew, end = self._poll()
                 waiting = None
@@ -98,7 +112,8 @@ class Watch:
                     f"stopped watching at step {_last_step(verdict)}; the run has not closed"
                 )
                 return self._finish(verdict, self._exit(verdict))
-            time.sleep(max(0.0, self.args.interval - (time.monotonic() - polled)))
+            spacing = poll_spacing(self.args.interval, time.process_time() - cpu if paced else 0.0, self.args.max_cpu)
+            time.sleep(max(0.0, spacing - (time.monotonic() - polled)))
 
     def _poll(self) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
         """One audit of what the run holds now: the verdict, whether anything new was read, its close record."""
