@@ -212,6 +212,14 @@ def test_a_bad_webhook_address_is_one_line_and_exit_2(tmp_path, capsys):
     assert "secret-token" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("share", ["0", "-1", "inf", "nan", "a quarter"])
+def test_a_cpu_share_that_is_no_positive_number_is_one_line_and_exit_2(tmp_path, capsys, share):
+    with pytest.raises(SystemExit) as exc:
+        main(["watch", str(tmp_path), "--max-cpu", share])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--max-cpu" in err and err.count("\n") == 1
+
+
 def test_a_run_folder_refused_for_what_it_is_exits_2_at_once(tmp_path, capsys):
     """A link out of the run never becomes readable: one line and exit 2, not a wait until --idle-timeout."""
     run = tmp_path / "run"
