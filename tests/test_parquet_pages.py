@@ -16,9 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sftaudit.core.artifacts import series_dir
 from sftaudit.core.parquet_pages import MalformedHeader, chunk_fault, page_header_fault, parse_struct
+from sftaudit.errors import InputError
 from sftaudit.shim.writer import _PART_OPTIONS
+from sftaudit.store.ingest import ingest
 
+from .hostile.builders import recorded_run
 from .page_bombs import encode_struct, lie_in_page_header
 
 ROWS = 50_000  # three pages a column (pyarrow starts one every 20,000 values)
@@ -122,6 +126,16 @@ def test_more_pages_than_the_budget_are_refused(tmp_path):
         max_pages=2,
     )
     assert pages == 2 and fault.startswith("more than")
+
+
+def test_ingest_refuses_a_lying_part_in_one_line_naming_it(tmp_path):
+    run = recorded_run(tmp_path)
+    part = sorted(series_dir(run, 0, 0).glob("part-*.parquet"))[1]
+    lie_in_page_header(part, 2**31 - 1)
+    with pytest.raises(InputError) as refused:
+        ingest(run)
+    said = str(refused.value)
+    assert said.startswith(f"{part}: norm: the page at byte") and "decompression bomb" in said and "\n" not in said
 
 
 _FIELDS = st.recursive(
