@@ -7,9 +7,10 @@ own length, the footer untouched): `lie` claims 2^31-1 bytes uncompressed over t
 claims N MiB and its payload is a zstd frame of that many zero bytes. Each is read, in a fresh subprocess whose
 peak RSS and CPU seconds os.wait4 reports, by `pq.read_table`, by DuckDB's `read_parquet` (the sum of `norm`), and
 by `sftaudit audit` of the run folder holding it. First `_part` (the ingest's validation of a new part) is timed on
-the honest part with and without the page-header walk, interleaved with the walk alone.
+the honest part with and without the page-header walk, interleaved with the walk alone, and so is the ingest of a
+poll that finds a new part (with the 10,000 steps it holds).
 
-    .venv/bin/python benchmarks/page_header_bomb.py [--bombs 256 1024] [--reps 200]
+    .venv/bin/python benchmarks/page_header_bomb.py [--bombs 256 1024] [--reps 200] [--poll-reps 10]
 """
 
 from __future__ import annotations
@@ -67,6 +68,33 @@ def time_part(part: Path, run: Path, reps: int) -> None:
         print(f"  {arm:<20} {q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})")
 
 
+def time_poll(tmp: Path, reps: int) -> None:
+    """CPU seconds of the ingest that finds a new part: a run of 10,000 steps ingested, then 10,000 more steps
+    written (their records and the part that holds them), then ingested with and without the walk, alternated,
+    the database put back between ingests (the run's files are appended to in place: the database still
+    describes them, so each ingest reads only what is new)."""
+    os.environ[CACHE_ENV] = str(tmp / "poll-cache")
+    run, saved = tmp / "poll", tmp / "poll-saved"
+    write_live_run(run, steps=10_000, close=False)
+    ingest.ingest(run)
+    shutil.copytree(tmp / "poll-cache", saved)
+    write_live_run(run, steps=10_000, first_step=10_001, header=False)
+    arms: dict[str, list[float]] = {"with the walk": [], "without it": []}
+    for _ in range(reps):
+        for arm, times in arms.items():
+            ingest.page_header_fault = page_header_fault if arm == "with the walk" else _no_fault
+            t0 = time.process_time()
+            added = ingest.ingest(run)
+            times.append(time.process_time() - t0)
+            shutil.rmtree(tmp / "poll-cache")
+            shutil.copytree(saved, tmp / "poll-cache")
+    ingest.page_header_fault = page_header_fault
+    print(f"the ingest that finds a new part and {added['steps']:,} new steps, {reps} repetitions, CPU ms:")
+    for arm, times in arms.items():
+        q = np.percentile(times, [25, 50, 75]) * 1e3
+        print(f"  {arm:<20} {q[1]:.1f} ({q[0]:.1f}-{q[2]:.1f})")
+
+
 def _no_fault(*_) -> None:
     return None
 
@@ -75,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bombs", type=int, nargs="*", default=[256, 1024], help="MiB a bomb page claims")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--poll-reps", type=int, default=10)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, CACHE_ENV: str(Path(tmp) / "cache"), "PYTHONPATH": str(ROOT)}
@@ -82,6 +111,7 @@ def main() -> None:
         write_live_run(clean, steps=20_000)
         honest = series_dir(clean, 0, 0) / "part-000000001.parquet"
         time_part(honest, clean, args.reps)
+        time_poll(Path(tmp), args.poll_reps)
         variants = {"honest": None, "lie 2^31-1": (2**31 - 1, False)}
         variants |= {f"bomb {mib} MiB": (mib << 20, True) for mib in args.bombs}
         print(f"{'part':<14} {'reader':<20} {'exit':>4} {'peak RSS MB':>11} {'CPU s':>6}  last line of stderr")
