@@ -40,7 +40,7 @@ def _part_bytes(rows: int = ROWS) -> bytes:
         }
     )
     out = io.BytesIO()
-    pq.write_table(table, out, row_group_size=rows, **_PART_OPTIONS)
+    pq.write_table(table, out, row_group_size=max(rows, 1), **_PART_OPTIONS)
     return out.getvalue()
 
 
@@ -77,6 +77,11 @@ def test_the_shims_part_passes_and_its_pages_fill_each_chunk(tmp_path):
         chunk.total_uncompressed_size,
     )
     assert (fault, pages) == (None, 3)
+
+
+def test_an_empty_part_passes(tmp_path):
+    """No rows: each column chunk is empty, no page, at offset 0."""
+    assert _fault(_part(tmp_path / "part.parquet", rows=0)) is None
 
 
 def test_a_header_rewritten_at_its_own_claim_still_reads_and_passes(tmp_path):

@@ -218,10 +218,13 @@ def page_header_fault(read: Callable[[int, int], bytes], metadata: Any, file_siz
             chunk = group.column(c)
             start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
             length = chunk.total_compressed_size
-            if not (4 <= start and 0 <= length <= data_end - start):
+            if not (0 <= length <= data_end - start and (4 <= start or length == 0)):  # (an empty chunk: at 0)
                 return f"the column chunk of {chunk.path_in_schema} at byte {start} lies outside the file's data"
-            if chunk.num_values != group.num_rows:
-                return f"the column chunk of {chunk.path_in_schema} holds {chunk.num_values} values in {group.num_rows} rows"
+            if chunk.num_values != group.num_rows:  # the shim's columns are flat: a value a row
+                return (
+                    f"the column chunk of {chunk.path_in_schema} holds {chunk.num_values} values in "
+                    f"{group.num_rows} rows"
+                )
             fault, pages = chunk_fault(
                 read,
                 start,
