@@ -51,6 +51,7 @@ from ..core.artifacts import (
     part_name,
     read_journal,
 )
+from ..core.parquet_pages import page_header_fault
 from ..errors import InputError
 from ..schema.records import RECORDS
 from .rundb import (
@@ -529,6 +530,11 @@ def _part(files: _RunFiles, path: Path, key: str, max_rows: int = MAX_PART_ROWS)
                     f"{path}: claims {unpacked} bytes uncompressed for {rows} rows, more than a part of the shim "
                     f"holds (a decompression bomb, or not the shim's); {again}"
                 )
+            # A reader allocates what a page header claims before it decompresses: its headers must agree with
+            # the footer just bounded (a few kilobytes read a page).
+            fault = page_header_fault(lambda offset, size: os.pread(fd, size, offset), part.metadata, st.st_size)
+            if fault:
+                raise InputError(f"{path}: {fault}; {again}")
             try:
                 step = part.read(columns=["step"], use_threads=False).column("step").to_numpy() if rows else None
             except (pa.ArrowException, OSError, ValueError) as exc:
