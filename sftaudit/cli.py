@@ -177,10 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-cpu",
         type=_cpu_share,
-        default=0.25,
+        default=0.5,
         metavar="SHARE",
-        help="the most CPU time the watch takes, as a share of one core (default 0.25): a poll that took C CPU "
-        "seconds is followed by at least C / SHARE seconds before the next, so the polls space out as the run grows",
+        help="the most CPU time the watch takes, as a share of one core (default 0.5), over any stretch of time "
+        "beyond a burst of two minutes' worth: the polls space out as the run grows",
     )
     s.add_argument(
         "--exit-on",

@@ -13,10 +13,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sftaudit.fixtures.live_run import next_segment, write_live_run
 
 from sftaudit.cli import main
-from sftaudit.commands.watch import Notifier, Watch
+from sftaudit.commands.watch import CpuBudget, Notifier, Watch
 from sftaudit.core.artifacts import rank_dir, read_stop_request
 from sftaudit.outputs.webhook import DISCORD_CONTENT_LIMIT, payload
 
@@ -109,8 +111,9 @@ def test_without_exit_on_a_fail_is_printed_once_across_polls_until_the_run_goes_
 
 
 def test_polls_space_out_to_keep_the_watch_within_its_cpu_share(tmp_path, capsys, monkeypatch):
-    """After the first judgement, each poll starts no sooner than the last one's CPU seconds / --max-cpu after
-    it (unpaced, this watch would poll every 0.1 s): the real polls timed, not replaced."""
+    """With no burst allowed, each poll starts no sooner than the last one's CPU seconds / --max-cpu after it
+    (unpaced, the next would start as soon as a poll longer than the 0.1 s interval ends): the real polls
+    timed, not replaced."""
     run = tmp_path / "idle"
     write_live_run(run, 60, close=False)
     polls: list[tuple[float, float]] = []  # (start, CPU seconds) of each poll
@@ -124,11 +127,34 @@ def test_polls_space_out_to_keep_the_watch_within_its_cpu_share(tmp_path, capsys
             polls.append((start, time.process_time() - cpu))
 
     monkeypatch.setattr(Watch, "_poll", timed)
-    code = main(["watch", str(run), "--interval", "0.1", "--max-cpu", "0.1", "--idle-timeout", "2"])
+    monkeypatch.setattr(CpuBudget, "BURST_S", 0.0)
+    code = main(["watch", str(run), "--interval", "0.1", "--max-cpu", "0.5", "--idle-timeout", "2"])
     assert code == 0, capsys.readouterr()
-    paced = [(following - start, cpu / 0.1) for (start, cpu), (following, _) in zip(polls[1:], polls[2:])]
+    paced = [(following - start, cpu / 0.5) for (start, cpu), (following, _) in zip(polls, polls[1:])]
     assert paced and all(gap >= spacing for gap, spacing in paced)
-    assert max(spacing for _, spacing in paced) > 0.2  # each gap more than the interval: the pacing's own
+    assert max(spacing for _, spacing in paced) > 0.1  # a gap longer than the interval: the pacing's own
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.floats(0, 30), min_size=1, max_size=60),
+    share=st.floats(0.05, 2),
+    interval=st.floats(0.1, 10),
+)
+def test_the_cpu_budget_bounds_the_polls_cpu_over_any_stretch(costs, share, interval):
+    """Polls of any CPU cost, each started as the watch starts them (at the interval, or once the budget's wait
+    is over): by the end of each, the CPU spent is at most share x (its end + BURST_S), past the one poll that
+    overdrew the balance."""
+    now = 0.0
+    budget = CpuBudget(share, clock=lambda: now)
+    spent = 0.0
+    for cost in costs:
+        start = now
+        now += cost  # its wall time: its CPU on one core
+        budget.spend(cost)
+        spent += cost
+        assert spent <= share * (now + CpuBudget.BURST_S) + cost + 1e-6
+        now = max(start + interval, now + budget.wait())
 
 
 def test_a_close_by_the_guard_is_not_a_clean_end(tmp_path, capsys):

@@ -8,8 +8,9 @@ trains: a run that has not ended has not stopped early. The watch ends at the fi
 (`--exit-on`), when the run's close record appears, or when nothing new came for `--idle-timeout` seconds.
 
 A poll still costs time in proportion to the run's length (the checks of the per-step log judge it whole), so
-the watch paces itself: the next poll starts no sooner than the last one's CPU seconds divided by `--max-cpu`.
-Its CPU share stays under that bound however long the run; what grows is the time between polls.
+the watch paces itself (`CpuBudget`): over any stretch of time it takes at most `--max-cpu` of a core, plus a
+burst of two minutes' worth (the first judgement of a long history); what grows with the run is the time
+between polls.
 """
 
 from __future__ import annotations
@@ -49,10 +50,26 @@ def run(args) -> int:
                 error(notifier.summary())
 
 
-def poll_spacing(interval: float, cpu_spent: float, max_cpu: float) -> float:
-    """Seconds from one poll's start to the next: `interval`, or longer when the poll took more than `max_cpu`
-    (a share of one core) of that time in CPU (`process_time`: DuckDB's threads included)."""
-    return max(interval, cpu_spent / max_cpu)
+class CpuBudget:
+    """A token bucket of CPU seconds: `share` of a second earned each second, up to `BURST_S` seconds' worth
+    (the bucket starts full); a poll spends the CPU it took (`process_time`: DuckDB's threads included) and the
+    next waits until the balance is no longer negative. Over any T seconds the polls take at most
+    share x (T + BURST_S) CPU seconds."""
+
+    BURST_S = 120.0
+
+    def __init__(self, share: float, clock=time.monotonic):
+        self.share, self.clock = share, clock
+        self.balance, self.at = share * self.BURST_S, clock()
+
+    def spend(self, cpu_seconds: float) -> None:
+        now = self.clock()
+        self.balance = min(self.share * self.BURST_S, self.balance + (now - self.at) * self.share) - cpu_seconds
+        self.at = now
+
+    def wait(self) -> float:
+        """Seconds until the balance is back to zero (0 while it is not below)."""
+        return max(0.0, -self.balance / self.share)
 
 
 def finding_key(f: dict[str, Any]) -> tuple:
@@ -77,11 +94,9 @@ class Watch:
             + (f" (until {self.args.idle_timeout:g} s without a new record)" if self.args.idle_timeout else "")
         )
         last_news, waiting, verdict = time.monotonic(), None, None
+        budget = CpuBudget(self.args.max_cpu)
         while True:
             polled, cpu = time.monotonic(), time.process_time()
-            # The first judgement of a run found under way reads its history: not paced, so what it holds is
-            # reported at once; every later poll is.
-            paced = verdict is not None
             try:
                 verdict, grew, end = self._poll()
                 waiting = None
@@ -112,8 +127,8 @@ class Watch:
                     f"stopped watching at step {_last_step(verdict)}; the run has not closed"
                 )
                 return self._finish(verdict, self._exit(verdict))
-            spacing = poll_spacing(self.args.interval, time.process_time() - cpu if paced else 0.0, self.args.max_cpu)
-            time.sleep(max(0.0, spacing - (time.monotonic() - polled)))
+            budget.spend(time.process_time() - cpu)
+            time.sleep(max(0.0, self.args.interval - (time.monotonic() - polled), budget.wait()))
 
     def _poll(self) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
         """One audit of what the run holds now: the verdict, whether anything new was read, its close record."""
