@@ -1,12 +1,12 @@
 """How far `sftaudit watch` lags a run that logs 10 steps a second: the time from a step's write to the watch
 printing the finding it plants.
 
-    .venv/bin/python benchmarks/watch_lag.py [--reps 5] [--rate 10] [--interval 0.5] [--history 0]
+    .venv/bin/python benchmarks/watch_lag.py [--reps 5] [--rate 10] [--interval 0.5] [--history 0] [--after 0]
 
 Each repetition starts `sftaudit watch RUN --exit-on fail` (a process of its own, as a user runs it) before its
 run exists, then a writer process (`python -m sftaudit.fixtures.live_run`: the shim's own writer, step by step
 at `--rate` steps a second, after `--history` steps written at once) that plants a non-finite loss a few seconds
-into the live steps (later in each repetition: 2, 4, 6 ... s), and times the write of that step (the writer's
+into the live steps (`--after` seconds, then later in each repetition: 2, 4, 6 ... s), and times the write of that step (the writer's
 clock) to the watch's line for it (the same machine's clock). Prints the lag per repetition, its median and
 spread, and the watch's CPU time per second of watching (what following a run costs the machine).
 
@@ -147,6 +147,12 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=10.0, help="steps a second")
     parser.add_argument("--interval", type=float, default=0.5, help="the watch's --interval")
     parser.add_argument("--history", type=int, default=0, help="steps written at once before the live ones")
+    parser.add_argument(
+        "--after",
+        type=float,
+        default=0.0,
+        help="seconds of live steps before the planted ones (the watch's CPU budget spent on a long history by then)",
+    )
     parser.add_argument("--soak", type=float, help="seconds of one long clean run, the watch's memory and CPU sampled")
     parser.add_argument("--keep", type=Path, help="with --soak: the run and its cache kept in this new folder")
     args = parser.parse_args()
@@ -161,12 +167,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("SFTAUDIT_CACHE_DIR", str(Path(tmp) / "cache"))
         for rep in range(args.reps):
-            nan_at = args.history + int(args.rate * 2 * (rep + 1))
+            nan_at = args.history + int(args.rate * (args.after + 2 * (rep + 1)))
             lag, c, w = one(Path(tmp) / f"run-{rep}", nan_at, args)
             lags.append(lag)
             cpu, wall = cpu + c, wall + w
             print(
-                f"rep {rep + 1}: fail planted at step {nan_at:,} ({2 * (rep + 1)} s in): printed {lag:.2f} s after its write"
+                f"rep {rep + 1}: fail planted at step {nan_at:,} ({args.after + 2 * (rep + 1):g} s in): printed "
+                f"{lag:.2f} s after its write"
             )
     print(
         f"watch at {args.rate:g} steps/s (--interval {args.interval:g}, {args.history:,} steps of history): lag median "
