@@ -162,7 +162,9 @@ are removed, except one another sftaudit is using, so it does not grow with ever
 
 Every connection (the audit's, the report's, `sftaudit.open(...).sql()`) has DuckDB's external access off and
 its configuration locked: it may read the run's gradient-norm parts that ingest validated (regular files inside
-the run folder) and the staging folder, no other file; no extension loads, nothing is attached, copied or
+the run folder, whose footer, schema, row count and sizes, and every page header's sizes, agree with what the shim
+writes: a page claiming more bytes than its values take is a decompression bomb, refused before any page is
+read) and the staging folder, no other file; no extension loads, nothing is attached, copied or
 exported. sftaudit's views are temporary, made on each connection: a database file holding a view, macro,
 sequence or type is not sftaudit's and is rebuilt from the artifacts. It is rebuilt too when it no longer
 describes the artifacts on disk (`ingest_state` keeps each file's device, inode, size, ingested offset and a
