@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sftaudit.core.artifacts import series_dir
@@ -185,6 +185,7 @@ def test_parse_struct_of_random_bytes_raises_only_malformed_header(buf):
 
 
 @given(st.lists(st.tuples(st.integers(0, 52), st.integers(0, 255)), min_size=1, max_size=6))
+@example([(0, 28)])  # the page type's field made a struct: CI's first draw of it raised TypeError
 @settings(max_examples=300, deadline=None)
 def test_a_real_page_header_with_bytes_changed_is_judged_not_raised(changes):
     """The first page header of a real part with a few of its bytes replaced: walked without raising."""

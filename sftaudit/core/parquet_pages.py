@@ -177,7 +177,8 @@ def chunk_fault(
         except MalformedHeader as exc:
             return f"the page header at byte {pos} is not one ({exc})", pages
         kind, unpacked_page, packed = header.get(1), header.get(2), header.get(3)
-        page = header.get(_PAGE_TYPE_HEADER.get(kind, -1))
+        # Any field may hold a struct where an integer belongs (a byte of its type changed): not a page type.
+        page = header.get(_PAGE_TYPE_HEADER.get(kind, -1)) if isinstance(kind, int) else None
         page_values = page.get(1) if isinstance(page, dict) else None
         if not (isinstance(unpacked_page, int) and isinstance(packed, int) and isinstance(page_values, int)):
             return f"the page header at byte {pos} lacks its type, sizes or values", pages
