@@ -167,7 +167,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--data", type=Path, help=DATA_HELP)
     s.add_argument("--source", metavar="NAME", help=SOURCE_HELP)
     s.add_argument("--config", type=Path, help="TOML file with check thresholds and disabled checks")
-    s.add_argument("--interval", type=_seconds(0.1), default=2.0, help="seconds between two looks (default 2)")
+    s.add_argument(
+        "--interval",
+        type=_seconds(0.1),
+        default=2.0,
+        help="the fewest seconds between two looks (default 2; more as --max-cpu requires)",
+    )
     s.add_argument(
         "--idle-timeout",
         type=_seconds(0),
