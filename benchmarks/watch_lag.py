@@ -6,8 +6,8 @@ printing the finding it plants.
 Each repetition starts `sftaudit watch RUN --exit-on fail` (a process of its own, as a user runs it) before its
 run exists, then a writer process (`python -m sftaudit.fixtures.live_run`: the shim's own writer, step by step
 at `--rate` steps a second, after `--history` steps written at once) that plants a non-finite loss a few seconds
-into the live steps (`--after` seconds, then later in each repetition: 2, 4, 6 ... s), and times the write of that step (the writer's
-clock) to the watch's line for it (the same machine's clock). Prints the lag per repetition, its median and
+into the live steps (`--after` seconds, then later in each repetition: 2, 4, 6 ... s), and times the write of
+that step (the writer's clock) to the watch's line for it (the same machine's clock). Prints the lag per repetition, its median and
 spread, and the watch's CPU time per second of watching (what following a run costs the machine).
 
 With ``--soak SECONDS``, one long clean run instead: the writer records `--rate` steps a second for SECONDS (a

@@ -64,19 +64,24 @@ def _norm_chunk(part: Path | bytes):
     return next(group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema == "norm")
 
 
-def test_the_shims_part_passes_and_its_pages_fill_each_chunk(tmp_path):
-    part = _part(tmp_path / "part.parquet")
-    assert _fault(part) is None
+def _norm_chunk_fault(part: Path, **options) -> tuple[str | None, int]:
+    """`chunk_fault` of the part's `norm` column, as its footer describes it (FLOAT: 4 bytes a value)."""
     chunk, data = _norm_chunk(part), part.read_bytes()
-    fault, pages = chunk_fault(
+    return chunk_fault(
         lambda offset, size: data[offset : offset + size],
         chunk.data_page_offset,
         chunk.total_compressed_size,
         chunk.num_values,
         4,
         chunk.total_uncompressed_size,
+        **options,
     )
-    assert (fault, pages) == (None, 3)
+
+
+def test_the_shims_part_passes_and_its_pages_fill_each_chunk(tmp_path):
+    part = _part(tmp_path / "part.parquet")
+    assert _fault(part) is None
+    assert _norm_chunk_fault(part) == (None, 3)
 
 
 def test_an_empty_part_passes(tmp_path):
@@ -119,17 +124,7 @@ def test_a_page_claiming_a_byte_less_disagrees_with_the_footer(tmp_path):
 
 
 def test_more_pages_than_the_budget_are_refused(tmp_path):
-    chunk = _norm_chunk(_part(tmp_path / "part.parquet"))
-    data = (tmp_path / "part.parquet").read_bytes()
-    fault, pages = chunk_fault(
-        lambda offset, size: data[offset : offset + size],
-        chunk.data_page_offset,
-        chunk.total_compressed_size,
-        chunk.num_values,
-        4,
-        chunk.total_uncompressed_size,
-        max_pages=2,
-    )
+    fault, pages = _norm_chunk_fault(_part(tmp_path / "part.parquet"), max_pages=2)
     assert pages == 2 and fault.startswith("more than")
 
 

@@ -55,7 +55,7 @@ class CpuBudget:
     """A token bucket of CPU seconds: `share` of a second earned each second, up to `BURST_S` seconds' worth
     (the bucket starts full); a poll spends the CPU it took (`process_time`: DuckDB's threads included) and the
     next waits until the balance is no longer negative. Over any T seconds the polls take at most
-    share x (T + BURST_S) CPU seconds."""
+    share x (T + BURST_S) CPU seconds, and the one poll that overdrew the balance."""
 
     BURST_S = 120.0
 
