@@ -180,6 +180,16 @@ def test_a_unigram_and_the_fixture_tokenizer_keep_their_identity():
         assert tokenizer_identity(tokenizer) == reference_identity(tokenizer)
 
 
+def test_a_tokenizer_changed_in_place_is_hashed_anew():
+    from sftaudit.fixtures import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    before = tokenizer_identity(tokenizer)
+    tokenizer.add_tokens(["<|new|>"])
+    after = tokenizer_identity(tokenizer)
+    assert after == reference_identity(tokenizer) and after["added_tokens"] != before["added_tokens"]
+
+
 @pytest.mark.parametrize("family", ["llama3", "mistral", "phi3"])
 def test_released_tokenizers_parts_are_written_alike(family):
     """Released vocabularies (128k byte-level BPE, SentencePiece BPE), read from their saved tokenizer.json

@@ -48,22 +48,34 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
     decode and template alike have equal parts, whatever truncation or padding they were last called with."""
     parts: dict[str, Any] = dict.fromkeys(IDENTITY_PARTS)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        with _collector_paused():
-            spec = json.loads(backend.to_str())
-        model = dict(spec.get("model") or {})
-        parts["vocabulary"], parts["merges"], parts["model"] = (
-            model.pop("vocab", None),
-            model.pop("merges", None),
-            model,
-        )
-        for key in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder"):
-            parts[key] = spec.get(key)
-    else:  # a slow tokenizer: its vocabulary is what it exposes
+    spec_digests = _spec_digests(backend.to_str()) if backend is not None else {}
+    if backend is None:  # a slow tokenizer: its vocabulary is what it exposes
         parts["vocabulary"] = sorted(tokenizer.get_vocab().items())
     parts["special_tokens"] = _special_tokens(tokenizer)
     parts["chat_template"] = getattr(tokenizer, "chat_template", None)
-    return {name: _digest(value) for name, value in parts.items()}
+    return {name: spec_digests[name] if name in spec_digests else _digest(value) for name, value in parts.items()}
+
+
+_SPEC_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
+# The last few specs' part digests, by the spec's own hash: the shim and an import fingerprint the same
+# tokenizer at every checkpoint, where parsing and writing its parts again is most of the cost.
+_SPEC_DIGESTS: dict[bytes, dict[str, str]] = {}
+
+
+def _spec_digests(spec_text: str) -> dict[str, str]:
+    """The digests of the parts of a fast tokenizer's spec (its backend's to_str): vocabulary, merges, the rest
+    of the model's settings and _SPEC_PARTS."""
+    key = hashlib.sha256(spec_text.encode()).digest()
+    if key not in _SPEC_DIGESTS:
+        with _collector_paused():
+            spec = json.loads(spec_text)
+        model = dict(spec.get("model") or {})
+        parts = {"vocabulary": model.pop("vocab", None), "merges": model.pop("merges", None), "model": model}
+        parts.update((name, spec.get(name)) for name in _SPEC_PARTS)
+        while len(_SPEC_DIGESTS) >= 4:
+            _SPEC_DIGESTS.pop(next(iter(_SPEC_DIGESTS)))
+        _SPEC_DIGESTS[key] = {name: _digest(value) for name, value in parts.items()}
+    return _SPEC_DIGESTS[key]
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
