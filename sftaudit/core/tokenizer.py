@@ -46,14 +46,15 @@ FINGERPRINT_KIND = "v2:"
 def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
     """A short hash of each part of what the tokenizer is (IDENTITY_PARTS): two tokenizers that tokenize,
     decode and template alike have equal parts, whatever truncation or padding they were last called with."""
-    parts: dict[str, Any] = dict.fromkeys(IDENTITY_PARTS)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    spec_digests = _spec_digests(backend.to_str()) if backend is not None else {}
-    if backend is None:  # a slow tokenizer: its vocabulary is what it exposes
-        parts["vocabulary"] = sorted(tokenizer.get_vocab().items())
-    parts["special_tokens"] = _special_tokens(tokenizer)
-    parts["chat_template"] = getattr(tokenizer, "chat_template", None)
-    return {name: spec_digests[name] if name in spec_digests else _digest(value) for name, value in parts.items()}
+    if backend is not None:
+        digests = dict(_spec_digests(backend.to_str()))
+    else:  # a slow tokenizer: its vocabulary is what it exposes
+        digests = dict.fromkeys(IDENTITY_PARTS, _digest(None))
+        digests["vocabulary"] = _digest(sorted(tokenizer.get_vocab().items()))
+    digests["special_tokens"] = _digest(_special_tokens(tokenizer))
+    digests["chat_template"] = _digest(getattr(tokenizer, "chat_template", None))
+    return {name: digests[name] for name in IDENTITY_PARTS}
 
 
 _SPEC_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
@@ -67,15 +68,19 @@ def _spec_digests(spec_text: str) -> dict[str, str]:
     of the model's settings and _SPEC_PARTS."""
     key = hashlib.sha256(spec_text.encode()).digest()
     if key not in _SPEC_DIGESTS:
-        with _collector_paused():
-            spec = json.loads(spec_text)
-        model = dict(spec.get("model") or {})
-        parts = {"vocabulary": model.pop("vocab", None), "merges": model.pop("merges", None), "model": model}
-        parts.update((name, spec.get(name)) for name in _SPEC_PARTS)
+        with _collector_paused():  # the parsed spec is written and freed before the collector runs again
+            digests = _part_digests(json.loads(spec_text))
         while len(_SPEC_DIGESTS) >= 4:
             _SPEC_DIGESTS.pop(next(iter(_SPEC_DIGESTS)))
-        _SPEC_DIGESTS[key] = {name: _digest(value) for name, value in parts.items()}
+        _SPEC_DIGESTS[key] = digests
     return _SPEC_DIGESTS[key]
+
+
+def _part_digests(spec: dict[str, Any]) -> dict[str, str]:
+    model = dict(spec.get("model") or {})
+    parts = {"vocabulary": model.pop("vocab", None), "merges": model.pop("merges", None), "model": model}
+    parts.update((name, spec.get(name)) for name in _SPEC_PARTS)
+    return {name: _digest(value) for name, value in parts.items()}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -94,9 +99,10 @@ def _digest(value: Any) -> str:
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector off while a tokenizer's spec is parsed: its 300k new lists (the merges) would set
-    off full collections over the whole heap, most of the parse's time in a process with transformers loaded.
-    Nothing parsed can be cyclic; the collector's state before is restored."""
+    """Python's cycle collector off while a tokenizer's spec is parsed and written: its 300k new lists (the
+    merges) would set off full collections over the whole heap, most of the parse's time in a process with
+    transformers loaded, and once freed they need none. Nothing parsed can be cyclic; the collector's state
+    before is restored."""
     enabled = gc.isenabled()
     gc.disable()
     try:
