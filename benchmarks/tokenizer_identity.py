@@ -6,9 +6,11 @@ has not seen (its digests by spec emptied first) and again on the same one (a ch
 The tokenizers are built from the files the test extras ship (tests/corpus.py: Llama 3.1's 128,256 tokens,
 Qwen2.5's 151,665, Mistral v0.3's and Phi-3.5's SentencePiece 32k; never a model hub) and the fixture
 tokenizer (2,048). Loading them imports transformers, as in a preflight or a training process: the cycle
-collector's cost grows with what the process holds.
+collector's cost grows with what the process holds: `--torch` imports torch first, as the shim's training
+process holds it (it fingerprints the tokenizer at start and at each checkpoint).
 
     .venv/bin/python benchmarks/tokenizer_identity.py [--families llama3 qwen2 mistral phi3 fixture] [--repeat 7]
+        [--torch]
 """
 
 from __future__ import annotations
@@ -68,9 +70,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=["llama3", "qwen2", "mistral", "phi3", "fixture"])
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--torch", action="store_true", help="import torch first (a training process's heap)")
     args = parser.parse_args()
+    if args.torch:
+        import torch  # noqa: F401 - its objects are what the cycle collector walks
     load_before = os.getloadavg()[0]
-    print(f"tokenizer_identity, medians [min-max] of {args.repeat} interleaved runs, {os.cpu_count()} CPUs")
+    print(
+        f"tokenizer_identity, medians [min-max] of {args.repeat} interleaved runs, {os.cpu_count()} CPUs, "
+        f"{'torch imported' if args.torch else 'no torch'}"
+    )
     for family in args.families:
         tokenizer = load(family)
         spec_size = len(tokenizer.backend_tokenizer.to_str())
