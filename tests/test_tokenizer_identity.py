@@ -122,8 +122,9 @@ def cyclic() -> list:
 @example({"a": [{"b": 2**64}], "c": "\ud800"})
 @example({1: "a", 2: "b"})
 @example({1: "a", "b": 2})  # keys json.dumps cannot sort: both refuse
-@example(nested(253))
-@example(nested(300))  # deeper than orjson writes
+@example(nested(253))  # 254 levels: the deepest orjson writes
+@example(nested(254))
+@example(nested(300))
 @example(cyclic())  # both refuse
 @example([Role.BOS, Token("<s>"), {Token("k"): 1}, OrderedDict([("b", 1), ("a", 2)])])  # subclasses
 def test_the_fast_writer_writes_what_json_dumps_writes(value):

@@ -114,8 +114,8 @@ def _collector_paused() -> Iterator[None]:
 
 def _canonical_json(value: Any) -> bytes:
     """`json.dumps(value, sort_keys=True, separators=(",", ":")).encode()`, byte for byte: what every version
-    hashed. orjson writes it (ten times faster on a 128k vocabulary) when it writes the value alike; json.dumps
-    writes the rest."""
+    hashed. orjson writes it (its sort_keys in Rust: several times faster on a 128k vocabulary) when it writes
+    the value alike; json.dumps writes the rest."""
     if _orjson_writes_alike(value):
         try:
             written = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
@@ -131,7 +131,7 @@ def _canonical_json(value: Any) -> bytes:
 _WRITTEN_ALIKE = frozenset({dict, list, tuple, str, int, bool, type(None)})
 _CONTAINERS = frozenset({dict, list, tuple})
 _SEQUENCES = frozenset({list, tuple})
-_DEEPEST = 256  # levels walked: deeper (or cyclic) values are json.dumps's; orjson refuses past 254 anyway
+_DEEPEST = 256  # levels walked: deeper (or cyclic) values are json.dumps's; orjson refuses past 254 levels
 
 
 def _orjson_writes_alike(value: Any) -> bool:
