@@ -163,13 +163,19 @@ def tokenizer_cache() -> Path:
 @functools.cache
 def real_tokenizer(family: str, cache: Path):
     """A released family's tokenizer, saved under cache/family (built once, then loaded; loaded once per
-    process: callers that change it work on a copy or set what they need). Built in a private folder and
-    renamed into place under a lock, so xdist workers and other checkouts on the machine never see a
-    half-written one."""
+    process: callers that change it work on a copy or set what they need)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_tokenizer_folder(family, cache)))
+
+
+def real_tokenizer_folder(family: str, cache: Path) -> Path:
+    """The folder a released family's tokenizer is saved in, cache/family, built there first if need be: in a
+    private folder renamed into place under a lock, so xdist workers and other checkouts on the machine never
+    see a half-written one."""
     import tempfile
 
     from filelock import FileLock
-    from transformers import AutoTokenizer
 
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -181,7 +187,7 @@ def real_tokenizer(family: str, cache: Path):
                 built.mkdir()
                 _build_real_tokenizer(family, built).save_pretrained(str(built))
                 built.rename(folder)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return folder
 
 
 def _build_real_tokenizer(family: str, folder: Path):

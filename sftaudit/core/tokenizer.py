@@ -6,11 +6,18 @@ Shared by the shim (recorded at start and at each checkpoint) and the analyzer (
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from ..errors import InputError, one_line
 from .safe_io import read_text
@@ -39,22 +46,40 @@ FINGERPRINT_KIND = "v2:"
 def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
     """A short hash of each part of what the tokenizer is (IDENTITY_PARTS): two tokenizers that tokenize,
     decode and template alike have equal parts, whatever truncation or padding they were last called with."""
-    parts: dict[str, Any] = dict.fromkeys(IDENTITY_PARTS)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        spec = json.loads(backend.to_str())
-        model = dict(spec.get("model") or {})
-        parts["vocabulary"], parts["merges"], parts["model"] = (
-            model.pop("vocab", None),
-            model.pop("merges", None),
-            model,
-        )
-        for key in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder"):
-            parts[key] = spec.get(key)
+        digests = dict(_spec_digests(backend.to_str()))
     else:  # a slow tokenizer: its vocabulary is what it exposes
-        parts["vocabulary"] = sorted(tokenizer.get_vocab().items())
-    parts["special_tokens"] = _special_tokens(tokenizer)
-    parts["chat_template"] = getattr(tokenizer, "chat_template", None)
+        digests = dict.fromkeys(IDENTITY_PARTS, _digest(None))
+        digests["vocabulary"] = _digest(sorted(tokenizer.get_vocab().items()))
+    digests["special_tokens"] = _digest(_special_tokens(tokenizer))
+    digests["chat_template"] = _digest(getattr(tokenizer, "chat_template", None))
+    return {name: digests[name] for name in IDENTITY_PARTS}
+
+
+_SPEC_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder")
+# The last few specs' part digests, by the spec's own hash: the shim and an import fingerprint the same
+# tokenizer at every checkpoint, where parsing and writing its parts again is most of the cost.
+_SPEC_DIGESTS: dict[bytes, dict[str, str]] = {}
+
+
+def _spec_digests(spec_text: str) -> dict[str, str]:
+    """The digests of the parts of a fast tokenizer's spec (its backend's to_str): vocabulary, merges, the rest
+    of the model's settings and _SPEC_PARTS."""
+    key = hashlib.sha256(spec_text.encode()).digest()
+    if key not in _SPEC_DIGESTS:
+        with _collector_paused():  # the parsed spec is written and freed before the collector runs again
+            digests = _part_digests(json.loads(spec_text))
+        while len(_SPEC_DIGESTS) >= 4:
+            _SPEC_DIGESTS.pop(next(iter(_SPEC_DIGESTS)))
+        _SPEC_DIGESTS[key] = digests
+    return _SPEC_DIGESTS[key]
+
+
+def _part_digests(spec: dict[str, Any]) -> dict[str, str]:
+    model = dict(spec.get("model") or {})
+    parts = {"vocabulary": model.pop("vocab", None), "merges": model.pop("merges", None), "model": model}
+    parts.update((name, spec.get(name)) for name in _SPEC_PARTS)
     return {name: _digest(value) for name, value in parts.items()}
 
 
@@ -69,7 +94,85 @@ def current_fingerprint(fingerprint: Any) -> bool:
 
 
 def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    return hashlib.sha256(_canonical_json(value)).hexdigest()[:16]
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a tokenizer's spec is parsed and written: its 300k new lists (the
+    merges) would set off full collections over the whole heap, most of the parse's time in a process with
+    transformers loaded, and once freed they need none. Nothing parsed can be cyclic; the collector's state
+    before is restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _canonical_json(value: Any) -> bytes:
+    """`json.dumps(value, sort_keys=True, separators=(",", ":")).encode()`, byte for byte: what every version
+    hashed. orjson writes it (its sort_keys in Rust: several times faster on a 128k vocabulary) when it writes
+    the value alike; json.dumps writes the rest."""
+    if _orjson_writes_alike(value):
+        try:
+            written = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # an int beyond 64 bits, a lone surrogate, a key that is not exactly a str, deep nesting
+            pass
+        else:
+            return _ascii_escaped(written)
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+# The types orjson writes as json.dumps does once its text is ASCII-escaped. Never a float (orjson writes 1e-05
+# as 0.00001 and NaN as null), nor a subclass (json.dumps may write one its own way).
+_WRITTEN_ALIKE = frozenset({dict, list, tuple, str, int, bool, type(None)})
+_CONTAINERS = frozenset({dict, list, tuple})
+_SEQUENCES = frozenset({list, tuple})
+_DEEPEST = 256  # levels walked: deeper (or cyclic) values are json.dumps's; orjson refuses past 254 levels
+
+
+def _orjson_writes_alike(value: Any) -> bool:
+    """Whether `value` holds only _WRITTEN_ALIKE types, walked level by level: passes in C over each level's
+    members (a vocabulary's 128k ids, its merges' 560k strings), not a Python call per member."""
+    if type(value) not in _WRITTEN_ALIKE:
+        return False
+    containers, kinds = [value], {type(value)}
+    for _ in range(_DEEPEST):
+        if kinds.isdisjoint(_CONTAINERS):
+            return True
+        if not kinds <= _CONTAINERS:
+            containers = [v for v in containers if type(v) in _CONTAINERS]
+            kinds &= _CONTAINERS
+        member_kinds = set(map(type, _members(containers, kinds)))
+        if not member_kinds <= _WRITTEN_ALIKE:
+            return False
+        if not member_kinds.isdisjoint(_CONTAINERS):  # a next level: its containers kept (scalars dropped above)
+            containers = list(_members(containers, kinds))
+        kinds = member_kinds
+    return False
+
+
+def _members(containers: list, kinds: set[type]) -> Iterator[Any]:
+    """The members of each container (a dict's values), in one chain."""
+    if kinds == {dict}:
+        return chain.from_iterable(map(dict.values, containers))
+    if dict not in kinds:
+        return chain.from_iterable(containers)
+    return chain.from_iterable(v.values() if type(v) is dict else v for v in containers)
+
+
+def _ascii_escaped(written: bytes) -> bytes:
+    """orjson's UTF-8 text with json.dumps's escapes: every non-ASCII character as \\uXXXX (astral ones as a
+    surrogate pair) and DEL as \\u007f. json's own string escaper does it over the whole text; the quotes and
+    backslashes it escapes on the way (all of them: every one in orjson's text is a delimiter or opens an escape)
+    are put back, left to right as a JSON reader pairs them."""
+    if written.isascii() and b"\x7f" not in written:
+        return written
+    escaped = encode_basestring_ascii(written.decode())[1:-1]  # its own enclosing quotes dropped
+    return escaped.replace("\\\\", "\x00").replace('\\"', '"').replace("\x00", "\\").encode()
 
 
 def _special_tokens(tokenizer: Any) -> dict[str, Any]:
