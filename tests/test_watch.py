@@ -238,6 +238,49 @@ def test_a_bad_webhook_address_is_one_line_and_exit_2(tmp_path, capsys):
     assert "secret-token" not in capsys.readouterr().err
 
 
+# Counts the heap arenas glibc's allocator made (malloc_info's XML) after six threads allocated at once: with the
+# watch's settings (`steady_heap`, "steady") or glibc's defaults.
+ARENAS_PROBE = """
+import ctypes, sys, tempfile, threading
+from sftaudit.commands.watch import steady_heap
+if sys.argv[1] == "steady":
+    assert steady_heap()
+together = threading.Barrier(6)
+def allocate():
+    blocks = [bytearray(4096) for _ in range(100)]  # past pymalloc's sizes: glibc's malloc, in this thread
+    together.wait()
+threads = [threading.Thread(target=allocate) for _ in range(6)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+    out = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, out)
+    libc.fclose(out)
+    print(open(f.name).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc"
+)
+def test_the_watch_keeps_glibc_to_two_heap_arenas():
+    """Threads (DuckDB's) each get an arena by default, where what a poll frees stays and fragments: the watch's
+    memory between polls grew about a megabyte a poll (benchmarks/poll_memory.py) until it capped them."""
+    arenas = {
+        heap: int(
+            subprocess.run(
+                [sys.executable, "-c", ARENAS_PROBE, heap], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for heap in ("default", "steady")
+    }
+    assert arenas["default"] > 2  # the probe sees the arenas the threads made
+    assert arenas["steady"] <= 2
+
+
 @pytest.mark.parametrize("share", ["0", "-1", "inf", "nan", "a quarter"])
 def test_a_cpu_share_that_is_no_positive_number_is_one_line_and_exit_2(tmp_path, capsys, share):
     with pytest.raises(SystemExit) as exc:
