@@ -3,6 +3,8 @@ the info."""
 
 import numpy as np
 import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sftaudit.checks.loop03_batch_padding import _grouped_padded_tokens, _per_step_max
 from sftaudit.store.rundb import connect
@@ -31,6 +33,29 @@ def test_grouped_batching_pads_only_to_the_sorted_neighbours():
     # two batches of 2: [1, 9] and [8, 2] -> grouped [1, 2] and [8, 9]: padded 2*2 + 9*2 = 22 tokens
     assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=50) == 22
     assert _grouped_padded_tokens(np.array([1, 9, 8, 2]), np.array([2, 2]), group_batches=1) == 18 + 16
+
+
+def lexsorted_grouped_padded_tokens(lengths, sizes, group_batches) -> int:
+    """The grouped padding as it was computed before one packed key was sorted: a lexsort of (length, megabatch)."""
+    megabatch = np.repeat(np.arange(len(sizes)), sizes) // group_batches
+    order = np.lexsort((lengths, megabatch))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return int((np.maximum.reduceat(lengths[order], starts) * sizes).sum())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=40).flatmap(
+        lambda sizes: st.tuples(
+            st.just(sizes), st.lists(st.integers(-(2**31), 2**31 - 1), min_size=sum(sizes), max_size=sum(sizes))
+        )
+    ),
+    st.integers(1, 8),
+)
+def test_the_packed_sort_pads_as_the_lexsort_did(batches, group_batches):
+    sizes, lengths = (np.array(v, dtype=np.int64) for v in batches)  # any INTEGER, negative and extreme included
+    expected = lexsorted_grouped_padded_tokens(lengths, sizes, group_batches)
+    assert _grouped_padded_tokens(lengths, sizes, group_batches) == expected
 
 
 def test_each_steps_largest_statistics_are_polars_group_maxima():
