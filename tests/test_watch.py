@@ -268,7 +268,7 @@ with tempfile.NamedTemporaryFile(suffix=".xml") as f:
 )
 def test_the_watch_keeps_glibc_to_two_heap_arenas():
     """Threads (DuckDB's) each get an arena by default, where what a poll frees stays and fragments: the watch's
-    memory between polls grew about a megabyte a poll (benchmarks/poll_memory.py) until it capped them."""
+    memory between polls grew about a megabyte a poll, half that with two (benchmarks/poll_memory.py)."""
     arenas = {
         heap: int(
             subprocess.run(
