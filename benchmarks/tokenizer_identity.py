@@ -16,8 +16,6 @@ process holds it (it fingerprints the tokenizer at start and at each checkpoint)
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import statistics
 import sys
@@ -27,23 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sftaudit.core.tokenizer import _SPEC_DIGESTS, IDENTITY_PARTS, _special_tokens, tokenizer_identity  # noqa: E402
-
-
-def reference_identity(tokenizer) -> dict[str, str]:
-    """`tokenizer_identity` as sftaudit computed it before orjson wrote the parts."""
-    parts = dict.fromkeys(IDENTITY_PARTS)
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = dict(spec.get("model") or {})
-    parts["vocabulary"], parts["merges"], parts["model"] = model.pop("vocab", None), model.pop("merges", None), model
-    for key in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "decoder"):
-        parts[key] = spec.get(key)
-    parts["special_tokens"] = _special_tokens(tokenizer)
-    parts["chat_template"] = getattr(tokenizer, "chat_template", None)
-    return {
-        name: hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-        for name, value in parts.items()
-    }
+from sftaudit.core.tokenizer import _SPEC_DIGESTS, tokenizer_identity  # noqa: E402
+from tests.test_tokenizer_identity import reference_identity  # noqa: E402 - the reference way, declared once
 
 
 def load(family: str):
