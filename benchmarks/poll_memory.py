@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 HEAPS = {"default": "glibc's defaults", "steady": "the watch's (steady_heap)"}
-# The checks that read the per-step log whole, and the audit's own passes over it: the phases listed.
+# The checks whose phases are listed (beside ingest, the evidence coverage and the series store): those that read
+# the per-step log whole, and LOOP-05 and LOOP-15 that read the gradient norms.
 PHASES = ("LOOP-03", "LOOP-05", "LOOP-10", "LOOP-13", "LOOP-15", "LOOP-19", "LOOP-21", "LOOP-27")
 
 
@@ -50,15 +51,20 @@ def _poll_process(run: Path, polls: int, heap: str) -> None:
 
     phases: list[tuple[str, int, int, int]] = []  # (phase, RSS MB when it began, its peak MB, RSS MB after)
 
+    @contextlib.contextmanager
+    def phase(name):
+        before = _memory()["VmRSS"]
+        _reset_peak()
+        try:
+            yield
+        finally:
+            now = _memory()
+            phases.append((name, before, now["VmHWM"], now["VmRSS"]))
+
     def measured(name, fn):
         def run_phase(*args, **kwargs):
-            before = _memory()["VmRSS"]
-            _reset_peak()
-            try:
+            with phase(name):
                 return fn(*args, **kwargs)
-            finally:
-                now = _memory()
-                phases.append((name, before, now["VmHWM"], now["VmRSS"]))
 
         return run_phase
 
@@ -71,12 +77,11 @@ def _poll_process(run: Path, polls: int, heap: str) -> None:
 
     @contextlib.contextmanager
     def measured_ingest(*args, **kwargs):
-        before = _memory()["VmRSS"]
-        _reset_peak()
-        with ingested(*args, **kwargs) as opened:
-            now = _memory()
-            phases.append(("ingest", before, now["VmHWM"], now["VmRSS"]))
-            yield opened
+        """Ingest's phase ends when the database is ready to judge on, not when the audit closes it."""
+        with contextlib.ExitStack() as opened:
+            with phase("ingest"):
+                connection = opened.enter_context(ingested(*args, **kwargs))
+            yield connection
 
     pipeline.ingested = measured_ingest
     if heap == "steady" and not steady_heap():

@@ -149,8 +149,8 @@ def _grouped_padded_tokens(lengths: np.ndarray, sizes: np.ndarray, group_batches
     """Padded tokens if each megabatch of `group_batches` batches were re-batched by sorted length
     (the batch sizes kept in order), each batch padded to its longest row. Each row's megabatch and length (INTEGER:
     less than 2^32 apart) are one int64 key, sorted in place: the rows in megabatch order, each one's lengths
-    ascending, so a batch's longest is the last row of its slice (a megabatch's batches tile its rows). One array
-    sorted, where a lexsort of the two made five of a million rows each."""
+    ascending, so a batch's longest is the last row of its slice (a megabatch's batches tile its rows): one array of
+    the rows sorted, not a lexsort's several."""
     shortest = int(lengths.min())
     megabatch = np.repeat(np.arange(sizes.size, dtype=np.int64) // group_batches, sizes)
     keys = (megabatch << 32) | (lengths - shortest)
