@@ -238,13 +238,15 @@ def test_a_bad_webhook_address_is_one_line_and_exit_2(tmp_path, capsys):
     assert "secret-token" not in capsys.readouterr().err
 
 
-# Counts the heap arenas glibc's allocator made (malloc_info's XML) after six threads allocated at once: with the
-# watch's settings (`steady_heap`, "steady") or glibc's defaults.
+# A real watch follows a closed run to its end, then six threads allocate at once and glibc's heap arenas are
+# counted (malloc_info's XML): the watch as it is ("watch"), or with `steady_heap` made a no-op ("default").
 ARENAS_PROBE = """
 import ctypes, sys, tempfile, threading
-from sftaudit.commands.watch import steady_heap
-if sys.argv[1] == "steady":
-    assert steady_heap()
+import sftaudit.commands.watch
+from sftaudit.cli import main
+if sys.argv[1] == "default":
+    sftaudit.commands.watch.steady_heap = lambda: False
+assert main(["watch", sys.argv[2], "--interval", "0.1"]) == 0
 together = threading.Barrier(6)
 def allocate():
     blocks = [bytearray(4096) for _ in range(100)]  # past pymalloc's sizes: glibc's malloc, in this thread
@@ -266,19 +268,21 @@ with tempfile.NamedTemporaryFile(suffix=".xml") as f:
 @pytest.mark.skipif(
     not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc"
 )
-def test_the_watch_keeps_glibc_to_two_heap_arenas():
+def test_the_watch_keeps_glibc_to_two_heap_arenas(tmp_path):
     """Threads (DuckDB's) each get an arena by default, where what a poll frees stays and fragments: the watch's
     memory between polls grew about a megabyte a poll, half that with two (benchmarks/poll_memory.py)."""
+    run = tmp_path / "closed"
+    write_live_run(run, 20)
     arenas = {
         heap: int(
             subprocess.run(
-                [sys.executable, "-c", ARENAS_PROBE, heap], capture_output=True, text=True, check=True
-            ).stdout
+                [sys.executable, "-c", ARENAS_PROBE, heap, str(run)], capture_output=True, text=True, check=True
+            ).stdout.splitlines()[-1]
         )
-        for heap in ("default", "steady")
+        for heap in ("default", "watch")
     }
     assert arenas["default"] > 2  # the probe sees the arenas the threads made
-    assert arenas["steady"] <= 2
+    assert arenas["watch"] <= 2
 
 
 @pytest.mark.parametrize("share", ["0", "-1", "inf", "nan", "a quarter"])
