@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from sftaudit.fixtures.live_run import write_live_run  # noqa: E402
 
 from sftaudit.core.artifacts import series_dir  # noqa: E402
-from sftaudit.core.parquet_pages import page_header_fault  # noqa: E402
+from sftaudit.readers.parquet_pages import page_header_fault  # noqa: E402
 from sftaudit.store import ingest  # noqa: E402
 from sftaudit.store.rundb import CACHE_ENV  # noqa: E402
 from tests.page_bombs import lie_in_page_header, peak_rss  # noqa: E402

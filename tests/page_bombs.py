@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from sftaudit.core.parquet_pages import parse_struct
+from sftaudit.readers.parquet_pages import parse_struct
 
 _ZSTD_MAGIC, _ZSTD_SKIPPABLE_MAGIC = b"\x28\xb5\x2f\xfd", b"\x50\x2a\x4d\x18"
 _ZSTD_BLOCK = 1 << 17  # a zstd block's most bytes

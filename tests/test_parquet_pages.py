@@ -1,4 +1,4 @@
-"""The page-header walk (sftaudit/core/parquet_pages.py) on real parts of the shim's and on the same parts with
+"""The page-header walk (sftaudit/readers/parquet_pages.py) on real parts of the shim's and on the same parts with
 one page header lying (tests/page_bombs.py), and on random bytes: it says what is wrong in one line, never
 raises, never reads outside a column chunk."""
 
@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sftaudit.core.artifacts import series_dir
-from sftaudit.core.parquet_pages import MalformedHeader, chunk_fault, page_header_fault, parse_struct
 from sftaudit.errors import InputError
+from sftaudit.readers.parquet_pages import MalformedHeader, chunk_fault, page_header_fault, parse_struct
 from sftaudit.shim.writer import _PART_OPTIONS
 from sftaudit.store.ingest import ingest
 

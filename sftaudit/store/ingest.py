@@ -51,8 +51,8 @@ from ..core.artifacts import (
     part_name,
     read_journal,
 )
-from ..core.parquet_pages import page_header_fault
 from ..errors import InputError
+from ..readers.parquet_pages import page_header_fault
 from ..schema.records import RECORDS
 from .rundb import (
     DATABASE_FORMAT,
