@@ -115,3 +115,12 @@ def test_what_a_check_needs_of_a_source_is_in_the_declared_vocabulary():
     assert all(set(c.source_needs) <= set(LACKS) for c in registered_checks())
     needed = {kind for c in registered_checks() for kind in c.source_needs}
     assert needed == set(LACKS), "a kind of lack no check needs, or one a check needs that is not declared"
+
+
+@pytest.mark.parametrize("check", [c for c in registered_checks() if c.restated_by], ids=lambda c: c.code)
+def test_a_rule_restated_by_another_names_declared_rules_of_another_check(check):
+    by_code = {c.code: c for c in registered_checks()}
+    for rule, other in check.restated_by.items():
+        assert rule in check.rules, f"{check.code}: restated_by names its undeclared rule {rule!r}"
+        code, _, slug = other.partition("/")
+        assert code != check.code and slug in by_code[code].rules, f"{check.code}: {other!r} is no other check's rule"

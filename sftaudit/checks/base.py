@@ -209,6 +209,10 @@ class Check:
     rules: ClassVar[dict[str, str]]
     # Each option's declaration (its range), from `defaults`; `defaults` itself keeps the plain default values.
     options: ClassVar[dict[str, Option]] = {}
+    # One of its rules -> another check's rule id that tells the same event with more to act on: a finding of the
+    # rule at a step where that rule found something at least as severe is folded into that finding (one event
+    # told once; the verdict names the folded rule in the other's `also_flagged_by`).
+    restated_by: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)

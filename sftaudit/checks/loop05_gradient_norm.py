@@ -69,7 +69,9 @@ class GradientNormAnomaly(Check):
         Spike: own-history z >= `sigma_own` (6, OLMo-core's rule), effect size >= `min_ratio`
         (10x) and across-tensor z >= `sigma_across` (3): fail at its first step.
         At least 4 own-history spikes of one tensor, 3/4 of them at one interval: one warn with the period. Global norm
-        spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike). Collapse:
+        spike (same own-history rule) with no tensor spike: warn (a non-finite norm is never a spike); where LOOP-27
+        warns of an isolated spike at each step it flagged, the event is told once, by LOOP-27 (which names this
+        rule). Collapse:
         own-history z <= -`sigma_own` and norm at least `collapse_ratio` (1000x) below its running median for
         `collapse_steps` (3) steps in a row, while fewer than half of the tensors collapsed at that step (a
         model-wide fall is a loss at 0 or a learning rate at 0, judged elsewhere): fail at its first step. Non-finite
@@ -95,6 +97,8 @@ class GradientNormAnomaly(Check):
     needs = ("steps",)
     source_needs = ("grad_norm",)
     uses = ("grad_norms",)  # per tensor: without it, the global norm alone
+    # An isolated spike of the global norm is LOOP-27's too, which gives the loss beside it.
+    restated_by = {"global-spike": "LOOP-27/spike"}
     defaults = {
         "max_tensors_listed": count(20),
         "sigma_across": positive(3.0),

@@ -44,7 +44,9 @@ def _summary(r: Rendering) -> str:
         lines[0] += f"; roll back to {shown(verdict['rollback_checkpoint'])}"
     for f in verdict["findings"]:
         where = f"step {f['step']}" if f["step"] is not None else "run"
-        lines.append(f"  {f['code']} {f['severity']:<4} {where}: {shown(f['message'])}")
+        also = [folded["rule"] for folded in f["evidence"].get("also_flagged_by") or []]
+        told_too = f" (also flagged by {', '.join(also)})" if also else ""
+        lines.append(f"  {f['code']} {f['severity']:<4} {where}: {shown(f['message'] + told_too)}")
     lines += [f"  {e['code']} could not run: {shown(e['error'])}" for e in verdict["check_errors"]]
     evidence = verdict.get("evidence") or {}
     lines += [f"  partial evidence: {shown(note)}" for note in evidence.get("partial", [])]

@@ -66,6 +66,7 @@ class Evidence(TypedDict, total=False):
     sample_ids: Annotated[list[Any], "The recorded samples concerned (first ones)."]
     samples_affected: Annotated[int, "How many samples are concerned in all."]
     first_step: Annotated[int, "The first step the condition held."]
+    spike_steps: Annotated[list[int], "The steps the condition was flagged at (the first 50)."]
     last_step: Annotated[int, "The last step the condition held."]
     not_intact: Annotated[
         bool,
@@ -74,6 +75,11 @@ class Evidence(TypedDict, total=False):
     ]
     kind: Annotated[str, "A check's own sub-kind of the finding (older than the rule id; kept for readers)."]
     file: Annotated[str, "The file in the run folder the finding is about."]
+    also_flagged_by: Annotated[
+        list[dict[str, str]],
+        "Findings of other rules at the same step that told the same event, folded into this one: each one's "
+        "`rule` and `message`.",
+    ]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ..errors import InputError, UnsupportedVersion
 from ..imports import ensure_artifacts, recorded_by_shim
 from ..readers.checkpoints import CheckpointError, inside_run
 from ..readers.layouts import final_model_files
+from ..schema.findings import SEVERITY_RANK
 from ..schema.verdict import CheckCoverage, RunResolution
 from ..store.import_state import imported_if_changed
 from ..store.ingest import ingested
@@ -67,7 +68,38 @@ def _run_checks(
             ctx.not_judged[check_cls.code] = str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
             errors.append({"code": check_cls.code, "error": f"{type(exc).__name__}: {exc}"})
-    return findings, errors
+    return folded_restatements(findings), errors
+
+
+def folded_restatements(findings: list[Finding]) -> list[Finding]:
+    """`findings` with each one that another rule restates (`Check.restated_by`) folded into that rule's finding
+    at its step: when that rule found something as severe or more at each step the finding flagged (its step
+    and its `spike_steps`), it is left out of the list and named, with its message, in the other's
+    `also_flagged_by`. Where the other rule did not find all of them (or was disabled), it stays."""
+    restated_by = {f"{c.code}/{rule}": other for c in registered_checks() for rule, other in c.restated_by.items()}
+    told = {(f.rule, f.step): i for i, f in enumerate(findings) if f.step is not None}
+    into: dict[int, list[int]] = {}
+    for i, f in enumerate(findings):
+        if f.rule not in restated_by or f.step is None:
+            continue
+        flagged = {f.step, *(f.evidence.get("spike_steps") or ())}
+        tellers = [told.get((restated_by[f.rule], step)) for step in flagged]
+        if all(j is not None and SEVERITY_RANK[findings[j].severity] >= SEVERITY_RANK[f.severity] for j in tellers):
+            into.setdefault(told[(restated_by[f.rule], f.step)], []).append(i)
+    folded = {i for rows in into.values() for i in rows}
+    return [
+        dataclasses.replace(
+            f,
+            evidence={
+                **f.evidence,
+                "also_flagged_by": [{"rule": findings[k].rule, "message": findings[k].message} for k in into[i]],
+            },
+        )
+        if i in into
+        else f
+        for i, f in enumerate(findings)
+        if i not in folded
+    ]
 
 
 def saved_checkpoints(ctx: AuditContext) -> list[dict[str, Any]]:

@@ -2,13 +2,15 @@
 
 import numpy as np
 
+from sftaudit.outputs import Rendering
+from sftaudit.outputs.terminal import render
 from sftaudit.store.rundb import connect
 from sftaudit.verdict.audit import audit
 from sftaudit.verdict.config import AuditConfig
 
 from ..conftest import NAN_STEP
 from ..shared import cached_audit
-from .curve_runs import audit_state, history
+from .curve_runs import audit_state, history, state_run
 from .dynamics_runs import (
     COLLAPSE_STEP,
     DEFAULT_SCALED_TENSOR,
@@ -283,3 +285,27 @@ def test_a_logged_global_norm_burst_warns_without_claiming_what_the_log_cannot_s
     assert (finding["severity"], finding["step"]) == ("warn", 200)
     assert "no per-tensor norms" in finding["message"] and "no single tensor" not in finding["message"]
     assert loop05(audit_state(tmp_path / "clean", history(loss, 2e-4, norm))) == []
+
+
+def test_an_isolated_global_norm_spike_is_told_once_by_loop27_naming_this_rule(tmp_path):
+    """One batch's spike in a Trainer log: LOOP-05's global rule and LOOP-27 both flag its step, and the verdict
+    tells the event once, by LOOP-27 (which gives the loss beside it), naming LOOP-05's rule and message. With
+    LOOP-27's rule disabled, LOOP-05's finding is told."""
+    n = 300
+    rng = np.random.default_rng(3)
+    loss = falling(n, 2.1, 0.4, noise=0.06, seed=3)
+    norm = 0.4 * np.exp(0.2 * rng.standard_normal(n))
+    norm[199] *= 30  # step 200, back down at step 201
+    entries = history(loss, 2e-4, norm)
+    verdict = audit_state(tmp_path / "spike", entries)
+    assert [(f["rule"], f["step"]) for f in verdict["findings"] if f["severity"] != "info"] == [("LOOP-27/spike", 200)]
+    [told] = [f for f in verdict["findings"] if f["rule"] == "LOOP-27/spike"]
+    [folded] = told["evidence"]["also_flagged_by"]
+    assert folded["rule"] == "LOOP-05/global-spike" and "at step 200 (1 step(s) flagged)" in folded["message"]
+    assert "spiked at step 200" in told["message"] and "(also flagged by LOOP-05/global-spike)" in render(
+        Rendering(verdict, tmp_path)
+    )
+    alone = audit(state_run(tmp_path / "alone", entries), AuditConfig(disabled=["LOOP-27/spike"]))
+    [finding] = [f for f in alone["findings"] if f["severity"] != "info"]
+    assert (finding["rule"], finding["step"]) == ("LOOP-05/global-spike", 200)
+    assert "also_flagged_by" not in finding["evidence"]
