@@ -353,10 +353,10 @@ def test_a_columnar_file_of_other_columns_or_claiming_more_rows_than_it_holds_is
     )
     pq.write_table(good, path, compression="snappy", use_dictionary=False)
     data = bytearray(path.read_bytes())
-    data[100:4000] = bytes(3900)  # the pages garbled, the footer sound
+    data[100:4000] = bytes(3900)  # the pages garbled, the footer sound: refused from its page headers, unread
     path.write_bytes(bytes(data))
     with pytest.raises(
-        InputError, match=r"metrics.parquet: not a readable Parquet file \([^\n]*\); sftaudit import"
+        InputError, match=r"metrics.parquet: [^\n]*the page header at byte [^\n]*; sftaudit import"
     ) as exc:
         ingest(run)
     assert "Traceback" not in str(exc.value)

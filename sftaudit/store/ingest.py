@@ -591,6 +591,11 @@ def _ingest_columnar(con: duckdb.DuckDBPyConnection, files: _RunFiles, rank: int
                     f"{path}: claims {rows} rows ({unpacked} bytes uncompressed) in {st.st_size} bytes "
                     f"(a decompression bomb, or not an import's); {again}"
                 )
+            # Its page headers agree with the footer just bounded, as a part's must (a reader allocates what a
+            # page header claims before it decompresses).
+            fault = page_header_fault(lambda offset, size: os.pread(fd, size, offset), table.metadata, st.st_size)
+            if fault:
+                raise InputError(f"{path}: {fault}; {again}")
             names = ", ".join(f'"{k}"' for k in columns)
             # One statement over a stream of batches (DuckDB pulls them a batch at a time): a statement per batch
             # costs twice the CPU of a million-row import, the log written ahead of the table once a batch.

@@ -142,6 +142,35 @@ def test_a_planted_columnar_metrics_file_claiming_more_rows_than_it_holds_is_ref
     _one_line(audit(run, "--no-report"), "metrics.parquet", f"claims {n} rows", "decompression bomb")
 
 
+def test_a_planted_columnar_metrics_file_whose_page_header_lies_is_refused_unread(tmp_path):
+    """An import's metrics.parquet whose footer is honest (20,000 rows in 170 KB) and whose first page of values
+    claims 1 GiB uncompressed, its payload a zstd frame of that many zeros (tests/page_bombs.py): refused from its
+    page headers in one line naming it, as a gradient part is; its honest twin is ingested."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sftaudit.core.artifacts import rank_dir
+
+    from ..page_bombs import lie_in_page_header
+
+    n = 20_000
+    table = pa.table(
+        {
+            "seg": pa.array(np.zeros(n, np.int32)),
+            "step": pa.array(np.arange(1, n + 1, dtype=np.int64)),
+            "name": pa.array(["eval_accuracy"] * n, pa.string()),
+            "value": pa.array(np.random.default_rng(0).random(n)),
+        }
+    )
+    honest, lying = recorded_run(tmp_path / "honest"), recorded_run(tmp_path / "lying")
+    for run in (honest, lying):
+        pq.write_table(table, rank_dir(run, 0) / "metrics.parquet", compression="zstd")
+    lie_in_page_header(rank_dir(lying, 0) / "metrics.parquet", 1 << 30, column="value", bomb=True)
+    _one_line(audit(lying, "--no-report"), "metrics.parquet", "claims 1073741824 bytes", "bomb")
+    assert audit(honest, "--no-report").returncode in (0, 1)
+
+
 def test_a_gradient_part_that_decompresses_to_far_more_than_the_shim_writes_is_refused_unread(tmp_path):
     """Four million identical rows, a few hundred KB compressed: far more rows than a part of four tensors holds
     (the shim rolls a part every million norms), so it is refused from its footer, never decompressed."""
