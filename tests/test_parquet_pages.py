@@ -84,6 +84,27 @@ def test_the_shims_part_passes_and_its_pages_fill_each_chunk(tmp_path):
     assert _norm_chunk_fault(part) == (None, 3)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5_000])
+def test_an_imports_metrics_file_as_the_import_writes_it_passes(tmp_path, rows):
+    """An import's ``metrics.parquet`` (polars' writer, its names an Enum of every name logged): a chunk of one
+    row still has a dictionary page of every name."""
+    import polars as pl
+
+    from sftaudit.imports.writer import _write_columnar
+
+    names = ["epoch", "eval_loss", "grad_norm", "learning_rate"]
+    table = pl.DataFrame(
+        {
+            "seg": pl.Series(np.zeros(rows, np.int32)),
+            "step": pl.Series(np.arange(1, rows + 1, dtype=np.int64)),
+            "name": pl.Series([names[i % 4] for i in range(rows)], dtype=pl.Enum(names)),
+            "value": pl.Series(np.linspace(0.1, 2.0, rows)),
+        }
+    )
+    _write_columnar(tmp_path, "metrics", table)
+    assert _fault(tmp_path / "metrics.parquet") is None
+
+
 def test_an_empty_part_passes(tmp_path):
     """No rows: each column chunk is empty, no page, at offset 0."""
     assert _fault(_part(tmp_path / "part.parquet", rows=0)) is None

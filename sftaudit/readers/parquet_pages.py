@@ -182,12 +182,15 @@ def chunk_fault(
         page_values = page.get(1) if isinstance(page, dict) else None
         if not (isinstance(unpacked_page, int) and isinstance(packed, int) and isinstance(page_values, int)):
             return f"the page header at byte {pos} lacks its type, sizes or values", pages
-        if not (0 <= packed <= end - pos - size and 0 <= page_values <= values):
+        # A dictionary may list more values than the chunk holds (an import's names are an Enum: every name, in a
+        # chunk of one row); no page unpacks to more than the whole chunk.
+        most_values = page_values if kind == _DICTIONARY_PAGE else values
+        if not (0 <= packed <= end - pos - size and 0 <= page_values <= most_values):
             return (
                 f"the page at byte {pos} claims {packed} bytes and {page_values} values, past its column chunk",
                 pages,
             )
-        bound = unpacked if value_bytes is None else page_values * (value_bytes + _LEVEL_BYTES_PER_VALUE)
+        bound = unpacked if value_bytes is None else min(unpacked, page_values * (value_bytes + _LEVEL_BYTES_PER_VALUE))
         if not 0 <= unpacked_page <= bound + _PAGE_SLACK_BYTES:
             return (
                 f"the page at byte {pos} claims {unpacked_page} bytes uncompressed for {page_values} values "
