@@ -369,3 +369,75 @@ def test_a_trainer_output_dir_whose_state_grows_is_followed(tmp_path, capsys):
         trainer.join()
     assert code == 1, out
     assert out.out.count("LOOP-25 fail step 25:") == 1  # the logged loss, judged as the Trainer logged it
+
+
+def test_a_burst_told_by_loop27_then_by_loop05_alone_is_posted_once(tmp_path, capsys):
+    """A gradient-norm burst in a Trainer log, seen as it starts: at the first poll LOOP-27 calls step 200 an
+    isolated spike (LOOP-05's global rule folded into it); once the norm stays up, LOOP-27 withdraws and LOOP-05's
+    finding of the same step stands alone. One event: posted once, LOOP-05's finding printed saying what told it.
+    The log grows when the first alert has arrived (not after a sleep): the watch sees both states."""
+    import numpy as np
+
+    from .checks.curve_runs import history
+    from .checks.logged_runs import falling
+
+    n = 230
+    loss = falling(n, 2.1, 0.4, noise=0.06, seed=3)
+    norm = 0.4 * np.exp(0.2 * np.random.default_rng(3).standard_normal(n))
+    norm[199:211] *= 30  # steps 200-211
+    run = tmp_path / "trainer-run"
+    run.mkdir()
+
+    def write(last: int) -> None:
+        state = {"global_step": last, "max_steps": n, "logging_steps": 1}
+        state["log_history"] = history(loss[:last], 2e-4, norm[:last])
+        (run / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")
+
+    def train(hook) -> None:
+        write(200)
+        deadline = time.monotonic() + 120
+        while not hook.bodies and time.monotonic() < deadline:
+            time.sleep(0.05)
+        write(n)
+
+    with Hook() as hook:
+        trainer = threading.Thread(target=train, args=(hook,))
+        trainer.start()
+        try:
+            code, out = watch(run, "--notify", hook.url, "--idle-timeout", "3", capsys=capsys)
+        finally:
+            trainer.join()
+    assert out.out.count("LOOP-27 warn step 200:") == 1
+    assert out.out.count("LOOP-05 warn step 200:") == 1 and "(the event LOOP-27/spike told above)" in out.out
+    assert [b["text"].split(":")[0] for b in hook.bodies] == ["sftaudit WARN LOOP-27 at step 200 of run trainer-run"]
+    assert code == 0 and "trainer-run: WARN" in out.out
+
+
+def test_a_finding_folded_into_one_printed_later_or_earlier_is_told_again_not_new(tmp_path):
+    """Both orders of one event across polls: LOOP-05's finding printed, then LOOP-27's with it folded in (told
+    again); LOOP-27's with LOOP-05 folded in, then LOOP-05's alone (told again). A finding at another step, or of a
+    higher severity than the one printed, is new."""
+    import argparse
+
+    def finding(code, severity, step, folded=()):
+        rule = {"LOOP-05": "LOOP-05/global-spike", "LOOP-27": "LOOP-27/spike"}[code]
+        also = {"also_flagged_by": [{"rule": r, "message": "m"} for r in folded]} if folded else {}
+        return {"code": code, "rule": rule, "severity": severity, "step": step, "checkpoint": None, "evidence": also}
+
+    def polls(*verdicts):
+        w = Watch(argparse.Namespace(run_dir=tmp_path, exit_on=None), None, None)
+        out = []
+        for findings in verdicts:
+            new, retold = w._new({"findings": findings}, ended=False)
+            out.append(([(f["code"], f["step"]) for f in new], [(f["code"], first) for f, first in retold]))
+        return out
+
+    forward = polls([finding("LOOP-05", "warn", 200)], [finding("LOOP-27", "warn", 200, ["LOOP-05/global-spike"])])
+    assert forward == [([("LOOP-05", 200)], []), ([], [("LOOP-27", "LOOP-05/global-spike")])]
+    reverse = polls([finding("LOOP-27", "warn", 200, ["LOOP-05/global-spike"])], [finding("LOOP-05", "warn", 200)])
+    assert reverse == [([("LOOP-27", 200)], []), ([], [("LOOP-05", "LOOP-27/spike")])]
+    other = polls(
+        [finding("LOOP-27", "warn", 200, ["LOOP-05/global-spike"])],
+        [finding("LOOP-05", "warn", 300), finding("LOOP-05", "fail", 200)],
+    )
+    assert other == [([("LOOP-27", 200)], []), ([("LOOP-05", 300), ("LOOP-05", 200)], [])]

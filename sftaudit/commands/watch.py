@@ -3,7 +3,8 @@
 Every `--interval` seconds or more (`CpuBudget`) the run goes through the audit's one entry point
 (`sftaudit.verdict.audit.audited`: import a Trainer output again, ingest what is new, judge again only when the
 database changed). A finding is new the first time its (code, severity, step, checkpoint) is seen: it is printed
-then, posted to `--notify` when it is a warn or fail, and annotated with `--github`. LOOP-24 (the run ended before
+then, posted to `--notify` when it is a warn or fail, and annotated with `--github`; one that tells again an event
+printed before (a finding folded into it, or it into one: `also_flagged_by`) is printed saying so, not posted. LOOP-24 (the run ended before
 its plan) is held back while the run trains: a run that has not ended has not stopped early. The watch ends at the
 first blocking finding (`--exit-on`), when the run's close record appears, or when nothing new came for
 `--idle-timeout` seconds.
@@ -104,6 +105,7 @@ class Watch:
         self.run_dir: Path = args.run_dir
         self.blocking = ("fail", "warn") if args.exit_on == "warn" else ("fail",)
         self.seen: set[tuple] = set()
+        self.told: dict[tuple, str] = {}  # the key of a finding folded into one printed -> that one's rule
         self.annotated = {"error": 0, "warning": 0}
         self.unannotated: dict[str, list[str]] = {"error": [], "warning": []}
         self.stop_written = False
@@ -132,8 +134,8 @@ class Watch:
                 last_news = polled
             idle = self.args.idle_timeout and time.monotonic() - last_news >= self.args.idle_timeout
             if verdict is not None:
-                new = self._new(verdict, ended=bool(end or idle))
-                self._report(verdict, new)
+                new, retold = self._new(verdict, ended=bool(end or idle))
+                self._report(verdict, new, retold)
                 if any(f["severity"] in self.blocking for f in new) and self.args.exit_on:
                     first = next(f for f in new if f["severity"] in self.blocking)
                     say(f"{shown(verdict['run'])}: stopped watching at the first {first['severity']} ({first['code']})")
@@ -177,20 +179,41 @@ class Watch:
                 con.close()
             return done.verdict, any(done.added.values()), end
 
-    def _new(self, verdict: dict[str, Any], ended: bool) -> list[dict[str, Any]]:
-        new = []
+    def _new(self, verdict: dict[str, Any], ended: bool) -> tuple[list[dict[str, Any]], list[tuple[dict, str]]]:
+        """The findings first seen at this poll: those of a new event, and those that tell again, at the same
+        severity, an event a finding printed at an earlier poll told, with what told it. A spike LOOP-05 flags is
+        folded into LOOP-27's finding of it (`also_flagged_by`) while LOOP-27 calls it isolated: LOOP-27's finding
+        may come a poll after LOOP-05's, or give way to it when the norm stays up."""
+        new, retold = [], []
         for f in verdict["findings"]:
             key = finding_key(f)
             if key in self.seen or (f["code"] in JUDGED_AT_END and not ended):
                 continue
             self.seen.add(key)
-            new.append(f)
-        return new
+            folded = {
+                (x["rule"].split("/")[0], f["severity"], f["step"], f.get("checkpoint")): x["rule"]
+                for x in f["evidence"].get("also_flagged_by") or []
+            }
+            first = [rule for k, rule in folded.items() if k in self.seen]
+            if not first and key in self.told:
+                first = [self.told[key]]
+            if first:
+                retold.append((f, ", ".join(first)))
+            else:
+                new.append(f)
+            self.told.update(dict.fromkeys(folded, f["rule"]))
+        return new, retold
 
-    def _report(self, verdict: dict[str, Any], new: list[dict[str, Any]]) -> None:
-        if not new:
+    def _report(self, verdict: dict[str, Any], new: list[dict[str, Any]], retold: list[tuple[dict, str]]) -> None:
+        """Print each new finding (post and annotate its warn or fail); print a retold one with what told it
+        first, and nothing more: its event was posted, annotated and acted on then."""
+        if not new and not retold:
             return
         lines = [f"{f['code']} {f['severity']:<4} {_where(f)}: {shown(f['message'])}" for f in new]
+        lines += [
+            f"{f['code']} {f['severity']:<4} {_where(f)}: {shown(f['message'])} (the event {first} told above)"
+            for f, first in retold
+        ]
         if self.args.github:
             from ..outputs import github
 
