@@ -4,10 +4,10 @@ Every `--interval` seconds or more (`CpuBudget`) the run goes through the audit'
 (`sftaudit.verdict.audit.audited`: import a Trainer output again, ingest what is new, judge again only when the
 database changed). A finding is new the first time its (code, severity, step, checkpoint) is seen: it is printed
 then, posted to `--notify` when it is a warn or fail, and annotated with `--github`; one that tells again an event
-printed before (a finding folded into it, or it into one: `also_flagged_by`) is printed saying so, not posted. LOOP-24 (the run ended before
-its plan) is held back while the run trains: a run that has not ended has not stopped early. The watch ends at the
-first blocking finding (`--exit-on`), when the run's close record appears, or when nothing new came for
-`--idle-timeout` seconds.
+printed before (a finding folded into it, or it into one: `also_flagged_by`) is printed saying so, not posted.
+LOOP-24 (the run ended before its plan) is held back while the run trains: a run that has not ended has not stopped
+early. The watch ends at the first blocking finding (`--exit-on`), when the run's close record appears, or when
+nothing new came for `--idle-timeout` seconds.
 
 A poll still costs time in proportion to the run's length (the checks of the per-step log judge it whole), so
 the watch paces itself (`CpuBudget`): over any stretch of time it takes at most `--max-cpu` of a core, plus a

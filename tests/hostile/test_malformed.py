@@ -151,6 +151,7 @@ def test_a_planted_columnar_metrics_file_whose_page_header_lies_is_refused_unrea
     import pyarrow.parquet as pq
 
     from sftaudit.core.artifacts import rank_dir
+    from sftaudit.store.rundb import connect
 
     from ..page_bombs import lie_in_page_header
 
@@ -168,7 +169,13 @@ def test_a_planted_columnar_metrics_file_whose_page_header_lies_is_refused_unrea
         pq.write_table(table, rank_dir(run, 0) / "metrics.parquet", compression="zstd")
     lie_in_page_header(rank_dir(lying, 0) / "metrics.parquet", 1 << 30, column="value", bomb=True)
     _one_line(audit(lying, "--no-report"), "metrics.parquet", "claims 1073741824 bytes", "bomb")
-    assert audit(honest, "--no-report").returncode in (0, 1)
+    done = audit(honest, "--no-report")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    con = connect(honest, read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM metrics WHERE name = 'eval_accuracy'").fetchone()[0] == n
+    finally:
+        con.close()
 
 
 def test_a_gradient_part_that_decompresses_to_far_more_than_the_shim_writes_is_refused_unread(tmp_path):
